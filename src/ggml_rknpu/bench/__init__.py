@@ -1,0 +1,1 @@
+"""Rig check, matmul and model benchmarks, reports with plots, the board selftest."""

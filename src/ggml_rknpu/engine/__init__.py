@@ -1,0 +1,1 @@
+"""Resident weights and matmul through the real submit path (the public API)."""

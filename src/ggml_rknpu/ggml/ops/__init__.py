@@ -1,0 +1,1 @@
+"""Host ops in numpy, one module per op family."""

@@ -1,0 +1,1 @@
+"""Optional second engine over Rockchip's closed librknnrt ``rknn_matmul_api``."""
