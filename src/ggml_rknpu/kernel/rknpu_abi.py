@@ -1,0 +1,221 @@
+"""The vendor ``rknpu`` DRM driver's UAPI: structs, flags, actions, request numbers.
+
+Field order and widths follow the vendor ``rknpu_ioctl.h`` as tabulated in
+npu-programming.md §4 [VEND]; sizes and offsets are asserted in tests against that table.
+Two ABI generations exist:
+
+- ``rknpu_submit`` 0.9.6: ``u64 regcfg_obj_addr`` at 32 and ``u64 user_data`` at 48;
+  0.9.8: ``u32 iommu_domain_id; u32 reserved`` at 32 and ``s64 hw_elapse_time`` at 48
+  [VEND 0.9.6 vs 0.9.8 headers]. Both are 104 bytes, so the request number is the same.
+- ``rknpu_mem_create`` 40 bytes (no iommu_domain_id) or 48 bytes (``s32 iommu_domain_id;
+  u32 reserved`` appended). Different request numbers; DRM zero-fills/truncates the size
+  difference [npu-programming.md §4].
+"""
+
+from __future__ import annotations
+
+import ctypes
+from enum import IntEnum, IntFlag
+
+from ggml_rknpu.kernel.drm import DRM_COMMAND_BASE, DRM_IOWR
+
+u32, s32, u64, s64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64
+
+DRIVER_NAME = "rknpu"  # [VEND rknpu_drv.h] DRM_IOCTL_VERSION name
+
+
+class MemFlag(IntFlag):
+    """RKNPU_MEM_* [VEND rknpu_ioctl.h; npu-programming.md §4]. CONTIGUOUS is the value 0."""
+
+    NON_CONTIGUOUS = 1 << 0
+    CACHEABLE = 1 << 1
+    WRITE_COMBINE = 1 << 2
+    KERNEL_MAPPING = 1 << 3
+    IOMMU = 1 << 4
+    ZEROING = 1 << 5
+    SECURE = 1 << 6
+    DMA32 = 1 << 7  # 0.9.x meaning; the older header calls this bit NON_DMA32
+    TRY_ALLOC_SRAM = 1 << 8
+    TRY_ALLOC_NBUF = 1 << 9
+    IOMMU_LIMIT_IOVA_ALIGNMENT = 1 << 10
+
+
+# What the RKNN runtime 2.3.0 on driver 0.9.8 asks for [capture pw_c256_h14 ioctl log:
+# task BO flags=0x40b, every other BO flags=0x403].
+TASK_BO_FLAGS = MemFlag.NON_CONTIGUOUS | MemFlag.CACHEABLE | MemFlag.KERNEL_MAPPING | MemFlag.IOMMU_LIMIT_IOVA_ALIGNMENT
+DATA_BO_FLAGS = MemFlag.NON_CONTIGUOUS | MemFlag.CACHEABLE | MemFlag.IOMMU_LIMIT_IOVA_ALIGNMENT
+
+
+class SyncFlag(IntFlag):
+    """RKNPU_MEM_SYNC_* [VEND]."""
+
+    TO_DEVICE = 1
+    FROM_DEVICE = 2
+
+
+class JobFlag(IntFlag):
+    """RKNPU_JOB_* [VEND]; BLOCK/SLAVE is the value 0."""
+
+    PC = 1
+    NONBLOCK = 2
+    PINGPONG = 4
+    FENCE_IN = 8
+    FENCE_OUT = 16
+
+
+class Action(IntEnum):
+    """RKNPU_GET_*/SET_*/ACT_* action codes [VEND rknpu_ioctl.h; npu-programming.md §4].
+    (AB's Python uses ACT_RESET=1, which is wrong.)"""
+
+    GET_HW_VERSION = 0
+    GET_DRV_VERSION = 1
+    GET_FREQ = 2
+    SET_FREQ = 3
+    GET_VOLT = 4
+    SET_VOLT = 5
+    ACT_RESET = 6
+    GET_BW_PRIORITY = 7
+    SET_BW_PRIORITY = 8
+    GET_BW_EXPECT = 9
+    SET_BW_EXPECT = 10
+    GET_BW_TW = 11
+    SET_BW_TW = 12
+    ACT_CLR_TOTAL_RW_AMOUNT = 13
+    GET_DT_WR_AMOUNT = 14
+    GET_DT_RD_AMOUNT = 15
+    GET_WT_RD_AMOUNT = 16
+    GET_TOTAL_RW_AMOUNT = 17
+    GET_IOMMU_EN = 18
+    SET_PROC_NICE = 19
+    POWER_ON = 20
+    POWER_OFF = 21
+    GET_TOTAL_SRAM_SIZE = 22
+    GET_FREE_SRAM_SIZE = 23
+    GET_IOMMU_DOMAIN_ID = 24
+    SET_IOMMU_DOMAIN_ID = 25
+
+
+# [VEND rk3588_rknpu_config; npu-programming.md §4]
+MAX_SUBMIT_TASKS = 4095  # pc_task_number_bits = 12
+PC_TASK_NUMBER_MASK = 0xFFF
+PC_DATA_AMOUNT_SCALE = 2
+PC_DATA_EXTRA_AMOUNT = 4  # RKNPU_PC_DATA_EXTRA_AMOUNT: the 4-word tail the kernel adds
+CORE_MASK_ALL = 0x7
+N_SUBCORE_TASKS = 5
+
+
+class rknpu_action(ctypes.Structure):
+    _fields_ = [("flags", u32), ("value", u32)]
+
+
+class rknpu_subcore_task(ctypes.Structure):
+    _fields_ = [("task_start", u32), ("task_number", u32)]
+
+
+class rknpu_submit_v096(ctypes.Structure):
+    """0.9.6-era submit [VEND orangepi 0.9.6 rknpu_ioctl.h]."""
+
+    _fields_ = [
+        ("flags", u32), ("timeout", u32), ("task_start", u32), ("task_number", u32),
+        ("task_counter", u32), ("priority", s32), ("task_obj_addr", u64),
+        ("regcfg_obj_addr", u64), ("task_base_addr", u64), ("user_data", u64),
+        ("core_mask", u32), ("fence_fd", s32),
+        ("subcore_task", rknpu_subcore_task * N_SUBCORE_TASKS),
+    ]
+
+
+class rknpu_submit_v098(ctypes.Structure):
+    """0.9.8 submit: iommu domain id and the hardware elapsed time [VEND 0.9.8 rknpu_ioctl.h]."""
+
+    _fields_ = [
+        ("flags", u32), ("timeout", u32), ("task_start", u32), ("task_number", u32),
+        ("task_counter", u32), ("priority", s32), ("task_obj_addr", u64),
+        ("iommu_domain_id", u32), ("reserved", u32), ("task_base_addr", u64),
+        ("hw_elapse_time", s64), ("core_mask", u32), ("fence_fd", s32),
+        ("subcore_task", rknpu_subcore_task * N_SUBCORE_TASKS),
+    ]
+
+
+class rknpu_mem_create_v40(ctypes.Structure):
+    """40-byte mem_create (older callers; MESA's intercept.c matches 0xc0286442)."""
+
+    _fields_ = [
+        ("handle", u32), ("flags", u32), ("size", u64), ("obj_addr", u64),
+        ("dma_addr", u64), ("sram_size", u64),
+    ]
+
+
+class rknpu_mem_create_v48(ctypes.Structure):
+    """48-byte mem_create with the 0.9.x iommu_domain_id [VEND]."""
+
+    _fields_ = [
+        ("handle", u32), ("flags", u32), ("size", u64), ("obj_addr", u64),
+        ("dma_addr", u64), ("sram_size", u64), ("iommu_domain_id", s32), ("reserved", u32),
+    ]
+
+
+class rknpu_mem_map(ctypes.Structure):
+    _fields_ = [("handle", u32), ("reserved", u32), ("offset", u64)]
+
+
+class rknpu_mem_destroy(ctypes.Structure):
+    _fields_ = [("handle", u32), ("reserved", u32), ("obj_addr", u64)]
+
+
+class rknpu_mem_sync(ctypes.Structure):
+    _fields_ = [("flags", u32), ("reserved", u32), ("obj_addr", u64), ("offset", u64), ("size", u64)]
+
+
+class rknpu_task(ctypes.Structure):
+    """One task descriptor in the kernel-mapped task BO; ``__packed`` in the header, 40 B."""
+
+    _pack_ = 1
+    _fields_ = [
+        ("flags", u32), ("op_idx", u32), ("enable_mask", u32), ("int_mask", u32),
+        ("int_clear", u32), ("int_status", u32), ("regcfg_amount", u32),
+        ("regcfg_offset", u32), ("regcmd_addr", u64),
+    ]
+
+
+class Nr(IntEnum):
+    """Driver-private ioctl numbers (added to DRM_COMMAND_BASE) [VEND]."""
+
+    ACTION = 0x00
+    SUBMIT = 0x01
+    MEM_CREATE = 0x02
+    MEM_MAP = 0x03
+    MEM_DESTROY = 0x04
+    MEM_SYNC = 0x05
+
+
+DRM_IOCTL_RKNPU_ACTION = DRM_IOWR(DRM_COMMAND_BASE + Nr.ACTION, rknpu_action)
+DRM_IOCTL_RKNPU_SUBMIT = DRM_IOWR(DRM_COMMAND_BASE + Nr.SUBMIT, rknpu_submit_v098)
+DRM_IOCTL_RKNPU_MEM_CREATE_40 = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_CREATE, rknpu_mem_create_v40)
+DRM_IOCTL_RKNPU_MEM_CREATE_48 = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_CREATE, rknpu_mem_create_v48)
+DRM_IOCTL_RKNPU_MEM_MAP = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_MAP, rknpu_mem_map)
+DRM_IOCTL_RKNPU_MEM_DESTROY = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_DESTROY, rknpu_mem_destroy)
+DRM_IOCTL_RKNPU_MEM_SYNC = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_SYNC, rknpu_mem_sync)
+
+
+def encode_drv_version(major: int, minor: int, patch: int) -> int:
+    """GET_DRV_VERSION value: MAJOR*10000 + MINOR*100 + PATCH [npu-programming.md §4]."""
+    return major * 10000 + minor * 100 + patch
+
+
+def decode_drv_version(value: int) -> tuple[int, int, int]:
+    return value // 10000, (value // 100) % 100, value % 100
+
+
+# The ABI generation boundary. Both submit variants are verified against the 0.9.6 and
+# 0.9.8 headers; where exactly between them it changed (0.9.7?) is not known - a guess
+# that only matters for a 0.9.7 kernel, which we have never seen.
+NEW_ABI_VERSION = (0, 9, 8)
+
+
+def submit_struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:
+    return rknpu_submit_v098 if version >= NEW_ABI_VERSION else rknpu_submit_v096
+
+
+def mem_create_struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:
+    # *inference*: the 48-byte mem_create arrived with the iommu_domain_id of 0.9.8's submit.
+    return rknpu_mem_create_v48 if version >= NEW_ABI_VERSION else rknpu_mem_create_v40

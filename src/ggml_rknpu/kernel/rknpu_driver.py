@@ -1,0 +1,125 @@
+"""``RknpuDriver``: the vendor rknpu DRM driver as typed Python callables, one per ioctl.
+
+Identical on a board (``HostSyscalls``) and in tests (``SimKernel``): it only packs
+structs, calls ``sys.ioctl`` and unpacks. The struct generation (0.9.6 vs 0.9.8 submit,
+40- vs 48-byte mem_create) is chosen from the driver version the device reports via
+ACTION GET_DRV_VERSION [npu-programming.md §4].
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+from dataclasses import dataclass
+
+from ggml_rknpu.kernel import rknpu_abi as abi
+from ggml_rknpu.kernel.drm import DrmVersion, query_version
+from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.syscalls import Syscalls
+
+_HINTS: dict[tuple[str, int], str] = {
+    ("SUBMIT", errno.ETIMEDOUT): "the NPU never raised the last task's int_mask; read dmesg "
+    "('invalid irq status' / 'job timeout') and check int_mask pairs and the regcmd tails",
+    ("SUBMIT", errno.EINVAL): "flags must include RKNPU_JOB_PC, task_number must be > 0 and the "
+    "task BO must be a KERNEL_MAPPING object of this fd",
+    ("MEM_CREATE", errno.ENOMEM): "NPU memory or IOVA space is exhausted; free buffers first",
+    ("MEM_SYNC", errno.EINVAL): "MEM_SYNC only works on CACHEABLE buffers and inside the buffer",
+}
+
+
+@dataclass(frozen=True)
+class RknpuMem:
+    handle: int
+    flags: int
+    size: int  # page aligned, as returned by the kernel
+    obj_addr: int  # kernel object pointer: the id SUBMIT/MEM_SYNC/MEM_DESTROY take
+    dma_addr: int  # NPU IOVA
+    sram_size: int
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    task_counter: int
+    hw_elapse_time: int | None  # ns as the 0.9.8 driver reports it; None on the 0.9.6 ABI
+
+
+class RknpuDriver:
+    def __init__(self, sys: Syscalls, fd: int) -> None:
+        self.sys, self.fd = sys, fd
+        self.drm: DrmVersion = query_version(sys, fd)
+        if self.drm.name != abi.DRIVER_NAME:
+            raise NpuError(f"DRM driver is {self.drm.name!r}, not {abi.DRIVER_NAME!r}; open the rknpu render node")
+        self.version: tuple[int, int, int] = abi.decode_drv_version(self.action(abi.Action.GET_DRV_VERSION))
+        self.submit_struct = abi.submit_struct_for(self.version)
+        self.mem_create_struct = abi.mem_create_struct_for(self.version)
+        self._mem_create_request = (
+            abi.DRM_IOCTL_RKNPU_MEM_CREATE_48
+            if self.mem_create_struct is abi.rknpu_mem_create_v48
+            else abi.DRM_IOCTL_RKNPU_MEM_CREATE_40
+        )
+
+    def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
+        arg = bytearray(bytes(struct))
+        try:
+            self.sys.ioctl(self.fd, request, arg)
+        except OSError as exc:
+            err = NpuError.from_oserror(f"RKNPU {name}", exc)
+            hint = _HINTS.get((name, exc.errno or 0))
+            if hint and hint not in str(err):
+                err.args = (f"{err.args[0]} ({hint})",)
+            raise err from exc
+        return type(struct).from_buffer_copy(arg)
+
+    def action(self, action: abi.Action, value: int = 0) -> int:
+        out = self._call("ACTION", abi.DRM_IOCTL_RKNPU_ACTION, abi.rknpu_action(flags=int(action), value=value & 0xFFFFFFFF))
+        return out.value
+
+    def mem_create(self, size: int, flags: int, iommu_domain_id: int = 0) -> RknpuMem:
+        req = self.mem_create_struct(size=size, flags=int(flags))
+        if hasattr(req, "iommu_domain_id"):
+            req.iommu_domain_id = iommu_domain_id
+        out = self._call("MEM_CREATE", self._mem_create_request, req)
+        return RknpuMem(out.handle, int(flags), out.size, out.obj_addr, out.dma_addr, out.sram_size)
+
+    def mem_map(self, handle: int) -> int:
+        """The fake mmap offset of ``handle`` on this fd."""
+        return self._call("MEM_MAP", abi.DRM_IOCTL_RKNPU_MEM_MAP, abi.rknpu_mem_map(handle=handle)).offset
+
+    def mem_destroy(self, handle: int, obj_addr: int) -> None:
+        self._call("MEM_DESTROY", abi.DRM_IOCTL_RKNPU_MEM_DESTROY, abi.rknpu_mem_destroy(handle=handle, obj_addr=obj_addr))
+
+    def mem_sync(self, obj_addr: int, offset: int, size: int, flags: abi.SyncFlag) -> None:
+        self._call(
+            "MEM_SYNC", abi.DRM_IOCTL_RKNPU_MEM_SYNC,
+            abi.rknpu_mem_sync(flags=int(flags), obj_addr=obj_addr, offset=offset, size=size),
+        )
+
+    def mmap(self, offset: int, length: int) -> memoryview:
+        return self.sys.mmap(self.fd, length, offset)
+
+    def submit(
+        self,
+        *,
+        task_obj_addr: int,
+        task_number: int,
+        flags: int = abi.JobFlag.PC,
+        timeout_ms: int = 6000,
+        task_start: int = 0,
+        core_mask: int = 0,
+        subcore_tasks: tuple[tuple[int, int], ...] = (),
+        task_base_addr: int = 0,
+        priority: int = 0,
+    ) -> SubmitResult:
+        """One blocking SUBMIT. ``subcore_tasks`` fills ``subcore_task[0..]`` as (start, number)."""
+        s = self.submit_struct(
+            flags=int(flags), timeout=timeout_ms, task_start=task_start, task_number=task_number,
+            priority=priority, task_obj_addr=task_obj_addr, task_base_addr=task_base_addr,
+            core_mask=core_mask, fence_fd=-1,
+        )
+        if len(subcore_tasks) > abi.N_SUBCORE_TASKS:
+            raise ValueError(f"at most {abi.N_SUBCORE_TASKS} subcore_task entries")
+        for i, (start, number) in enumerate(subcore_tasks):
+            s.subcore_task[i].task_start, s.subcore_task[i].task_number = start, number
+        out = self._call("SUBMIT", abi.DRM_IOCTL_RKNPU_SUBMIT, s)
+        elapsed = out.hw_elapse_time if hasattr(out, "hw_elapse_time") else None
+        return SubmitResult(task_counter=out.task_counter, hw_elapse_time=elapsed)
