@@ -1,0 +1,60 @@
+"""Measured matmul throughputs on RK3588 boards that the cost model is calibrated on.
+
+Copied from ``reference/anchors.md`` and the seed log (code under ``src/`` never reads
+``../shared``). These are other people's *measured* figures; what our model says about the
+same shapes is *modeled*.
+
+Reading of the seed's figures (Milestones 7 and 8, via ``rknn_matmul_api``):
+* one core: the runtime's default core mask (AUTO) runs a matmul on one core, and the int8
+  M=512 figure (1391 GOP/s) lies below one core's 2048 GOP/s peak;
+* N=2048 for the M=256/512 rows and for Milestone 8 is inferred from the same [2048x2048]
+  weight used in Milestones 9-11 (the table itself states only K=2048);
+* DRAM clock: Milestone 15 says Milestones 7/10/13/14 ran with DRAM parked at 528 MHz, but
+  the GEMV rows stream 8.1-10.9 GB/s, above the 8.45 GB/s nominal at 528 MHz, and equal to
+  one core's 10.9 GB/s stream at full DRAM clock [anchors.md §3.2]. We therefore read these
+  rows as taken at 2112 MHz (the DMC governor ramps under load) and say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ggml_rknpu.cost.model import OWN_DRIVER, RKNN_RUNTIME, SubmitProfile
+
+
+@dataclass(frozen=True)
+class Anchor:
+    label: str
+    M: int
+    K: int
+    N: int
+    dtype: str
+    cores: int
+    measured_gflops: float
+    profile: SubmitProfile
+    source: str
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.K * self.N
+
+
+_M7 = "seed Milestone 7 (rknn_matmul_api, fp16, weight pre-loaded, K=2048)"
+_M8 = "seed Milestone 8 (rknn_matmul_api, rknpu_bench_q.c)"
+
+ANCHORS: tuple[Anchor, ...] = (
+    Anchor("decode GEMV", 1, 2048, 2048, "fp16", 1, 8.1, RKNN_RUNTIME, _M7),
+    Anchor("decode GEMV (ffn)", 1, 2048, 5504, "fp16", 1, 9.0, RKNN_RUNTIME, _M7),
+    Anchor("decode GEMV (lm_head)", 1, 2048, 32000, "fp16", 1, 10.9, RKNN_RUNTIME, _M7),
+    Anchor("prefill GEMM", 256, 2048, 2048, "fp16", 1, 442, RKNN_RUNTIME, _M7),
+    Anchor("prefill GEMM", 512, 2048, 2048, "fp16", 1, 548, RKNN_RUNTIME, _M7),
+    Anchor("fp16 GEMV", 1, 2048, 2048, "fp16", 1, 7.7, RKNN_RUNTIME, _M8),
+    Anchor("fp16 GEMM", 512, 2048, 2048, "fp16", 1, 534, RKNN_RUNTIME, _M8),
+    Anchor("int8 GEMV", 1, 2048, 2048, "int8", 1, 12.6, RKNN_RUNTIME, _M8),
+    Anchor("int8 GEMM", 512, 2048, 2048, "int8", 1, 1391, RKNN_RUNTIME, _M8),
+    Anchor("best fp16 GEMM, 3 cores", 64, 1024, 3 * 8192, "fp16", 3, 1739, OWN_DRIVER,
+           "anchors.md A7 (allbilly/qwen3.c own regcmd kernels, submit interval only)"),
+)
+
+ANCHOR_TOLERANCE = 0.30
+# The model reproduces every anchor's GFLOP/s within +-30% (worst: the 3-core GEMM, -25%).

@@ -1,0 +1,246 @@
+"""The time a matmul program would take on RK3588 silicon: a *modeled* figure, never a
+measured one.
+
+WHY a separate model: the simulator executes register words for their function only; how
+long the same words would run on a board is a different question, answered here from the
+published and measured figures in ``reference/anchors.md`` and the seed log. Every constant
+below cites its source; constants marked FIT were chosen so that ``ANCHORS`` (the measured
+figures, in ``cost/anchors.py``) are reproduced, and ``tests/test_cost_model.py`` shows the
+fit and its tolerance. Every figure this module produces must be printed as *modeled*.
+
+The model, per task (one CNA+CORE+DPU run of a 1x1 convolution):
+
+* compute = ceil(m / 16) * 16 * Kp * Np / MAC-per-cycle / f_npu. The MAC array works on
+  16 output pixels per weight load, so M is padded to 16 per task (Rockchip's own compiler
+  cost model gives M=1 exactly 1/16 of the MAC rate [rknn-toolkit.md §1.7]); K is padded
+  to 32 and N to the kernel group [npu-programming.md §6, §7].
+* memory = (weights + A + C bytes of the task) / per-core bandwidth, where the per-core
+  bandwidth is the smaller of one core's DMA stream and an equal share of the DRAM stream
+  among the cores the job uses. Weights are re-streamed by every task (total weights exceed
+  CBUF and stream through it [npu-programming.md §7 "CBUF banks"]).
+* task time = max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + TASK_OVERHEAD.
+* a core's time is the sum of its tasks; a job's time is the slowest core plus the
+  per-submit overhead of the submit path (``SubmitProfile``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# --- hardware rates -------------------------------------------------------------------
+MACS_PER_CYCLE_PER_CORE = {"fp16": 512, "int8": 1024}
+# [anchors.md A1 / §3.1: 1024 INT8 MAC/cycle/core; TRM NPU chapter; rknn-toolkit.md §1.7:
+#  Rockchip's compiler cost model implies 512 fp16 and 1024 int8 MAC/cycle]
+IN_BYTES = {"fp16": 2, "int8": 1}
+KERNEL_GROUP = {"fp16": 16, "int8": 32}  # N padding [npu-programming.md §6 B layouts]
+K_ALIGN = 32  # [npu-programming.md §6: K padded to 32]
+M_ATOM = 16  # M padded to 16 per task [rknn-toolkit.md §1.7: M=1 runs at 1/16 of the MAC rate]
+
+DRAM_BYTES_PER_TRANSFER = 8  # 4 x 16-bit LPDDR4x channels [anchors.md A3]
+DRAM_TRANSFERS_PER_CLOCK = 2  # double data rate: 2112 MHz -> 33.8 GB/s nominal [anchors.md A3]
+NPU_DRAM_EFFICIENCY = 30.9 / 33.792
+# [anchors.md A3/§3.2: NPU fp16 GEMV weight stream on 3 cores 30.9 GB/s of 33.8 nominal]
+CORE_STREAM_BYTES_PER_CYCLE = 10.9
+# [anchors.md §3.2: NPU fp16 GEMV weight stream on 1 core 10.9 GB/s at the 1 GHz NPU clock
+#  (allbilly/qwen3.c)]. GUESS: a core's DMA rate scales with the NPU clock.
+
+# --- fitted and derived overheads -----------------------------------------------------
+OVERLAP_PENALTY = 0.5
+# FIT: the share of the shorter of compute and memory that does not overlap the longer one.
+# Fitted (0.3..0.7 scanned in steps of 0.1) to ANCHORS: 0.5 minimises the worst error,
+# which is 25% (the 3-core 1739 GFLOP/s GEMM, under-predicted by the model).
+TASK_OVERHEAD_CYCLES = 2000
+# GUESS: regcmd fetch of ~110 words plus CNA/DPU pipeline fill and drain, ~2 us at 1 GHz.
+# No published figure; the anchors have few tasks and move by < 1% if it is set to 0.
+
+
+@dataclass(frozen=True)
+class SubmitProfile:
+    """Fixed cost of one submit on a given software path (ioctl, IRQ, wake-up, runtime)."""
+
+    name: str
+    per_submit_s: float
+    source: str
+
+
+OWN_DRIVER = SubmitProfile(
+    "own-regcmd",
+    79e-6,
+    "derived from anchors.md A6/§3.5 (allbilly/qwen3.c): Qwen3-0.6B fp16 decode 20.85 tok/s "
+    "= 48.0 ms/token at 80.3% of a 30.9 GB/s stream (38.5 ms of streaming); the other "
+    "9.4 ms over 119 submits/token is 79 us per submit (host work included: an upper bound)",
+)
+RKNN_RUNTIME = SubmitProfile(
+    "librknnrt rknn_matmul_run",
+    250e-6,
+    "FIT: intercept of the seed's Milestone 7 GEMV times (M=1, K=2048, N=2048/5504/32000 at "
+    "1.04/2.50/12.0 ms) against weight bytes; one call of the closed runtime",
+)
+
+
+@dataclass(frozen=True)
+class TaskWork:
+    """What one hardware task does, as the cost model needs it.
+
+    ``m`` output pixels (matmul rows), ``k`` input channels as fetched (padded to 32),
+    ``n`` kernels (output channels), ``in_dtype`` "fp16" | "int8", ``out_bytes`` per output
+    element (4 for fp32/int32, 2 for fp16)."""
+
+    core: int
+    m: int
+    k: int
+    n: int
+    in_dtype: str
+    out_bytes: int
+
+    def macs_padded(self) -> int:
+        group = KERNEL_GROUP[self.in_dtype]
+        n_pad = -(-self.n // group) * group
+        k_pad = -(-self.k // K_ALIGN) * K_ALIGN
+        return math.ceil(self.m / M_ATOM) * M_ATOM * k_pad * n_pad
+
+    def bytes_moved(self) -> int:
+        b = IN_BYTES[self.in_dtype]
+        k_pad = -(-self.k // K_ALIGN) * K_ALIGN
+        return k_pad * self.n * b + self.m * k_pad * b + self.m * self.n * self.out_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A Program-like description: the tasks of one submit (any cores)."""
+
+    tasks: tuple[TaskWork, ...]
+    submits: int = 1
+
+
+@dataclass(frozen=True)
+class ModeledTime:
+    """Modeled seconds. ``total_s`` is not the sum of the parts: per task, compute and
+    memory overlap (see the module docstring). ``compute_s`` and ``memory_s`` are those of
+    the slowest core; ``overhead_s`` is that core's task overheads plus the submit cost."""
+
+    total_s: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    label: str = field(default="modeled", init=False)
+
+    def gflops(self, flops: float) -> float:
+        return flops / self.total_s / 1e9
+
+    def __str__(self) -> str:
+        return (f"{self.total_s * 1e3:.3f} ms (modeled: compute {self.compute_s * 1e3:.3f} ms, "
+                f"memory {self.memory_s * 1e3:.3f} ms, overhead {self.overhead_s * 1e3:.3f} ms)")
+
+
+def dram_bandwidth(dram_mhz: float) -> float:
+    """Bytes/s the NPU can stream from DRAM at a DRAM clock (nominal x NPU efficiency)."""
+    return dram_mhz * 1e6 * DRAM_TRANSFERS_PER_CLOCK * DRAM_BYTES_PER_TRANSFER * NPU_DRAM_EFFICIENCY
+
+
+def modeled_time(program: Any, *, npu_mhz: float = 1000, dram_mhz: float = 2112,
+                 profile: SubmitProfile = OWN_DRIVER) -> ModeledTime:
+    """Modeled time of a ``compiler.Program`` (decoded from its register words) or of a
+    ``Workload``. ``npu_mhz``: NPU clock (1000 under the vendor driver, 200/600 under rocket
+    [anchors.md §3.1]); ``dram_mhz``: DRAM clock (2112 max, 528 when the DMC governor parks it
+    [anchors.md §3.2 pitfalls])."""
+    if npu_mhz <= 0 or dram_mhz <= 0:
+        raise ValueError(f"clocks must be positive (npu_mhz={npu_mhz}, dram_mhz={dram_mhz})")
+    work = program if isinstance(program, Workload) else workload_from_program(program)
+    if not work.tasks:
+        raise ValueError("a program without tasks has no modeled time")
+    f_npu = npu_mhz * 1e6
+    cores = sorted({t.core for t in work.tasks})
+    per_core_bw = min(CORE_STREAM_BYTES_PER_CYCLE * f_npu, dram_bandwidth(dram_mhz) / len(cores))
+    task_overhead_s = TASK_OVERHEAD_CYCLES / f_npu
+    per_core: dict[int, list[float]] = {c: [0.0, 0.0, 0.0, 0.0] for c in cores}  # total, comp, mem, ovh
+    for task in work.tasks:
+        compute = task.macs_padded() / MACS_PER_CYCLE_PER_CORE[task.in_dtype] / f_npu
+        memory = task.bytes_moved() / per_core_bw
+        acc = per_core[task.core]
+        acc[0] += max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + task_overhead_s
+        acc[1] += compute
+        acc[2] += memory
+        acc[3] += task_overhead_s
+    total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
+    submit_s = profile.per_submit_s * work.submits
+    return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
+
+
+def vendor_style_workload(M: int, K: int, N: int, *, dtype: str = "fp16", out_bytes: int = 4,
+                          cores: int = 1) -> Workload:
+    """The tasks a run of ``M x K x N`` is split into by the documented rules, for shapes
+    measured on other software stacks (the anchors) and before a real Program exists:
+    N split evenly over ``cores``; per core, N tiles of <= 8176 kernels (DPU channel fields
+    are 13 bits; [AB] splits N=8192 as 8144+48 [npu-programming.md §9]); M tiles whose
+    input fits 11 of the 12 CBUF banks [npu-programming.md §9]; K segments of <= 8192
+    (RK3588 splits B at 8192 [rknn-toolkit.md §4.4])."""
+    if min(M, K, N) < 1 or not 1 <= cores <= 3:
+        raise ValueError(f"bad shape or cores: M={M} K={K} N={N} cores={cores}")
+    b = IN_BYTES[dtype]
+    k_segments = -(-K // 8192)
+    k_seg = -(-K // k_segments)
+    k_pad = -(-k_seg // K_ALIGN) * K_ALIGN
+    m_tile = min(2047, (11 * 32768) // (k_pad * b))  # DATAIN_HEIGHT is 11 bits [§9]
+    n_per_core = -(-N // cores)
+    tasks = []
+    for core in range(cores):
+        n_core = min(N, (core + 1) * n_per_core) - core * n_per_core
+        if n_core <= 0:
+            continue
+        n_tiles = -(-n_core // 8176)
+        n_tile = -(-n_core // n_tiles)
+        for _ in range(n_tiles * k_segments):
+            for m0 in range(0, M, m_tile):
+                tasks.append(TaskWork(core, min(m_tile, M - m0), k_pad, n_tile, dtype, out_bytes))
+    return Workload(tuple(tasks))
+
+
+# --- Program decoding -----------------------------------------------------------------
+_OUT_BYTES = {"int8": 1, "fp16": 2, "int32": 4, "fp32": 4}
+_TASK_REGISTERS = ("CNA_CONV_CON1", "CNA_DATA_SIZE0", "CNA_DATA_SIZE1", "CNA_WEIGHT_SIZE2",
+                   "DPU_DATA_FORMAT")
+
+
+def workload_from_program(program: Any) -> Workload:
+    """Read each task's shape back from its register words (decoded with ``hw``, as the
+    simulator does), so the model prices what the program really asks the NPU to do."""
+    from ggml_rknpu.hw.limits import CNA_PRECISION, DPU_PRECISION
+    from ggml_rknpu.hw.regcmd import decode_word
+    from ggml_rknpu.hw.registers import REGISTERS
+
+    by_offset = {REGISTERS[name].offset: REGISTERS[name] for name in _TASK_REGISTERS}
+    in_names = {code: name for name, code in CNA_PRECISION.items()}
+    out_names = {code: name for name, code in DPU_PRECISION.items()}
+    tasks = []
+    for task in program.tasks:
+        regs: dict[str, dict[str, int]] = {}
+        for word in program.words[task.word_offset: task.word_offset + task.body_words]:
+            _target, value, offset = decode_word(int(word))
+            if offset in by_offset:
+                regs[by_offset[offset].name] = by_offset[offset].decode(value)
+        missing = set(_TASK_REGISTERS) - set(regs)
+        if missing:
+            raise ValueError(f"task at word {task.word_offset} does not write {sorted(missing)}; "
+                             "the cost model cannot price it")
+        in_dtype = in_names.get(regs["CNA_CONV_CON1"]["IN_PRECISION"])
+        out_dtype = out_names.get(regs["DPU_DATA_FORMAT"]["OUT_PRECISION"])
+        if in_dtype not in MACS_PER_CYCLE_PER_CORE or out_dtype not in _OUT_BYTES:
+            raise ValueError(f"task at word {task.word_offset}: no MAC rate known for "
+                             f"{in_dtype} -> {out_dtype}")
+        size0 = regs["CNA_DATA_SIZE0"]
+        tasks.append(TaskWork(
+            core=task.core,
+            m=size0["DATAIN_HEIGHT"] * max(1, size0["DATAIN_WIDTH"]),
+            k=regs["CNA_DATA_SIZE1"]["DATAIN_CHANNEL"],
+            n=regs["CNA_WEIGHT_SIZE2"]["WEIGHT_KERNELS"],
+            in_dtype=in_dtype,
+            out_bytes=_OUT_BYTES[out_dtype],
+        ))
+    return Workload(tuple(tasks))
+
+
+def total_bytes(tasks: Iterable[TaskWork]) -> int:
+    return sum(t.bytes_moved() for t in tasks)
