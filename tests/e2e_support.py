@@ -1,0 +1,182 @@
+"""Helpers for the end-to-end tests: start RPC servers, run the pinned llama.cpp tools, parse output.
+
+Every process started here is killed when its context exits (also on test failure), runs with
+one thread (ggml-rpc.md P5: spinning OpenMP threads on the shared 2-core box cost 40x), and
+writes its log to a file that assertion messages quote, so a failing test says what the server
+said.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ggml_rknpu.ggml import llamacpp
+
+ONE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def tool_or_skip(name: str) -> Path:
+    """Path of a pinned llama.cpp tool; skips the test when scripts/build-llama-cpp has not run."""
+    try:
+        return llamacpp.tool(name)
+    except llamacpp.LlamaCppNotBuilt as exc:
+        pytest.skip(str(exc))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tool_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(ONE_THREAD_ENV)
+    env.update(extra)
+    return env
+
+
+def log_tail(path: Path, n_chars: int = 3000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return text[-n_chars:]
+
+
+class Server:
+    """A server subprocess on 127.0.0.1:port, killed on exit; ``endpoint`` is host:port."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, *, ready_timeout: float = 120.0):
+        self.argv, self.port, self.log_path, self.ready_timeout = argv, port, log_path, ready_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Server":
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.argv}\n"
+                                   f"{log_tail(self.log_path)}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not listen on {self.endpoint} within {self.ready_timeout} s\n"
+                           f"{log_tail(self.log_path)}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        return log_tail(self.log_path)
+
+
+def rknpu_server(tmp_path: Path, *, device: str = "sim-rknpu", extra: tuple[str, ...] = (),
+                 name: str = "rknpu-serve") -> Server:
+    """``rknpu serve`` of this checkout on a free loopback port (simulated NPU by default)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--device", device, *extra]
+    return Server(argv, port, tmp_path / f"{name}-{port}.log")
+
+
+def cpp_server(tmp_path: Path) -> Server:
+    """llama.cpp's own ``ggml-rpc-server`` (the CPU reference device)."""
+    port = free_port()
+    argv = [str(llamacpp.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+    return Server(argv, port, tmp_path / f"ggml-rpc-server-{port}.log", ready_timeout=30.0)
+
+
+def run_tool(name: str, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    """Run a pinned llama.cpp tool to completion, capturing text output."""
+    return subprocess.run([str(llamacpp.tool(name)), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or tool_env(), stdin=subprocess.DEVNULL)
+
+
+# --- test-backend-ops -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BackendOpsResult:
+    passed: int
+    total: int
+    backend_ok: bool
+    failures: tuple[str, ...]
+    output: str
+
+
+_PASSED = re.compile(r"^\s*(\d+)/(\d+) tests passed", re.M)
+_BACKEND = re.compile(r"^\s*Backend RPC0\S*: (OK|FAIL)", re.M)
+
+
+def parse_backend_ops(output: str) -> BackendOpsResult:
+    """Counts from test-backend-ops' "N/M tests passed" line of the RPC0 backend and its verdict."""
+    counts = _PASSED.findall(output)
+    verdict = _BACKEND.findall(output)
+    failures = tuple(line.strip() for line in output.splitlines()
+                     if "FAIL" in line and not line.lstrip().startswith("Backend"))
+    passed = sum(int(p) for p, _ in counts)
+    total = sum(int(t) for _, t in counts)
+    return BackendOpsResult(passed, total, bool(verdict) and all(v == "OK" for v in verdict),
+                            failures, output)
+
+
+def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeout: float,
+                    ) -> BackendOpsResult:
+    """``test-backend-ops test -b RPC0 -o op [-p pattern]`` against ``endpoint`` via our plugin."""
+    args = ["test", "-b", "RPC0", "-o", op]
+    if pattern:
+        args += ["-p", pattern]
+    env = tool_env(GGML_BACKEND_PATH=str(llamacpp.plugin_path()), GGML_RPC_ENDPOINT=endpoint)
+    proc = run_tool("test-backend-ops", args, timeout=timeout, env=env)
+    return parse_backend_ops(proc.stdout + proc.stderr)
+
+
+# --- llama-completion -------------------------------------------------------------------------
+
+_EVAL = re.compile(r"eval: \[(.*?)\]\s*$", re.M)
+_TOKEN_ID = re.compile(r"':(\d+)\s*(?:,|$)")
+
+
+def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
+               extra: tuple[str, ...] = (), timeout: float = 300.0) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """Greedy text from ``llama-completion`` (CPU-only, or fully offloaded to ``rpc`` servers)."""
+    args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-no-cnv",
+            "-t", "1", "-c", "256", "--no-display-prompt", "--seed", "1"]
+    if rpc:
+        args = ["--rpc", rpc, *args, "-ngl", "99"]
+    args += list(extra)
+    proc = run_tool("llama-completion", args, timeout=timeout)
+    return proc.stdout, proc
