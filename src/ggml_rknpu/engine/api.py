@@ -1,0 +1,409 @@
+"""The public matmul engine: resident weights, programs planned once and replayed.
+
+    npu = ggml_rknpu.open()                       # or open(device="sim-rocket", cores=3)
+    w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
+    c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
+
+WHY this shape (ARCHITECTURE.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
+the CPU because it converted and uploaded weights on every call; here a weight is converted
+and packed into its native layout once, into a device buffer that stays resident, and each
+(weight, M bucket) gets one compiled program whose register commands are bound to fixed
+buffers once. A call then only packs A into the resident A buffer, submits, waits and
+unpacks C. Everything goes through ``NpuDevice.submit``: on the simulator that is
+``SimKernel`` -> ``SimNpu``, the same submit path a board takes.
+
+M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
+``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
+in a bucket are zero and their outputs discarded.
+
+Timing (``last_timing``): host seconds for pack / submit / wait / unpack are measured on
+this host. ``submit_s`` covers the blocking submit call (the driver waits for completion
+inside it); ``wait_s`` is the cache sync of C after it. Device seconds are *measured* from
+``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` (labelled so).
+
+Deviation from CONTRACT E (additive): ``open_engine(device, cores)`` also accepts an
+already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
+weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ggml_rknpu.cost.model import ModeledTime, modeled_time
+from ggml_rknpu.engine.weights import (
+    StagedWeight,
+    check_matrix,
+    dequantize_output,
+    stage_activation,
+    stage_weight,
+)
+from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory, NpuTimeout
+
+BUCKET_POW2_MAX = 256
+MAX_PROGRAM_M = 2048
+OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}
+
+
+def m_bucket(m: int) -> int:
+    """The program size used for ``m`` rows (m <= MAX_PROGRAM_M)."""
+    if not 1 <= m <= MAX_PROGRAM_M:
+        raise ValueError(f"m must be in 1..{MAX_PROGRAM_M}, got {m}")
+    if m <= BUCKET_POW2_MAX:
+        return 1 << (m - 1).bit_length()
+    return -(-m // BUCKET_POW2_MAX) * BUCKET_POW2_MAX
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One matmul call. Host figures are measured here; ``device_s`` is ``device_label``
+    ("measured" from the board's hw_elapsed_ns, "modeled" by the cost model, or "unknown")."""
+
+    pack_s: float
+    submit_s: float
+    wait_s: float
+    unpack_s: float
+    device_s: float | None
+    device_label: str
+    submits: int
+
+    @property
+    def host_s(self) -> float:
+        return self.pack_s + self.submit_s + self.wait_s + self.unpack_s
+
+
+@dataclass
+class _Plan:
+    """A compiled program bound to its own A, C and regcmd buffers plus the weight's B."""
+
+    program: Any
+    m: int
+    a_buf: Any
+    c_buf: Any
+    regcmd_buf: Any
+    job: Any
+    modeled: ModeledTime | None
+
+    def close(self) -> None:
+        for buf in (self.a_buf, self.c_buf, self.regcmd_buf):
+            buf.close()
+
+
+class Weight:
+    """A weight resident in NPU memory in its native layout. ``shape`` is (N, K)."""
+
+    def __init__(self, npu: "Npu", staged: StagedWeight, buffer: Any, packed_bytes: int) -> None:
+        self._npu = npu
+        self.staged = staged
+        self.buffer = buffer
+        self.packed_bytes = packed_bytes
+        self.plans: dict[tuple[int, str], _Plan] = {}
+        self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
+        self.compile_errors: list[str] = []
+        self.freed = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.staged.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.staged.dtype
+
+    @property
+    def scales(self) -> np.ndarray | None:
+        return self.staged.scales
+
+    def free(self) -> None:
+        """Release the weight and every program compiled for it (idempotent)."""
+        if self.freed:
+            return
+        self._npu._forget(self)
+        for plan in self.plans.values():
+            plan.close()
+        self.plans.clear()
+        self.buffer.close()
+        self.freed = True
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"{len(self.plans)} programs"
+        return f"Weight(N={self.shape[0]}, K={self.shape[1]}, {self.dtype}, {state})"
+
+
+class Npu:
+    """The engine over one ``NpuDevice``; see the module docstring."""
+
+    def __init__(self, device: Any, cores: int = 3) -> None:
+        if not 1 <= cores <= device.n_cores:
+            raise ValueError(f"cores must be in 1..{device.n_cores}, got {cores}")
+        self.device = device
+        self.cores = cores
+        self.abi = device.kind
+        self.counters: dict[str, int] = dict.fromkeys((
+            "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
+            "program_cache_hits", "program_cache_misses", "programs_evicted", "matmuls", "submits"), 0)
+        self.last_timing: Timing | None = None
+        self._weights: list[Weight] = []
+        self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
+        self._closed = False
+
+    # -- weights ---------------------------------------------------------------------
+    def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
+        """Convert ``b`` [N, K] to ``dtype`` ("fp16" | "int8"), pack it into the native
+        layout and stage it once in NPU memory; it stays there until ``free()``."""
+        self._check_open()
+        staged = stage_weight(b, dtype)
+        N, K = staged.shape
+        packed = _pack_b(staged, K, N, self.cores, self.abi)
+        buffer = self._alloc(packed.nbytes, "data", f"weight {N}x{K} {dtype}")
+        try:
+            buffer.array(np.uint8)[: packed.nbytes] = packed.reshape(-1).view(np.uint8)
+            buffer.sync_to_device(0, packed.nbytes)
+        except BaseException:
+            buffer.close()
+            raise
+        weight = Weight(self, staged, buffer, packed.nbytes)
+        self._weights.append(weight)
+        self.counters["weights_uploaded"] += 1
+        self.counters["weight_bytes_uploaded"] += packed.nbytes
+        return weight
+
+    # -- matmul ----------------------------------------------------------------------
+    def matmul(self, a: np.ndarray, w: Weight, *, out: str | None = None) -> np.ndarray:
+        """``a`` [M, K] times the resident weight -> [M, N]. fp16 weight: float32 (or
+        float16 with ``out="fp16"``); int8 weight and int8 ``a``: int32, exact; int8 weight
+        and float ``a``: ``a`` quantised per row, float32 out."""
+        self._check_open()
+        if not isinstance(w, Weight) or w._npu is not self:
+            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
+        if w.freed:
+            raise ValueError(f"{w!r} was freed; upload it again")
+        check_matrix(a, "a")
+        N, K = w.shape
+        if a.shape[1] != K:
+            raise ValueError(f"shape mismatch: a is {a.shape[0]}x{a.shape[1]} but the weight "
+                             f"is N={N} x K={K}; a must have K={K} columns")
+        out = self._out_dtype(w, out)
+        act = stage_activation(a, w.staged)
+        M = a.shape[0]
+        result = np.empty((M, N), dtype=np.float16 if out == "fp16" else
+                          (np.int32 if out == "int32" else np.float32))
+        totals = [0.0] * 4
+        device_s: float | None = 0.0
+        labels = set()
+        submits = 0
+        m0 = 0
+        while m0 < M:
+            rows = min(w.max_program_m, M - m0)
+            plan = self._plan_or_shrink(w, rows, out)
+            if plan is None:
+                continue
+            part, times, dev, label = self._run(plan, act.data[m0: m0 + rows])
+            result[m0: m0 + rows] = part
+            totals = [t + x for t, x in zip(totals, times)]
+            labels.add(label)
+            device_s = None if dev is None or device_s is None else device_s + dev
+            submits += 1
+            m0 += rows
+        t0 = time.perf_counter()
+        final = dequantize_output(result, act, w.staged)
+        totals[3] += time.perf_counter() - t0
+        self.counters["matmuls"] += 1
+        label = labels.pop() if len(labels) == 1 else "unknown"
+        self.last_timing = Timing(*totals, device_s=device_s, device_label=label, submits=submits)
+        return final
+
+    def _out_dtype(self, w: Weight, out: str | None) -> str:
+        if out is None:
+            return OUT_FOR_WEIGHT[w.dtype]
+        allowed = ("fp32", "fp16") if w.dtype == "fp16" else ("int32",)
+        if out not in allowed:
+            raise ValueError(f"out={out!r} is not available for a {w.dtype} weight; use one of {allowed}")
+        return out
+
+    def _plan_or_shrink(self, w: Weight, rows: int, out: str) -> _Plan | None:
+        """The plan for ``rows``; None after lowering ``w.max_program_m`` when the compiler
+        refuses the bucket (too many tasks for one hardware run: split along M)."""
+        bucket = m_bucket(rows)
+        try:
+            return self._plan(w, bucket, out)
+        except ValueError as exc:
+            if bucket == 1:
+                raise
+            w.max_program_m = 1 << ((bucket - 1).bit_length() - 1)
+            w.compile_errors.append(str(exc))
+            return None
+
+    def _plan(self, w: Weight, m: int, out: str) -> _Plan:
+        plan = w.plans.get((m, out))
+        if plan is not None:
+            self.counters["program_cache_hits"] += 1
+            self._lru.move_to_end((id(w), m, out))
+            return plan
+        self.counters["program_cache_misses"] += 1
+        N, K = w.shape
+        program = _compile(m, K, N, w.dtype, out, self.cores, self.abi)
+        self.counters["programs_compiled"] += 1
+        if program.b_bytes > w.packed_bytes:
+            raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
+                           f"weight was packed into {w.packed_bytes}; the B layout must not depend on M")
+        plan = self._bind(program, m, w)
+        w.plans[(m, out)] = plan
+        self._lru[(id(w), m, out)] = w
+        return plan
+
+    def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
+        from ggml_rknpu.kernel.device import HwTask, Job
+
+        what = f"program M={m} for {w!r}"
+        bufs = []
+        try:
+            a_buf = self._alloc(program.a_bytes, "data", what, bufs)
+            c_buf = self._alloc(program.c_bytes, "data", what, bufs)
+            regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what, bufs)
+        except BaseException:
+            for buf in bufs:
+                buf.close()
+            raise
+        words = program.bind(a=a_buf.dma_addr, b=w.buffer.dma_addr, c=c_buf.dma_addr,
+                             regcmd=regcmd_buf.dma_addr)
+        regcmd_buf.array(np.uint64)[: len(words)] = words
+        regcmd_buf.sync_to_device(0, words.nbytes)
+        per_core: list[list[Any]] = [[] for _ in range(self.device.n_cores)]
+        for task in program.tasks:
+            per_core[task.core].append(HwTask(
+                regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
+                int_mask=task.int_mask, enable_mask=task.enable_mask))
+        job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf, w.buffer), outputs=(c_buf,))
+        modeled = modeled_time(program) if self.device.simulated else None
+        return _Plan(program, m, a_buf, c_buf, regcmd_buf, job, modeled)
+
+    def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
+        t0 = time.perf_counter()
+        rows = a_rows.shape[0]
+        if rows < plan.m:
+            padded = np.zeros((plan.m, a_rows.shape[1]), dtype=a_rows.dtype)
+            padded[: a_rows.shape[0]] = a_rows
+            a_rows = padded
+        packed = _pack_a(a_rows, plan.program)
+        plan.a_buf.array(np.uint8)[: packed.nbytes] = packed.reshape(-1).view(np.uint8)
+        plan.a_buf.sync_to_device(0, packed.nbytes)
+        t1 = time.perf_counter()
+        try:
+            completion = self.device.submit(plan.job)
+        except NpuTimeout as exc:
+            raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
+        self.counters["submits"] += 1
+        t2 = time.perf_counter()
+        plan.c_buf.sync_from_device(0, plan.program.c_bytes)
+        t3 = time.perf_counter()
+        c = _unpack_c(plan.c_buf.array(np.uint8)[: plan.program.c_bytes], plan.program)[:rows]
+        t4 = time.perf_counter()
+        if completion.hw_elapsed_ns is not None and not completion.simulated:
+            dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
+        elif plan.modeled is not None:
+            dev, label = plan.modeled.total_s, "modeled"
+        else:
+            dev, label = None, "unknown"
+        return c, [t1 - t0, t2 - t1, t3 - t2, t4 - t3], dev, label
+
+    # -- memory ----------------------------------------------------------------------
+    def memory_budget(self) -> tuple[int, int]:
+        """(free, total) bytes of NPU address space."""
+        return self.device.iova_budget()
+
+    def _alloc(self, size: int, purpose: str, what: str, track: list | None = None) -> Any:
+        """Allocate, evicting least-recently-used programs when NPU memory runs out."""
+        while True:
+            try:
+                buf = self.device.alloc(max(size, 1), purpose=purpose)
+                break
+            except NpuOutOfMemory as exc:
+                if not self._evict_one():
+                    free, total = self.device.iova_budget()
+                    raise NpuOutOfMemory(
+                        f"out of NPU memory allocating {size} bytes for {what} "
+                        f"({free} of {total} bytes free, no cached program left to evict); "
+                        "free weights you no longer need", exc.errno) from exc
+        if track is not None:
+            track.append(buf)
+        return buf
+
+    def _evict_one(self) -> bool:
+        if not self._lru:
+            return False
+        (_wid, m, out), weight = self._lru.popitem(last=False)
+        weight.plans.pop((m, out)).close()
+        self.counters["programs_evicted"] += 1
+        return True
+
+    def _forget(self, w: Weight) -> None:
+        for key in [k for k, weight in self._lru.items() if weight is w]:
+            del self._lru[key]
+        self._weights.remove(w)
+        self.counters["weights_freed"] += 1
+
+    # -- lifecycle -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Npu is closed")
+
+    def close(self) -> None:
+        """Free every weight and program and close the device (idempotent)."""
+        if self._closed:
+            return
+        for w in list(self._weights):
+            w.free()
+        self.device.close()
+        self._closed = True
+
+    def __enter__(self) -> "Npu":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_engine(device: Any = None, cores: int = 3) -> Npu:
+    """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
+    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``."""
+    if device is None or isinstance(device, str):
+        from ggml_rknpu.kernel.device import NpuDevice
+
+        dev = NpuDevice.open(device)
+        try:
+            return Npu(dev, cores)
+        except BaseException:
+            dev.close()
+            raise
+    return Npu(device, cores)
+
+
+# --- the compiler seam (CONTRACT D) ---------------------------------------------------
+def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str) -> Any:
+    from ggml_rknpu.compiler.matmul import compile_matmul
+
+    return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi)
+
+
+def _pack_b(staged: StagedWeight, k: int, n: int, cores: int, abi: str) -> np.ndarray:
+    from ggml_rknpu.compiler.layout import pack_b
+
+    return pack_b(staged.data, staged.dtype)
+
+
+def _pack_a(a: np.ndarray, program: Any) -> np.ndarray:
+    from ggml_rknpu.compiler.layout import pack_a
+
+    return pack_a(a, "fp16" if a.dtype == np.float16 else "int8", program)
+
+
+def _unpack_c(buf: np.ndarray, program: Any) -> np.ndarray:
+    from ggml_rknpu.compiler.layout import unpack_c
+
+    return unpack_c(buf, program)
