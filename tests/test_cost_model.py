@@ -138,3 +138,17 @@ def test_program_missing_a_shape_register_is_an_error():
     prog.tasks[0].body_words = 2
     with pytest.raises(ValueError, match="CNA_DATA_SIZE1"):
         workload_from_program(prog)
+
+
+@pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: f"{a.label}-{a.M}x{a.K}x{a.N}-{a.dtype}")
+def test_real_compiled_program_is_priced_within_the_anchor_tolerance(anchor):
+    """The same anchors, priced from our own compiler's register words (decoded with hw)."""
+    compiler = pytest.importorskip("ggml_rknpu.compiler.matmul")
+    out = "fp32" if anchor.dtype == "fp16" else "int32"
+    program = compiler.compile_matmul(anchor.M, anchor.K, anchor.N, dtype=anchor.dtype, out=out,
+                                      cores=anchor.cores)
+    work = workload_from_program(program)
+    assert {t.core for t in work.tasks} == set(range(anchor.cores))
+    assert sum(t.m * t.n for t in work.tasks if t.core == 0) >= anchor.M * anchor.N // anchor.cores
+    modeled = modeled_time(program, profile=anchor.profile).gflops(anchor.flops)
+    assert abs(modeled / anchor.measured_gflops - 1) <= ANCHOR_TOLERANCE
