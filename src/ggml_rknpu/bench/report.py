@@ -112,6 +112,7 @@ class Plot:
     series: list[Series]
     kind: str = "line"            # "line" | "bar"
     log_x: bool = False
+    log_y: bool = False
 
     def figure(self) -> Figure:
         fig = Figure(figsize=(7.5, 4.5), dpi=100)
@@ -123,12 +124,14 @@ class Plot:
             for i, s in enumerate(self.series):
                 xs = [categories.index(x) + (i - (len(self.series) - 1) / 2) * width for x in s.x]
                 ax.bar(xs, s.y, width=width, label=s.label)
-            ax.set_xticks(range(len(categories)), [str(c) for c in categories], rotation=15, fontsize=8)
+            ax.set_xticks(range(len(categories)), [str(c) for c in categories], rotation=25, ha="right", fontsize=7)
         else:
             for s in self.series:
                 ax.plot(s.x, s.y, marker="o", label=s.label)
             if self.log_x:
                 ax.set_xscale("log", base=2)
+        if self.log_y:
+            ax.set_yscale("log")
         ax.set_title(self.title, fontsize=10)
         ax.set_xlabel(self.xlabel)
         ax.set_ylabel(self.ylabel)

@@ -1,0 +1,252 @@
+"""Real-model benchmark: ``llama-bench`` on one GGUF, CPU-only and through ``rknpu serve``.
+
+WHY: every microbenchmark in the seed log flattered the accelerator; only the real-model
+``llama-bench`` settled anything (seed log, Milestone 13). Fair fights need (seed log,
+Milestones 15-16):
+  * the same binary (the pinned llama.cpp build), the same GGUF and the same arguments on
+    both sides; the NPU side only adds ``-ngl 99 --rpc <server>``;
+  * the CPU pinned to the 4 big A76 cores on a board (``taskset -c 4-7 -t 4``; 6 threads
+    spill onto the A55s and lose, Milestone 16); off a board ``-t 1`` (a shared CI box);
+  * a note of the quant types on each side: the CPU computes the GGUF's own types, while the
+    server converts matmul weights for the NPU (fp16/int8), so the bytes per token differ
+    (Milestone 15: a w8a8 vs q4 fight was a 2x handicap);
+  * optionally a quality column: KL divergence of the NPU side's logits against the CPU's
+    (``llama-perplexity --kl-divergence``).
+
+Figures: tokens/s are wall-clock rates ``llama-bench`` measured (``*_measured``). Off a board
+the NPU side ran on the simulator on this host: its rate is the simulator's, which the report
+says, and it is not a statement about NPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from rich.console import Console
+
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.rig import RigReport
+
+BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; anchors.md §3.4]
+BIG_CORE_THREADS = 4
+SIDES = ("CPU", "NPU (rknpu serve)")
+# A short public-domain-style text for a smoke KL figure; pass --kl-text for a real corpus.
+KL_TEXT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank while the sun sets.",
+                    "Paris is the capital of France and a city of art, science and history."] * 40)
+
+
+def add_arguments(p: argparse.ArgumentParser, common) -> None:
+    common(p, "bench-out/model")
+    p.add_argument("model", type=Path, help="GGUF file (the same file runs on both sides)")
+    p.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (pp); seed Milestone 13 used 128")
+    p.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (tg); seed Milestone 13 used 32")
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"llama-bench threads (default {BIG_CORE_THREADS} pinned to cpus {BIG_CORES} on a board, else 1)")
+    p.add_argument("--server-device", default=None,
+                   help="device for rknpu serve (default: --device, else sim-rknpu off a board)")
+    p.add_argument("--kl-divergence", action="store_true", help="add a KL-divergence column (llama-perplexity)")
+    p.add_argument("--kl-text", type=Path, default=None, help="text for --kl-divergence (default: a built-in snippet)")
+    p.add_argument("--ctx", type=int, default=128, help="context for llama-perplexity chunks")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama.cpp tool run")
+
+
+def quant_summary(model: Path) -> dict:
+    """Tensor type histogram of a GGUF (and of its matmul weights alone)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    all_types = Counter(t.tensor_type.name for t in reader.tensors)
+    matmul = Counter(t.tensor_type.name for t in reader.tensors
+                     if t.name.endswith(".weight") and len(t.shape) == 2 and "norm" not in t.name
+                     and "embd" not in t.name)
+    return {"tensor_types": dict(all_types), "matmul_weight_types": dict(matmul)}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServeProcess:
+    """``rknpu serve`` on a loopback port for the duration of a ``with`` block."""
+
+    def __init__(self, device: str, log_path: Path, prefix: list[str], ready_timeout: float = 120.0) -> None:
+        self.port = _free_port()
+        self.argv = [*prefix, sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
+                     "--port", str(self.port), "--device", device]
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServeProcess":
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rknpu serve exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   f"{self.log_tail()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"rknpu serve did not listen on {self.endpoint} in {self.ready_timeout:.0f} s; "
+                           f"log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+
+def bench_args(model: Path, args, threads: int) -> list[str]:
+    return ["-m", str(model), "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
+            "-t", str(threads), "-o", "json"]
+
+
+def run_llama_bench(tool: Path, argv: list[str], prefix: list[str], timeout: float) -> list[dict]:
+    proc = subprocess.run([*prefix, str(tool), *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise RuntimeError(f"llama-bench printed no JSON ({exc}):\n{proc.stdout[-2000:]}") from exc
+
+
+def rows_from_llama_bench(side: str, results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        test = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
+        rows.append({"side": side, "test": test, "tok_s_measured": float(r["avg_ts"]),
+                     "stddev_tok_s_measured": float(r["stddev_ts"]), "backends": r.get("backends"),
+                     "n_threads": r.get("n_threads"), "n_gpu_layers": r.get("n_gpu_layers"),
+                     "model_type": r.get("model_type"), "build_commit": r.get("build_commit")})
+    return rows
+
+
+_KLD_RE = re.compile(r"Mean\s+KLD:\s+([-+0-9.eE]+)")
+
+
+def kl_divergence(perplexity: Path, model: Path, text: Path, base: Path, endpoint: str, threads: int,
+                  prefix: list[str], ctx: int, timeout: float) -> float:
+    """Mean KL divergence of the NPU side's token distributions from the CPU's."""
+    common = ["-m", str(model), "-f", str(text), "-c", str(ctx), "-t", str(threads), "-b", str(ctx)]
+    runs = ([*common, "-ngl", "0", "--kl-divergence-base", str(base)],
+            [*common, "-ngl", "99", "--rpc", endpoint, "--kl-divergence-base", str(base), "--kl-divergence"])
+    out = ""
+    for argv in runs:
+        proc = subprocess.run([*prefix, str(perplexity), *argv], capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-perplexity failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        out = proc.stdout + proc.stderr
+    m = _KLD_RE.search(out)
+    if not m:
+        raise RuntimeError(f"no 'Mean KLD' in llama-perplexity output:\n{out[-2000:]}")
+    return float(m.group(1))
+
+
+def run(args, rig: RigReport, console: Console) -> rp.Report | None:
+    from ggml_rknpu.ggml import llamacpp
+
+    if not args.model.is_file():
+        console.print(f"[red]bench model: GGUF not found: {args.model}[/]")
+        return None
+    try:
+        bench_tool = llamacpp.tool("llama-bench")
+        perplexity = llamacpp.tool("llama-perplexity") if args.kl_divergence else None
+    except llamacpp.LlamaCppNotBuilt as exc:
+        console.print(f"[red]bench model: {exc}[/]")
+        return None
+    on_board = rig.on_board
+    threads = args.threads or (BIG_CORE_THREADS if on_board else 1)
+    prefix = ["taskset", "-c", BIG_CORES] if on_board else []
+    device = args.server_device or args.device or ("rknpu" if on_board else "sim-rknpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    quants = quant_summary(args.model)
+    common = bench_args(args.model, args, threads)
+    rows: list[dict] = []
+    kld = None
+    with rp.progress(console, "llama-bench", 2) as advance:
+        rows += rows_from_llama_bench(SIDES[0], run_llama_bench(bench_tool, [*common, "-ngl", "0"], prefix,
+                                                                args.timeout))
+        advance(1)
+        with ServeProcess(device, out / "rknpu-serve.log", prefix) as server:
+            npu_argv = [*common, "-ngl", "99", "--rpc", server.endpoint]
+            rows += rows_from_llama_bench(SIDES[1], run_llama_bench(bench_tool, npu_argv, prefix, args.timeout))
+            advance(1)
+            if perplexity is not None:
+                text = args.kl_text or out / "kl_text.txt"
+                if args.kl_text is None:
+                    text.write_text(KL_TEXT)
+                kld = kl_divergence(perplexity, args.model, text, out / "kl_base.bin", server.endpoint, threads,
+                                    prefix, args.ctx, args.timeout)
+    if kld is not None:
+        for row in rows:
+            if row["side"] == SIDES[1]:
+                row["kl_divergence_measured"] = kld
+    simulated = device.startswith("sim")
+    cpu_w = ", ".join(f"{k}x{v}" for k, v in sorted(quants["matmul_weight_types"].items()))
+    notes = [f"quant: matmul weights in the GGUF are {cpu_w or 'none found'}; the CPU side computes these types "
+             "as stored, the NPU side's server converts them to its device precision (fp16/int8) when they "
+             "are uploaded - compare against a CPU run of a GGUF of that precision for a like-for-like fight",
+             f"same llama-bench binary and arguments on both sides: {' '.join(common)}; NPU side adds "
+             "-ngl 99 --rpc <rknpu serve>; CPU side -ngl 0"]
+    if on_board:
+        notes.append(f"pinned: taskset -c {BIG_CORES} -t {threads} (big cores; seed log Milestone 16)")
+    else:
+        notes.append("not a board: -t 1, unpinned")
+    if simulated:
+        notes.append(f"NPU side ran on the simulator ({device}) on this host: its tok/s measures the simulator, "
+                     "not the NPU")
+    columns = [rp.Column("side", "side"), rp.Column("test", "test"),
+               rp.Column("tok_s_measured", "t/s", "{:.2f}", figure=True),
+               rp.Column("stddev_tok_s_measured", "+-", "{:.2f}", figure=True),
+               rp.Column("backends", "backends"), rp.Column("n_threads", "threads")]
+    if kld is not None:
+        columns.append(rp.Column("kl_divergence_measured", "KL divergence vs CPU", "{:.5f}", figure=True))
+    tests = list(dict.fromkeys(r["test"] for r in rows))
+    series = [rp.Series(f"{side} (measured{', simulator' if simulated and side != SIDES[0] else ''})", tests,
+                        [next((r["tok_s_measured"] for r in rows if r["side"] == side and r["test"] == t), 0.0)
+                         for t in tests]) for side in SIDES]
+    plot = rp.Plot("cpu_vs_npu.png", f"llama-bench {args.model.name}: CPU vs NPU", "test", "tokens/s", series,
+                   kind="bar")
+    meta = {"model": str(args.model), "threads": threads, "pinned": bool(prefix), "server_device": device,
+            "llama_cpp": f"{llamacpp.LLAMA_CPP_COMMIT} (llama-cpp-python {llamacpp.LLAMA_CPP_PYTHON_VERSION})",
+            **quants}
+    return rp.Report("model", f"llama-bench: {args.model.name}, CPU vs rknpu serve", rig.to_dict(), meta=meta,
+                     tables=[rp.Table("llama-bench", columns, rows)], plots=[plot],
+                     raw={"rows": rows, "kl_divergence": kld}, notes=notes)

@@ -1,0 +1,256 @@
+"""The board owner's kit: probe, check-rig, a correctness sweep against numpy, a timing sweep,
+and one archive (JSON + Markdown) to attach to an issue.
+
+WHY: nobody on this project has the board; the first person who runs it on silicon must be
+able to say in one command whether our register programs compute the right numbers there,
+how fast, and under which clocks, and hand that back as a file. On the simulator the same
+sweep runs and says so (its device times are modeled).
+
+Correctness rules: int8 x int8 -> int32 must equal numpy exactly; fp16 x fp16 -> fp32 must be
+within ``FP16_RTOL * (|A| @ |B|^T) + FP16_ATOL`` of numpy's float64 product of the
+fp16-rounded inputs. Products of fp16 values are exact in fp32 and the sum is accumulated
+in fp32 (rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
+terms is bounded by ~K * 2^-24 * sum|a_k b_k|, so 1e-3 leaves room for K up to ~16k while a
+single wrong element (a sign, a lost tile) is caught.
+
+Test hook: ``RKNPU_SELFTEST_CORRUPT=1`` (or ``corrupt=True``) flips one output element of the
+first case after the NPU returns, so the sweep must fail loudly; it proves the comparison
+can fail.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ggml_rknpu.bench import matmul as mm
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.rig import RigReport, check_rig
+
+FP16_RTOL = 1e-3
+FP16_ATOL = 1e-6
+CORRUPT_ENV = "RKNPU_SELFTEST_CORRUPT"
+
+# (M, K, N): GEMV, unaligned K and N, several M tiles, a K beyond one task's budget on a board.
+SIM_SWEEP = ((1, 64, 16), (3, 100, 1001), (64, 256, 128), (196, 256, 512), (5, 1024, 48))
+BOARD_SWEEP = SIM_SWEEP + ((1, 4096, 4096), (513, 1024, 1001), (64, 11008, 256), (4, 8192, 4096),
+                           (1, 1536, 151936))
+
+
+@dataclass
+class CaseResult:
+    M: int
+    K: int
+    N: int
+    dtype: str
+    cores: int
+    ok: bool
+    max_abs_err: float
+    mismatches: int
+    first_mismatch: dict | None = None
+    device_ms: float | None = None
+    device_basis: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class SelftestResult:
+    passed: bool
+    simulated: bool
+    probe: dict
+    rig: RigReport
+    cases: list[CaseResult] = field(default_factory=list)
+    timing: list[dict] = field(default_factory=list)
+    corrupted: bool = False
+    failures: list[str] = field(default_factory=list)
+
+
+def _plain(obj) -> dict:
+    if is_dataclass(obj):
+        return {k: _plain_value(v) for k, v in asdict(obj).items()}
+    return {k: _plain_value(v) for k, v in vars(obj).items() if not k.startswith("_")}
+
+
+def _plain_value(v):
+    return v if isinstance(v, (str, int, float, bool, type(None), list, dict, tuple)) else str(v)
+
+
+def probe(device: str | None) -> dict:
+    """Open the device, read its facts and do a buffer round trip (what ``rknpu probe`` does)."""
+    from ggml_rknpu.kernel.device import NpuDevice
+
+    pattern = (np.arange(4096, dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
+    with NpuDevice.open(device) as dev:
+        info = _plain(dev.info())
+        with dev.alloc(4096) as buf:
+            buf.array(np.uint8)[:] = pattern
+            buf.sync_to_device()
+            buf.sync_from_device()
+            round_trip = bool(np.array_equal(buf.array(np.uint8)[:4096], pattern))
+            dma = buf.dma_addr
+        return {"kind": dev.kind, "simulated": bool(dev.simulated), "n_cores": dev.n_cores, "info": info,
+                "buffer_round_trip": round_trip, "dma_addr": hex(dma), "iova_budget": list(dev.iova_budget())}
+
+
+def reference(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "int8":
+        return a.astype(np.int64) @ b.astype(np.int64).T
+    return a.astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64).T
+
+
+def compare(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: str) -> tuple[bool, float, int, dict | None]:
+    """(ok, max abs error, mismatch count, first mismatch) under the module's rules."""
+    ref = reference(a, b, dtype)
+    if c.shape != ref.shape:
+        return False, float("inf"), ref.size, {"shape": list(c.shape), "expected_shape": list(ref.shape)}
+    err = np.abs(c.astype(np.float64) - ref.astype(np.float64))
+    if dtype == "int8":
+        bad = err != 0
+    else:
+        bound = FP16_RTOL * (np.abs(a.astype(np.float16).astype(np.float64))
+                             @ np.abs(b.astype(np.float16).astype(np.float64)).T) + FP16_ATOL
+        bad = ~(err <= bound)
+    n_bad = int(bad.sum())
+    first = None
+    if n_bad:
+        i, j = map(int, np.argwhere(bad)[0])
+        first = {"row": i, "col": j, "got": float(c[i, j]), "expected": float(ref[i, j])}
+    return n_bad == 0, float(err.max()) if err.size else 0.0, n_bad, first
+
+
+def corrupt_one(c: np.ndarray) -> None:
+    """The test hook: change one output element by at least 1 (caught by both rules)."""
+    i, j = c.shape[0] // 2, c.shape[1] // 2
+    c[i, j] = -c[i, j] - 1
+
+
+def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt: bool,
+                      advance=lambda n=1: None, seed: int = 1234) -> list[CaseResult]:
+    import ggml_rknpu
+
+    rng = np.random.default_rng(seed)
+    results = []
+    corrupt_pending = corrupt
+    for cores in cores_list:
+        npu = ggml_rknpu.open(device=device, cores=cores)
+        try:
+            for (M, K, N) in shapes:
+                for dtype in dtypes:
+                    a, b = mm.make_operands(mm.Shape("selftest", K, N, "selftest"), M, dtype, rng)
+                    try:
+                        w = npu.upload_weight(b, dtype=dtype)
+                        try:
+                            c = np.array(npu.matmul(a, w))
+                        finally:
+                            w.free()
+                    except Exception as exc:  # a failing case is a result, the sweep goes on
+                        results.append(CaseResult(M, K, N, dtype, cores, False, float("inf"), M * N,
+                                                  error=f"{type(exc).__name__}: {exc}"))
+                        advance(1)
+                        continue
+                    if corrupt_pending:
+                        corrupt_one(c)
+                        corrupt_pending = False
+                    ok, max_err, n_bad, first = compare(c, a, b, dtype)
+                    timing = mm.read_timing(npu.last_timing)
+                    results.append(CaseResult(M, K, N, dtype, cores, ok, max_err, n_bad, first,
+                                              (timing["device_s"] or 0) * 1e3 or None, timing["device_basis"]))
+                    advance(1)
+        finally:
+            npu.close()
+    return results
+
+
+def run_selftest(device: str | None = None, *, rig_root: str = "/", corrupt: bool | None = None,
+                 console=None, shapes=None, timing_shapes=None, iters: int = 3) -> SelftestResult:
+    corrupt = (os.environ.get(CORRUPT_ENV, "") not in ("", "0")) if corrupt is None else corrupt
+    probe_info = probe(device)
+    simulated = probe_info["simulated"]
+    rig = check_rig(rig_root)
+    shapes = shapes or (SIM_SWEEP if simulated else BOARD_SWEEP)
+    dtypes = ("fp16", "int8")
+    cores_list = (1, probe_info["n_cores"]) if probe_info["n_cores"] > 1 else (1,)
+    timing_shapes = timing_shapes or (mm.SMALL_SHAPES if simulated else mm.SEED_SHAPES)
+    timing_cases = [mm.Case(s, m, d, c) for s in timing_shapes for d in dtypes for c in cores_list
+                    for m in ((1, 16) if simulated else (1, 64, 256))]
+    total = len(shapes) * len(dtypes) * len(cores_list) + len(timing_cases)
+    import ggml_rknpu
+
+    with rp.progress(console, "selftest", total) as advance:
+        cases = correctness_sweep(device, shapes, dtypes, cores_list, corrupt=corrupt, advance=advance)
+        timing = mm.burst(lambda cores: ggml_rknpu.open(device=device, cores=cores), timing_cases, iters=iters,
+                          warmup=1, on_board=not simulated, max_sim_macs=2 ** 22, advance=advance)
+    failures = [f"{c.dtype} M={c.M} K={c.K} N={c.N} cores={c.cores}: "
+                + (c.error or f"{c.mismatches} mismatching element(s), first {c.first_mismatch}")
+                for c in cases if not c.ok]
+    if not probe_info["buffer_round_trip"]:
+        failures.insert(0, "probe: buffer round trip returned different bytes")
+    return SelftestResult(not failures, simulated, probe_info, rig, cases, timing, corrupt, failures)
+
+
+def build_report(result: SelftestResult) -> rp.Report:
+    where = "simulator (device times modeled)" if result.simulated else "board (device times measured)"
+    rows = [{**asdict(c), "status": "ok" if c.ok else "FAIL",
+             f"device_ms_{c.device_basis or 'modeled'}": c.device_ms} for c in result.cases]
+    columns = [rp.Column("status", "status"), rp.Column("dtype", "dtype"), rp.Column("cores", "cores"),
+               rp.Column("M", "M"), rp.Column("K", "K"), rp.Column("N", "N"),
+               rp.Column("max_abs_err", "max |err|", "{:.3g}"), rp.Column("mismatches", "mismatches"),
+               rp.Column("device_ms_modeled", "device ms", "{:.3f}", figure=True),
+               rp.Column("device_ms_measured", "device ms", "{:.3f}", figure=True)]
+    columns = [c for c in columns if not c.figure or any(r.get(c.key) is not None for r in rows)]
+    timing_cols = [c for c in mm.MATMUL_COLUMNS if not c.figure or any(r.get(c.key) is not None
+                                                                       for r in result.timing)]
+    notes = [f"ran on the {where}", f"correctness: int8 exact; fp16 within {FP16_RTOL} x (|A|@|B|^T) + {FP16_ATOL}"]
+    if result.corrupted:
+        notes.append(f"{CORRUPT_ENV} hook active: one output element was flipped after the NPU returned")
+    notes += [f"FAIL: {f}" for f in result.failures]
+    return rp.Report(
+        "selftest", f"rknpu selftest: {'PASS' if result.passed else 'FAIL'}", result.rig.to_dict(),
+        meta={"result": "PASS" if result.passed else "FAIL", "where": where, "device": result.probe["kind"],
+              "host": mm.host_description(), "version": _version()},
+        tables=[rp.Table("Probe", [rp.Column("k", "fact"), rp.Column("v", "value")],
+                         [{"k": k, "v": v} for k, v in _flat(result.probe).items()]),
+                rp.Table("Correctness vs numpy", columns, rows),
+                rp.Table("Timing sweep (median per call)", timing_cols, result.timing)],
+        raw={"probe": result.probe, "cases": [asdict(c) for c in result.cases], "timing": result.timing,
+             "failures": result.failures, "corrupted": result.corrupted},
+        notes=notes)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _version() -> str:
+    from ggml_rknpu import __version__
+
+    return __version__
+
+
+def write_archive(report: rp.Report, out_dir: Path) -> Path:
+    """selftest.json + selftest.md into ``out_dir`` and one tar.gz of both to attach to an issue."""
+    paths = report.write(out_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    archive = Path(out_dir) / f"rknpu-selftest-{stamp}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for key in ("json", "markdown"):
+            tar.add(paths[key], arcname=paths[key].name)
+        summary = json.dumps({"result": report.meta["result"], "files": [paths["json"].name,
+                                                                         paths["markdown"].name]}).encode()
+        info = tarfile.TarInfo("MANIFEST.json")
+        info.size = len(summary)
+        tar.addfile(info, io.BytesIO(summary))
+    return archive

@@ -1,0 +1,270 @@
+"""Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the seed's figures), ``sustained``
+(per-second windows with clocks and temperatures) and ``model`` (llama-bench CPU-only vs
+through ``rknpu serve``).
+
+Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
+(throttled DRAM, powersave CPU, hot board, no driver) refuses to benchmark unless
+``--allow-throttled``. On a machine that is not an RK3588 board the benchmark runs on the
+simulator and its device figures are *modeled*. Reports (JSON, Markdown, PNG) go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from rich.console import Console
+
+from ggml_rknpu.bench import matmul as mm
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.rig import RigReport, check_rig, snapshot
+from ggml_rknpu.cli.check_rig import render as render_rig
+
+REFUSED = 3
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _dtypes(text: str) -> list[str]:
+    vals = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [v for v in vals if v not in ("fp16", "int8")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {bad}: choose fp16, int8")
+    return vals
+
+
+def _common(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--out", default=out, metavar="DIR", help=f"report directory (default {out})")
+    p.add_argument("--allow-throttled", action="store_true",
+                   help="benchmark even when check-rig FAILs (the report says so)")
+    p.add_argument("--rig-root", default="/", metavar="DIR", help="filesystem root check-rig reads (default /)")
+    p.add_argument("--device", default=None, help="rknpu | rocket | sim-rknpu | sim-rocket (default: auto)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    m = sub.add_parser("matmul", help="GEMV/GEMM burst benchmark per shape, dtype, cores")
+    _common(m, "bench-out/matmul")
+    m.add_argument("--modeled", action="store_true",
+                   help="no device: modeled GFLOP/s for the seed's Milestone 7/8 shapes beside its measured figures")
+    m.add_argument("--shapes", default="seed", help="comma list of shape sets: seed, model, small (default seed)")
+    m.add_argument("--dtypes", type=_dtypes, default=["fp16", "int8"])
+    m.add_argument("--cores", type=_ints, default=[1, 3])
+    m.add_argument("--ms", type=_ints, default=[1, *mm.GEMM_MS], help="M values (default 1,16,...,2048)")
+    m.add_argument("--iters", type=int, default=5, help="timed calls per case (median reported)")
+    m.add_argument("--warmup", type=int, default=1)
+    m.add_argument("--max-sim-macs", type=float, default=2 ** 24,
+                   help="on the simulator, cases above this many MACs are modeled only (not executed)")
+    s = sub.add_parser("sustained", help="back-to-back calls for a duration, per-second windows")
+    _common(s, "bench-out/sustained")
+    s.add_argument("--K", type=int, default=2048)
+    s.add_argument("--N", type=int, default=2048)
+    s.add_argument("--M", type=int, default=1)
+    s.add_argument("--dtype", type=_dtypes, default=["fp16"])
+    s.add_argument("--cores", type=int, default=3, choices=(1, 2, 3))
+    s.add_argument("--seconds", type=float, default=18.0, help="duration (seed Milestone 12 ran 18 s)")
+    s.add_argument("--window", type=float, default=1.0, help="window length in seconds")
+    from ggml_rknpu.bench import model as model_bench
+    model_bench.add_arguments(sub.add_parser("model", help="llama-bench CPU-only vs through rknpu serve"), _common)
+
+
+def rig_gate(args, console: Console) -> RigReport | None:
+    """check-rig first; None (refuse) on FAIL unless --allow-throttled."""
+    rig = check_rig(args.rig_root)
+    render_rig(rig, console)
+    if rig.failed and not args.allow_throttled:
+        console.print("[bold red]refusing to benchmark a throttled rig[/]: apply the fixes above, "
+                      "or pass --allow-throttled (the report will carry the FAIL)")
+        return None
+    if rig.failed:
+        console.print("[yellow]--allow-throttled: benchmarking anyway; figures are from a FAILed rig[/]")
+    return rig
+
+
+def _open_engine(args, cores: int):
+    import ggml_rknpu
+
+    return ggml_rknpu.open(device=args.device, cores=cores)
+
+
+def _device_meta(npu) -> dict:
+    device = npu.device
+    return {"device": f"{'sim-' if device.simulated else ''}{device.kind}", "simulated": bool(device.simulated),
+            "host": mm.host_description()}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def run_matmul_modeled(args, rig: RigReport) -> rp.Report:
+    seed_rows = mm.seed_comparison()
+    seed_table = rp.Table(
+        "Seed log Milestones 7/8 shapes: seed measured vs modeled", [
+            rp.Column("label", "workload"), rp.Column("M", "M"), rp.Column("K", "K"), rp.Column("N", "N"),
+            rp.Column("dtype", "dtype"),
+            rp.Column("seed_gflops_measured", "seed GFLOP/s", "{:.1f}", figure=True),
+            rp.Column("seed_path_gflops_modeled", "librknnrt path GFLOP/s", "{:.1f}", figure=True),
+            rp.Column("ours_1c_gflops_modeled", "ours 1 core GFLOP/s", "{:.1f}", figure=True),
+            rp.Column("ours_3c_gflops_modeled", "ours 3 cores GFLOP/s", "{:.1f}", figure=True),
+            rp.Column("ours_3c_dram528_gflops_modeled", "ours 3 cores, DRAM 528 MHz", "{:.1f}", figure=True)],
+        seed_rows,
+        note="seed GFLOP/s: measured by the seed through rknn_matmul_api (seed log, Milestones 7 and 8); "
+             "other columns modeled by cost.model at NPU 1000 MHz, DRAM 2112 MHz: the seed's own path "
+             "(librknnrt submit cost, vendor tiling) and our compiled program on 1 and 3 cores; the last column "
+             "is our 3-core program with DRAM parked at 528 MHz (seed log, Milestone 15 retraction).")
+    sweep = mm.modeled_sweep(SEED_SHAPES_FOR_SWEEP, args.dtypes, args.cores, args.ms)
+    sweep_table = rp.Table("Modeled GFLOP/s vs M (K=2048, N=2048)", [
+        rp.Column("dtype", "dtype"), rp.Column("cores", "cores"), rp.Column("M", "M"),
+        rp.Column("device_s_modeled", "device ms", "{:.3f}", figure=True),
+        rp.Column("gflops_modeled", "GFLOP/s", "{:.1f}", figure=True)],
+        [{**r, "device_s_modeled": r["device_s_modeled"] * 1e3} for r in sweep])
+    for r in sweep:
+        r["series"] = f"{r['dtype']} {r['cores']} core{'s' if r['cores'] > 1 else ''}"
+    plot = rp.Plot("gflops_vs_m.png", "GFLOP/s vs M, K=2048 N=2048 (modeled)", "M", "GFLOP/s",
+                   rp.series_by(sweep, "series", "M", "gflops_modeled", "{} ({})"), log_x=True)
+    bars = rp.Plot("seed_vs_modeled.png", "Seed Milestones 7/8: measured vs modeled", "workload", "GFLOP/s",
+                   [rp.Series("seed (measured)", [_bar_key(r) for r in seed_rows],
+                              [r["seed_gflops_measured"] for r in seed_rows]),
+                    rp.Series("librknnrt path (modeled)", [_bar_key(r) for r in seed_rows],
+                              [r["seed_path_gflops_modeled"] for r in seed_rows]),
+                    rp.Series("ours 3 cores (modeled)", [_bar_key(r) for r in seed_rows],
+                              [r["ours_3c_gflops_modeled"] for r in seed_rows])], kind="bar", log_y=True)
+    return rp.Report("matmul_modeled", "Matmul: modeled figures beside the seed's measured ones",
+                     rig.to_dict(), meta={"mode": "modeled (no device used)", "npu_mhz": 1000, "dram_mhz": 2112},
+                     tables=[seed_table, sweep_table], plots=[plot, bars],
+                     raw={"seed_comparison": seed_rows, "sweep": sweep})
+
+
+SEED_SHAPES_FOR_SWEEP = (mm.SEED_SHAPES[0],)
+
+
+def _bar_key(row: dict) -> str:
+    return f"{row['label']} M={row['M']}"
+
+
+def _shape_sets(text: str) -> list[mm.Shape]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in mm.SHAPE_SETS]
+    if bad:
+        raise SystemExit(f"bench matmul: unknown shape set(s) {bad}: choose {', '.join(mm.SHAPE_SETS)}")
+    return [s for n in names for s in mm.SHAPE_SETS[n]]
+
+
+def _present(columns: list[rp.Column], rows: list[dict]) -> list[rp.Column]:
+    return [c for c in columns if not c.figure or any(r.get(c.key) is not None for r in rows)]
+
+
+def _gflops_plots(rows: list[dict], prefix: str = "gflops_vs_m") -> list[rp.Plot]:
+    plots = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sub = [{**r, "series": f"{r['dtype']} {r['cores']}c"} for r in rows if r["shape"] == shape]
+        series = []
+        for key in ("gflops_measured", "gflops_modeled"):
+            series += rp.series_by(sub, "series", "M", key, "{} ({})")
+        plots.append(rp.Plot(f"{prefix}_{_slug(shape)}.png", f"GFLOP/s vs M: {shape}", "M", "GFLOP/s",
+                             series, log_x=True))
+    return plots
+
+
+def run_matmul(args, rig: RigReport, console: Console) -> rp.Report:
+    shapes = _shape_sets(args.shapes)
+    cases = [mm.Case(s, m, d, c) for s in shapes for d in args.dtypes for c in args.cores for m in args.ms]
+    probe = _open_engine(args, 1)
+    try:
+        meta = _device_meta(probe)
+    finally:
+        probe.close()
+    with rp.progress(console, "matmul", len(cases)) as advance:
+        rows = mm.burst(lambda cores: _open_engine(args, cores), cases, iters=args.iters, warmup=args.warmup,
+                        on_board=not meta["simulated"], max_sim_macs=int(args.max_sim_macs), advance=advance)
+    notes = []
+    if meta["simulated"]:
+        notes.append(f"simulator: device times are modeled; host columns (pack/submit/wait/unpack) are measured "
+                     f"on this host ({meta['host']}) running the simulator, not on a board")
+    skipped = [r for r in rows if not r["executed"]]
+    if skipped:
+        notes.append(f"{len(skipped)} case(s) too large for the simulator were priced by the cost model only "
+                     "(executed=false in the JSON)")
+    table = rp.Table("Matmul burst (median per call)", _present(mm.MATMUL_COLUMNS, rows), rows)
+    meta.update(iters=args.iters, warmup=args.warmup, mode="burst")
+    return rp.Report("matmul", "Matmul benchmark (burst)", rig.to_dict(), meta=meta, tables=[table],
+                     plots=_gflops_plots(rows), raw={"rows": rows, "shapes": [s.__dict__ for s in shapes]},
+                     notes=notes)
+
+
+def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
+    shape = mm.Shape(f"{args.K}x{args.N}", args.K, args.N, "command line")
+    case = mm.Case(shape, args.M, args.dtype[0], args.cores)
+    npu = _open_engine(args, case.cores)
+    try:
+        meta = _device_meta(npu)
+        n_windows = max(1, round(args.seconds / args.window))
+        with rp.progress(console, "sustained", n_windows) as advance:
+            windows = mm.sustained(npu, case, seconds=args.seconds, window_s=args.window,
+                                   snapshot=lambda: snapshot(args.rig_root), on_board=not meta["simulated"],
+                                   advance=advance)
+    finally:
+        npu.close()
+    basis = "measured" if not meta["simulated"] else "modeled"
+    trends = {"calls_per_s_measured": mm.trend(windows, "calls_per_s_measured"),
+              f"gflops_{basis}": mm.trend(windows, f"gflops_{basis}")}
+    columns = [rp.Column("window", "window"), rp.Column("t_s", "t s"), rp.Column("calls", "calls"),
+               rp.Column("calls_per_s_measured", "calls/s", "{:.1f}", figure=True),
+               rp.Column("call_ms_measured", "call ms", "{:.3f}", figure=True),
+               rp.Column(f"device_ms_{basis}", "device ms", "{:.3f}", figure=True),
+               rp.Column(f"gflops_{basis}", "GFLOP/s", "{:.1f}", figure=True),
+               rp.Column("dram_mhz", "DRAM MHz", "{:.0f}"), rp.Column("npu_mhz", "NPU MHz", "{:.0f}"),
+               rp.Column("max_temp_c", "max degC", "{:.1f}")]
+    trend_text = ", ".join(f"{k} {v:+.1%}" for k, v in trends.items() if v is not None)
+    notes = [f"trend first->last window: {trend_text}" if trend_text else "trend: fewer than two windows"]
+    if meta["simulated"]:
+        notes.append(f"simulator: calls/s and call ms are this host's ({meta['host']}) running the simulator; "
+                     "device time is modeled and cannot drift with temperature")
+    t = [w["t_s"] for w in windows]
+    plots = [rp.Plot("sustained_rate.png", f"Sustained {case.dtype} M={case.M} {shape.label}, {case.cores} cores",
+                     "time (s)", "calls/s",
+                     [rp.Series("calls/s (measured)", t, [w["calls_per_s_measured"] for w in windows])]),
+             rp.Plot("sustained_device.png", "Device GFLOP/s per window", "time (s)", "GFLOP/s",
+                     [rp.Series(f"device GFLOP/s ({basis})", t, [w.get(f"gflops_{basis}") for w in windows])])]
+    temp_series = []
+    for zone in sorted({z for w in windows for z in w["temps_c"]}):
+        temp_series.append(rp.Series(f"{zone} degC (measured)", t, [w["temps_c"].get(zone) for w in windows]))
+    if temp_series:
+        plots.append(rp.Plot("sustained_temps.png", "Temperatures per window", "time (s)", "degC", temp_series))
+    meta.update(mode="sustained", seconds=args.seconds, window_s=args.window, M=case.M, K=shape.K, N=shape.N,
+                dtype=case.dtype, cores=case.cores)
+    return rp.Report("sustained", "Sustained matmul (per-window)", rig.to_dict(), meta=meta,
+                     tables=[rp.Table("Windows", columns, windows)], plots=plots,
+                     raw={"windows": windows, "trend": trends}, notes=notes)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        rig = rig_gate(args, console)
+    except FileNotFoundError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    if rig is None:
+        return REFUSED
+    if args.bench == "matmul":
+        report = run_matmul_modeled(args, rig) if args.modeled else run_matmul(args, rig, console)
+    elif args.bench == "sustained":
+        report = run_sustained(args, rig, console)
+    else:
+        from ggml_rknpu.bench import model as model_bench
+        report = model_bench.run(args, rig, console)
+        if report is None:
+            return 1
+    report.print(console)
+    paths = report.write(args.out)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
