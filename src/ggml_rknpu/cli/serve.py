@@ -1,0 +1,110 @@
+"""Serve the NPU (or its simulator) to unmodified llama.cpp over the ggml RPC protocol 7.0.0.
+
+  rknpu serve --port 50052 --device sim-rknpu
+  llama-completion -m model.gguf --rpc 127.0.0.1:50052 -ngl 99 ...
+
+Flags follow ggml-rpc-server (-H/--host, -p/--port, -t/--threads, -c/--cache).
+``--device host`` runs every op on the host (no NPU engine): a protocol and op
+reference. Counters (where ops ran, staged weights, host µs per node) are printed
+on SIGUSR1, after each client with ``--stats``, and at exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-H", "--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; anything else is reachable without authentication)")
+    p.add_argument("-p", "--port", type=int, default=50052, help="TCP port (default 50052, 0 = any free port)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
+                        "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
+    p.add_argument("--weights", default="fp16", choices=("fp16", "int8"),
+                   help="format weights are staged in on the NPU (fp16 is the accuracy reference)")
+    p.add_argument("-c", "--cache", type=Path, default=None, metavar="DIR",
+                   help="tensor cache directory for SET_TENSOR_HASH (like ggml-rpc-server -c)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="BLAS threads for host ops (sets OPENBLAS_NUM_THREADS/OMP_NUM_THREADS; 1 on a shared box)")
+    p.add_argument("--stats", action="store_true", help="print the placement counters after every client")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
+
+
+def _set_threads(threads: int | None) -> None:
+    """BLAS pools read their size at load; re-exec once if numpy is already loaded with another size."""
+    if threads is None:
+        return
+    wanted = str(threads)
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    if all(os.environ.get(n) == wanted for n in names):
+        return
+    for n in names:
+        os.environ[n] = wanted
+    if "numpy" in sys.modules:
+        os.execv(sys.executable, [sys.executable, "-m", "ggml_rknpu.cli.main", *sys.argv[1:]])
+
+
+def _open_engine(device: str):
+    if device == "host":
+        return None
+    import ggml_rknpu
+
+    return ggml_rknpu.open(device=None if device == "auto" else device)
+
+
+def run(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    log = logging.getLogger("ggml_rknpu.rpc")
+
+    from ggml_rknpu.ggml.buffers import DeviceMemory
+    from ggml_rknpu.ggml.rpc.server import HOST_ONLY_BUDGET, RpcServer, ServerConfig, ServerState
+
+    try:
+        npu = _open_engine(args.device)
+    except Exception as exc:
+        log.error("cannot open the NPU engine for --device %s: %s (use --device host to serve without it)",
+                  args.device, exc)
+        return 1
+    budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
+    config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
+                          stats_each_client=args.stats)
+    state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
+    try:
+        server = RpcServer(state, args.host, args.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
+
+    def print_stats(*_: object) -> None:
+        sys.stderr.write(state.stats.render(state.weight_stats))
+        sys.stderr.flush()
+
+    def terminate(*_: object) -> None:
+        raise SystemExit(0)   # unwinds a blocked session too: its socket is shut down in its finally
+
+    signal.signal(signal.SIGUSR1, print_stats)
+    signal.signal(signal.SIGTERM, terminate)
+    free, total = state.memory.report()
+    engine = "host only (no NPU)" if npu is None else f"NPU engine on {args.device}"
+    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free",
+             args.host, server.port, engine, args.weights, free / 2**20, total / 2**20)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print_stats()
+        if npu is not None:
+            npu.close()
+    return 0

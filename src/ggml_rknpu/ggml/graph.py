@@ -1,0 +1,313 @@
+"""GRAPH_COMPUTE payload → a plan of prepared steps, built once, replayed per token.
+
+llama.cpp resends the same graph (or a 13-byte GRAPH_RECOMPUTE) every decode step
+[ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
+decides where each node runs and asks the op modules for a closure
+(``ops.plan_op``) or builds an NPU matmul step around a staged weight. Replaying a
+plan is a loop over closures: no parsing, no dictionary lookups, no decisions.
+Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
+covers clients whose graph uid changes while the graph does not.
+
+Checks made before any step exists: exact payload size, node count, unique
+tensor ids, every src / view_src id known, nodes only read nodes that come earlier
+(which also rules out cycles), view chains acyclic and consistent with their
+parent's address, every tensor's bytes inside its buffer. Bytes written by a node
+are recorded per buffer so they can never be mistaken for a weight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ggml_rknpu.ggml.buffers import BufferTable
+from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
+from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats
+from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
+from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor
+from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+VIEW_OPS = frozenset(int(o) for o in (GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE))
+FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
+PLANS_PER_DEVICE = 32              # identical-graph cache (partial offload sends many splits)
+_FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16))  # bf16 as_array is a uint16 view
+
+
+def op_name(op: int) -> str:
+    try:
+        return GgmlOp(op).name
+    except ValueError:
+        return f"op{op}"
+
+
+@dataclass
+class Step:
+    """One prepared node: the closure, and the counter its executions land in."""
+
+    run: Callable[[], None]
+    counter: OpCounter
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    dev: int
+    digest: bytes
+    steps: list[Step]
+    n_nodes: int
+    n_views: int
+    runs: int = 0
+
+    def execute(self, stats: ServerStats) -> None:
+        clock = time.perf_counter
+        for step in self.steps:
+            t0 = clock()
+            step.run()
+            c = step.counter
+            c.seconds += clock() - t0
+            c.ops += 1
+            c.bytes += step.nbytes
+        self.runs += 1
+        stats.graph_runs += 1
+        stats.view_nodes += self.n_views
+
+
+@dataclass
+class ParsedGraph:
+    dev: int
+    node_ids: list[int]
+    tensors: dict[int, RpcTensor]
+
+
+def parse_graph(payload: bytes | memoryview) -> ParsedGraph:
+    """dev u32 | n_nodes u32 | u64 ids[n_nodes] | n_tensors u32 | rpc_tensor[n_tensors], exact size."""
+    size = len(payload)
+    dev, n_nodes = GRAPH_HEAD.unpack_from(payload, 0)
+    if n_nodes > MAX_GRAPH_NODES:
+        raise ProtocolError(f"GRAPH_COMPUTE: absurd node count {n_nodes} (limit {MAX_GRAPH_NODES})")
+    pos = GRAPH_HEAD.size + 8 * n_nodes
+    if pos + 4 > size:
+        raise ProtocolError(f"GRAPH_COMPUTE: {n_nodes} node ids do not fit a {size}-byte payload")
+    node_ids = list(np.frombuffer(payload, dtype="<u8", count=n_nodes, offset=GRAPH_HEAD.size).tolist())
+    (n_tensors,) = U32.unpack_from(payload, pos)
+    pos += 4
+    if size != pos + n_tensors * RPC_TENSOR_SIZE:
+        raise ProtocolError(
+            f"GRAPH_COMPUTE: payload is {size} bytes, {n_nodes} nodes and {n_tensors} tensors need "
+            f"{pos + n_tensors * RPC_TENSOR_SIZE}"
+        )
+    tensors: dict[int, RpcTensor] = {}
+    for i in range(n_tensors):
+        t = RpcTensor.unpack_from(payload, pos + i * RPC_TENSOR_SIZE)
+        if t.id == 0:
+            raise ProtocolError(f"GRAPH_COMPUTE: tensor #{i} '{t.name}' has id 0")
+        if t.id in tensors:
+            raise ProtocolError(f"GRAPH_COMPUTE: tensor id {t.id:#x} appears twice")
+        tensors[t.id] = t
+    return ParsedGraph(dev, node_ids, tensors)
+
+
+def _check_structure(g: ParsedGraph) -> dict[int, int]:
+    """Node positions; ProtocolError for unknown ids, duplicate nodes, cycles, bad views."""
+    position: dict[int, int] = {}
+    for p, nid in enumerate(g.node_ids):
+        if nid not in g.tensors:
+            raise ProtocolError(f"GRAPH_COMPUTE: node #{p} id {nid:#x} is not in the tensor list")
+        if nid in position:
+            raise ProtocolError(f"GRAPH_COMPUTE: node id {nid:#x} listed twice")
+        position[nid] = p
+    for t in g.tensors.values():
+        for s in t.src:
+            if s and s not in g.tensors:
+                raise ProtocolError(f"GRAPH_COMPUTE: tensor '{t.name}' has unknown src id {s:#x}")
+        if t.view_src and t.view_src not in g.tensors:
+            raise ProtocolError(f"GRAPH_COMPUTE: tensor '{t.name}' has unknown view_src id {t.view_src:#x}")
+    for nid, p in position.items():
+        t = g.tensors[nid]
+        for s in (*t.src, t.view_src):
+            if s and position.get(s, -1) >= p:
+                raise ProtocolError(
+                    f"GRAPH_COMPUTE: node #{p} '{t.name}' reads '{g.tensors[s].name}', which is computed "
+                    f"at or after it (cycle or wrong order)"
+                )
+    # view chains: acyclic (memoised walk), same buffer, address = parent + view_offs
+    settled: set[int] = set()
+    for tid in g.tensors:
+        path: list[int] = []
+        on_path: set[int] = set()
+        cur = tid
+        while cur and cur not in settled:
+            if cur in on_path:
+                raise ProtocolError(f"GRAPH_COMPUTE: view_src cycle through '{g.tensors[cur].name}'")
+            path.append(cur)
+            on_path.add(cur)
+            cur = g.tensors[cur].view_src
+        settled.update(path)
+    for t in g.tensors.values():
+        if t.view_src:
+            parent = g.tensors[t.view_src]
+            if parent.buffer != t.buffer or parent.data + t.view_offs != t.data:
+                raise ProtocolError(
+                    f"GRAPH_COMPUTE: view '{t.name}' at {t.data:#x} in buffer {t.buffer:#x} is not "
+                    f"'{parent.name}' ({parent.data:#x} in {parent.buffer:#x}) + {t.view_offs}"
+                )
+    return position
+
+
+def _contiguous_2d(t: RpcTensor) -> bool:
+    block, type_size = TYPE_TRAITS[GgmlType(t.type)]
+    row = t.ne[0] // block * type_size
+    return t.ne[2] == 1 and t.ne[3] == 1 and t.nb[0] == type_size and t.nb[1] == row
+
+
+class GraphPlanner:
+    """Turns GRAPH_COMPUTE payloads into plans for one connection."""
+
+    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: Any, stats: ServerStats,
+                 plan_op: Callable[[Any], Callable[[], None]] | None = None) -> None:
+        self.buffers = buffers
+        self.weights = weights
+        self.npu = npu
+        self.stats = stats
+        self._plan_op = plan_op
+
+    def plan_op(self, node: Any) -> Callable[[], None]:
+        if self._plan_op is None:
+            from ggml_rknpu.ggml.ops.registry import plan_op
+
+            self._plan_op = plan_op
+        return self._plan_op(node)
+
+    def build(self, payload: bytes | memoryview, digest: bytes) -> Plan:
+        t0 = time.perf_counter()
+        g = parse_graph(payload)
+        position = _check_structure(g)
+        checked: dict[int, CheckedTensor] = {
+            tid: check_tensor(t, self.buffers, "GRAPH_COMPUTE tensor") for tid, t in g.tensors.items()
+        }
+        for nid in g.node_ids:                       # bytes written by nodes are never weights
+            t = g.tensors[nid]
+            c = checked[nid]
+            if t.op not in VIEW_OPS and c.buffer is not None and c.end > c.start:
+                c.buffer.graph_written.add(c.start, c.end)
+                self.weights.mark_graph_written(c.buffer, c.start, c.end)
+
+        refs: dict[int, Any] = {}
+
+        def ref(tid: int) -> Any:
+            r = refs.get(tid)
+            if r is None:
+                r = refs[tid] = checked[tid].ref()
+            return r
+
+        steps: list[Step] = []
+        staged: list[WeightSlot] = []
+        n_views = 0
+        for nid in g.node_ids:
+            t = g.tensors[nid]
+            if t.op in VIEW_OPS:
+                n_views += 1
+                continue
+            span = sum(checked[s].end - checked[s].start for s in t.src if s) + checked[nid].end - checked[nid].start
+            slot = self._weight_slot(t, g, position, checked) if t.op == GgmlOp.MUL_MAT else None
+            if slot is not None:
+                staged.append(slot)
+                run = self._npu_matmul(t, slot, ref, lambda t=t: self._host_node(t, ref))
+                steps.append(Step(run, self.stats.counter("MUL_MAT", NPU), span))
+            else:
+                steps.append(Step(self._host_node(t, ref), self.stats.counter(op_name(t.op), HOST), span))
+        self.weights.stage_all(staged)
+        self.stats.plans_built += 1
+        self.stats.plan_seconds += time.perf_counter() - t0
+        return Plan(g.dev, digest, steps, len(g.node_ids), n_views)
+
+    def _host_node(self, t: RpcTensor, ref: Callable[[int], Any]) -> Callable[[], None]:
+        from ggml_rknpu.ggml.ops.registry import OpNode
+
+        node = OpNode(op=t.op, op_params=np.array(t.op_params, dtype=np.int32), dst=ref(t.id),
+                      srcs=tuple(ref(s) if s else None for s in t.src), name=t.name)
+        return self.plan_op(node)
+
+    def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
+                     checked: dict[int, CheckedTensor]) -> WeightSlot | None:
+        """The staged-weight slot for this MUL_MAT's src0, or None when it runs on the host."""
+        if self.npu is None:
+            return None
+        s0, s1 = t.src[0], t.src[1]
+        if not s0 or not s1:
+            return None
+        w, a = g.tensors[s0], g.tensors[s1]
+        c0 = checked[s0]
+        if (s0 in position or w.view_src or w.flags & FLAG_INPUT or c0.buffer is None
+                or not _contiguous_2d(w) or c0.buffer.graph_written.overlaps(c0.start, c0.end)):
+            return None
+        k, n = w.ne[0], w.ne[1]
+        if (a.type not in _FLOAT_ACTIVATIONS or t.type != GgmlType.F32 or a.ne[0] != k or t.ne[0] != n
+                or t.ne[1:] != a.ne[1:]):
+            return None
+        return self.weights.slot_for(c0)
+
+    def _npu_matmul(self, t: RpcTensor, slot: WeightSlot, ref: Callable[[int], Any],
+                    host_plan: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted."""
+        npu, weights = self.npu, self.weights
+        a_view = ref(t.src[1]).as_array()
+        d_view = ref(t.id).as_array()
+        k = slot.k
+        fallback: list[Callable[[], None]] = []
+
+        def run() -> None:
+            handle = weights.weight(slot)
+            if handle is not None:
+                a = np.ascontiguousarray(a_view, dtype=np.float32).reshape(-1, k)
+                try:
+                    c = npu.matmul(a, handle)
+                except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
+                    slot.failed = f"{type(exc).__name__}: {exc}"
+                    weights.stats.failures += 1
+                    log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
+                else:
+                    d_view[...] = c.reshape(d_view.shape)
+                    return
+            if not fallback:
+                fallback.append(host_plan())
+            fallback[0]()
+
+        return run
+
+
+@dataclass
+class DeviceGraphs:
+    """Per device: the last graph (GRAPH_RECOMPUTE) and recent plans by payload digest."""
+
+    last: Plan | None = None
+    by_digest: OrderedDict[bytes, Plan] = field(default_factory=OrderedDict)
+
+    def lookup(self, digest: bytes) -> Plan | None:
+        plan = self.by_digest.get(digest)
+        if plan is not None:
+            self.by_digest.move_to_end(digest)
+        return plan
+
+    def remember(self, plan: Plan) -> None:
+        self.by_digest[plan.digest] = plan
+        self.by_digest.move_to_end(plan.digest)
+        while len(self.by_digest) > PLANS_PER_DEVICE:
+            self.by_digest.popitem(last=False)
+        self.last = plan
+
+    def clear(self) -> None:
+        self.last = None
+        self.by_digest.clear()
+
+
+def graph_digest(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()

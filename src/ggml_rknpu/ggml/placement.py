@@ -1,0 +1,107 @@
+"""Where each op runs (NPU engine or host numpy), and the counters that prove it.
+
+Policy (issue 4 item 5): a MUL_MAT whose src0 is a staged weight runs on the NPU
+engine — the weight is already resident, so only the activations move. Everything
+else (element-wise ops, norms, rope, attention, and matmuls between two computed
+tensors such as KQ/KQV) runs on the host: those operands change every call, so the
+NPU would pay packing, an upload and a submit per op for work numpy does in
+microseconds at decode sizes. The cost model (``cost/model.py``) prices programs for
+resident weights; pricing a per-call upload of both operands is not modeled yet, so
+no non-weight op is moved to the NPU (a deliberate, documented simplification).
+
+Counters are per (op, engine): nodes executed, bytes touched (sources + destination
+spans), host seconds around the step. Printed on SIGUSR1, with ``--stats`` after each
+client, and at exit.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+NPU = "npu"
+HOST = "host"
+
+
+@dataclass(slots=True)
+class OpCounter:
+    ops: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ServerStats:
+    """Everything the server counts; one instance per server (all connections)."""
+
+    per_op: dict[tuple[str, str], OpCounter] = field(default_factory=dict)
+    connections: int = 0
+    rejected: int = 0                 # connections closed for a protocol / validation error
+    unsupported: int = 0              # connections closed for an op we cannot run
+    plans_built: int = 0
+    plan_cache_hits: int = 0          # identical GRAPH_COMPUTE bytes replayed
+    recomputes: int = 0               # GRAPH_RECOMPUTE replays
+    graph_runs: int = 0
+    view_nodes: int = 0               # nodes that need no work (views)
+    plan_seconds: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def counter(self, op: str, engine: str) -> OpCounter:
+        key = (op, engine)
+        c = self.per_op.get(key)
+        if c is None:
+            c = self.per_op[key] = OpCounter()
+        return c
+
+    def engine_totals(self) -> dict[str, OpCounter]:
+        totals: dict[str, OpCounter] = {}
+        for (_, engine), c in self.per_op.items():
+            t = totals.setdefault(engine, OpCounter())
+            t.ops += c.ops
+            t.bytes += c.bytes
+            t.seconds += c.seconds
+        return totals
+
+    def host_us_per_node(self) -> float | None:
+        """Host time per executed non-matmul node, in µs (the per-token overhead figure)."""
+        ops = secs = 0
+        for (op, engine), c in self.per_op.items():
+            if engine == HOST and op != "MUL_MAT":
+                ops += c.ops
+                secs += c.seconds
+        return secs / ops * 1e6 if ops else None
+
+    def render(self, weights=None) -> str:
+        """A human table (rich), as text."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="rknpu serve: where ops ran (host seconds measured on this machine)")
+        for col in ("op", "engine", "nodes", "MiB", "host ms", "µs/node"):
+            table.add_column(col, justify="right" if col not in ("op", "engine") else "left")
+        for (op, engine), c in sorted(self.per_op.items(), key=lambda kv: -kv[1].seconds):
+            table.add_row(op, engine, str(c.ops), f"{c.bytes / 2**20:.1f}", f"{c.seconds * 1e3:.1f}",
+                          f"{c.seconds / c.ops * 1e6:.1f}" if c.ops else "-")
+        for engine, t in sorted(self.engine_totals().items()):
+            table.add_row(f"[b]total[/b]", engine, str(t.ops), f"{t.bytes / 2**20:.1f}",
+                          f"{t.seconds * 1e3:.1f}", f"{t.seconds / t.ops * 1e6:.1f}" if t.ops else "-")
+        out = io.StringIO()
+        console = Console(file=out, width=100, force_terminal=False)
+        console.print(table)
+        per_node = self.host_us_per_node()
+        lines = [
+            f"connections {self.connections} (rejected {self.rejected}, unsupported op {self.unsupported})",
+            f"graphs run {self.graph_runs}: plans built {self.plans_built} ({self.plan_seconds * 1e3:.1f} ms), "
+            f"identical-graph replays {self.plan_cache_hits}, GRAPH_RECOMPUTE replays {self.recomputes}, "
+            f"view nodes skipped {self.view_nodes}",
+            f"host time per non-matmul node: {per_node:.1f} µs" if per_node is not None else "host time per node: -",
+            f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out",
+        ]
+        if weights is not None:
+            lines.append(
+                f"weights: {weights.staged} staged ({weights.staged_bytes / 2**20:.1f} MiB ggml data), "
+                f"{weights.uploads} uploads ({weights.upload_seconds:.2f} s), {weights.invalidations} invalidated, "
+                f"{weights.demoted} demoted to host, {weights.failures} refused by the engine"
+            )
+        return out.getvalue() + "\n".join(lines) + "\n"

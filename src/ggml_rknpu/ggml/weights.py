@@ -1,0 +1,214 @@
+"""Weight residency: MUL_MAT weights converted once, staged on the NPU, invalidated on any write.
+
+The protocol never says which buffers hold weights, so the graph planner proposes
+candidates (the src0 of a MUL_MAT that is a leaf: not computed by the graph, not a
+view, not a graph input, never written by any graph node) and this store turns each
+into a ``WeightSlot``: the bytes ``[start, end)`` of one buffer, converted from the
+ggml type with ``gguf.quants.dequantize`` and handed to ``npu.upload_weight`` in the
+server's weight format (``fp16`` = the accuracy reference, or ``int8``).
+
+Any later write to those bytes (SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR,
+MEMSET_TENSOR, BUFFER_CLEAR, or a graph node whose output overlaps them) calls
+``invalidate``; the staged copy is freed and the next use re-stages from the current
+bytes, so a result is never computed from stale weights. A slot invalidated after
+staging more than ``VOLATILE_AFTER`` times is data the client rewrites all the time
+(an activation copied in as src0); it is demoted to the host path for good instead of
+being re-uploaded every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from ggml_rknpu.ggml.buffers import DeviceBuffer
+from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.ggml.tensor import CheckedTensor
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+# The ggml types the server converts into NPU weights (issue 4 item 3); gguf-py
+# dequantizes each of them. Anything else runs on the host.
+WEIGHT_TYPES: frozenset[int] = frozenset(int(t) for t in (
+    GgmlType.F32, GgmlType.F16, GgmlType.BF16,
+    GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q8_0,
+    GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K,
+))
+WEIGHT_FORMATS = ("fp16", "int8")
+VOLATILE_AFTER = 2
+PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
+
+
+def to_float_rows(raw: np.ndarray, type_id: int, n_rows: int, k: int) -> np.ndarray:
+    """ggml bytes of a contiguous [n_rows, k] tensor -> float32 [n_rows, k] (gguf's decoders)."""
+    rows = raw.reshape(n_rows, -1)
+    return np.asarray(dequantize(rows, GGMLQuantizationType(type_id)), dtype=np.float32).reshape(n_rows, k)
+
+
+@dataclass(eq=False)
+class WeightSlot:
+    """One weight tensor's bytes in one buffer, and its staged NPU copy (or None)."""
+
+    buffer: DeviceBuffer
+    start: int
+    end: int
+    type: int
+    n: int                           # rows (ne01): output features
+    k: int                           # row length (ne00)
+    name: str
+    handle: Any = None               # engine weight from npu.upload_weight, None = not staged
+    stage_count: int = 0
+    invalidations: int = 0
+    volatile: bool = False           # demoted for good: runs on the host
+    failed: str | None = None        # why the engine refused it: runs on the host
+
+    @property
+    def on_npu(self) -> bool:
+        return not self.volatile and self.failed is None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class WeightStats:
+    staged: int = 0                  # currently resident
+    staged_bytes: int = 0            # ggml bytes of the resident weights
+    uploads: int = 0                 # total npu.upload_weight calls
+    invalidations: int = 0
+    demoted: int = 0
+    failures: int = 0
+    upload_seconds: float = 0.0
+
+
+@dataclass
+class WeightStore:
+    """The slots of one connection (freed with its buffers)."""
+
+    npu: Any
+    fmt: str = "fp16"
+    progress: bool = True
+    stats: WeightStats = field(default_factory=WeightStats)
+    _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
+    _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, not {self.fmt!r}")
+
+    def slot_for(self, t: CheckedTensor) -> WeightSlot | None:
+        """The slot for a candidate weight, or None if it cannot be an NPU weight."""
+        r = t.rpc
+        if self.npu is None or t.buffer is None or r.type not in WEIGHT_TYPES:
+            return None
+        key = (t.buffer.handle, t.start, t.end, r.type, r.ne[0], r.ne[1])
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = WeightSlot(buffer=t.buffer, start=t.start, end=t.end, type=r.type,
+                              n=r.ne[1], k=r.ne[0], name=r.name)
+            self._slots[key] = slot
+            self._by_buffer.setdefault(t.buffer.handle, []).append(slot)
+        return slot if slot.on_npu else None
+
+    def weight(self, slot: WeightSlot) -> Any:
+        """The staged engine weight, staging it first if needed (None: run on the host)."""
+        if slot.handle is None and slot.on_npu:
+            self._stage(slot)
+        return slot.handle
+
+    def stage_all(self, slots: Iterable[WeightSlot]) -> None:
+        """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
+        todo = [s for s in dict.fromkeys(slots) if s.handle is None and s.on_npu]
+        if not todo:
+            return
+        if not (self.progress and len(todo) >= PROGRESS_MIN_SLOTS):
+            for slot in todo:
+                self._stage(slot)
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        total = sum(s.nbytes for s in todo)
+        columns = (TextColumn("staging weights ({task.fields[fmt]})"), BarColumn(), DownloadColumn(),
+                   TextColumn("{task.fields[name]}"), TimeRemainingColumn())
+        with Progress(*columns, console=Console(file=sys.stderr), transient=False) as bar:
+            task = bar.add_task("stage", total=total, fmt=self.fmt, name="")
+            for slot in todo:
+                bar.update(task, name=slot.name)
+                self._stage(slot)
+                bar.advance(task, slot.nbytes)
+        log.info("staged %d weights (%.1f MiB of ggml data) as %s", len(todo), total / 2**20, self.fmt)
+
+    def _stage(self, slot: WeightSlot) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            b = to_float_rows(slot.buffer.array[slot.start:slot.end], slot.type, slot.n, slot.k)
+            slot.handle = self.npu.upload_weight(b, dtype=self.fmt)
+        except Exception as exc:  # engine limits / NPU out of memory: this weight stays on the host
+            slot.failed = f"{type(exc).__name__}: {exc}"
+            self.stats.failures += 1
+            log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
+            return
+        slot.stage_count += 1
+        self.stats.uploads += 1
+        self.stats.staged += 1
+        self.stats.staged_bytes += slot.nbytes
+        self.stats.upload_seconds += time.perf_counter() - t0
+
+    def _unstage(self, slot: WeightSlot) -> None:
+        if slot.handle is None:
+            return
+        handle, slot.handle = slot.handle, None
+        self.stats.staged -= 1
+        self.stats.staged_bytes -= slot.nbytes
+        free = getattr(handle, "free", None)
+        if free is not None:
+            free()
+
+    def invalidate(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+        """Bytes [start, end) of ``buffer`` were written: drop staged copies overlapping them."""
+        for slot in self._by_buffer.get(buffer.handle, ()):
+            if slot.start < end and start < slot.end and slot.handle is not None:
+                self._unstage(slot)
+                slot.invalidations += 1
+                self.stats.invalidations += 1
+                if slot.invalidations >= VOLATILE_AFTER and not slot.volatile:
+                    slot.volatile = True
+                    self.stats.demoted += 1
+                    log.info("weight candidate '%s' is rewritten repeatedly: host path from now on", slot.name)
+
+    def mark_graph_written(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+        """A graph node writes [start, end): overlapping slots are activations, demoted for good.
+
+        Plans are replayed without re-deciding, so a replayed write could never
+        invalidate a copy staged in between; demoting at plan time is what keeps
+        every replay correct.
+        """
+        for slot in self._by_buffer.get(buffer.handle, ()):
+            if slot.start < end and start < slot.end:
+                self._unstage(slot)
+                if not slot.volatile:
+                    slot.volatile = True
+                    self.stats.demoted += 1
+
+    def drop_buffer(self, buffer: DeviceBuffer) -> None:
+        """The buffer was freed: free its staged weights and forget its slots."""
+        for slot in self._by_buffer.pop(buffer.handle, ()):
+            self._unstage(slot)
+        self._slots = {k: s for k, s in self._slots.items() if s.buffer is not buffer}
+
+    def close(self) -> None:
+        for slots in self._by_buffer.values():
+            for slot in slots:
+                self._unstage(slot)
+        self._by_buffer.clear()
+        self._slots.clear()

@@ -1,0 +1,70 @@
+"""Wire layouts of ggml RPC 7.0.0: sizes and offsets from reference/ggml-rpc.md §3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggml_rknpu.ggml.enums import RPC_PROTO
+from ggml_rknpu.ggml.rpc import wire
+from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
+from ggml_rknpu.ggml.tensor import RpcTensor
+
+
+def test_protocol_version_matches_the_pinned_headers():
+    assert wire.PROTO_VERSION == RPC_PROTO == (7, 0, 0)
+
+
+def test_rpc_tensor_field_offsets():
+    # [ggml-rpc.md §3.3] offsets of every field of the 296-byte packed struct
+    expected = {"id": 0, "type": 8, "buffer": 12, "ne": 20, "nb": 36, "op": 52, "op_params": 56,
+                "flags": 120, "src": 124, "view_src": 204, "view_offs": 212, "data": 220,
+                "name": 228, "use_count": 292}
+    assert wire.RPC_TENSOR.size == wire.RPC_TENSOR_DTYPE.itemsize == 296
+    assert {n: wire.RPC_TENSOR_DTYPE.fields[n][1] for n in expected} == expected
+
+
+def test_struct_and_dtype_agree_on_a_packed_tensor():
+    raw = wire.pack_tensor(id=0x1122334455667788, type=12, buffer=0xB0F0000000001, ne=(256, 3, 2, 1),
+                           nb=(144, 144, 432, 864), data=0x1_0000_0040, op=29, op_params=(1, -2, 3),
+                           flags=16, src=(7, 8), view_src=9, view_offs=64, name="blk.0.ffn_up.weight")
+    rec = np.frombuffer(raw, dtype=wire.RPC_TENSOR_DTYPE)[0]
+    t = RpcTensor.unpack_from(raw)
+    assert t.id == rec["id"] == 0x1122334455667788
+    assert t.ne == tuple(rec["ne"]) == (256, 3, 2, 1)
+    assert t.nb == tuple(rec["nb"]) == (144, 144, 432, 864)
+    assert t.op_params[:3] == tuple(rec["op_params"][:3]) == (1, -2, 3)
+    assert t.src[:3] == (7, 8, 0) and t.view_src == 9 and t.view_offs == 64
+    assert t.data == rec["data"] == 0x1_0000_0040
+    assert t.name == "blk.0.ffn_up.weight"
+    # little-endian, no padding: the type sits at byte 8, data at byte 220
+    assert raw[8:12] == (12).to_bytes(4, "little")
+    assert raw[220:228] == (0x1_0000_0040).to_bytes(8, "little")
+
+
+@pytest.mark.parametrize("cmd,size", [
+    (Cmd.ALLOC_BUFFER, 12), (Cmd.GET_ALIGNMENT, 4), (Cmd.GET_MAX_SIZE, 4), (Cmd.BUFFER_GET_BASE, 8),
+    (Cmd.FREE_BUFFER, 8), (Cmd.BUFFER_CLEAR, 9), (Cmd.SET_TENSOR_HASH, 312), (Cmd.GET_TENSOR, 312),
+    (Cmd.COPY_TENSOR, 592), (Cmd.GET_DEVICE_MEMORY, 4), (Cmd.INIT_TENSOR, 296), (Cmd.GET_ALLOC_SIZE, 3260),
+    (Cmd.HELLO, 24), (Cmd.DEVICE_COUNT, 0), (Cmd.GRAPH_RECOMPUTE, 4), (Cmd.MEMSET_TENSOR, 313),
+])
+def test_fixed_sizes_accepted_exactly(cmd, size):
+    wire.expected_payload(cmd, size)
+    for wrong in (size - 1, size + 1):
+        if wrong >= 0:
+            with pytest.raises(ProtocolError):
+                wire.expected_payload(cmd, wrong)
+
+
+def test_variable_sizes_and_unknown_commands():
+    wire.expected_payload(Cmd.SET_TENSOR, 305)           # empty write is legal
+    wire.expected_payload(Cmd.SET_TENSOR, 305 + 4096)
+    with pytest.raises(ProtocolError):
+        wire.expected_payload(Cmd.SET_TENSOR, 304)
+    wire.expected_payload(Cmd.GRAPH_COMPUTE, 12)
+    with pytest.raises(ProtocolError):
+        wire.expected_payload(Cmd.GRAPH_COMPUTE, wire.MAX_GRAPH_PAYLOAD + 1)
+    for cmd in (18, 19, 200, 255):
+        with pytest.raises(ProtocolError, match="unknown command"):
+            wire.expected_payload(cmd, 0)
+    assert len(Cmd) == wire.N_COMMANDS == 18
