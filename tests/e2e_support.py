@@ -8,12 +8,15 @@ said.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +77,20 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.argv}\n"
                                    f"{log_tail(self.log_path)}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                    return self
-            except OSError:
-                time.sleep(0.2)
+            if self.ready():
+                return self
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not listen on {self.endpoint} within {self.ready_timeout} s\n"
                            f"{log_tail(self.log_path)}")
+
+    def ready(self) -> bool:
+        """The port accepts connections (subclasses may ask more)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -119,11 +128,39 @@ def cpp_server(tmp_path: Path) -> Server:
     return Server(argv, port, tmp_path / f"ggml-rpc-server-{port}.log", ready_timeout=30.0)
 
 
+class LlamaServer(Server):
+    """llama.cpp's ``llama-server`` (OpenAI-style HTTP API); ready once /health answers 200."""
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=2.0) as reply:
+                return reply.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        request = urllib.request.Request(f"http://{self.endpoint}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.loads(reply.read())
+
+
+def llama_server(tmp_path: Path, model: Path, *, rpc: str | None, extra: tuple[str, ...] = ()) -> LlamaServer:
+    port = free_port()
+    argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "-t", "1", "-c", "512", "-np", "1", *extra]
+    if rpc:
+        argv += ["--rpc", rpc, "-ngl", "99"]
+    return LlamaServer(argv, port, tmp_path / f"llama-server-{port}.log", ready_timeout=600.0)
+
+
 def run_tool(name: str, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
              ) -> subprocess.CompletedProcess[str]:
-    """Run a pinned llama.cpp tool to completion, capturing text output."""
-    return subprocess.run([str(llamacpp.tool(name)), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or tool_env(), stdin=subprocess.DEVNULL)
+    """Run a pinned llama.cpp tool to completion, capturing output losslessly (byte tokens of a
+    random model are not valid UTF-8; surrogateescape keeps them distinguishable)."""
+    return subprocess.run([str(llamacpp.tool(name)), *args], capture_output=True, encoding="utf-8",
+                          errors="surrogateescape", timeout=timeout, env=env or tool_env(),
+                          stdin=subprocess.DEVNULL)
 
 
 # --- test-backend-ops -------------------------------------------------------------------------
@@ -141,8 +178,12 @@ _PASSED = re.compile(r"^\s*(\d+)/(\d+) tests passed", re.M)
 _BACKEND = re.compile(r"^\s*Backend RPC0\S*: (OK|FAIL)", re.M)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def parse_backend_ops(output: str) -> BackendOpsResult:
     """Counts from test-backend-ops' "N/M tests passed" line of the RPC0 backend and its verdict."""
+    output = _ANSI.sub("", output)
     counts = _PASSED.findall(output)
     verdict = _BACKEND.findall(output)
     failures = tuple(line.strip() for line in output.splitlines()
@@ -166,17 +207,28 @@ def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeo
 
 # --- llama-completion -------------------------------------------------------------------------
 
-_EVAL = re.compile(r"eval: \[(.*?)\]\s*$", re.M)
-_TOKEN_ID = re.compile(r"':(\d+)\s*(?:,|$)")
+# The pinned tools print through an asynchronous logger that is never joined at exit (it is
+# leaked on purpose, log.cpp), so on a busy machine the tail of the output can be lost. The logger
+# is one FIFO: once common_perf_print's lines (printed after the generated text) are on stderr,
+# the text on stdout is complete. An incomplete run is repeated rather than compared.
+_COMPLETE_MARK = "common_perf_print:"
 
 
 def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
-               extra: tuple[str, ...] = (), timeout: float = 300.0) -> tuple[str, subprocess.CompletedProcess[str]]:
-    """Greedy text from ``llama-completion`` (CPU-only, or fully offloaded to ``rpc`` servers)."""
+               extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 3,
+               ) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """Greedy text of exactly ``n_predict`` tokens from ``llama-completion`` (CPU-only, or fully
+    offloaded to the ``rpc`` servers). The text is returned without the tool's closing blank line."""
     args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-no-cnv",
-            "-t", "1", "-c", "256", "--no-display-prompt", "--seed", "1"]
+            "-t", "1", "-c", "256", "--no-display-prompt", "--seed", "1", "--ignore-eos"]
     if rpc:
         args = ["--rpc", rpc, *args, "-ngl", "99"]
     args += list(extra)
-    proc = run_tool("llama-completion", args, timeout=timeout)
-    return proc.stdout, proc
+    for _ in range(attempts):
+        proc = run_tool("llama-completion", args, timeout=timeout)
+        if proc.returncode != 0 or _COMPLETE_MARK in proc.stderr:
+            break
+    else:
+        raise AssertionError(f"llama-completion output incomplete {attempts} times:\n{proc.stderr[-2000:]}")
+    text = proc.stdout[:-2] if proc.stdout.endswith("\n\n") else proc.stdout
+    return text, proc

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 from gguf import GGUFReader
 
@@ -53,5 +53,6 @@ def test_llama_cpp_runs_tiny_model_on_cpu(tmp_path: Path, arch: str, wtype: str)
     model = write_tiny_gguf(tmp_path / f"tiny-{arch}-{wtype}.gguf", arch, wtype)
     text, proc = completion(model, "The capital of France is", n_predict=8)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"arch                  = {arch}" in proc.stderr or f"arch = {arch}" in proc.stderr.replace("  ", " ")
-    assert "n_layer" in proc.stderr and text.strip(), proc.stderr[-3000:]
+    # 8 tokens generated: the prompt's batch samples the first, then 7 single-token decodes
+    assert re.search(r" eval time =.*/\s+7 runs", proc.stderr), proc.stderr[-3000:]
+    assert text, proc.stderr[-3000:]

