@@ -1,0 +1,210 @@
+"""UNARY (op_params[0] = ggml_unary_op) plus the plain elementwise ops SQR, SQRT, LOG, SIN,
+COS, CLAMP and LEAKY_RELU, on f32 / f16 / bf16.
+
+Formulas from ggml-cpu/unary-ops.cpp and vec.h (llama.cpp 0c1e570); every op computes in
+f32 and converts to the dst type.  Numerics that differ from the plain formula:
+
+* GELU uses a 65536-entry f16 table (vec.h ``GGML_GELU_FP16``): f32 input -> f16 -> table
+  -> f32, with ``x <= -10 -> 0`` and ``x >= 10 -> x``; f16 input indexes the table
+  directly; bf16 uses the exact tanh formula.
+* GELU_QUICK likewise uses its f16 table (``GGML_GELU_QUICK_FP16``), without the clamps.
+* GELU_ERF needs erf, which numpy lacks: Abramowitz & Stegun 7.1.26 in float64 (|error| <
+  1.5e-7), below f32 test tolerances.
+* ROUND is C ``roundf`` (half away from zero), not numpy's half-to-even.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.ggml.ops.convert import bf16_to_f32, f32_to_bf16
+from ggml_rknpu.ggml.ops.registry import Closure, OpNode
+
+Fn = Callable[[np.ndarray], np.ndarray]
+F32, F16, BF16 = GgmlType.F32, GgmlType.F16, GgmlType.BF16
+
+GELU_COEF_A = np.float32(0.044715)          # vec.h
+GELU_QUICK_COEF = np.float32(-1.702)        # vec.h
+SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+SQRT_2_INV = 0.70710678118654752440084436210484
+
+
+def gelu_f32(x: np.ndarray) -> np.ndarray:
+    """ggml_gelu_f32, evaluated in f32."""
+    x = x.astype(np.float32, copy=False)
+    one, half = np.float32(1), np.float32(0.5)
+    return half * x * (one + np.tanh(SQRT_2_OVER_PI * x * (one + GELU_COEF_A * x * x)))
+
+
+def gelu_quick_f32(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32, copy=False)
+    return x * (np.float32(1) / (np.float32(1) + np.exp(GELU_QUICK_COEF * x)))
+
+
+def _f16_table(fn: Fn) -> np.ndarray:
+    """ggml_table_*_f16: fn over every f16 bit pattern, stored as f16 (ggml-cpu.c init)."""
+    with np.errstate(all="ignore"):
+        return fn(np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)).astype(np.float16)
+
+
+GELU_TABLE = _f16_table(gelu_f32)
+GELU_QUICK_TABLE = _f16_table(gelu_quick_f32)
+
+
+def gelu_table_f32(x: np.ndarray) -> np.ndarray:
+    """ggml_vec_gelu_f32 with GGML_GELU_FP16."""
+    x = x.astype(np.float32, copy=False)
+    y = GELU_TABLE[x.astype(np.float16).view(np.uint16)].astype(np.float32)
+    y = np.where(x >= 10.0, x, y)
+    return np.where(x <= -10.0, np.float32(0), y)
+
+
+def gelu_quick_table_f32(x: np.ndarray) -> np.ndarray:
+    return GELU_QUICK_TABLE[x.astype(np.float16).view(np.uint16)].astype(np.float32)
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """Abramowitz & Stegun 7.1.26 (max abs error 1.5e-7), float64."""
+    x = np.asarray(x, dtype=np.float64)
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    x64 = np.asarray(x, dtype=np.float64)
+    return (0.5 * x64 * (1.0 + erf(x64 * SQRT_2_INV))).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32, copy=False)
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.float32(1) / (np.float32(1) + np.exp(-x))
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    t = np.trunc(x)
+    return t + np.where(np.abs(x - t) >= 0.5, np.sign(x), np.float32(0)).astype(x.dtype)
+
+
+def _hardsigmoid(x: np.ndarray) -> np.ndarray:
+    return np.minimum(np.float32(1), np.maximum(np.float32(0), (x + np.float32(3)) / np.float32(6)))
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.where(x > 20.0, x, np.log(np.float32(1) + np.exp(x)))
+
+
+_UNARY_F32: dict[int, Fn] = {
+    GgmlUnaryOp.ABS: np.abs,
+    GgmlUnaryOp.SGN: lambda x: np.sign(x).astype(np.float32),
+    GgmlUnaryOp.NEG: np.negative,
+    GgmlUnaryOp.STEP: lambda x: (x > 0).astype(np.float32),
+    GgmlUnaryOp.TANH: np.tanh,
+    GgmlUnaryOp.ELU: lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0))),
+    GgmlUnaryOp.RELU: lambda x: np.where(x > 0, x, np.float32(0)),
+    GgmlUnaryOp.SIGMOID: sigmoid,
+    GgmlUnaryOp.GELU: gelu_table_f32,
+    GgmlUnaryOp.GELU_QUICK: gelu_quick_table_f32,
+    GgmlUnaryOp.SILU: silu,
+    GgmlUnaryOp.HARDSWISH: lambda x: x * _hardsigmoid(x),
+    GgmlUnaryOp.HARDSIGMOID: _hardsigmoid,
+    GgmlUnaryOp.EXP: np.exp,
+    GgmlUnaryOp.EXPM1: lambda x: np.exp(x) - np.float32(1),
+    GgmlUnaryOp.SOFTPLUS: _softplus,
+    GgmlUnaryOp.GELU_ERF: gelu_erf,
+    GgmlUnaryOp.FLOOR: np.floor,
+    GgmlUnaryOp.CEIL: np.ceil,
+    GgmlUnaryOp.ROUND: _round_half_away,
+    GgmlUnaryOp.TRUNC: np.trunc,
+}
+
+# f16 inputs whose ggml path differs from "to f32, fn, to f16": direct table lookups
+_UNARY_F16_TABLE = {GgmlUnaryOp.GELU: GELU_TABLE, GgmlUnaryOp.GELU_QUICK: GELU_QUICK_TABLE}
+# bf16 inputs use the exact formulas (no tables)
+_UNARY_BF16: dict[int, Fn] = {GgmlUnaryOp.GELU: gelu_f32, GgmlUnaryOp.GELU_QUICK: gelu_quick_f32}
+
+
+def _xielu(node: OpNode) -> Fn:
+    alpha_n, alpha_p, beta, eps = (np.float32(node.param_f32(i)) for i in range(1, 5))
+
+    def fn(x: np.ndarray) -> np.ndarray:
+        neg = (np.expm1(np.minimum(x, eps)) - x) * alpha_n + beta * x
+        return np.where(x > 0, alpha_p * x * x + beta * x, neg)
+    return fn
+
+
+def plan_elementwise(node: OpNode, fn: Fn, f16_table: np.ndarray | None = None,
+                     bf16_fn: Fn | None = None) -> Closure:
+    """dst = fn(src) elementwise with ggml's f32 compute and dst conversion."""
+    src, dst = node.srcs[0], node.dst
+    assert src is not None
+    if src.type not in (F32, F16, BF16) or dst.type != src.type:
+        raise node.unsupported("elementwise ops run on f32/f16/bf16 with dst of the same type")
+    if src.ne != dst.ne:
+        raise node.unsupported(f"src shape {src.ne} != dst shape {dst.ne}")
+    x, d = src.as_array(), dst.as_array()
+    if src.type == F32:
+        def run() -> None:
+            with np.errstate(all="ignore"):
+                np.copyto(d, fn(x), casting="unsafe")
+        return run
+    if src.type == F16:
+        if f16_table is not None:
+            def run_table() -> None:
+                d[...] = f16_table[x.view(np.uint16)]
+            return run_table
+
+        def run_f16() -> None:
+            with np.errstate(all="ignore"):
+                np.copyto(d, fn(x.astype(np.float32)), casting="unsafe")
+        return run_f16
+    fn_bf16 = bf16_fn or fn
+
+    def run_bf16() -> None:
+        with np.errstate(all="ignore"):
+            d[...] = f32_to_bf16(fn_bf16(bf16_to_f32(x)))
+    return run_bf16
+
+
+def plan_unary(node: OpNode) -> Closure:
+    op = node.param_i32(0)
+    if op == GgmlUnaryOp.XIELU:
+        return plan_elementwise(node, _xielu(node))
+    fn = _UNARY_F32.get(op)
+    if fn is None:
+        raise node.unsupported("unknown unary op")
+    return plan_elementwise(node, fn, _UNARY_F16_TABLE.get(op), _UNARY_BF16.get(op))
+
+
+def _plan_simple(fn: Fn) -> Callable[[OpNode], Closure]:
+    return lambda node: plan_elementwise(node, fn)
+
+
+def _plan_clamp(node: OpNode) -> Closure:
+    lo, hi = np.float32(node.param_f32(0)), np.float32(node.param_f32(1))
+    return plan_elementwise(node, lambda x: np.minimum(np.maximum(x, lo), hi))
+
+
+def _plan_leaky_relu(node: OpNode) -> Closure:
+    slope = np.float32(node.param_f32(0))
+    return plan_elementwise(node, lambda x: np.where(x > 0, x, slope * x))
+
+
+PLANNERS = {
+    GgmlOp.UNARY: plan_unary,
+    GgmlOp.SQR: _plan_simple(np.square),
+    GgmlOp.SQRT: _plan_simple(np.sqrt),
+    GgmlOp.LOG: _plan_simple(np.log),
+    GgmlOp.SIN: _plan_simple(np.sin),
+    GgmlOp.COS: _plan_simple(np.cos),
+    GgmlOp.CLAMP: _plan_clamp,
+    GgmlOp.LEAKY_RELU: _plan_leaky_relu,
+}
