@@ -4,6 +4,7 @@ was one) and a message that says what to do about it, not just what went wrong."
 from __future__ import annotations
 
 import errno as _errno
+import os
 
 
 class NpuError(Exception):
@@ -37,3 +38,16 @@ class NpuOutOfMemory(NpuError):
 
 class NpuFault(NpuError):
     """A bad address: user pointer, DMA address outside every buffer, or IOMMU fault."""
+
+
+def ioctl_error(what: str, name: str, exc: OSError, hints: dict[tuple[str, int], str]) -> NpuError:
+    """NpuError for a failed ioctl ``name``. A real kernel only gives strerror, so then the
+    hint for (name, errno) says what to check; the simulator's own message is kept as is."""
+    detail = exc.strerror or ""
+    if detail.startswith(f"{name}: "):
+        detail = detail[len(name) + 2 :]
+    err = NpuError.from_oserror(what, OSError(exc.errno, detail))
+    hint = hints.get((name, exc.errno or 0))
+    if hint and exc.errno is not None and detail == os.strerror(exc.errno):
+        err.args = (f"{err.args[0]} ({hint})",)
+    return err

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ggml_rknpu.kernel import rknpu_abi as abi
 from ggml_rknpu.kernel.drm import DrmVersion, query_version
-from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.errors import NpuError, ioctl_error
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 _HINTS: dict[tuple[str, int], str] = {
@@ -63,11 +63,7 @@ class RknpuDriver:
         try:
             self.sys.ioctl(self.fd, request, arg)
         except OSError as exc:
-            err = NpuError.from_oserror(f"RKNPU {name}", exc)
-            hint = _HINTS.get((name, exc.errno or 0))
-            if hint and hint not in str(err):
-                err.args = (f"{err.args[0]} ({hint})",)
-            raise err from exc
+            raise ioctl_error(f"RKNPU {name}", name, exc, _HINTS) from exc
         return type(struct).from_buffer_copy(arg)
 
     def action(self, action: abi.Action, value: int = 0) -> int:

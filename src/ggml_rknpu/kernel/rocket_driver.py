@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ggml_rknpu.kernel import rocket_abi as abi
 from ggml_rknpu.kernel.drm import DrmVersion, gem_close, query_version
-from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.errors import NpuError, ioctl_error
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 INT64_MAX = (1 << 63) - 1
@@ -56,11 +56,7 @@ class RocketDriver:
         try:
             self.sys.ioctl(self.fd, request, arg)
         except OSError as exc:
-            err = NpuError.from_oserror(f"ROCKET {name}", exc)
-            hint = _HINTS.get((name, exc.errno or 0))
-            if hint and hint not in str(err):
-                err.args = (f"{err.args[0]} ({hint})",)
-            raise err from exc
+            raise ioctl_error(f"ROCKET {name}", name, exc, _HINTS) from exc
         return type(struct).from_buffer_copy(arg)
 
     def create_bo(self, size: int) -> RocketBo:

@@ -1,0 +1,229 @@
+"""Simulated NPU memory: GEM objects in host memory, IOVA address spaces, the NPU's MMU.
+
+What is modelled, and why:
+
+- ``RangeAllocator``: a real first-fit allocator over a sorted free list, page granular,
+  coalescing on free. It can fragment and run out, so buffer-management bugs (leaks,
+  fragmentation, exhaustion) show up in the simulator the way they would on a board.
+  IOVA spaces allocate top-down like Linux's IOMMU DMA allocator: the captured RKNN
+  session got 0xfff9f000, then 0xfff5c000 (= 0xfff9f000 - 0x43000, the previous object's
+  aligned size), then 0xfff12000 [capture pw_c256_h14 ioctl log]. DRM's fake mmap offsets
+  allocate bottom-up from 0x1_0000_0000 (0x100000000, 0x100001000, 0x100044000 in the
+  same capture).
+- ``GemObject``: the pages ("dram", what the NPU sees) and, for CPU-cached objects, a
+  separate CPU-side copy that only MEM_SYNC / FINI_BO / PREP_BO move across. A missing
+  cache sync therefore shows up as stale data in the simulator, as it can on the board.
+  Uncached (write-combined) objects give the CPU the dram copy itself.
+- ``IommuDomain``: one NPU address space (vendor: one per device; rocket: one per open
+  file [npu-programming.md §5]). ``view(iova, nbytes)`` is the ``DeviceMemory`` the NPU
+  model reads and writes through; anything not wholly inside one mapped object is a
+  ``DmaFault``.
+- ``NpuMmu``: the ``DeviceMemory`` handed to the NPU model; the kernel attaches the
+  submitting file's domain before a job runs, as rocket does.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+PAGE = 4096
+# 32-bit NPU window [npu-programming.md §4: all regcmd address fields are 32-bit, all
+# observed IOVAs < 4 GiB]. Page 0 is kept out so that DMA address 0 always faults.
+IOVA_BASE = PAGE
+IOVA_END = 1 << 32
+MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x100000000]
+
+
+def page_align(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+class DmaFault(Exception):
+    """The NPU touched [iova, iova+nbytes) which is not inside one mapped object."""
+
+    def __init__(self, iova: int, nbytes: int, detail: str = "") -> None:
+        self.iova, self.nbytes = iova, nbytes
+        msg = f"NPU DMA fault: {nbytes} bytes at IOVA {iova:#x} are not inside one mapped buffer"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+
+
+class DeviceMemory(Protocol):
+    def view(self, iova: int, nbytes: int) -> np.ndarray: ...
+
+
+class RangeAllocator:
+    """First fit over a sorted list of free [start, end) ranges, ``granule`` aligned.
+
+    ``top_down`` picks the highest fitting address (IOMMU DMA style); otherwise the lowest.
+    """
+
+    def __init__(self, base: int, end: int, granule: int = PAGE, top_down: bool = False) -> None:
+        if base % granule or end % granule or end <= base:
+            raise ValueError(f"allocator window [{base:#x}, {end:#x}) must be {granule}-aligned and non-empty")
+        self.base, self.end, self.granule, self.top_down = base, end, granule, top_down
+        self._free: list[list[int]] = [[base, end]]  # sorted, disjoint, never adjacent
+        self._used: dict[int, int] = {}  # start -> length
+
+    @property
+    def total(self) -> int:
+        return self.end - self.base
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(e - s for s, e in self._free)
+
+    @property
+    def largest_free(self) -> int:
+        return max((e - s for s, e in self._free), default=0)
+
+    @property
+    def n_free_ranges(self) -> int:
+        return len(self._free)
+
+    @property
+    def n_allocations(self) -> int:
+        return len(self._used)
+
+    def alloc(self, length: int) -> int | None:
+        """Start of a fresh ``length``-byte range (rounded up to the granule), or None."""
+        length = -(-length // self.granule) * self.granule
+        if length <= 0:
+            raise ValueError("allocation length must be positive")
+        order = range(len(self._free) - 1, -1, -1) if self.top_down else range(len(self._free))
+        for i in order:
+            s, e = self._free[i]
+            if e - s < length:
+                continue
+            if self.top_down:
+                start = e - length
+                self._free[i][1] = start
+            else:
+                start = s
+                self._free[i][0] = s + length
+            if self._free[i][0] == self._free[i][1]:
+                del self._free[i]
+            self._used[start] = length
+            return start
+        return None
+
+    def free(self, start: int) -> None:
+        length = self._used.pop(start, None)
+        if length is None:
+            raise ValueError(f"free of {start:#x}, which is not an allocated range start")
+        end = start + length
+        i = bisect.bisect_left(self._free, [start, end])
+        merge_prev = i > 0 and self._free[i - 1][1] == start
+        merge_next = i < len(self._free) and self._free[i][0] == end
+        if merge_prev and merge_next:
+            self._free[i - 1][1] = self._free[i][1]
+            del self._free[i]
+        elif merge_prev:
+            self._free[i - 1][1] = end
+        elif merge_next:
+            self._free[i][0] = start
+        else:
+            self._free.insert(i, [start, end])
+
+
+@dataclass(eq=False)
+class GemObject:
+    """One buffer object. ``dram`` is what the NPU sees; ``cpu`` what the CPU mapping sees."""
+
+    size: int  # page aligned
+    flags: int
+    obj_addr: int  # vendor: fake kernel pointer used as the object's id
+    cached: bool  # CPU mapping is cached: dram and cpu are separate until a sync
+    dram: np.ndarray = field(init=False, repr=False)
+    cpu: np.ndarray = field(init=False, repr=False)
+    dma_addr: int = 0
+    domain: "IommuDomain | None" = None
+    mmap_offset: int | None = None
+    handle_refs: int = 0  # open handles (GEM handles hold references)
+    mappings: int = 0  # live CPU mmaps (each holds a reference, like a VMA)
+    failed_job: str | None = None  # rocket: why the last job writing this BO failed
+
+    def __post_init__(self) -> None:
+        self.dram = np.zeros(self.size, dtype=np.uint8)
+        self.cpu = np.zeros(self.size, dtype=np.uint8) if self.cached else self.dram
+
+    @property
+    def alive(self) -> bool:
+        return self.handle_refs > 0 or self.mappings > 0
+
+    def sync_for_device(self, offset: int, size: int) -> None:
+        if self.cached:
+            self.dram[offset : offset + size] = self.cpu[offset : offset + size]
+
+    def sync_for_cpu(self, offset: int, size: int) -> None:
+        if self.cached:
+            self.cpu[offset : offset + size] = self.dram[offset : offset + size]
+
+
+class IommuDomain:
+    """One NPU address space: an IOVA allocator plus the objects mapped into it."""
+
+    def __init__(self, base: int = IOVA_BASE, end: int = IOVA_END) -> None:
+        self.iova = RangeAllocator(base, end, PAGE, top_down=True)
+        self._starts: list[int] = []  # sorted IOVAs of mapped objects
+        self._objects: dict[int, GemObject] = {}
+
+    def map(self, obj: GemObject) -> bool:
+        """Give ``obj`` an IOVA; False when the address space has no hole big enough."""
+        start = self.iova.alloc(obj.size)
+        if start is None:
+            return False
+        obj.dma_addr, obj.domain = start, self
+        bisect.insort(self._starts, start)
+        self._objects[start] = obj
+        return True
+
+    def unmap(self, obj: GemObject) -> None:
+        self.iova.free(obj.dma_addr)
+        self._starts.remove(obj.dma_addr)
+        del self._objects[obj.dma_addr]
+        obj.domain = None
+
+    @property
+    def objects(self) -> list[GemObject]:
+        return list(self._objects.values())
+
+    def lookup(self, iova: int) -> GemObject | None:
+        i = bisect.bisect_right(self._starts, iova) - 1
+        if i < 0:
+            return None
+        obj = self._objects[self._starts[i]]
+        return obj if iova < obj.dma_addr + obj.size else None
+
+    def view(self, iova: int, nbytes: int) -> np.ndarray:
+        """uint8 writable view of the NPU-visible bytes; DmaFault unless inside one object."""
+        if nbytes < 0 or iova < 0:
+            raise DmaFault(iova, nbytes, "negative address or length")
+        obj = self.lookup(iova)
+        if obj is None:
+            raise DmaFault(iova, nbytes, "no buffer is mapped at this address")
+        off = iova - obj.dma_addr
+        if off + nbytes > obj.size:
+            raise DmaFault(
+                iova, nbytes,
+                f"runs {off + nbytes - obj.size} bytes past the end of the {obj.size}-byte buffer at {obj.dma_addr:#x}",
+            )
+        return obj.dram[off : off + nbytes]
+
+
+class NpuMmu:
+    """The ``DeviceMemory`` the NPU model uses: whichever domain the kernel attached."""
+
+    def __init__(self, domain: IommuDomain | None = None) -> None:
+        self.domain = domain
+
+    def attach(self, domain: IommuDomain) -> None:
+        self.domain = domain
+
+    def view(self, iova: int, nbytes: int) -> np.ndarray:
+        if self.domain is None:
+            raise DmaFault(iova, nbytes, "no IOMMU domain attached to the NPU")
+        return self.domain.view(iova, nbytes)
