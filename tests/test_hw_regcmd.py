@@ -84,3 +84,24 @@ def test_golden_words_decode_to_known_registers(reference_dir):
             assert reg.block is not Block.PC
             reg.decode(value)
         assert words[-4:] == task_tail(0, 0, MATMUL_ENABLE)
+
+
+def test_vendor_capture_words_decode_to_known_registers(reference_dir):
+    """Every word of the raw librknnrt submits (conv + PPU tasks) is a NOP, the marker,
+    an op-enable, or a write to a known register of the target's block [captures/raw]."""
+    import re
+
+    logs = sorted((reference_dir / "captures/raw").glob("*live_regcmd*.log"))
+    assert logs
+    pattern = re.compile(r"regcmd_qword\[\d+\] off=0x[0-9a-f]+ value=0x([0-9a-f]+)")
+    for log in logs:
+        words = [int(w, 16) for w in pattern.findall(log.read_text())]
+        assert len(words) > 100, log.name
+        for word in words:
+            if word == 0:
+                continue
+            target, value, offset = decode_word(word)
+            if target in (Target.MARKER, Target.OP_ENABLE):
+                continue
+            reg = BY_OFFSET[offset]
+            assert BLOCK_OF_TARGET[Target(target)] is reg.block, (log.name, hex(word))
