@@ -234,7 +234,9 @@ class RpcClient:
         return self.call(Cmd.GET_TENSOR, t.pack() + struct.pack("<QQ", offset, size), expect=size)
 
     def get_array(self, t: T, dtype=np.float32) -> np.ndarray:
-        return np.frombuffer(self.get_tensor(t), dtype=dtype).reshape(t.ne[::-1])
+        shape = t.ne[::-1]
+        outer = tuple(n for n in shape[:2] if n != 1)          # drop unit batch dims: [ne1, ne0] for 2-D
+        return np.frombuffer(self.get_tensor(t), dtype=dtype).reshape(outer + shape[2:])
 
     def copy_tensor(self, src: T, dst: T) -> int:
         return self.call(Cmd.COPY_TENSOR, src.pack() + dst.pack(), expect=1)[0]

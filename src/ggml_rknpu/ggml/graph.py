@@ -41,6 +41,10 @@ PLANS_PER_DEVICE = 32              # identical-graph cache (partial offload send
 _FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16))  # bf16 as_array is a uint16 view
 
 
+def _unset() -> None:
+    raise AssertionError("step closure not bound")
+
+
 def op_name(op: int) -> str:
     try:
         return GgmlOp(op).name
@@ -220,8 +224,9 @@ class GraphPlanner:
             slot = self._weight_slot(t, g, position, checked) if t.op == GgmlOp.MUL_MAT else None
             if slot is not None:
                 staged.append(slot)
-                run = self._npu_matmul(t, slot, ref, lambda t=t: self._host_node(t, ref))
-                steps.append(Step(run, self.stats.counter("MUL_MAT", NPU), span))
+                step = Step(_unset, self.stats.counter("MUL_MAT", NPU), span)
+                step.run = self._npu_matmul(t, slot, ref, lambda t=t: self._host_node(t, ref), step)
+                steps.append(step)
             else:
                 steps.append(Step(self._host_node(t, ref), self.stats.counter(op_name(t.op), HOST), span))
         self.weights.stage_all(staged)
@@ -256,9 +261,12 @@ class GraphPlanner:
         return self.weights.slot_for(c0)
 
     def _npu_matmul(self, t: RpcTensor, slot: WeightSlot, ref: Callable[[int], Any],
-                    host_plan: Callable[[], Callable[[], None]]) -> Callable[[], None]:
-        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted."""
+                    host_plan: Callable[[], Callable[[], None]], step: Step) -> Callable[[], None]:
+        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted.
+
+        The step's counter follows where the work actually ran (NPU or the host fallback)."""
         npu, weights = self.npu, self.weights
+        npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
         a_view = ref(t.src[1]).as_array()
         d_view = ref(t.id).as_array()
         k = slot.k
@@ -276,7 +284,9 @@ class GraphPlanner:
                     log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
                 else:
                     d_view[...] = c.reshape(d_view.shape)
+                    step.counter = npu_counter
                     return
+            step.counter = host_counter
             if not fallback:
                 fallback.append(host_plan())
             fallback[0]()
