@@ -113,8 +113,8 @@ def test_fp16_out_with_k_split_writes_fp32_partials():
 
 def test_bad_inputs_raise_clear_errors():
     shape = MatmulShape(4, 64, 32, "fp16", "fp32")
-    with pytest.raises(ValueError, match="A has shape"):
-        pack_a(np.zeros((3, 64)), "fp16", shape)
+    with pytest.raises(ValueError, match="at most"):
+        pack_a(np.zeros((3, 63)), "fp16", shape)
     with pytest.raises(ValueError, match="int8 range"):
         pack_a(np.full((2, 2), 300), "int8")
     with pytest.raises(ValueError, match="quantize"):
@@ -126,3 +126,33 @@ def test_bad_inputs_raise_clear_errors():
     prog = compile_matmul(4, 64, 32)
     with pytest.raises(ValueError, match="C buffer holds"):
         unpack_c(np.zeros(10, np.uint8), prog)
+
+
+def test_pack_a_bucketed_rows_and_in_place_output():
+    rng = np.random.default_rng(3)
+    prog = compile_matmul(10, 70, 16)
+    a = rng.standard_normal((7, 70)).astype(np.float16)
+    full = np.zeros((10, 70), np.float16)
+    full[:7] = a
+    dest = np.full(prog.a_bytes + 32, 0xAB, np.uint8)       # dirty buffer: padding must be rewritten
+    got = pack_a(a, "fp16", prog, out=dest)
+    assert np.shares_memory(got, dest)
+    np.testing.assert_array_equal(dest[: prog.a_bytes], pack_a(full, "fp16", prog))
+    assert (dest[prog.a_bytes:] == 0xAB).all()
+    with pytest.raises(ValueError, match="at most"):
+        pack_a(np.zeros((11, 70)), "fp16", prog)
+    with pytest.raises(ValueError, match="out must be"):
+        pack_a(a, "fp16", prog, out=np.zeros(8, np.uint8))
+
+
+def test_unpack_c_first_rows_only():
+    prog = compile_matmul(6, 32, 20, dtype="int8", out="int32")
+    buf = np.arange(prog.c_bytes // 4, dtype=np.int32)
+    np.testing.assert_array_equal(unpack_c(buf.view(np.uint8), prog, rows=4), unpack_c(buf.view(np.uint8), prog)[:4])
+    with pytest.raises(ValueError, match="rows"):
+        unpack_c(buf.view(np.uint8), prog, rows=7)
+
+
+def test_compile_refuses_buffers_beyond_32_bits():
+    with pytest.raises(ValueError, match="32-bit"):
+        compile_matmul(8000, 32, 151936, dtype="fp16", out="fp32", cores=3)

@@ -75,17 +75,35 @@ def _as_input(x: np.ndarray, dtype: str, what: str) -> np.ndarray:
     raise ValueError(f"unsupported input dtype {dtype!r}")
 
 
-def pack_a(a: np.ndarray, dtype: str, program_or_shape=None) -> np.ndarray:
-    """A [M, K] -> native bytes (uint8, ``a_bytes``): ``(Kp/C2, M, C2)``."""
+def pack_a(a: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray | None = None) -> np.ndarray:
+    """A [rows, K] -> native bytes (uint8, ``a_bytes``): ``(Kp/C2, M, C2)``.
+
+    ``rows`` may be fewer than the program's M (an M-bucketed program): the missing rows
+    are zero. ``out`` (uint8, >= ``a_bytes``), e.g. a mapped device buffer, is written in
+    place instead of allocating."""
     x = _as_input(a, dtype, "A")
     shape = _shape_of(program_or_shape, dtype, x.shape[0], x.shape[1], None)
-    if x.shape != (shape.M, shape.K):
-        raise ValueError(f"A has shape {x.shape}, the program expects ({shape.M}, {shape.K})")
+    rows = x.shape[0]
+    if x.shape[1] != shape.K or rows > shape.M:
+        raise ValueError(f"A has shape {x.shape}, the program expects at most ({shape.M}, {shape.K})")
     c2 = shape.c2_in
-    padded = np.zeros((shape.M, shape.Kp), dtype=x.dtype)
-    padded[:, : shape.K] = x
-    native = padded.reshape(shape.M, shape.Kp // c2, c2).transpose(1, 0, 2)
-    return np.ascontiguousarray(native).reshape(-1).view(np.uint8)
+    nbytes = a_bytes(shape)
+    if out is None:
+        dest_bytes = np.empty(nbytes, np.uint8)
+    else:
+        if out.dtype != np.uint8 or out.size < nbytes:
+            raise ValueError(f"out must be a uint8 array of >= {nbytes} bytes")
+        dest_bytes = out.reshape(-1)[:nbytes]
+    dest = dest_bytes.view(x.dtype).reshape(shape.Kp // c2, shape.M, c2)
+    full = shape.K // c2
+    dest[:full, :rows] = x[:, : full * c2].reshape(rows, full, c2).transpose(1, 0, 2)
+    rest = shape.K - full * c2
+    if rest:
+        dest[full, :rows, :rest] = x[:, full * c2:]
+        dest[full, :rows, rest:] = 0
+    dest[full + (1 if rest else 0):, :rows] = 0
+    dest[:, rows:] = 0
+    return dest_bytes
 
 
 def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None) -> np.ndarray:
@@ -106,19 +124,22 @@ def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None) -> np.ndarray:
     return np.concatenate(parts).view(np.uint8)
 
 
-def unpack_c(buf: np.ndarray, program) -> np.ndarray:
-    """Native C bytes -> [M, N] (partials of a K split summed): float32 for fp32 out,
-    float16 for fp16 out, int32 for int32 out."""
+def unpack_c(buf: np.ndarray, program, rows: int | None = None) -> np.ndarray:
+    """Native C bytes -> [rows or M, N] (partials of a K split summed): float32 for fp32
+    out, float16 for fp16 out, int32 for int32 out."""
     shape: MatmulShape = program.shape
     k_splits = program.k_splits
+    rows = shape.M if rows is None else rows
+    if not 0 <= rows <= shape.M:
+        raise ValueError(f"rows must be 0..{shape.M}, got {rows}")
     pdt = partial_dtype(shape, k_splits)
     nbytes = c_bytes(shape, k_splits)
     raw = np.asarray(buf).reshape(-1).view(np.uint8)
     if raw.size < nbytes:
         raise ValueError(f"C buffer holds {raw.size} bytes, the program writes {nbytes}")
     c2 = limits.c2(pdt)
-    vals = raw[:nbytes].view(NUMPY_DTYPE[pdt]).reshape(k_splits, shape.Np // c2, shape.M, c2)
-    parts = vals.transpose(0, 2, 1, 3).reshape(k_splits, shape.M, shape.Np)[:, :, : shape.N]
+    vals = raw[:nbytes].view(NUMPY_DTYPE[pdt]).reshape(k_splits, shape.Np // c2, shape.M, c2)[:, :, :rows]
+    parts = vals.transpose(0, 2, 1, 3).reshape(k_splits, rows, shape.Np)[:, :, : shape.N]
     if k_splits == 1:
         return np.ascontiguousarray(parts[0])
     if pdt == "int32":

@@ -123,6 +123,11 @@ def build_program(tiling: Tiling, abi: str = "rknpu") -> Program:
         raise ValueError(f"abi must be one of {ABIS}, got {abi!r}")
     shape = tiling.shape
     c_dtype = partial_dtype(shape, tiling.k_splits)
+    sizes = {"A": a_bytes(shape), "B": b_bytes(shape), "C": c_bytes(shape, tiling.k_splits)}
+    for role, size in sizes.items():
+        if size > limits.MAX_ADDRESS + 1:
+            raise ValueError(f"matmul {shape.M}x{shape.K}x{shape.N}: the {role} buffer needs {size} bytes, "
+                             "more than the 32-bit NPU address space; split the call")
 
     bodies: list[np.ndarray] = []
     task_relocs: list[list[tuple[int, str, int]]] = []   # (position in body, role, offset)
@@ -165,6 +170,6 @@ def build_program(tiling: Tiling, abi: str = "rknpu") -> Program:
     words.setflags(write=False)
     return Program(
         words=words, tasks=tuple(tasks), relocs=tuple(relocs),
-        a_bytes=a_bytes(shape), b_bytes=b_bytes(shape), c_bytes=c_bytes(shape, tiling.k_splits),
+        a_bytes=sizes["A"], b_bytes=sizes["B"], c_bytes=sizes["C"],
         shape=shape, k_splits=tiling.k_splits, c_dtype=c_dtype, abi=abi, k_chunks=tiling.chunks,
     )
