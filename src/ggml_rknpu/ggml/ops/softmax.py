@@ -61,10 +61,7 @@ def plan_soft_max(node: OpNode) -> Closure:
     def run() -> None:
         np.multiply(x, scale, out=d)
         if mask is not None:
-            if use_slope:
-                d_split += slope_split * mask
-            else:
-                d_split += mask
+            np.add(d_split, slope_split * mask if use_slope else mask, out=d_split)
         w_max = d.max(axis=-1, keepdims=True)
         if sinks is not None:
             w_max = np.maximum(w_max, sinks)
@@ -73,7 +70,7 @@ def plan_soft_max(node: OpNode) -> Closure:
         total = d.sum(axis=-1, keepdims=True, dtype=np.float64)
         if sinks is not None:
             total += np.exp(sinks - w_max)
-        d *= (1.0 / total).astype(np.float32)
+        np.multiply(d, (1.0 / total).astype(np.float32), out=d)
     return run
 
 
