@@ -156,3 +156,16 @@ def test_unpack_c_first_rows_only():
 def test_compile_refuses_buffers_beyond_32_bits():
     with pytest.raises(ValueError, match="32-bit"):
         compile_matmul(8000, 32, 151936, dtype="fp16", out="fp32", cores=3)
+
+
+def test_pack_b_in_place_output():
+    rng = np.random.default_rng(4)
+    b = rng.integers(-100, 100, size=(50, 11000)).astype(np.int8)
+    ref = pack_b(b, "int8")
+    dest = np.full(ref.size + 8, 0x5A, np.uint8)
+    got = pack_b(b, "int8", out=dest)
+    assert np.shares_memory(got, dest)
+    np.testing.assert_array_equal(dest[: ref.size], ref)
+    assert (dest[ref.size:] == 0x5A).all()
+    with pytest.raises(ValueError, match="out must be"):
+        pack_b(b, "int8", out=np.zeros(ref.size - 1, np.uint8))

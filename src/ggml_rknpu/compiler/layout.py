@@ -106,22 +106,31 @@ def pack_a(a: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray 
     return dest_bytes
 
 
-def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None) -> np.ndarray:
+def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray | None = None) -> np.ndarray:
     """B in ggml's [N, K] layout -> native bytes (uint8, ``b_bytes``), chunk by chunk
-    ``(Np/g, Kc/32, g, 32)``. Independent of M."""
+    ``(Np/g, Kc/32, g, 32)``. Independent of M. ``out`` (uint8, >= ``b_bytes``) is
+    written in place, e.g. straight into a mapped device buffer."""
     x = _as_input(b_nk, dtype, "B")
     shape = _shape_of(program_or_shape, dtype, None, x.shape[1], x.shape[0])
     if x.shape != (shape.N, shape.K):
         raise ValueError(f"B has shape {x.shape}, the program expects [N, K] = ({shape.N}, {shape.K})")
     g, atom = shape.kernel_group, limits.K_ALIGN
-    padded = np.zeros((shape.Np, shape.Kp), dtype=x.dtype)
-    padded[: shape.N, : shape.K] = x
-    parts = []
+    nbytes = b_bytes(shape)
+    if out is None:
+        dest_bytes = np.empty(nbytes, np.uint8)
+    else:
+        if out.dtype != np.uint8 or out.size < nbytes:
+            raise ValueError(f"out must be a uint8 array of >= {nbytes} bytes")
+        dest_bytes = out.reshape(-1)[:nbytes]
+    dest = dest_bytes.view(x.dtype)
     for chunk in k_chunks(shape.K, dtype):
-        block = padded[:, chunk.k0: chunk.k0 + chunk.size]
-        native = block.reshape(shape.Np // g, g, chunk.size // atom, atom).transpose(0, 2, 1, 3)
-        parts.append(np.ascontiguousarray(native).reshape(-1))
-    return np.concatenate(parts).view(np.uint8)
+        padded = np.zeros((shape.Np, chunk.size), dtype=x.dtype)
+        real = x[:, chunk.k0: chunk.k0 + chunk.size]
+        padded[: shape.N, : real.shape[1]] = real
+        block = dest[shape.Np * chunk.k0: shape.Np * (chunk.k0 + chunk.size)]
+        native = block.reshape(shape.Np // g, chunk.size // atom, g, atom)     # (n/g, k/32, n%g, k%32)
+        native.transpose(0, 2, 1, 3)[...] = padded.reshape(shape.Np // g, g, chunk.size // atom, atom)
+    return dest_bytes
 
 
 def unpack_c(buf: np.ndarray, program, rows: int | None = None) -> np.ndarray:
