@@ -1,0 +1,313 @@
+"""CNA + CORE + DPU: the direct convolution a task's registers describe, executed with numpy.
+
+Decoding (``decode_conv``) first runs every hardware rule of ``validate.CONV_RULES``, then
+the limits of this model (``NotModeled``): a 1x1 kernel with stride 1 and no padding (the
+matmul case: M = H*W rows, K = DATAIN_CHANNEL, N = WEIGHT_KERNELS), DPU bypass path.
+
+Layouts [npu-programming.md §6, §7]:
+- feature, NC1HWC2 with C2 = 16 / bytes: element (c, h, w) at
+  FEATURE_DATA_ADDR + (c / C2) * plane + (h * W + w) * 16 + (c % C2) * b, where the plane
+  pitch 16 * W * Hf comes from LINE_STRIDE = 4W and SURF_STRIDE = W * (Hf - 4) (§7 inference);
+- weights from DCOMP_ADDR0 in kernel groups of G = 16 (fp16) / 32 (int8):
+  group g holds kernels [gG, gG + gs) as (C/32, gs, 32); gs = G except for a partial
+  last group, which is packed with its real size (*inference*: WEIGHT_BYTES = kernels x
+  bytes-per-kernel exactly, e.g. 1001 x 2048 [decoded c1024_h1_oc1001]);
+- output NC1HWC2 with C2 = 16 / out-bytes at DST_BASE_ADDR, plane pitch DST_SURF_STRIDE;
+  channels from WEIGHT_KERNELS up to the DPU channel count are written as 0 (*inference*:
+  absent kernels are zero weights).
+
+Numerics (documented choices; see ``docs`` of each function):
+- int8 x int8 -> int32: exact. Computed as fp32 GEMMs over K chunks of 1024, where every
+  partial sum is an integer of magnitude <= 1024 * 128 * 128 = 2^24 and therefore exact in
+  fp32, then summed in int64 [§10: products exact, int32 accumulation; MTX exact tests].
+- fp16 x fp16: products exact (11 + 11 significant bits fit fp32's 24), summed in fp32
+  (numpy/BLAS sgemm order, not the hardware's unknown order) [issue 3; §10; rknn-toolkit.md
+  §1.5: accumulation "at least fp32 wide", 1 + 2^-24 - 1 lost as in fp32]. fp32 output as
+  is; fp16 output rounded to nearest-even (FP32TOFP16_EN), IEEE overflow to inf
+  [rknn-toolkit.md §1.5: sum of 120000 gives inf]. Expect <= 1 fp16 ulp differences from a
+  board on fp16 output (the vendor simulator is 99.87% bit-exact to 'exact sum, then RNE').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ggml_rknpu.hw import limits
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.validate import (
+    CONV_RULES,
+    NotModeled,
+    RegisterSource,
+    cna_precision,
+    dpu_out_precision,
+    fld,
+    output_dims,
+    plane_height,
+    refuse,
+)
+
+INT8_EXACT_K_CHUNK = 1024      # 1024 * 2^14 = 2^24: exact integer partial sums in fp32
+_NUMPY_DTYPE = {"fp16": np.float16, "int8": np.int8, "fp32": np.float32, "int32": np.int32}
+_MODELED = {("fp16", "fp32"), ("fp16", "fp16"), ("int8", "int32")}
+
+
+@dataclass(frozen=True)
+class ConvTask:
+    """What one conv task computes, decoded from its registers."""
+
+    precision: str            # "fp16" | "int8"   (CNA/CORE)
+    out_precision: str        # "fp32" | "fp16" | "int32"   (DPU)
+    width: int                # input W
+    height: int               # input H (this task's rows)
+    channels: int             # DATAIN_CHANNEL (K, padded)
+    plane_height: int         # Hf, full plane height of the feature map in memory
+    kernels: int              # WEIGHT_KERNELS (N)
+    out_channels: int         # DPU channels written (N padded)
+    stride_x: int
+    stride_y: int
+    kernel_w: int
+    kernel_h: int
+    feature_addr: int
+    weight_addr: int
+    weight_bytes: int
+    dst_addr: int
+    dst_plane_bytes: int
+    data_banks: int
+    weight_banks: int
+
+    @property
+    def rows(self) -> int:
+        """Matmul M of this task: H * W output pixels of a 1x1 convolution."""
+        return self.height * self.width
+
+    @property
+    def feature_plane_bytes(self) -> int:
+        return limits.ATOM_BYTES * self.width * self.plane_height
+
+
+def _model_limits(regs: RegisterSource) -> None:
+    """Refuse (NotModeled) what is legal but outside this simulator."""
+    def need(register: str, field_name: str, want: int, what: str) -> None:
+        got = fld(regs, register, field_name)
+        if got != want:
+            raise NotModeled(f"{register}.{field_name}={got} ({what}; modeled: {want})")
+
+    need("CNA_CONV_CON1", "CONV_MODE", 0, "depthwise/other conv modes")
+    need("CNA_CONV_CON1", "DECONV", 0, "deconvolution")
+    need("CNA_CONV_CON1", "NONALIGN_DMA", 0, "non-aligned DMA")
+    need("CNA_CONV_CON1", "ARGB_IN", 0, "image input path")
+    need("CNA_CONV_CON3", "CONV_X_STRIDE", 1, "strided convolution")
+    need("CNA_CONV_CON3", "CONV_Y_STRIDE", 1, "strided convolution")
+    need("CNA_CONV_CON3", "ATROUS_X_DILATION", 0, "dilation")
+    need("CNA_CONV_CON3", "ATROUS_Y_DILATION", 0, "dilation")
+    need("CNA_CONV_CON3", "NN_MODE", 0, "multi-core co-work modes, unused by public code [§9]")
+    need("CNA_WEIGHT_SIZE2", "WEIGHT_WIDTH", 1, "kernels wider than 1")
+    need("CNA_WEIGHT_SIZE2", "WEIGHT_HEIGHT", 1, "kernels taller than 1")
+    need("CNA_PAD_CON0", "PAD_TOP", 0, "padding")
+    need("CNA_PAD_CON0", "PAD_LEFT", 0, "padding")
+    need("CNA_CVT_CON0", "CVT_BYPASS", 1, "input converter")
+    need("CNA_FC_CON0", "FC_SKIP_EN", 0, "FC zero skipping")
+    need("CNA_DCOMP_CTRL", "DECOMP_CONTROL", 0, "weight decompression")
+    need("CORE_MISC_CFG", "DW_EN", 0, "depthwise")
+    need("CORE_CLIP_TRUNCATE", "CLIP_TRUNCATE", 0, "accumulator truncation")
+    need("DPU_FEATURE_MODE_CFG", "FLYING_MODE", 0, "DPU input from MRDMA")
+    need("DPU_FEATURE_MODE_CFG", "CONV_MODE", 0, "DPU depthwise mode")
+    need("DPU_FEATURE_MODE_CFG", "OUTPUT_MODE", 2, "output to PPU; 2 = to memory [TRM]")
+    c = fld(regs, "CNA_DATA_SIZE1", "DATAIN_CHANNEL")
+    if c % limits.K_ALIGN:
+        raise NotModeled(f"DATAIN_CHANNEL={c} is not a multiple of {limits.K_ALIGN}: the weight "
+                         "layout of such kernels is unknown (the vendor packs C=40 kernels in "
+                         "80 B, no padding [decoded c40_h40_oc320])")
+
+
+def _check_precisions(regs: RegisterSource, prec: str, out: str) -> None:
+    core = fld(regs, "CORE_MISC_CFG", "PROC_PRECISION")
+    dpu_in = fld(regs, "DPU_DATA_FORMAT", "IN_PRECISION")
+    dpu_proc = fld(regs, "DPU_DATA_FORMAT", "PROC_PRECISION")
+    code = limits.CNA_PRECISION[prec]
+    if core != code:
+        refuse("precision", f"CORE_MISC_CFG.PROC_PRECISION={core} but CNA computes {prec} "
+               f"(code {code}): CNA and CORE must agree", "CORE_MISC_CFG",
+               regs.value("CORE_MISC_CFG"))
+    if dpu_in != limits.DPU_PRECISION[prec] or dpu_proc != limits.DPU_PRECISION[prec]:
+        refuse("precision", f"DPU_DATA_FORMAT IN/PROC_PRECISION={dpu_in}/{dpu_proc} but the "
+               f"conv produces {prec} (code {limits.DPU_PRECISION[prec]}) [§7 DATA_FORMAT]",
+               "DPU_DATA_FORMAT", regs.value("DPU_DATA_FORMAT"))
+    if (prec, out) not in _MODELED:
+        raise NotModeled(f"{prec} in, {out} out (modeled: fp16->fp32, fp16->fp16, int8->int32)")
+    fp16_out = fld(regs, "DPU_OUT_CVT_SCALE", "FP32TOFP16_EN")
+    if fp16_out != (out == "fp16"):
+        raise NotModeled(f"OUT_CVT_SCALE.FP32TOFP16_EN={fp16_out} with {out} output")
+    if fld(regs, "DPU_OUT_CVT_SCALE", "OUT_CVT_SCALE") != 1 or regs.value("DPU_OUT_CVT_SHIFT") \
+            or regs.value("DPU_OUT_CVT_OFFSET"):
+        raise NotModeled("OUT_CVT scale/shift/offset other than 1/0/0 (requantisation)")
+
+
+def _check_dpu_stages(regs: RegisterSource, rdma_enabled: bool) -> None:
+    """BS/BN/EW must be bypassed; a stage that takes its operand from memory needs DPU_RDMA
+    in the op-enable mask (0x1D, MESA's bias path [§2, §8])."""
+    stages = (("DPU_BS_CFG", "BS_BYPASS", "BS_ALU_SRC"), ("DPU_BN_CFG", "BN_BYPASS", "BN_ALU_SRC"),
+              ("DPU_EW_CFG", "EW_BYPASS", "EW_OP_SRC"))
+    for register, bypass, src in stages:
+        if fld(regs, register, bypass):
+            continue
+        if fld(regs, register, src) and not rdma_enabled:
+            refuse("missing-dpu-rdma", f"{register}.{src}=1 takes its operand from memory, but "
+                   "the op-enable mask lacks DPU_RDMA (0x10): nothing feeds the stage "
+                   "(*inference*; MESA's bias path enables 0x1D [§2, §8])", register,
+                   regs.value(register))
+        raise NotModeled(f"{register}: active DPU stage (only the bypass path is modeled)")
+
+
+def decode_conv(regs: RegisterSource, rdma_enabled: bool = False) -> ConvTask:
+    """All rules, then the model's limits, then the task's geometry and addresses."""
+    for rule in CONV_RULES:
+        rule(regs)
+    prec = cna_precision(regs)
+    out = dpu_out_precision(regs)
+    _check_precisions(regs, prec, out)
+    _model_limits(regs)
+    _check_dpu_stages(regs, rdma_enabled)
+    w = fld(regs, "CNA_DATA_SIZE0", "DATAIN_WIDTH")
+    h = fld(regs, "CNA_DATA_SIZE0", "DATAIN_HEIGHT")
+    ow, oh, och = output_dims(regs)
+    if (ow, oh) != (w, h):
+        refuse("output-shape", f"a 1x1 stride-1 conv of a {w}x{h} input gives {w}x{h}, but "
+               f"CORE_DATAOUT_SIZE_0 says {ow}x{oh}", "CORE_DATAOUT_SIZE_0",
+               regs.value("CORE_DATAOUT_SIZE_0"))
+    return ConvTask(
+        precision=prec,
+        out_precision=out,
+        width=w,
+        height=h,
+        channels=fld(regs, "CNA_DATA_SIZE1", "DATAIN_CHANNEL"),
+        plane_height=plane_height(regs),
+        kernels=fld(regs, "CNA_WEIGHT_SIZE2", "WEIGHT_KERNELS"),
+        out_channels=och,
+        stride_x=fld(regs, "CNA_CONV_CON3", "CONV_X_STRIDE"),
+        stride_y=fld(regs, "CNA_CONV_CON3", "CONV_Y_STRIDE"),
+        kernel_w=fld(regs, "CNA_WEIGHT_SIZE2", "WEIGHT_WIDTH"),
+        kernel_h=fld(regs, "CNA_WEIGHT_SIZE2", "WEIGHT_HEIGHT"),
+        feature_addr=regs.value("CNA_FEATURE_DATA_ADDR"),
+        weight_addr=regs.value("CNA_DCOMP_ADDR0"),
+        weight_bytes=regs.value("CNA_WEIGHT_SIZE0"),
+        dst_addr=regs.value("DPU_DST_BASE_ADDR"),
+        dst_plane_bytes=fld(regs, "DPU_DST_SURF_STRIDE", "DST_SURF_STRIDE") * limits.ATOM_BYTES,
+        data_banks=fld(regs, "CNA_CBUF_CON0", "DATA_BANK"),
+        weight_banks=fld(regs, "CNA_CBUF_CON0", "WEIGHT_BANK"),
+    )
+
+
+class DmaRead(Exception):
+    """A DMA read fault while a conv task reads ``what``; wraps sim.memory.DmaFault."""
+
+    def __init__(self, what: str, fault: Exception) -> None:
+        super().__init__(f"{what}: {fault}")
+        self.what, self.fault = what, fault
+
+
+class DmaWrite(DmaRead):
+    """A DMA write fault (output)."""
+
+
+def _planes(memory: DeviceMemory, base: int, n_planes: int, pitch: int, plane_bytes: int,
+            what: str, error: type[DmaRead]) -> np.ndarray:
+    """(n_planes, plane_bytes) uint8 view of equally spaced planes, one DMA range check."""
+    span = (n_planes - 1) * pitch + plane_bytes
+    try:
+        flat = memory.view(base, span)
+    except DmaFault as fault:
+        raise error(what, fault) from None
+    return as_strided(flat, shape=(n_planes, plane_bytes), strides=(pitch, 1), writeable=True)
+
+
+def read_features(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    """(M, C) float32 feature matrix of the task from NC1HWC2 memory."""
+    c2 = limits.c2(task.precision)
+    planes = _planes(memory, task.feature_addr, task.channels // c2, task.feature_plane_bytes,
+                     task.rows * limits.ATOM_BYTES,
+                     f"feature data (CNA_FEATURE_DATA_ADDR=0x{task.feature_addr:08X})", DmaRead)
+    typed = np.ascontiguousarray(planes).view(_NUMPY_DTYPE[task.precision])
+    return typed.reshape(-1, task.rows, c2).transpose(1, 0, 2).reshape(task.rows, task.channels) \
+        .astype(np.float32)
+
+
+def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    """(N, C) float32 kernels from the grouped layout (full groups + a packed partial one)."""
+    g = limits.KERNEL_GROUP[task.precision]
+    c, n, a = task.channels, task.kernels, limits.K_ALIGN
+    try:
+        raw = memory.view(task.weight_addr, task.weight_bytes)
+    except DmaFault as fault:
+        raise DmaRead(f"weights (CNA_DCOMP_ADDR0=0x{task.weight_addr:08X}, "
+                      f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault) from None
+    values = raw.view(_NUMPY_DTYPE[task.precision])
+    full, rem = divmod(n, g)
+    parts = [values[: full * g * c].reshape(full, c // a, g, a).transpose(0, 2, 1, 3)
+             .reshape(full * g, c)]
+    if rem:
+        parts.append(values[full * g * c:].reshape(c // a, rem, a).transpose(1, 0, 2)
+                     .reshape(rem, c))
+    return np.concatenate(parts).astype(np.float32)
+
+
+def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+    """(M, N) accumulator: int64 exact for int8, float32 for fp16 (module docstring)."""
+    if task.precision == "int8":
+        acc = np.zeros((a.shape[0], b_nk.shape[0]), dtype=np.int64)
+        for k0 in range(0, a.shape[1], INT8_EXACT_K_CHUNK):
+            k1 = k0 + INT8_EXACT_K_CHUNK
+            acc += (a[:, k0:k1] @ b_nk[:, k0:k1].T).astype(np.int64)
+        if acc.size and int(np.abs(acc).max()) >= 1 << 31:
+            raise NotModeled("int32 accumulator overflow (RK behaviour unverified [§10])")
+        return acc
+    return a @ b_nk.T
+
+
+def write_output(memory: DeviceMemory, task: ConvTask, acc: np.ndarray) -> None:
+    """Convert to the output precision and write NC1HWC2 planes at DST_SURF_STRIDE pitch."""
+    out = np.zeros((task.rows, task.out_channels), dtype=_NUMPY_DTYPE[task.out_precision])
+    with np.errstate(over="ignore"):
+        out[:, : task.kernels] = acc.astype(out.dtype)
+    c2 = limits.c2(task.out_precision)
+    n_planes = task.out_channels // c2
+    atoms = np.ascontiguousarray(out.reshape(task.rows, n_planes, c2).transpose(1, 0, 2))
+    planes = _planes(memory, task.dst_addr, n_planes, task.dst_plane_bytes,
+                     task.rows * limits.ATOM_BYTES,
+                     f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
+    planes[...] = atoms.view(np.uint8).reshape(n_planes, -1)
+
+
+class WeightCache:
+    """Decoded weights of the current run, so M-tiled tasks sharing one weight block decode
+    it once; dropped when a task writes over it and at the end of every run."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, int, int, int, str], np.ndarray] = {}
+
+    def get(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        key = (task.weight_addr, task.weight_bytes, task.kernels, task.channels, task.precision)
+        b = self._entries.get(key)
+        if b is None:
+            b = read_weights(memory, task)
+            self._entries[key] = b
+        return b
+
+    def invalidate(self, start: int, nbytes: int) -> None:
+        for key in [k for k in self._entries if k[0] < start + nbytes and start < k[0] + k[1]]:
+            del self._entries[key]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def execute_conv(memory: DeviceMemory, task: ConvTask, cache: WeightCache) -> None:
+    a = read_features(memory, task)
+    b = cache.get(memory, task)
+    write_output(memory, task, multiply(task, a, b))
+    span = (task.out_channels // limits.c2(task.out_precision) - 1) * task.dst_plane_bytes \
+        + task.rows * limits.ATOM_BYTES
+    cache.invalidate(task.dst_addr, span)

@@ -1,0 +1,143 @@
+"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software (CONTRACT B).
+
+The simulated kernel drives it with the same register writes the real drivers issue
+[npu-programming.md §3: vendor steps 1-9, rocket per task]; writing 1 to
+PC_OPERATION_ENABLE (0x08) runs the core's program synchronously (``pc.ProgramCounter``)
+until it completes or stops the way a board would (hang: no interrupt; DMA fault: raw
+status bit 12/13). ``diagnostics(core)`` then says why, naming task, register, rule, value.
+
+This module is the witness half of the project: it decodes words with ``ggml_rknpu.hw``
+only and must never import ``ggml_rknpu.compiler`` (tests/test_sim_independence.py).
+
+Additive to CONTRACT B (documented deviation): ``trace(core)`` returns the decoded task
+records of the last run (for capture tests), ``executed_tasks(core)`` counts the tasks the
+last run completed (= TASK_STATUS), and diagnostics survive ``soft_reset`` until the next
+run, so a kernel can reset first and report afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
+from ggml_rknpu.sim.memory import DeviceMemory
+from ggml_rknpu.sim.pc import ProgramCounter, RunState, TaskRecord
+from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
+
+
+def _off(name: str) -> int:
+    return REGISTERS[name].offset
+
+
+OP_ENABLE = _off("PC_OPERATION_ENABLE")
+BASE_ADDRESS = _off("PC_BASE_ADDRESS")
+REGISTER_AMOUNTS = _off("PC_REGISTER_AMOUNTS")
+INT_MASK = _off("PC_INTERRUPT_MASK")
+INT_CLEAR = _off("PC_INTERRUPT_CLEAR")
+INT_STATUS = _off("PC_INTERRUPT_STATUS")
+INT_RAW_STATUS = _off("PC_INTERRUPT_RAW_STATUS")
+TASK_CON = _off("PC_TASK_CON")
+TASK_DMA_BASE = _off("PC_TASK_DMA_BASE_ADDR")
+TASK_STATUS = _off("PC_TASK_STATUS")
+VERSION = _off("PC_VERSION")
+VERSION_NUM = _off("PC_VERSION_NUM")
+
+# The kernel reports VERSION + (VERSION_NUM & 0xffff); a mainline boot log shows
+# 1179210309 = 0x46495245 [§3, ollama issue #5001]. How it splits is unknown: all of it is
+# put in VERSION (guess).
+VERSION_VALUE = 0x46495245
+VERSION_NUM_VALUE = 0
+_TASK_COUNT_CLEAR = REGISTERS["PC_TASK_CON"].field("TASK_COUNT_CLEAR")
+_INT_BITS = REGISTERS["PC_INTERRUPT_CLEAR"].field("RESERVED_0").lo   # 14 status bits [§3]
+_INT_ALL = (1 << _INT_BITS) - 1
+
+
+@dataclass
+class _Core:
+    state: RunState = field(default_factory=RunState)
+    regs: RegisterFile = field(default_factory=RegisterFile)
+    diagnostics: list[str] = field(default_factory=list)
+    records: list[TaskRecord] = field(default_factory=list)
+    completed: int = 0
+
+
+class SimNpu:
+    def __init__(self, memory: DeviceMemory, n_cores: int = limits.N_CORES) -> None:
+        self.memory = memory
+        self.n_cores = n_cores
+        self._cores = [_Core() for _ in range(n_cores)]
+
+    def _core(self, core: int) -> _Core:
+        if not 0 <= core < self.n_cores:
+            raise ValueError(f"core {core} does not exist (this NPU has {self.n_cores})")
+        return self._cores[core]
+
+    def mmio_write(self, core: int, offset: int, value: int) -> None:
+        c = self._core(core)
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"MMIO value 0x{value:X} is not 32-bit")
+        st = c.state
+        if offset == OP_ENABLE:
+            if value & 1:
+                self._run(c, core)
+        elif offset == BASE_ADDRESS:
+            st.base_address = value
+        elif offset == REGISTER_AMOUNTS:
+            st.register_amounts = value
+        elif offset == INT_MASK:
+            st.int_mask = value & _INT_ALL
+        elif offset == INT_CLEAR:
+            st.raw_status &= ~value & _INT_ALL
+        elif offset == TASK_CON:
+            if _TASK_COUNT_CLEAR.extract(value):
+                st.task_status = 0
+            st.task_con = value
+        elif offset == TASK_DMA_BASE:
+            st.dma_base = value
+        elif (offset & 0xFFF) == S_POINTER_OFFSET and block_of_offset(offset) in (
+                Block.CNA, Block.CORE, Block.DPU, Block.DPU_RDMA, Block.PPU, Block.PPU_RDMA):
+            c.regs.write(offset, value)   # bit 28 = core index in the kernels' value [§3]
+        else:
+            raise ValueError(f"SimNpu: MMIO write to 0x{offset:04X} is outside the modeled "
+                             "window (PC registers and *_S_POINTER) [§3]")
+
+    def mmio_read(self, core: int, offset: int) -> int:
+        st = self._core(core).state
+        reads = {
+            VERSION: VERSION_VALUE,
+            VERSION_NUM: VERSION_NUM_VALUE,
+            BASE_ADDRESS: st.base_address,
+            REGISTER_AMOUNTS: st.register_amounts,
+            INT_MASK: st.int_mask,
+            INT_STATUS: st.raw_status & st.int_mask,
+            INT_RAW_STATUS: st.raw_status,
+            TASK_CON: st.task_con,
+            TASK_DMA_BASE: st.dma_base,
+            TASK_STATUS: st.task_status,
+        }
+        if offset not in reads:
+            raise ValueError(f"SimNpu: MMIO read of 0x{offset:04X} is outside the modeled window")
+        return reads[offset]
+
+    def soft_reset(self, core: int | None = None) -> None:
+        """Registers, pointers and status back to reset values; diagnostics are kept."""
+        for i in range(self.n_cores) if core is None else (core,):
+            c = self._core(i)
+            c.state = RunState()
+            c.regs = RegisterFile()
+
+    def diagnostics(self, core: int) -> list[str]:
+        return list(self._core(core).diagnostics)
+
+    def executed_tasks(self, core: int) -> int:
+        return self._core(core).completed
+
+    def trace(self, core: int) -> list[TaskRecord]:
+        return list(self._core(core).records)
+
+    def _run(self, c: _Core, core: int) -> None:
+        result = ProgramCounter(core, self.memory, c.regs, c.state).run()
+        c.diagnostics = list(result.diagnostics)
+        c.records = result.records
+        c.completed = result.completed_tasks

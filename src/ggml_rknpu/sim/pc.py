@@ -1,0 +1,269 @@
+"""The PC ("register file fetch unit"): fetches a task's regcmd words from memory, applies
+them to the register groups, starts the enabled blocks on the op-enable word, follows the
+tail to the next task, and stops after TASK_NUMBER tasks [npu-programming.md §2, §3, §11].
+
+Per task:
+1. fetch ``(PC_DATA_AMOUNT + 1) * 2`` words from ``PC_SOURCE_ADDR * 16``
+   (a fetch outside mapped memory is a DMA read error, raw-status bit 12);
+2. decode each word with ``hw.regcmd.decode_word``: 0 is a NOP; a block target writes its
+   register after the target<->block check and the reserved-bit check; PC writes of
+   BASE_ADDRESS / REGISTER_AMOUNTS set the next fetch; 0x0041 arms the op-enable; 0x0081
+   to register 0x0008 starts the blocks in its mask (refused if not armed);
+3. no op-enable among the fetched words = the "missing tail": the PC idles, no interrupt;
+4. the task's last block raises its group-0/1 interrupt bit, alternating per task
+   (*inference*, §11), into RAW_STATUS; INT_STATUS = RAW_STATUS & INT_MASK.
+Words fetched after the op-enable (the fetch is rounded up to 128 bits) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
+    decode_word, words_for_amount
+from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
+from ggml_rknpu.sim.conv import ConvTask, DmaRead, DmaWrite, WeightCache, decode_conv, \
+    execute_conv
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
+from ggml_rknpu.sim.regfile import RegisterFile
+from ggml_rknpu.sim.validate import SYMPTOM_DMA_FAULT, SYMPTOM_NOT_MODELED, NotModeled, \
+    TaskRefused, Violation, check_reserved
+
+_INT = REGISTERS["PC_INTERRUPT_RAW_STATUS"]
+DMA_READ_ERROR = _INT.field("DMA_READ_ERROR").mask        # bit 12 [§3]
+DMA_WRITE_ERROR = _INT.field("DMA_WRITE_ERROR").mask      # bit 13 [§3]
+_PC_BASE = REGISTERS["PC_BASE_ADDRESS"]
+_PC_AMOUNTS = REGISTERS["PC_REGISTER_AMOUNTS"]
+_WORD_BYTES = 8
+
+# The block whose completion interrupt ends a task of a given op-enable mask [§3: int_mask
+# 0x300 for DPU-terminated tasks, 0xC00 for PPU; capture pw_c256_h14 task table].
+_LAST_BLOCK_INTERRUPT = ((OpEnable.PPU, "PPU"), (OpEnable.DPU, "DPU"), (OpEnable.CORE, "CORE"))
+CONV_PIPELINE = OpEnable.CNA | OpEnable.CORE | OpEnable.DPU
+
+
+def interrupt_bit(enable: int, task_in_run: int) -> int:
+    for flag, name in _LAST_BLOCK_INTERRUPT:
+        if enable & flag:
+            return _INT.field(f"{name}_{task_in_run % 2}").mask
+    return 0
+
+
+@dataclass
+class TaskRecord:
+    """What the PC saw and ran for one task (the simulator's trace)."""
+
+    index: int
+    regcmd_addr: int
+    fetched_words: int
+    enable_mask: int | None = None
+    conv: ConvTask | None = None
+    pool: PoolTask | None = None
+    writes: dict[int, int] = field(default_factory=dict)   # offset -> value written
+
+
+@dataclass
+class RunState:
+    """Per-core PC registers as the MMIO window shows them."""
+
+    base_address: int = 0
+    register_amounts: int = 0
+    int_mask: int = 0
+    raw_status: int = 0
+    task_con: int = 0
+    dma_base: int = 0
+    task_status: int = 0
+
+
+@dataclass
+class RunResult:
+    completed_tasks: int = 0
+    diagnostics: list[str] = field(default_factory=list)
+    records: list[TaskRecord] = field(default_factory=list)
+
+
+def _enabled_blocks(mask: int) -> set[Block]:
+    names = {OpEnable.CNA: Block.CNA, OpEnable.CORE: Block.CORE, OpEnable.DPU: Block.DPU,
+             OpEnable.DPU_RDMA: Block.DPU_RDMA, OpEnable.PPU: Block.PPU,
+             OpEnable.PPU_RDMA: Block.PPU_RDMA}
+    return {b for flag, b in names.items() if mask & flag}
+
+
+class ProgramCounter:
+    """Runs one core's program; owns nothing but what a run needs."""
+
+    def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState) -> None:
+        self.core, self.memory, self.regs, self.state = core, memory, regs, state
+        self.cache = WeightCache()
+
+    def run(self) -> RunResult:
+        result = RunResult()
+        try:
+            self._run(result)
+        except TaskRefused as exc:
+            result.diagnostics.append(exc.violation.describe())
+        except NotModeled as exc:
+            task = len(result.records) - 1
+            result.diagnostics.append(f"task {task}: {exc} ({SYMPTOM_NOT_MODELED})")
+        except (DmaRead, DmaFault) as exc:
+            bit = DMA_WRITE_ERROR if isinstance(exc, DmaWrite) else DMA_READ_ERROR
+            self.state.raw_status |= bit
+            kind = "write" if bit == DMA_WRITE_ERROR else "read"
+            task = len(result.records) - 1
+            result.diagnostics.append(
+                f"task {task}: DMA {kind} fault (raw status 0x{bit:X}) {exc}; the address "
+                f"register names which buffer to map or fix ({SYMPTOM_DMA_FAULT})")
+        finally:
+            self.cache.clear()
+        self._final_interrupt_check(result)
+        return result
+
+    def _refuse(self, task: int, rule: str, message: str, register: str | None = None,
+                value: int | None = None) -> None:
+        raise TaskRefused(Violation(rule, message, register, value, task))
+
+    def _run(self, result: RunResult) -> None:
+        st = self.state
+        if _PC_BASE.field("PC_SEL").extract(st.base_address):
+            self._refuse(0, "pc-mode", "PC_BASE_ADDRESS.PC_SEL=1 (slave mode) at OP_EN: the PC "
+                         "does not fetch; write the regcmd DMA address with bit 0 clear [§3]",
+                         "PC_BASE_ADDRESS", st.base_address)
+        n_tasks = REGISTERS["PC_TASK_CON"].field("TASK_NUMBER").extract(st.task_con)
+        if n_tasks == 0:
+            self._refuse(0, "task-number", "PC_TASK_CON.TASK_NUMBER=0: nothing to run, no "
+                         "interrupt will come", "PC_TASK_CON", st.task_con)
+        if st.dma_base:
+            raise NotModeled(f"PC_TASK_DMA_BASE_ADDR=0x{st.dma_base:08X} (both kernels write 0 [§3])")
+        addr = _PC_BASE.field("PC_SOURCE_ADDR").extract(st.base_address) * 16
+        amount = _PC_AMOUNTS.field("PC_DATA_AMOUNT").extract(st.register_amounts)
+        for t in range(n_tasks):
+            rec = TaskRecord(t, addr, words_for_amount(amount))
+            result.records.append(rec)
+            next_base, next_amount = self._run_task(t, rec)
+            result.completed_tasks = t + 1
+            st.task_status = t + 1
+            if t == n_tasks - 1:
+                break
+            if not next_base or next_amount is None:
+                self._refuse(t, "chain-ends", f"TASK_NUMBER={n_tasks} but task {t}'s tail has "
+                             f"PC_BASE_ADDRESS={'none' if next_base is None else hex(next_base)}"
+                             f", PC_REGISTER_AMOUNTS={next_amount}: the PC has no task {t + 1} "
+                             "to fetch (tail missing, or TASK_NUMBER too large)",
+                             "PC_TASK_CON", st.task_con)
+            addr = _PC_BASE.field("PC_SOURCE_ADDR").extract(next_base) * 16
+            amount = _PC_AMOUNTS.field("PC_DATA_AMOUNT").extract(next_amount)
+
+    def _fetch(self, t: int, addr: int, n_words: int) -> np.ndarray:
+        try:
+            raw = self.memory.view(addr, n_words * _WORD_BYTES)
+        except DmaFault as fault:
+            raise DmaRead(f"task {t}: regcmd fetch of {n_words} words", fault) from None
+        return np.frombuffer(raw.tobytes(), dtype="<u8")
+
+    def _run_task(self, t: int, rec: TaskRecord) -> tuple[int | None, int | None]:
+        words = self._fetch(t, rec.regcmd_addr, rec.fetched_words)
+        self.regs.begin_task(t)
+        armed = False
+        enable: int | None = None
+        next_base: int | None = None
+        next_amount: int | None = None
+        for i, word in enumerate(words.tolist()):
+            if word == 0:
+                continue
+            target, value, offset = decode_word(word)
+            where = f"word {i} (0x{word:016X}) at 0x{rec.regcmd_addr + i * _WORD_BYTES:08X}"
+            if target == Target.MARKER:
+                armed = True
+            elif target == Target.OP_ENABLE:
+                if offset != OP_ENABLE_OFFSET:
+                    self._refuse(t, "op-enable", f"{where}: op-enable word writes register "
+                                 f"0x{offset:04X}, not 0x{OP_ENABLE_OFFSET:04X} [§2]")
+                if not armed:
+                    self._refuse(t, "missing-marker", f"{where}: op-enable without the "
+                                 "0x0041_0000_0000_0000 marker word before it [TRM: 'before "
+                                 "op_en, 64'h0041_xxxx must be set'; §2 tail word 2]")
+                enable = value
+                break
+            else:
+                block = BLOCK_OF_TARGET.get(target)
+                if block is None:
+                    self._refuse(t, "unknown-target", f"{where}: target 0x{target:04X} is none "
+                                 "of the block targets 0x0101..0x8001, 0x0041, 0x0081 [§2]")
+                if offset not in BY_OFFSET:
+                    self._refuse(t, "unknown-register", f"{where}: no known register at offset "
+                                 f"0x{offset:04X} [registers.xml]")
+                if block_of_offset(offset) != block:
+                    self._refuse(t, "target-block", f"{where}: target 0x{target:04X} "
+                                 f"({block.name}) writes 0x{offset:04X}, a "
+                                 f"{block_of_offset(offset).name} register [§11.1]")
+                name = BY_OFFSET[offset].name
+                try:
+                    check_reserved(name, value)
+                except TaskRefused as exc:
+                    raise TaskRefused(Violation(**{**exc.violation.__dict__, "task": t})) from None
+                rec.writes[offset] = value
+                if block == Block.PC:
+                    if offset == _PC_BASE.offset:
+                        next_base = value
+                    elif offset == _PC_AMOUNTS.offset:
+                        next_amount = value
+                    else:
+                        raise NotModeled(f"{where}: in-stream write of PC register {name}")
+                    setattr(self.state, "base_address" if offset == _PC_BASE.offset
+                            else "register_amounts", value)
+                else:
+                    self.regs.write(offset, value)
+        if enable is None:
+            self._refuse(t, "missing-tail", f"no op-enable word among the {rec.fetched_words} "
+                         f"words fetched from 0x{rec.regcmd_addr:08X} (PC_REGISTER_AMOUNTS too "
+                         "small, or the task lacks its 4-word tail: BASE, AMOUNTS, 0x0041 "
+                         "marker, 0x0081 op-enable [§2])")
+        rec.enable_mask = enable
+        self._execute(t, rec, enable)
+        bit = interrupt_bit(enable, t)
+        self.state.raw_status |= bit
+        self.regs.end_task(_enabled_blocks(enable))
+        return next_base, next_amount
+
+    def _execute(self, t: int, rec: TaskRecord, enable: int) -> None:
+        view = self.regs.view(t)
+        try:
+            if enable == 0:
+                self._refuse(t, "op-enable", "op-enable mask 0 starts no block; no interrupt")
+            if enable & CONV_PIPELINE:
+                if enable & CONV_PIPELINE != CONV_PIPELINE:
+                    self._refuse(t, "op-enable", f"op-enable 0x{enable:02X} starts part of the "
+                                 "CNA->CORE->DPU pipeline (conv tasks use 0x0D, 0x1D [§2]): the "
+                                 "missing stage never consumes/produces data, no DPU interrupt")
+                if enable & (OpEnable.PPU | OpEnable.PPU_RDMA):
+                    raise NotModeled(f"op-enable 0x{enable:02X}: conv feeding the PPU")
+                rec.conv = decode_conv(view, rdma_enabled=bool(enable & OpEnable.DPU_RDMA))
+                execute_conv(self.memory, rec.conv, self.cache)
+            elif enable & OpEnable.PPU:
+                rec.pool = decode_ppu(view, rdma_enabled=bool(enable & OpEnable.PPU_RDMA))
+                execute_ppu(self.memory, rec.pool)
+                self.cache.invalidate(rec.pool.dst_addr, rec.pool.dst_plane_bytes)
+            else:
+                raise NotModeled(f"op-enable 0x{enable:02X} (DPU/RDMA-only elementwise tasks)")
+        except TaskRefused as exc:
+            v = exc.violation
+            raise TaskRefused(Violation(v.rule, v.message, v.register, v.value, t, v.symptom)) \
+                from None
+
+    def _final_interrupt_check(self, result: RunResult) -> None:
+        """Explain a run that ends without a completion interrupt (bad INT_MASK and friends)."""
+        st = self.state
+        if result.diagnostics:
+            return
+        masked = st.raw_status & st.int_mask
+        if not masked:
+            result.diagnostics.append(
+                f"task {result.completed_tasks - 1}: rule 'int-mask' [PC_INTERRUPT_MASK="
+                f"0x{st.int_mask:08X}]: all {result.completed_tasks} task(s) ran, but the raw "
+                f"status 0x{st.raw_status:X} has no bit inside INT_MASK: the last task's "
+                "completion interrupt is masked. Use 0x300 when the last task ends in the DPU, "
+                "0xC00 when it ends in the PPU [§3] (on a board: no interrupt, the kernel times "
+                "out and resets)")

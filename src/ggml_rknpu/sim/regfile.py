@@ -1,0 +1,124 @@
+"""Per-core register state with the two ping-pong register groups, and the per-task view
+that flags reads of registers the task did not write.
+
+Model (TRM ``*_S_POINTER`` text; *inference* where marked):
+- Every block (CNA, CORE, DPU, DPU_RDMA, PPU, PPU_RDMA) has two shadow register groups;
+  registers from OPERATION_ENABLE (block base + 0x8) upward are shadowed, S_STATUS and
+  S_POINTER are not [TRM: "This register and after this are all shadowed for ping-pong"].
+- With ``S_POINTER.POINTER_PP_EN`` set, a block's group toggles after every task that
+  enables the block; otherwise group ``S_POINTER.POINTER`` is used. Writes and execution use
+  the same group (every stream writes 0xE = PP_EN|EXEC_PP_EN|PP_MODE, which moves pointer
+  and executer together) -- *inference*; writing a ``*_PP_CLEAR`` bit resets to group 0.
+- A register a task does not write keeps whatever its group last held: the value of the
+  task two back in ping-pong mode, one back otherwise (§2 "ping-pong inheritance"). The
+  ``TaskView`` refuses such reads so the hazard is loud instead of silently stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
+from ggml_rknpu.sim.validate import SYMPTOM_STALE, TaskRefused, Violation
+
+PP_BLOCKS = (Block.CNA, Block.CORE, Block.DPU, Block.DPU_RDMA, Block.PPU, Block.PPU_RDMA)
+_S_POINTER = REGISTERS["CNA_S_POINTER"]          # same field layout in every block [registers.xml]
+S_POINTER_OFFSET = 0x4                          # block base + 0x4 [registers.xml]
+FIRST_SHADOWED_OFFSET = 0x8                     # block base + 0x8 OPERATION_ENABLE [TRM]
+
+
+def is_shadowed(offset: int) -> bool:
+    return (offset & 0xFFF) >= FIRST_SHADOWED_OFFSET
+
+
+@dataclass
+class BlockPointer:
+    """One block's S_POINTER state."""
+
+    value: int = 0        # last S_POINTER write
+    group: int = 0        # group the current task writes to and executes from
+
+    def write(self, value: int) -> None:
+        fields = _S_POINTER.decode(value)
+        self.value = value
+        if fields["POINTER_PP_CLEAR"] or fields["EXECUTER_PP_CLEAR"]:
+            self.group = 0
+        elif not fields["POINTER_PP_EN"]:
+            self.group = fields["POINTER"]
+
+    @property
+    def pingpong(self) -> bool:
+        return bool(_S_POINTER.field("POINTER_PP_EN").extract(self.value))
+
+    def task_done(self) -> None:
+        if self.pingpong:
+            self.group ^= 1
+
+
+@dataclass
+class RegisterFile:
+    """All shadowed registers of one core: ``groups[g][offset] -> (value, task that wrote it)``."""
+
+    groups: tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]] = field(
+        default_factory=lambda: ({}, {}))
+    pointers: dict[Block, BlockPointer] = field(
+        default_factory=lambda: {b: BlockPointer() for b in PP_BLOCKS})
+    task_index: int = 0
+    written: set[int] = field(default_factory=set)    # offsets written in the current task
+
+    def write(self, offset: int, value: int) -> None:
+        block = block_of_offset(offset)
+        if (offset & 0xFFF) == S_POINTER_OFFSET and block in self.pointers:
+            self.pointers[block].write(value)
+            self.written.add(offset)
+            return
+        group = self.pointers[block].group if block in self.pointers else 0
+        self.groups[group][offset] = (value, self.task_index)
+        self.written.add(offset)
+
+    def begin_task(self, task_index: int) -> None:
+        self.task_index = task_index
+        self.written = set()
+
+    def end_task(self, enabled_blocks: set[Block]) -> None:
+        for block in enabled_blocks:
+            if block in self.pointers:
+                self.pointers[block].task_done()
+
+    def view(self, task_index: int) -> "TaskView":
+        return TaskView(self, task_index)
+
+
+class TaskView:
+    """Register reads for one executing task; a read of a register the task did not write
+    refuses the task (rule 'unwritten-register')."""
+
+    def __init__(self, regfile: RegisterFile, task_index: int) -> None:
+        self._rf = regfile
+        self.task_index = task_index
+        self.reads: list[str] = []
+
+    def value(self, name: str) -> int:
+        reg = REGISTERS[name]
+        offset = reg.offset
+        self.reads.append(name)
+        block = reg.block
+        group = self._rf.pointers[block].group if block in self._rf.pointers else 0
+        if offset not in self._rf.written:
+            stale = self._rf.groups[group].get(offset)
+            if stale is None:
+                detail = "never written since reset"
+            else:
+                detail = (f"register group {group} still holds 0x{stale[0]:08X} from task "
+                          f"{stale[1]} (ping-pong inheritance)")
+            raise TaskRefused(Violation(
+                "unwritten-register",
+                f"the task reads {name} (0x{offset:04X}) but does not write it; {detail}. "
+                "Rewrite the full register set in every task [npu-programming.md §2]",
+                name, stale[0] if stale else None, self.task_index, SYMPTOM_STALE))
+        return self._rf.groups[group][offset][0]
+
+
+def register_name(offset: int) -> str:
+    reg = BY_OFFSET.get(offset)
+    return reg.name if reg else f"0x{offset:04X}"
