@@ -53,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help=f"llama-bench threads (default {BIG_CORE_THREADS} pinned to cpus {BIG_CORES} on a board, else 1)")
     p.add_argument("--server-device", default=None,
-                   help="device for rknpu serve (default: --device, else sim-rknpu off a board)")
+                   help="device for rknpu serve (default: --device, else sim-rknpu off a board; "
+                        "'host' runs every op in numpy, no NPU)")
+    p.add_argument("--server-weights", default="fp16", choices=("fp16", "int8"),
+                   help="precision rknpu serve stages matmul weights in (its --weights)")
     p.add_argument("--kl-divergence", action="store_true", help="add a KL-divergence column (llama-perplexity)")
     p.add_argument("--kl-text", type=Path, default=None, help="text for --kl-divergence (default: a built-in snippet)")
     p.add_argument("--ctx", type=int, default=128, help="context for llama-perplexity chunks")
@@ -72,6 +75,17 @@ def quant_summary(model: Path) -> dict:
     return {"tensor_types": dict(all_types), "matmul_weight_types": dict(matmul)}
 
 
+# GGUF tensor type -> the engine precision that computes it without changing the numbers
+_GGUF_FOR_ENGINE = {"fp16": {"F16"}, "int8": set()}
+
+
+def _same_precision(quants: dict, server_weights: str) -> bool:
+    """True when every matmul weight in the GGUF is already what the server stages (e.g. F16 ->
+    fp16). int8 staging re-quantizes per row, so it never matches a GGUF type exactly."""
+    types = set(quants["matmul_weight_types"])
+    return bool(types) and types <= _GGUF_FOR_ENGINE[server_weights]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -81,10 +95,12 @@ def _free_port() -> int:
 class ServeProcess:
     """``rknpu serve`` on a loopback port for the duration of a ``with`` block."""
 
-    def __init__(self, device: str, log_path: Path, prefix: list[str], ready_timeout: float = 120.0) -> None:
+    def __init__(self, device: str, weights: str, threads: int, log_path: Path, prefix: list[str],
+                 ready_timeout: float = 120.0) -> None:
         self.port = _free_port()
         self.argv = [*prefix, sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--device", device]
+                     "--port", str(self.port), "--device", device, "--weights", weights, "-t", str(threads),
+                     "--no-progress", "--stats"]
         self.log_path = log_path
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
@@ -157,6 +173,17 @@ def rows_from_llama_bench(side: str, results: list[dict]) -> list[dict]:
     return rows
 
 
+_PLACEMENT_RE = re.compile(r"MUL_MAT\s*│\s*(npu|host)\s*│\s*(\d+)")
+
+
+def matmul_placement(server_log: str) -> dict[str, int] | None:
+    """MUL_MAT nodes that ran on the NPU engine vs the host, from the last placement table
+    ``rknpu serve --stats`` printed (None when the log has none). Proves the NPU side used the NPU."""
+    last_table = server_log.rsplit("where ops ran", 1)[-1]
+    found = {where: int(nodes) for where, nodes in _PLACEMENT_RE.findall(last_table)}
+    return found or None
+
+
 _KLD_RE = re.compile(r"Mean\s+KLD:\s+([-+0-9.eE]+)")
 
 
@@ -204,7 +231,7 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
         rows += rows_from_llama_bench(SIDES[0], run_llama_bench(bench_tool, [*common, "-ngl", "0"], prefix,
                                                                 args.timeout))
         advance(1)
-        with ServeProcess(device, out / "rknpu-serve.log", prefix) as server:
+        with ServeProcess(device, args.server_weights, threads, out / "rknpu-serve.log", prefix) as server:
             npu_argv = [*common, "-ngl", "99", "--rpc", server.endpoint]
             rows += rows_from_llama_bench(SIDES[1], run_llama_bench(bench_tool, npu_argv, prefix, args.timeout))
             advance(1)
@@ -214,21 +241,28 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
                     text.write_text(KL_TEXT)
                 kld = kl_divergence(perplexity, args.model, text, out / "kl_base.bin", server.endpoint, threads,
                                     prefix, args.ctx, args.timeout)
+    placement = matmul_placement(server.log_tail(200_000))
     if kld is not None:
         for row in rows:
             if row["side"] == SIDES[1]:
                 row["kl_divergence_measured"] = kld
     simulated = device.startswith("sim")
     cpu_w = ", ".join(f"{k}x{v}" for k, v in sorted(quants["matmul_weight_types"].items()))
-    notes = [f"quant: matmul weights in the GGUF are {cpu_w or 'none found'}; the CPU side computes these types "
-             "as stored, the NPU side's server converts them to its device precision (fp16/int8) when they "
-             "are uploaded - compare against a CPU run of a GGUF of that precision for a like-for-like fight",
+    npu_w = "host numpy (no NPU)" if device == "host" else args.server_weights
+    notes = [f"quant: CPU side computes the GGUF's matmul weights as stored ({cpu_w or 'none found'}); "
+             f"NPU side: rknpu serve stages them as {npu_w} - "
+             + ("same precision on both sides" if _same_precision(quants, args.server_weights) else
+                "NOT the same precision: for a like-for-like fight compare with a CPU run of a GGUF in "
+                f"{args.server_weights} (seed log, Milestone 15)"),
              f"same llama-bench binary and arguments on both sides: {' '.join(common)}; NPU side adds "
              "-ngl 99 --rpc <rknpu serve>; CPU side -ngl 0"]
     if on_board:
         notes.append(f"pinned: taskset -c {BIG_CORES} -t {threads} (big cores; seed log Milestone 16)")
     else:
         notes.append("not a board: -t 1, unpinned")
+    notes.append("MUL_MAT nodes on the NPU side: " + (
+        f"{placement.get('npu', 0)} on the NPU engine, {placement.get('host', 0)} on the host (rknpu serve --stats)"
+        if placement else "unknown (no placement table in rknpu-serve.log)"))
     if simulated:
         notes.append(f"NPU side ran on the simulator ({device}) on this host: its tok/s measures the simulator, "
                      "not the NPU")
@@ -244,7 +278,8 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
                          for t in tests]) for side in SIDES]
     plot = rp.Plot("cpu_vs_npu.png", f"llama-bench {args.model.name}: CPU vs NPU", "test", "tokens/s", series,
                    kind="bar")
-    meta = {"model": str(args.model), "threads": threads, "pinned": bool(prefix), "server_device": device,
+    meta = {"model": str(args.model), "threads": threads, "server_weights": args.server_weights,
+            "matmul_nodes": placement, "pinned": bool(prefix), "server_device": device,
             "llama_cpp": f"{llamacpp.LLAMA_CPP_COMMIT} (llama-cpp-python {llamacpp.LLAMA_CPP_PYTHON_VERSION})",
             **quants}
     return rp.Report("model", f"llama-bench: {args.model.name}, CPU vs rknpu serve", rig.to_dict(), meta=meta,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 
 from rich.console import Console
@@ -260,7 +261,11 @@ def run(args: argparse.Namespace) -> int:
         report = run_sustained(args, rig, console)
     else:
         from ggml_rknpu.bench import model as model_bench
-        report = model_bench.run(args, rig, console)
+        try:
+            report = model_bench.run(args, rig, console)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            console.print(f"[bold red]bench model failed:[/] {exc}")
+            return 1
         if report is None:
             return 1
     report.print(console)
