@@ -57,13 +57,16 @@ def test_bench_model_cpu_and_npu_rows_from_real_llama_bench(tmp_path):
     model = write_tiny_gguf(tmp_path / "tiny-llama-f16.gguf", "llama", "f16", config=TinyConfig(n_layer=1))
     out = tmp_path / "model"
     assert run_cli("model", str(model), "-p", "8", "-n", "2", "-r", "1", "--device", "sim-rknpu",
-                   "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
+                   "--kl-divergence", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
     data = json.loads((out / "model.json").read_text())
     rows = data["raw"]["rows"]
     assert [(r["side"], r["test"]) for r in rows] == [("CPU", "pp8"), ("CPU", "tg2"),
                                                       (mb.SIDES[1], "pp8"), (mb.SIDES[1], "tg2")]
     assert all(r["tok_s_measured"] > 0 and r["build_commit"] for r in rows)
     assert all(r["n_threads"] == 1 for r in rows)               # not a board: -t 1
+    # fp16 weights on both sides: the NPU side's distributions are close to the CPU's, not identical
+    kld = data["raw"]["kl_divergence"]
+    assert 0 <= kld < 0.01 and rows[2]["kl_divergence_measured"] == kld and "kl_divergence_measured" not in rows[0]
     assert "RPC" in rows[2]["backends"] and "RPC" not in rows[0]["backends"]
     assert rows[0]["n_gpu_layers"] == 0 and rows[2]["n_gpu_layers"] == 99
     assert set(data["meta"]["matmul_weight_types"]) == {"F16"}

@@ -123,3 +123,10 @@ def test_fixtures_match_their_generator(name):
     spec.loader.exec_module(mod)
     committed = {str(p.relative_to(RIGS / name)): p.read_text() for p in (RIGS / name).rglob("*") if p.is_file()}
     assert committed == mod.RIGS[name]()
+
+
+def test_registered_in_the_rknpu_command(capsys):
+    from ggml_rknpu.cli.main import main
+
+    assert main(["check-rig", "--json", "--root", str(RIGS / "powersave_cpu")]) == 1
+    assert json.loads(capsys.readouterr().out)["verdict"] == "FAIL"

@@ -271,7 +271,7 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
                rp.Column("stddev_tok_s_measured", "+-", "{:.2f}", figure=True),
                rp.Column("backends", "backends"), rp.Column("n_threads", "threads")]
     if kld is not None:
-        columns.append(rp.Column("kl_divergence_measured", "KL divergence vs CPU", "{:.5f}", figure=True))
+        columns.append(rp.Column("kl_divergence_measured", "KL divergence vs CPU", "{:.3g}", figure=True))
     tests = list(dict.fromkeys(r["test"] for r in rows))
     series = [rp.Series(f"{side} (measured{', simulator' if simulated and side != SIDES[0] else ''})", tests,
                         [next((r["tok_s_measured"] for r in rows if r["side"] == side and r["test"] == t), 0.0)
