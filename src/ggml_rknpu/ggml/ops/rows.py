@@ -81,7 +81,7 @@ def plan_set_rows(node: OpNode) -> Closure:
     idx_all = idx_ref.as_array()[0]             # (ne12, ne11, ne10)
     i3 = np.arange(ne03)[:, None, None]
     i2 = np.arange(ne02)[None, :, None]
-    idx_rows = (i3 % ne12, i2 % ne11)
+    idx_rows = ((np.arange(ne03) % ne12)[:, None], (np.arange(ne02) % ne11)[None, :])
     d = dst.as_array()                          # (ne3, ne2, ne1, ne0 | row_bytes)
     t = dst.type
 
