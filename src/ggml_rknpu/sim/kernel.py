@@ -259,6 +259,10 @@ class SimKernel:
             "allocated_bytes": self._allocated,
         }
 
+    def address_space(self, fd: int) -> IommuDomain:
+        """The NPU address space ``fd``'s buffers live in (its ``view`` is what the NPU sees)."""
+        return self._domain(self._file(fd))
+
     def iova_budget(self, fd: int) -> tuple[int, int]:
         """(free, total) bytes of the NPU address space ``fd``'s buffers live in."""
         domain = self._domain(self._file(fd))
