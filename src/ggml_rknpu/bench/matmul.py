@@ -70,7 +70,7 @@ def flops(M: int, K: int, N: int) -> int:
 
 MATMUL_COLUMNS = [
     rp.Column("shape", "shape"), rp.Column("dtype", "dtype"), rp.Column("cores", "cores"), rp.Column("M", "M"),
-    rp.Column("pack_a_ms_measured", "pack A ms", "{:.3f}", figure=True),
+    rp.Column("ran_on", "ran on"), rp.Column("pack_a_ms_measured", "pack A ms", "{:.3f}", figure=True),
     rp.Column("submit_ms_measured", "submit ms", "{:.3f}", figure=True),
     rp.Column("wait_ms_measured", "wait ms", "{:.3f}", figure=True),
     rp.Column("unpack_c_ms_measured", "unpack C ms", "{:.3f}", figure=True),
@@ -169,7 +169,8 @@ def summarize_calls(case: Case, calls: list[tuple[float, dict]], *, on_board: bo
     """Median per-call figures of one case. Host phases are measured on this host; device time
     keeps the basis the engine reported; GFLOP/s is derived from each."""
     row = {"shape": case.shape.label, "M": case.M, "K": case.shape.K, "N": case.shape.N,
-           "dtype": case.dtype, "cores": case.cores, "calls": len(calls), "executed": True}
+           "dtype": case.dtype, "cores": case.cores, "calls": len(calls), "executed": True,
+           "ran_on": "board" if on_board else "simulator"}
     for phase in HOST_PHASES:
         vals = [t[f"{phase}_s"] for _, t in calls if t[f"{phase}_s"] is not None]
         row[f"{phase}_ms_measured"] = float(np.median(vals)) * 1e3 if vals else None
@@ -182,6 +183,11 @@ def summarize_calls(case: Case, calls: list[tuple[float, dict]], *, on_board: bo
     if dev and basis:
         row[f"device_ms_{basis}"] = float(np.median(dev)) * 1e3
         row[f"gflops_{basis}"] = case.flops / float(np.median(dev)) / 1e9
+    if basis != "modeled":
+        # on a board, the cost model's figure beside the measured one (a check of the model)
+        t = modeled_program_time(case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
+        row["device_ms_modeled"] = t * 1e3
+        row["gflops_modeled"] = case.flops / t / 1e9
     return row
 
 
@@ -205,7 +211,7 @@ def run_case(npu, case: Case, *, iters: int, warmup: int, rng: np.random.Generat
 def modeled_only_row(case: Case, reason: str) -> dict:
     t = modeled_program_time(case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
     return {"shape": case.shape.label, "M": case.M, "K": case.shape.K, "N": case.shape.N, "dtype": case.dtype,
-            "cores": case.cores, "calls": 0, "executed": False, "skipped": reason,
+            "cores": case.cores, "calls": 0, "executed": False, "ran_on": "model only", "skipped": reason,
             "device_ms_modeled": t * 1e3, "gflops_modeled": case.flops / t / 1e9}
 
 
