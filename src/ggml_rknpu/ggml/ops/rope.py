@@ -38,13 +38,15 @@ _MODES = (MODE_NORMAL, MODE_NEOX, MODE_MROPE, MODE_VISION, MODE_IMROPE)
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
                    beta_slow: float) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims, in f32 as ggml computes it."""
+    """ggml_rope_yarn_corr_dims, in f32 as ggml computes it. Like C's logf, log(0) is -inf
+    (n_ctx_orig = 0 occurs, e.g. in test-backend-ops), giving dims (0, -inf), not an error."""
     def corr_dim(n_rot: float) -> np.float32:
         f = np.float32
-        return f(n_dims) * f(math.log(f(n_ctx_orig) / (f(n_rot) * f(2) * f(math.pi)))) / (f(2) * f(math.log(f(freq_base))))
-    start = math.floor(corr_dim(beta_fast))
-    end = math.ceil(corr_dim(beta_slow))
-    return float(max(0, start)), float(min(n_dims - 1, end))
+        with np.errstate(divide="ignore"):
+            return f(n_dims) * np.log(f(n_ctx_orig) / (f(n_rot) * f(2) * f(math.pi))) / (f(2) * np.log(f(freq_base)))
+    start = np.floor(corr_dim(beta_fast))
+    end = np.ceil(corr_dim(beta_slow))
+    return float(max(np.float32(0), start)), float(min(np.float32(n_dims - 1), end))
 
 
 def _section_sources(mode: int, sections: list[int], n_cols: int) -> tuple[np.ndarray, np.ndarray]:
