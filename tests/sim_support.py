@@ -71,3 +71,21 @@ def vendor_irq_fuzz(status: int) -> int:
         if status & (3 << (2 * pair)):
             out |= 3 << (2 * pair)
     return out
+
+
+def fp16_sum_bound(a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+    """Error allowed against the exact sum of K exact fp16 products accumulated in fp32:
+    worst case K * 2^-24 * sum|a*b| (Higham's gamma_K), 1% slack."""
+    mag = np.abs(a.astype(np.float32)) @ np.abs(b_nk.astype(np.float32)).T
+    return 1.01 * a.shape[1] * 2.0**-24 * mag.astype(np.float64)
+
+
+def within_fp16_model(got: np.ndarray, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+    """Elementwise: does ``got`` match 'fp32 sum within the bound, then one RNE to got's
+    dtype'? Rounding is monotonic, so the result lies between the rounded window ends."""
+    exact = a.astype(np.float64) @ b_nk.astype(np.float64).T
+    bound = fp16_sum_bound(a, b_nk)
+    lo = (exact - bound).astype(got.dtype).astype(np.float64)
+    hi = (exact + bound).astype(got.dtype).astype(np.float64)
+    g = got.astype(np.float64)
+    return (g >= lo) & (g <= hi)

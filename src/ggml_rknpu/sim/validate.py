@@ -38,7 +38,7 @@ SYMPTOM_STALE = (
     "on a board: the task silently uses a stale value left in the ping-pong register "
     "group by an earlier task (wrong results); refused here so it is caught"
 )
-SYMPTOM_NOT_MODELED = "not a hardware verdict: the simulator does not model this"
+SYMPTOM_NOT_MODELED = "not modeled by the simulator; this is not a hardware verdict"
 
 
 @dataclass(frozen=True)
