@@ -45,6 +45,9 @@ OUTPUT_MODE_MEMORY = 2       # DPU FEATURE_MODE_CFG.OUTPUT_MODE: to memory [§7]
 LINE_STRIDE_PER_W = 4        # LINE_STRIDE = 4*W [§7 field notes]
 FEATURE_GRAINS_EXTRA = 1     # FEATURE_GRAINS = M + 1 [§7, MTX]
 DATA_ENTRY_BYTES = 64        # DATA_ENTRIES = ceil(W*Kc*b / 64) [§7; MESA and AB agree]
+_LUT_REGISTERS = tuple(        # DPU 0x4100..0x412C, all written 0 [§2, §7]
+    sorted((n for n in REGISTERS if n.startswith("DPU_LUT_")), key=lambda n: REGISTERS[n].offset)
+)
 
 
 def twos_complement(value: int, bits: int) -> int:
@@ -164,8 +167,3 @@ def task_registers(shape: MatmulShape, tile: TaskTile, c_dtype: str) -> list[tup
         *[(name, 0) for name in _LUT_REGISTERS],
     ]
     return regs
-
-
-_LUT_REGISTERS = tuple(
-    sorted((n for n in REGISTERS if n.startswith("DPU_LUT_")), key=lambda n: REGISTERS[n].offset)
-)

@@ -38,6 +38,9 @@ MAX_TASK_N = limits.MAX_DPU_CUBE                      # 8192 (13-bit field holds
 MAX_TASK_M = limits.MAX_FEATURE_GRAINS - 1            # 1022: FEATURE_GRAINS = M_t + 1
 assert MAX_TASK_M <= limits.MAX_DATAIN_HEIGHT
 assert MAX_TASK_K * 2 <= limits.MAX_KERNEL_BYTES      # one fp16 kernel fits one bank
+# a whole kernel group of a maximal chunk leaves >= 1 data bank (16*10240*2 = 10 banks)
+assert max(g * MAX_TASK_K * limits.BYTES[d] for d, g in limits.KERNEL_GROUP.items()) \
+    <= (limits.CBUF_BANKS - 1) * limits.CBUF_BANK_BYTES
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -81,7 +84,10 @@ class Tiling:
 def k_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
     """Balanced chunks of whole 32-channel atoms, each <= MAX_TASK_K. Depends only on
     (K, dtype) so the native B layout of a weight does not depend on M."""
-    MatmulShape(1, K, 1, dtype, "int32" if dtype == "int8" else "fp32")   # validates
+    if dtype not in limits.KERNEL_GROUP:
+        raise ValueError(f"unsupported matmul input dtype {dtype!r}; supported: {sorted(limits.KERNEL_GROUP)}")
+    if not isinstance(K, int) or K < 1:
+        raise ValueError(f"matmul K must be a positive int, got {K!r}")
     atoms = ceil_div(K, limits.K_ALIGN)
     n = ceil_div(atoms * limits.K_ALIGN, MAX_TASK_K)
     per = ceil_div(atoms, n)
@@ -109,8 +115,6 @@ def max_task_rows(chunk_size: int, shape: MatmulShape) -> int:
     group_banks = ceil_div(shape.kernel_group * chunk_size * b, limits.CBUF_BANK_BYTES)
     data_banks = min(limits.MAX_DATA_BANKS, limits.CBUF_BANKS - group_banks)
     rows = data_banks * limits.CBUF_BANK_BYTES // (chunk_size * b)
-    if rows < 1:
-        raise ValueError(f"K chunk of {chunk_size} channels does not fit the CBUF")  # unreachable by MAX_TASK_K
     return min(rows, MAX_TASK_M)
 
 
