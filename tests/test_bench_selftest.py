@@ -46,21 +46,24 @@ def test_compare_rules_catch_one_wrong_element():
 
 
 @pytest.mark.timeout(300)
-def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["sim-rknpu", "sim-rocket"])
+def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkeypatch, device):
     sim_or_skip()
     monkeypatch.setattr(st, "SIM_SWEEP", SMALL)
     monkeypatch.delenv(st.CORRUPT_ENV, raising=False)
     out = tmp_path / "st"
-    assert run_cli("--device", "sim-rknpu", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588"),
+    assert run_cli("--device", device, "--out", str(out), "--rig-root", str(RIGS / "not_rk3588"),
                    "--iters", "1") == 0
     data = json.loads((out / "selftest.json").read_text())
     assert data["meta"]["result"] == "PASS" and data["raw"]["probe"]["simulated"] is True
+    assert data["meta"]["device"] == device
     assert data["raw"]["probe"]["buffer_round_trip"] is True
     cases = data["raw"]["cases"]
     assert len(cases) == len(SMALL) * 2 * 2 and all(c["ok"] for c in cases)
     assert {c["dtype"] for c in cases} == {"fp16", "int8"} and {c["cores"] for c in cases} == {1, 3}
     assert all(c["max_abs_err"] == 0 for c in cases if c["dtype"] == "int8")
-    assert "simulator (device times modeled)" in (out / "selftest.md").read_text()
+    md = (out / "selftest.md").read_text()
+    assert "simulator (device times modeled)" in md and "| max \\|err\\| | mismatches |" in md
     archives = list(out.glob("rknpu-selftest-*.tar.gz"))
     assert len(archives) == 1
     with tarfile.open(archives[0]) as tar:

@@ -75,7 +75,7 @@ class Table:
         lines = [f"### {self.title}", ""]
         if self.note:
             lines += [self.note, ""]
-        lines.append("| " + " | ".join(c.header for c in self.columns) + " |")
+        lines.append("| " + " | ".join(c.header.replace("|", "\\|") for c in self.columns) + " |")
         lines.append("|" + "|".join("---:" if c.figure else "---" for c in self.columns) + "|")
         for row in self.rows:
             lines.append("| " + " | ".join(c.cell(row).replace("|", "\\|") for c in self.columns) + " |")

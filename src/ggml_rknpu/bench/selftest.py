@@ -213,7 +213,8 @@ def build_report(result: SelftestResult) -> rp.Report:
     notes += [f"FAIL: {f}" for f in result.failures]
     return rp.Report(
         "selftest", f"rknpu selftest: {'PASS' if result.passed else 'FAIL'}", result.rig.to_dict(),
-        meta={"result": "PASS" if result.passed else "FAIL", "where": where, "device": result.probe["kind"],
+        meta={"result": "PASS" if result.passed else "FAIL", "where": where,
+              "device": f"{'sim-' if result.simulated else ''}{result.probe['kind']}",
               "host": mm.host_description(), "version": _version()},
         tables=[rp.Table("Probe", [rp.Column("k", "fact"), rp.Column("v", "value")],
                          [{"k": k, "v": v} for k, v in _flat(result.probe).items()]),
