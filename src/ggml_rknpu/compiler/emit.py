@@ -19,8 +19,11 @@ Deliberate choices where the golden streams give no single answer:
   ORIG_CHANNEL [capture c1024_h1_oc1001]; both read zero padding, ours is the validated form.
 * CORE_MISC_CFG.QD_EN = 1 for fp16, 0 for int8 as MTX [§7]; the vendor blob writes 0 for
   fp16 [capture pw_c256_h14: 0x200]. We follow the golden streams.
-* FEATURE_GRAINS = M_t + 1 as MTX for every tile (tiles are <= 1022 rows, tiling.py); the
-  vendor's tiled convs also use tile height + kernel height [capture c1280_h10_oc24].
+* FEATURE_GRAINS = M_t + 1 as MTX for every tile (tiles are <= 1022 rows, tiling.py;
+  MTX ran up to 545 on a board [golden int8 544x544x4096]). The vendor writes small values
+  unrelated to the tile height in its tiled convs (e.g. 15 for 50-row tiles [capture
+  c32_h112_oc32]; tile+1 for small FC/1x1 layers [capture c1024_h1_oc1001]); the field does
+  not change the arithmetic [§7 field notes], so we keep the golden rule.
 """
 
 from __future__ import annotations
