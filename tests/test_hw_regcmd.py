@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ggml_rknpu.hw.regcmd import (
     BLOCK_OF_TARGET, MATMUL_ENABLE, OpEnable, Target, decode_word, fetch_amount,
@@ -14,6 +14,7 @@ from ggml_rknpu.hw.regcmd import (
 from ggml_rknpu.hw.registers import BY_OFFSET, Block
 
 
+@settings(deadline=None)
 @given(st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF))
 def test_word_round_trip(target, offset, value):
     word = regcmd_word(target, offset, value)
