@@ -106,3 +106,14 @@ def test_vendor_capture_words_decode_to_known_registers(reference_dir):
                 continue
             reg = BY_OFFSET[offset]
             assert BLOCK_OF_TARGET[Target(target)] is reg.block, (log.name, hex(word))
+
+
+def test_describe_words():
+    from ggml_rknpu.hw.describe import describe_word, describe_words
+
+    assert describe_word(0x020100000120100C) == "CNA CNA_CONV_CON1 = 0x00000120 (IN_PRECISION=2 PROC_PRECISION=2)"
+    assert describe_word(0) == "NOP"
+    assert describe_word(0x0041000000000000).startswith("MARKER")
+    assert "CNA|CORE|DPU" in describe_word(0x00810000000D0008)
+    assert "unknown register" in describe_word(regcmd_word(Target.CNA, 0x1FF0, 1))
+    assert len(describe_words(task_tail(0x40, 10, MATMUL_ENABLE))) == 4
