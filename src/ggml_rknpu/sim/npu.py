@@ -110,7 +110,7 @@ class SimNpu:
             BASE_ADDRESS: st.base_address,
             REGISTER_AMOUNTS: st.register_amounts,
             INT_MASK: st.int_mask,
-            INT_STATUS: st.raw_status & st.int_mask,
+            INT_STATUS: st.int_status,
             INT_RAW_STATUS: st.raw_status,
             TASK_CON: st.task_con,
             TASK_DMA_BASE: st.dma_base,

@@ -11,7 +11,10 @@ Per task:
    to register 0x0008 starts the blocks in its mask (refused if not armed);
 3. no op-enable among the fetched words = the "missing tail": the PC idles, no interrupt;
 4. the task's last block raises its group-0/1 interrupt bit, alternating per task
-   (*inference*, §11), into RAW_STATUS; INT_STATUS = RAW_STATUS & INT_MASK.
+   (*inference*, §11), into RAW_STATUS. INT_STATUS = RAW_STATUS & INT_MASK once all
+   TASK_NUMBER tasks completed ("in pc mode, int mask set the last one task's interrupt
+   masking" [TRM pc_interrupt_mask]); before that only the DMA error bits can show, so a
+   run that stops early raises no completion interrupt (*inference*).
 Words fetched after the op-enable (the fetch is rounded up to 128 bits) are ignored.
 """
 
@@ -76,6 +79,12 @@ class RunState:
     task_con: int = 0
     dma_base: int = 0
     task_status: int = 0
+    finished: bool = False      # all TASK_NUMBER tasks of the last run completed
+
+    @property
+    def int_status(self) -> int:
+        visible = self.raw_status if self.finished else self.raw_status & (DMA_READ_ERROR | DMA_WRITE_ERROR)
+        return visible & self.int_mask
 
 
 @dataclass
@@ -101,6 +110,7 @@ class ProgramCounter:
 
     def run(self) -> RunResult:
         result = RunResult()
+        self.state.finished = False
         try:
             self._run(result)
         except TaskRefused as exc:
@@ -146,6 +156,7 @@ class ProgramCounter:
             result.completed_tasks = t + 1
             st.task_status = t + 1
             if t == n_tasks - 1:
+                st.finished = True
                 break
             if not next_base or next_amount is None:
                 self._refuse(t, "chain-ends", f"TASK_NUMBER={n_tasks} but task {t}'s tail has "
@@ -258,7 +269,17 @@ class ProgramCounter:
         st = self.state
         if result.diagnostics:
             return
-        masked = st.raw_status & st.int_mask
+        masked = st.int_status
+        pairs = [3 << (2 * i) for i in range(7)]
+        widened = sum(p for p in pairs if masked & p)
+        if masked and widened != st.int_mask:
+            result.diagnostics.append(
+                f"task {result.completed_tasks - 1}: rule 'int-mask' [PC_INTERRUPT_MASK="
+                f"0x{st.int_mask:08X}]: the run completed with status 0x{masked:X}, but the "
+                "vendor IRQ handler widens the status to whole group pairs "
+                f"(0x{widened:X}) and completes the job only if that equals the last task's "
+                "int_mask: use a whole group pair pattern such as 0x300 or 0xC00 [§3] (on a "
+                "board with the vendor driver: 'invalid irq status', then a timeout)")
         if not masked:
             result.diagnostics.append(
                 f"task {result.completed_tasks - 1}: rule 'int-mask' [PC_INTERRUPT_MASK="
