@@ -126,7 +126,7 @@ def modeled_sweep(shapes: Iterable[Shape], dtypes: Iterable[str], cores: Iterabl
                 for m in ms:
                     t = modeled_program_time(m, shape.K, shape.N, dtype, c)
                     rows.append({"shape": shape.label, "M": m, "K": shape.K, "N": shape.N, "dtype": dtype,
-                                 "cores": c, "device_s_modeled": t,
+                                 "cores": c, "device_ms_modeled": t * 1e3,
                                  "gflops_modeled": flops(m, shape.K, shape.N) / t / 1e9})
     return rows
 

@@ -220,7 +220,7 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     on_board = rig.on_board
     threads = args.threads or (BIG_CORE_THREADS if on_board else 1)
     prefix = ["taskset", "-c", BIG_CORES] if on_board else []
-    device = args.server_device or args.device or ("rknpu" if on_board else "sim-rknpu")
+    device = args.server_device or args.device or ("auto" if on_board else "sim-rknpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     quants = quant_summary(args.model)

@@ -200,10 +200,9 @@ def read_cpufreq(fs: Sysfs) -> list[dict]:
 def read_devfreq(fs: Sysfs, base: str) -> dict | None:
     if not fs.exists(base):
         return None
+    steps = [int(t) / 1e6 for t in (fs.read(f"{base}/available_frequencies") or "").split() if t.isdigit()]
     return {"governor": fs.read(f"{base}/governor"), "cur_mhz": _mhz(fs.read_int(f"{base}/cur_freq")),
-            "max_mhz": _mhz(fs.read_int(f"{base}/max_freq")),
-            "available_mhz": [h / 1e6 for h in map(int, (fs.read(f"{base}/available_frequencies") or "").split())
-                              if h > 0] or None}
+            "max_mhz": _mhz(fs.read_int(f"{base}/max_freq")), "available_mhz": [m for m in steps if m > 0] or None}
 
 
 def read_thermal(fs: Sysfs) -> list[dict]:
