@@ -77,7 +77,7 @@ class ServerStats:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="rknpu serve: where ops ran (host seconds measured on this machine)")
+        table = Table(title="rknpu serve: where ops ran (host time measured)")
         for col in ("op", "engine", "nodes", "MiB", "host ms", "µs/node"):
             table.add_column(col, justify="right" if col not in ("op", "engine") else "left")
         for (op, engine), c in sorted(self.per_op.items(), key=lambda kv: -kv[1].seconds):
