@@ -26,6 +26,10 @@ from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS
 
 # --- symptoms a developer would see on a board --------------------------------------------
+# Which symptom a given broken rule produces on silicon is *inference*: the public record
+# is that bad configurations end in job timeouts that need a reset [§3 completion; AB's
+# experiments, §12.2] and that unmapped addresses raise the DMA error bits [§3; ROCKET
+# WARNs on them]. The simulator reports the modeled symptom next to the rule.
 SYMPTOM_HANG = (
     "on a board: no completion interrupt; the kernel waits out its timeout (ETIMEDOUT) "
     "and soft-resets the NPU"
