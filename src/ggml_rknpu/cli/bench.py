@@ -227,7 +227,8 @@ def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
     t = [w["t_s"] for w in windows]
     plots = [rp.Plot("sustained_rate.png", f"Sustained {case.dtype} M={case.M} {shape.label}, {case.cores} cores",
                      "time (s)", "calls/s",
-                     [rp.Series("calls/s (measured)", t, [w["calls_per_s_measured"] for w in windows])]),
+                     [rp.Series(f"calls/s (measured{', simulator on this host' if meta['simulated'] else ''})", t,
+                                [w["calls_per_s_measured"] for w in windows])]),
              rp.Plot("sustained_device.png", "Device GFLOP/s per window", "time (s)", "GFLOP/s",
                      [rp.Series(f"device GFLOP/s ({basis})", t, [w.get(f"gflops_{basis}") for w in windows])])]
     temp_series = []
