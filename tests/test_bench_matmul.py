@@ -139,6 +139,7 @@ def test_sustained_windows_on_the_simulator(tmp_path):
     assert set(files) == {"sustained_rate.png", "sustained_device.png", "sustained_temps.png"}
     assert "npu-thermal degC (measured)" in {s["label"] for s in files["sustained_temps.png"]["series"]}
     assert files["sustained_device.png"]["series"][0]["label"] == "device GFLOP/s (modeled)"
+    assert files["sustained_rate.png"]["series"][0]["label"] == "calls/s (measured, simulator on this host)"
     for name in files:
         valid_png(out / name)
     assert "trend first->last window" in (out / "sustained.md").read_text()
