@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +173,13 @@ class BackendOpsResult:
     backend_ok: bool
     failures: tuple[str, ...]
     output: str
+    returncode: int | None = None
+
+    def summary(self) -> str:
+        if self.total == 0:
+            return (f"no 'tests passed' line (exit {self.returncode}): the client aborted, e.g. the "
+                    "server closed the connection, or no case matched the filter")
+        return f"{self.passed}/{self.total} passed; failures: {list(self.failures[:20])}"
 
 
 _PASSED = re.compile(r"^\s*(\d+)/(\d+) tests passed", re.M)
@@ -202,7 +210,7 @@ def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeo
         args += ["-p", pattern]
     env = tool_env(GGML_BACKEND_PATH=str(llamacpp.plugin_path()), GGML_RPC_ENDPOINT=endpoint)
     proc = run_tool("test-backend-ops", args, timeout=timeout, env=env)
-    return parse_backend_ops(proc.stdout + proc.stderr)
+    return dataclasses.replace(parse_backend_ops(proc.stdout + proc.stderr), returncode=proc.returncode)
 
 
 # --- llama-completion -------------------------------------------------------------------------

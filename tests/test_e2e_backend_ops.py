@@ -76,9 +76,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def _check(server: Server, op: str, pattern: str | None, timeout: float) -> None:
     result = run_backend_ops(server.endpoint, op, pattern, timeout=timeout)
     context = f"{op} -p {pattern!r}\n{result.output[-4000:]}\n--- server log ---\n{server.log()}"
-    assert result.total > 0, f"no case matched: {context}"
-    assert result.passed == result.total and result.backend_ok, \
-        f"{result.passed}/{result.total} passed; failures: {result.failures[:20]}\n{context}"
+    assert result.total > 0 and result.passed == result.total and result.backend_ok, \
+        f"{result.summary()}\n{context}"
     assert server.alive(), f"server died: {context}"
 
 
@@ -110,7 +109,8 @@ def test_harness_against_cpp_rpc_server(tmp_path: Path) -> None:
     with cpp_server(tmp_path) as reference:
         for op in ("FLASH_ATTN_EXT", "MUL_MAT"):
             result = run_backend_ops(reference.endpoint, op, CI_CASES[op], timeout=240)
-            assert result.total > 0 and result.passed == result.total and result.backend_ok, result.output[-3000:]
+            assert result.total > 0 and result.passed == result.total and result.backend_ok, \
+                f"{result.summary()}\n{result.output[-3000:]}"
 
 
 def test_parse_backend_ops_counts_and_failures() -> None:

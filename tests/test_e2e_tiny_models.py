@@ -22,9 +22,14 @@ PROMPT = "The capital of France is"
 N_PREDICT = 12
 
 
-def offloaded_model_bytes(log: str) -> float:
-    """MiB of model weights llama.cpp placed on RPC devices (from its load log)."""
-    return sum(float(m) for m in re.findall(r"RPC\d+\[[^\]]*\] model buffer size =\s*([\d.]+) MiB", log))
+def staged_weights(server_log: str) -> int:
+    """How many weights ``rknpu serve`` uploaded to the NPU (the "N uploads" of the counters it
+    prints at exit): proof that llama.cpp really offloaded the model, not a silent CPU run."""
+    return sum(int(n) for n in re.findall(r"(\d+) uploads", server_log))
+
+
+# 2 layers x 7 matmul weights + the output head (tests/gguf_models.py)
+TINY_MATMUL_WEIGHTS = 2 * 7 + 1
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def test_greedy_tokens_equal_cpu(tmp_path: Path, models: dict[str, Path], arch: 
         text, proc = completion(models[arch], PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=800)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         assert server.alive(), server.log()
-    assert offloaded_model_bytes(proc.stderr) > 1.0, proc.stderr[-3000:]
+    assert staged_weights(server.log()) >= TINY_MATMUL_WEIGHTS, server.log()
     assert cpu_text.strip(), cpu.stderr[-2000:]
     assert text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n--- server ---\n{server.log()}"
 
@@ -60,7 +65,7 @@ def test_two_servers_split_same_tokens_as_one(tmp_path: Path, models: dict[str, 
         text, proc = completion(model, PROMPT, n_predict=N_PREDICT, rpc=f"{a.endpoint},{b.endpoint}",
                                 extra=("-ts", "1,1"), timeout=800)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- a ---\n{a.log()}\n--- b ---\n{b.log()}"
-    for endpoint in (a.endpoint, b.endpoint):
-        assert re.search(rf"RPC\d+\[{re.escape(endpoint)}\] model buffer size =\s*[1-9]", proc.stderr), \
-            f"no weights on {endpoint}:\n{proc.stderr[-3000:]}"
+    # each server holds part of the model, together all of it
+    split = [staged_weights(a.log()), staged_weights(b.log())]
+    assert min(split) > 0 and sum(split) >= TINY_MATMUL_WEIGHTS, f"staged per server: {split}"
     assert text == one_text, f"split {text!r} != one server {one_text!r}"

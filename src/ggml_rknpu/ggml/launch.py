@@ -8,7 +8,6 @@ loaded 2-core box cost 40x) and listens on loopback only.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -95,10 +94,10 @@ def start_cpp_rpc_server(port: int, *, log: IO | None = None) -> subprocess.Pope
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
-    """SIGINT first (the server prints its counters on the way out), then terminate, then kill."""
+    """SIGTERM (the server prints its counters on the way out), then SIGKILL."""
     if proc.poll() is not None:
         return proc.returncode
-    for send in (lambda: proc.send_signal(signal.SIGINT), proc.terminate, proc.kill):
+    for send in (proc.terminate, proc.kill):
         send()
         try:
             return proc.wait(timeout=timeout)
