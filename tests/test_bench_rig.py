@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -41,11 +42,12 @@ def test_throttled_dram_fails_with_the_governor_fix():
     assert "Milestone 15" in dram.source
 
 
-def test_powersave_cpu_fails_on_the_big_cores_only():
+def test_powersave_cpu_fails_on_the_big_cores_and_warns_on_the_little():
     report = rig.check_rig(RIGS / "powersave_cpu")
     names = by_name(report)
     assert report.verdict == rig.FAIL
-    assert names["cpu policy0 (Cortex-A55, cpus 0-3)"].status == rig.PASS
+    little = names["cpu policy0 (Cortex-A55, cpus 0-3)"]
+    assert little.status == rig.WARN and "benchmarks pin to the big cores 4-7" in little.reason
     for policy in ("policy4 (Cortex-A76, cpus 4-5)", "policy6 (Cortex-A76, cpus 6-7)"):
         check = names[f"cpu {policy}"]
         assert check.status == rig.FAIL and "powersave" in check.reason
@@ -58,6 +60,15 @@ def test_hot_board_fails_against_the_kernel_trip_point():
     assert report.verdict == rig.FAIL and thermal.status == rig.FAIL
     assert "bigcore0-thermal at 88.9 degC" in thermal.reason and "passive trip 85" in thermal.reason
     assert "cool" in thermal.fix
+
+
+def test_another_npu_user_warns_with_its_pid():
+    report = rig.check_rig(RIGS / "busy_npu")
+    users = by_name(report)["npu users"]
+    assert report.verdict == rig.WARN and users.status == rig.WARN
+    assert users.value == "4242 rkllm_server" and "panic the kernel" in users.reason
+    assert users.fix.startswith("stop it (kill 4242)")
+    assert by_name(rig.check_rig(RIGS / "healthy"))["npu users"].status == rig.PASS
 
 
 def test_mainline_rocket_board_warns_about_modeled_device_time_and_clocks():
@@ -115,13 +126,19 @@ def test_cli_missing_root_is_a_clear_error(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["healthy", "throttled_dram", "powersave_cpu", "hot_board",
+@pytest.mark.parametrize("name", ["healthy", "throttled_dram", "powersave_cpu", "hot_board", "busy_npu",
                                   "mainline_rocket", "not_rk3588"])
 def test_fixtures_match_their_generator(name):
     spec = importlib.util.spec_from_file_location("build_rigs", RIGS / "build_rigs.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    committed = {str(p.relative_to(RIGS / name)): p.read_text() for p in (RIGS / name).rglob("*") if p.is_file()}
+    committed = {}
+    for p in (RIGS / name).rglob("*"):
+        rel = str(p.relative_to(RIGS / name))
+        if p.is_symlink():
+            committed[f"{rel} -> {os.readlink(p)}"] = ""
+        elif p.is_file():
+            committed[rel] = p.read_text()
     assert committed == mod.RIGS[name]()
 
 

@@ -30,6 +30,7 @@ Sources of paths and thresholds (each check also carries its own ``source``):
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -302,6 +303,12 @@ def check_cpus(fs: Sysfs) -> list[Check]:
                                 "(thermal or power limit?)", "check temperatures and the power supply", src))
         else:
             checks.append(Check(name, PASS, value, "pinned at its maximum", "", src))
+        if checks[-1].status == FAIL and p["cluster"] == "Cortex-A55":
+            # benchmarks pin to the A76 cores 4-7 [seed log Milestone 16]: a slow A55 cluster only
+            # slows what is left unpinned, so it warns instead of refusing the run
+            c = checks[-1]
+            checks[-1] = Check(c.name, WARN, c.value, c.reason + " (little cores: benchmarks pin to the big "
+                               "cores 4-7, but unpinned helpers run here)", c.fix, c.source)
     return checks
 
 
@@ -395,6 +402,38 @@ def check_driver(fs: Sysfs) -> tuple[Check, bool]:
                  "(modprobe rocket)", src), rocket
 
 
+NPU_NODES = ("/dev/dri/renderD129", "/dev/accel/accel0")   # vendor render node, rocket accel node
+# [seed log "Target interface" (renderD129); npu-programming.md §5 / rocket uAPI (accel0)]
+
+
+def npu_users(fs: Sysfs) -> tuple[list[str], int]:
+    """Processes holding an NPU device node open: (["pid comm", ...], unreadable fd dirs).
+    Reads /proc/<pid>/fd symlinks; other users' fds need root and are counted, not guessed."""
+    users, unreadable = [], 0
+    for pid in (p for p in fs.listdir("/proc") if p.isdigit()):
+        fd_dir = fs.path(f"/proc/{pid}/fd")
+        try:
+            targets = {os.readlink(fd_dir / fd) for fd in os.listdir(fd_dir)}
+        except OSError:
+            unreadable += fs.exists(f"/proc/{pid}/fd")
+            continue
+        if targets & set(NPU_NODES):
+            users.append(f"{pid} {fs.read(f'/proc/{pid}/comm') or '?'}")
+    return users, unreadable
+
+
+def check_npu_users(fs: Sysfs) -> Check:
+    src = "anchors.md §4 gotchas (rk-llama.cpp README, igou-io PR #869: concurrent NPU processes panic the kernel)"
+    users, unreadable = npu_users(fs)
+    skipped = f" ({unreadable} processes' fds unreadable: run as root to see all)" if unreadable else ""
+    if users:
+        return Check("npu users", WARN, ", ".join(users),
+                     "another process holds the NPU open: its jobs share the cores and skew the figures, and "
+                     "concurrent NPU processes can panic the kernel" + skipped,
+                     f"stop it (kill {users[0].split()[0]}) before benchmarking", src)
+    return Check("npu users", PASS, "none", "no other process holds the NPU open" + skipped, "", src)
+
+
 def check_rig(root: str | Path = "/") -> RigReport:
     """Every check under ``root``; the verdict is the worst status."""
     fs = Sysfs(root)
@@ -406,7 +445,8 @@ def check_rig(root: str | Path = "/") -> RigReport:
         return RigReport(str(root), False, board, SKIP, NOT_A_BOARD, [check], snap)
     driver, rocket = check_driver(fs)
     checks = [Check("soc", PASS, board, "RK3588 device tree", "", "/proc/device-tree/compatible"),
-              check_dram(fs), *check_cpus(fs), check_npu_clock(fs, rocket), check_thermal(fs), driver]
+              check_dram(fs), *check_cpus(fs), check_npu_clock(fs, rocket), check_thermal(fs), driver,
+              check_npu_users(fs)]
     verdict = max((c.status for c in checks), key=_SEVERITY.__getitem__)
     bad = [c for c in checks if c.status == verdict and verdict != PASS]
     summary = "rig fit for benchmarking" if verdict == PASS else "; ".join(dict.fromkeys(c.reason for c in bad))
