@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
     decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
@@ -185,7 +186,8 @@ class ProgramCounter:
             if word == 0:
                 continue
             target, value, offset = decode_word(word)
-            where = f"word {i} (0x{word:016X}) at 0x{rec.regcmd_addr + i * _WORD_BYTES:08X}"
+            where = (f"word {i} at 0x{rec.regcmd_addr + i * _WORD_BYTES:08X} "
+                     f"(0x{word:016X}: {describe_word(word)})")
             if target == Target.MARKER:
                 armed = True
             elif target == Target.OP_ENABLE:
