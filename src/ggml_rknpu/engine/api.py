@@ -159,18 +159,18 @@ class Npu:
         self._check_open()
         staged = stage_weight(b, dtype)
         N, K = staged.shape
-        packed = _pack_b(staged, K, N, self.cores, self.abi)
-        buffer = self._alloc(packed.nbytes, "data", f"weight {N}x{K} {dtype}")
+        nbytes = _b_bytes(staged)
+        buffer = self._alloc(nbytes, "data", f"weight {N}x{K} {dtype}")
         try:
-            buffer.array(np.uint8)[: packed.nbytes] = packed.reshape(-1).view(np.uint8)
-            buffer.sync_to_device(0, packed.nbytes)
+            _pack_b(staged, buffer.array(np.uint8))          # straight into the mapped buffer
+            buffer.sync_to_device(0, nbytes)
         except BaseException:
             buffer.close()
             raise
-        weight = Weight(self, staged, buffer, packed.nbytes)
+        weight = Weight(self, staged, buffer, nbytes)
         self._weights.append(weight)
         self.counters["weights_uploaded"] += 1
-        self.counters["weight_bytes_uploaded"] += packed.nbytes
+        self.counters["weight_bytes_uploaded"] += nbytes
         return weight
 
     # -- matmul ----------------------------------------------------------------------
@@ -286,13 +286,8 @@ class Npu:
     def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
-        if rows < plan.m:
-            padded = np.zeros((plan.m, a_rows.shape[1]), dtype=a_rows.dtype)
-            padded[: a_rows.shape[0]] = a_rows
-            a_rows = padded
-        packed = _pack_a(a_rows, plan.program)
-        plan.a_buf.array(np.uint8)[: packed.nbytes] = packed.reshape(-1).view(np.uint8)
-        plan.a_buf.sync_to_device(0, packed.nbytes)
+        _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        plan.a_buf.sync_to_device(0, plan.program.a_bytes)
         t1 = time.perf_counter()
         try:
             completion = self.device.submit(plan.job)
@@ -302,7 +297,7 @@ class Npu:
         t2 = time.perf_counter()
         plan.c_buf.sync_from_device(0, plan.program.c_bytes)
         t3 = time.perf_counter()
-        c = _unpack_c(plan.c_buf.array(np.uint8)[: plan.program.c_bytes], plan.program)[:rows]
+        c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
         t4 = time.perf_counter()
         if completion.hw_elapsed_ns is not None and not completion.simulated:
             dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
@@ -391,19 +386,28 @@ def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str)
     return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi)
 
 
-def _pack_b(staged: StagedWeight, k: int, n: int, cores: int, abi: str) -> np.ndarray:
+def _b_bytes(staged: StagedWeight) -> int:
+    """Native B bytes of a weight; independent of M (K chunking depends on K and dtype)."""
+    from ggml_rknpu.compiler.layout import b_bytes
+    from ggml_rknpu.compiler.shape import MatmulShape
+
+    N, K = staged.shape
+    return b_bytes(MatmulShape(1, K, N, staged.dtype, OUT_FOR_WEIGHT[staged.dtype]))
+
+
+def _pack_b(staged: StagedWeight, out: np.ndarray) -> None:
     from ggml_rknpu.compiler.layout import pack_b
 
-    return pack_b(staged.data, staged.dtype)
+    pack_b(staged.data, staged.dtype, out=out)
 
 
-def _pack_a(a: np.ndarray, program: Any) -> np.ndarray:
+def _pack_a(a: np.ndarray, program: Any, out: np.ndarray) -> None:
     from ggml_rknpu.compiler.layout import pack_a
 
-    return pack_a(a, "fp16" if a.dtype == np.float16 else "int8", program)
+    pack_a(a, program.shape.dtype, program, out=out)
 
 
-def _unpack_c(buf: np.ndarray, program: Any) -> np.ndarray:
+def _unpack_c(buf: np.ndarray, program: Any, rows: int) -> np.ndarray:
     from ggml_rknpu.compiler.layout import unpack_c
 
-    return unpack_c(buf, program)
+    return unpack_c(buf, program, rows)
