@@ -186,16 +186,18 @@ class ProgramCounter:
             if word == 0:
                 continue
             target, value, offset = decode_word(word)
-            where = (f"word {i} at 0x{rec.regcmd_addr + i * _WORD_BYTES:08X} "
-                     f"(0x{word:016X}: {describe_word(word)})")
+
+            def where(i: int = i, word: int = word) -> str:   # built only for a diagnostic
+                return (f"word {i} at 0x{rec.regcmd_addr + i * _WORD_BYTES:08X} "
+                        f"(0x{word:016X}: {describe_word(word)})")
             if target == Target.MARKER:
                 armed = True
             elif target == Target.OP_ENABLE:
                 if offset != OP_ENABLE_OFFSET:
-                    self._refuse(t, "op-enable", f"{where}: op-enable word writes register "
+                    self._refuse(t, "op-enable", f"{where()}: op-enable word writes register "
                                  f"0x{offset:04X}, not 0x{OP_ENABLE_OFFSET:04X} [§2]")
                 if not armed:
-                    self._refuse(t, "missing-marker", f"{where}: op-enable without the "
+                    self._refuse(t, "missing-marker", f"{where()}: op-enable without the "
                                  "0x0041_0000_0000_0000 marker word before it [TRM: 'before "
                                  "op_en, 64'h0041_xxxx must be set'; §2 tail word 2]")
                 enable = value
@@ -203,16 +205,17 @@ class ProgramCounter:
             else:
                 block = BLOCK_OF_TARGET.get(target)
                 if block is None:
-                    self._refuse(t, "unknown-target", f"{where}: target 0x{target:04X} is none "
+                    self._refuse(t, "unknown-target", f"{where()}: target 0x{target:04X} is none "
                                  "of the block targets 0x0101..0x8001, 0x0041, 0x0081 [§2]")
-                if offset not in BY_OFFSET:
-                    self._refuse(t, "unknown-register", f"{where}: no known register at offset "
+                reg = BY_OFFSET.get(offset)
+                if reg is None:
+                    self._refuse(t, "unknown-register", f"{where()}: no known register at offset "
                                  f"0x{offset:04X} [registers.xml]")
-                if block_of_offset(offset) != block:
-                    self._refuse(t, "target-block", f"{where}: target 0x{target:04X} "
+                if reg.block != block:
+                    self._refuse(t, "target-block", f"{where()}: target 0x{target:04X} "
                                  f"({block.name}) writes 0x{offset:04X}, a "
                                  f"{block_of_offset(offset).name} register [§11.1]")
-                name = BY_OFFSET[offset].name
+                name = reg.name
                 try:
                     check_reserved(name, value)
                 except TaskRefused as exc:
@@ -224,7 +227,7 @@ class ProgramCounter:
                     elif offset == _PC_AMOUNTS.offset:
                         next_amount = value
                     else:
-                        raise NotModeled(f"{where}: in-stream write of PC register {name}")
+                        raise NotModeled(f"{where()}: in-stream write of PC register {name}")
                     setattr(self.state, "base_address" if offset == _PC_BASE.offset
                             else "register_amounts", value)
                 else:

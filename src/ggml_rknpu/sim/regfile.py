@@ -67,7 +67,8 @@ class RegisterFile:
     written: set[int] = field(default_factory=set)    # offsets written in the current task
 
     def write(self, offset: int, value: int) -> None:
-        block = block_of_offset(offset)
+        reg = BY_OFFSET.get(offset)
+        block = reg.block if reg is not None else block_of_offset(offset)
         if (offset & 0xFFF) == S_POINTER_OFFSET and block in self.pointers:
             self.pointers[block].write(value)
             self.written.add(offset)

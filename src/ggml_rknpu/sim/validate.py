@@ -20,6 +20,7 @@ streams. Where a rule is an empirical fit rather than a documented fact, it says
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Mapping, Protocol
 
 from ggml_rknpu.hw import limits
@@ -146,15 +147,18 @@ RESERVED_BITS_SEEN_IN_WORKING_STREAMS: dict[str, tuple[int, str]] = {
 }
 
 
-def reserved_bits(name: str, value: int) -> int:
-    """Bits of ``value`` that fall in RESERVED fields of register ``name`` (tolerated ones cleared)."""
-    reg = REGISTERS[name]
+@lru_cache(maxsize=None)
+def _reserved_mask(name: str) -> int:
     mask = 0
-    for f in reg.fields:
+    for f in REGISTERS[name].fields:
         if f.name.startswith("RESERVED"):
             mask |= f.mask
-    tolerated = RESERVED_BITS_SEEN_IN_WORKING_STREAMS.get(name, (0, ""))[0]
-    return value & mask & ~tolerated
+    return mask & ~RESERVED_BITS_SEEN_IN_WORKING_STREAMS.get(name, (0, ""))[0]
+
+
+def reserved_bits(name: str, value: int) -> int:
+    """Bits of ``value`` that fall in RESERVED fields of register ``name`` (tolerated ones cleared)."""
+    return value & _reserved_mask(name)
 
 
 def check_reserved(name: str, value: int) -> None:
