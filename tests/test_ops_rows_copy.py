@@ -149,3 +149,11 @@ def test_cpy_rejects_count_mismatch_and_unquantizable_target():
         plan_op(node(GgmlOp.CPY, alloc(F32, (5,)), alloc(F32, (4,))))
     with pytest.raises(UnsupportedOp):
         plan_op(node(GgmlOp.CPY, alloc(Q4_K, (256,)), alloc(F32, (256,))))
+
+
+def test_set_rows_of_zero_rows_writes_nothing():
+    dst = alloc(GgmlType.TQ2_0, (256, 4))
+    before = dst.as_array().copy()
+    src = alloc(F32, (256, 0, 1, 1))
+    plan_op(node(GgmlOp.SET_ROWS, dst, src, alloc(I64, (0,))))()
+    np.testing.assert_array_equal(dst.as_array(), before)

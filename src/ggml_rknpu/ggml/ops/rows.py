@@ -22,7 +22,7 @@ from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.ops.convert import (NON_BLOCK, bf16_to_f32, can_dequantize,
                                          can_quantize, dequantize_rows, f32_to_bf16,
                                          quantize_rows)
-from ggml_rknpu.ggml.ops.registry import Closure, OpDataError, OpNode
+from ggml_rknpu.ggml.ops.registry import Closure, OpDataError, OpNode, noop
 
 
 def _check_range(idx: np.ndarray, n: int, what: str) -> None:
@@ -77,6 +77,8 @@ def plan_set_rows(node: OpNode) -> Closure:
     quantized = dst.type not in NON_BLOCK
     if quantized and not can_quantize(dst.type):
         raise node.unsupported("gguf cannot quantize to this type")
+    if src.nelements == 0:
+        return noop                             # no rows to set
     rows = src.as_array()                       # (ne03, ne02, ne01, ne00)
     idx_all = idx_ref.as_array()[0]             # (ne12, ne11, ne10)
     i3 = np.arange(ne03)[:, None, None]
