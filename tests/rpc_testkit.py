@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -57,6 +58,7 @@ class FakeNpu:
         if self.fail_matmul:
             raise RuntimeError("injected NPU fault")
         self.matmuls += 1
+        self.last_timing = SimpleNamespace(device_s=1e-3, device_label="modeled")
         return a.astype(np.float32) @ w.b.T
 
     def memory_budget(self) -> tuple[int, int]:

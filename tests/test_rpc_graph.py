@@ -278,6 +278,7 @@ def test_stats_render_reports_engines_and_weights(env):
         text = st.state.stats.render(st.state.weight_stats)
     assert "MUL_MAT" in text and "npu" in text
     assert "1 staged" in text and "GRAPH_RECOMPUTE replays 1" in text
+    assert "NPU device time of the matmuls: 2.0 ms (modeled)" in text
 
 
 def test_host_only_server_runs_weight_matmuls_on_host():

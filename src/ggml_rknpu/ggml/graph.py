@@ -72,6 +72,7 @@ class Plan:
 
     def execute(self, stats: ServerStats) -> None:
         clock = time.perf_counter
+        start = clock()
         for step in self.steps:
             t0 = clock()
             step.run()
@@ -80,6 +81,7 @@ class Plan:
             c.ops += 1
             c.bytes += step.nbytes
         self.runs += 1
+        stats.execute_seconds += clock() - start
         stats.graph_runs += 1
         stats.view_nodes += self.n_views
 
@@ -265,7 +267,7 @@ class GraphPlanner:
         """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted.
 
         The step's counter follows where the work actually ran (NPU or the host fallback)."""
-        npu, weights = self.npu, self.weights
+        npu, weights, stats = self.npu, self.weights, self.stats
         npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
         a_view = ref(t.src[1]).as_array()
         d_view = ref(t.id).as_array()
@@ -285,6 +287,10 @@ class GraphPlanner:
                 else:
                     d_view[...] = c.reshape(d_view.shape)
                     step.counter = npu_counter
+                    timing = getattr(npu, "last_timing", None)
+                    if timing is not None and timing.device_s is not None:
+                        stats.npu_device_seconds += timing.device_s
+                        stats.npu_device_label = timing.device_label
                     return
             step.counter = host_counter
             if not fallback:

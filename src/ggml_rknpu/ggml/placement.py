@@ -44,7 +44,10 @@ class ServerStats:
     graph_runs: int = 0
     view_nodes: int = 0               # nodes that need no work (views)
     plan_seconds: float = 0.0
+    execute_seconds: float = 0.0      # wall time of plan replays (steps + the replay loop itself)
     bytes_in: int = 0
+    npu_device_seconds: float = 0.0   # the engine's own device-time figure for NPU matmuls
+    npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
     bytes_out: int = 0
 
     def counter(self, op: str, engine: str) -> OpCounter:
@@ -72,6 +75,12 @@ class ServerStats:
                 secs += c.seconds
         return secs / ops * 1e6 if ops else None
 
+    def replay_overhead_us_per_node(self) -> float | None:
+        """Replay time not spent inside a step (the loop, timing, counters), µs per node."""
+        nodes = sum(c.ops for c in self.per_op.values())
+        inside = sum(c.seconds for c in self.per_op.values())
+        return (self.execute_seconds - inside) / nodes * 1e6 if nodes else None
+
     def render(self, weights=None) -> str:
         """A human table (rich), as text."""
         from rich.console import Console
@@ -81,6 +90,8 @@ class ServerStats:
         for col in ("op", "engine", "nodes", "MiB", "host ms", "µs/node"):
             table.add_column(col, justify="right" if col not in ("op", "engine") else "left")
         for (op, engine), c in sorted(self.per_op.items(), key=lambda kv: -kv[1].seconds):
+            if not c.ops:
+                continue
             table.add_row(op, engine, str(c.ops), f"{c.bytes / 2**20:.1f}", f"{c.seconds * 1e3:.1f}",
                           f"{c.seconds / c.ops * 1e6:.1f}" if c.ops else "-")
         for engine, t in sorted(self.engine_totals().items()):
@@ -90,18 +101,23 @@ class ServerStats:
         console = Console(file=out, width=100, force_terminal=False)
         console.print(table)
         per_node = self.host_us_per_node()
+        overhead = self.replay_overhead_us_per_node()
         lines = [
             f"connections {self.connections} (rejected {self.rejected}, unsupported op {self.unsupported})",
             f"graphs run {self.graph_runs}: plans built {self.plans_built} ({self.plan_seconds * 1e3:.1f} ms), "
             f"identical-graph replays {self.plan_cache_hits}, GRAPH_RECOMPUTE replays {self.recomputes}, "
             f"view nodes skipped {self.view_nodes}",
             f"host time per non-matmul node: {per_node:.1f} µs" if per_node is not None else "host time per node: -",
+            f"replay overhead beyond the ops: {overhead:.2f} µs per node" if overhead is not None else "",
             f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out",
         ]
+        if self.npu_device_seconds:
+            lines.append(f"NPU device time of the matmuls: {self.npu_device_seconds * 1e3:.1f} ms "
+                         f"({self.npu_device_label})")
         if weights is not None:
             lines.append(
                 f"weights: {weights.staged} staged ({weights.staged_bytes / 2**20:.1f} MiB ggml data), "
                 f"{weights.uploads} uploads ({weights.upload_seconds:.2f} s), {weights.invalidations} invalidated, "
                 f"{weights.demoted} demoted to host, {weights.failures} refused by the engine"
             )
-        return out.getvalue() + "\n".join(lines) + "\n"
+        return out.getvalue() + "\n".join(line for line in lines if line) + "\n"
