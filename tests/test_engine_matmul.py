@@ -261,3 +261,19 @@ def test_out_of_npu_memory_is_clear_and_loses_nothing():
     w2.free()
     np.testing.assert_array_equal(npu.matmul(np.ones((2, 1024), np.float32), w1), 1024)
     npu.close()
+
+
+def test_fp16_output_adds_one_rounding(npu):
+    """out="fp16": the fp32 bound plus one fp16 rounding of the result (2^-11 relative;
+    the NPU writes fp16 via FP32TOFP16 [npu-programming.md §7 OUT_CVT_SCALE])."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((7, 200)).astype(np.float32)
+    b = (rng.standard_normal((40, 200)) / 14).astype(np.float32)
+    w = npu.upload_weight(b)
+    c = npu.matmul(a, w, out="fp16")
+    w.free()
+    assert c.dtype == np.float16
+    a16, b16 = a.astype(np.float16).astype(np.float64), b.astype(np.float16).astype(np.float64)
+    ref = a16 @ b16.T
+    bound = 1.01 * 201 * U32 * (np.abs(a16) @ np.abs(b16).T) + 2.0**-11 * np.abs(ref) + 2.0**-24
+    assert (np.abs(c.astype(np.float64) - ref) <= bound).all()
