@@ -3,6 +3,7 @@ SIGUSR1 and at exit; binding elsewhere warns loudly."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
@@ -34,7 +35,7 @@ def _wait_for(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: f
 
 def test_serve_process_answers_and_reports(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0",
-                             "--device", "host", "--stats"],
+                             "--device", "host", "--stats", "--stats-json", str(tmp_path / "stats.json")],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
     try:
@@ -49,6 +50,8 @@ def test_serve_process_answers_and_reports(tmp_path):
         assert proc.wait(timeout=20) == 0
         rest = proc.stderr.read()
         assert "connections 1" in rest, rest                          # printed at exit too
+        stats = json.loads((tmp_path / "stats.json").read_text())
+        assert stats["connections"] == 1 and stats["rejected"] == 0 and stats["weights"]["uploads"] == 0
     finally:
         proc.kill()
         proc.wait()

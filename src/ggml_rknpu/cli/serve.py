@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="BLAS threads for host ops (sets OPENBLAS_NUM_THREADS/OMP_NUM_THREADS; 1 on a shared box)")
     p.add_argument("--stats", action="store_true", help="print the placement counters after every client")
+    p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
+                   help="also write the counters as JSON to FILE after every client and at exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
-                          stats_each_client=args.stats)
+                          stats_each_client=args.stats, stats_json=args.stats_json)
     state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
     try:
         server = RpcServer(state, args.host, args.port)
@@ -89,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     def print_stats(*_: object) -> None:
         sys.stderr.write(state.stats.render(state.weight_stats))
         sys.stderr.flush()
+        state.write_stats_json()
 
     def terminate(*_: object) -> None:
         raise SystemExit(0)   # unwinds a blocked session too: its socket is shut down in its finally

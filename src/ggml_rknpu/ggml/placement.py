@@ -81,6 +81,17 @@ class ServerStats:
         inside = sum(c.seconds for c in self.per_op.values())
         return (self.execute_seconds - inside) / nodes * 1e6 if nodes else None
 
+    def as_dict(self, weights=None) -> dict:
+        """Machine-readable counters (``--stats-json``), for benchmarks and reports."""
+        per_op = [{"op": op, "engine": engine, "nodes": c.ops, "bytes": c.bytes, "host_seconds": c.seconds}
+                  for (op, engine), c in self.per_op.items() if c.ops]
+        out = {k: v for k, v in vars(self).items() if k != "per_op"}
+        out.update(per_op=per_op, host_us_per_non_matmul_node=self.host_us_per_node(),
+                   replay_overhead_us_per_node=self.replay_overhead_us_per_node())
+        if weights is not None:
+            out["weights"] = dict(vars(weights))
+        return out
+
     def render(self, weights=None) -> str:
         """A human table (rich), as text."""
         from rich.console import Console
@@ -116,7 +127,8 @@ class ServerStats:
                          f"({self.npu_device_label})")
         if weights is not None:
             lines.append(
-                f"weights: {weights.staged} staged ({weights.staged_bytes / 2**20:.1f} MiB ggml data), "
+                f"weights: {weights.staged} staged now ({weights.staged_bytes / 2**20:.1f} MiB ggml data, "
+                f"peak {weights.peak_staged}), "
                 f"{weights.uploads} uploads ({weights.upload_seconds:.2f} s), {weights.invalidations} invalidated, "
                 f"{weights.demoted} demoted to host, {weights.failures} refused by the engine"
             )

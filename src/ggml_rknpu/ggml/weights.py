@@ -81,6 +81,7 @@ class WeightSlot:
 class WeightStats:
     staged: int = 0                  # currently resident
     staged_bytes: int = 0            # ggml bytes of the resident weights
+    peak_staged: int = 0             # most weights resident at once (a model's count)
     uploads: int = 0                 # total npu.upload_weight calls
     invalidations: int = 0
     demoted: int = 0
@@ -161,6 +162,7 @@ class WeightStore:
         slot.stage_count += 1
         self.stats.uploads += 1
         self.stats.staged += 1
+        self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
         self.stats.staged_bytes += slot.nbytes
         self.stats.upload_seconds += time.perf_counter() - t0
 

@@ -20,6 +20,7 @@ into the destination buffer (no intermediate copy of a model's weights).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import select
 import socket
@@ -107,6 +108,7 @@ class ServerConfig:
     cache_dir: Path | None = None
     progress: bool = True
     stats_each_client: bool = False
+    stats_json: Path | None = None    # rewritten after every client and at exit
 
 
 @dataclass
@@ -119,6 +121,17 @@ class ServerState:
     stats: ServerStats = field(default_factory=ServerStats)
     weight_stats: WeightStats = field(default_factory=WeightStats)
     plan_op: Callable | None = None
+
+    def write_stats_json(self) -> None:
+        path = self.config.stats_json
+        if path is None:
+            return
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(self.stats.as_dict(self.weight_stats), indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("cannot write --stats-json %s: %s", path, exc)
 
 
 def _unsupported_signature(exc: BaseException) -> str | None:
@@ -445,6 +458,7 @@ class RpcServer:
                 log.debug("client %s done after %.2f s", peer, time.perf_counter() - t0)
                 if self.state.config.stats_each_client:
                     log.info("\n%s", self.state.stats.render(self.state.weight_stats))
+                self.state.write_stats_json()
         finally:
             self.listener.close()
 
