@@ -7,6 +7,8 @@ from __future__ import annotations
 import types
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from ggml_rknpu.cost import model
@@ -152,3 +154,21 @@ def test_real_compiled_program_is_priced_within_the_anchor_tolerance(anchor):
     assert sum(t.m * t.n for t in work.tasks if t.core == 0) >= anchor.M * anchor.N // anchor.cores
     modeled = modeled_time(program, profile=anchor.profile).gflops(anchor.flops)
     assert abs(modeled / anchor.measured_gflops - 1) <= ANCHOR_TOLERANCE
+
+
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 3000), K=st.integers(1, 12000), N=st.integers(1, 40000),
+       dtype=st.sampled_from(("fp16", "int8")), cores=st.integers(1, 3))
+def test_never_faster_than_the_mac_peak_or_the_dram_stream(M, K, N, dtype, cores):
+    """Any compiled program: modeled time >= MACs / (cores x peak) and >= weight bytes / DRAM."""
+    compiler = pytest.importorskip("ggml_rknpu.compiler.matmul")
+    out = "fp32" if dtype == "fp16" else "int32"
+    try:
+        program = compiler.compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores)
+    except ValueError:
+        return  # beyond one hardware run (the engine splits such calls along M)
+    t = modeled_time(program)
+    peak = cores * model.MACS_PER_CYCLE_PER_CORE[dtype] * 1e9
+    assert t.total_s >= M * K * N / peak
+    assert t.total_s >= K * N * model.IN_BYTES[dtype] / model.dram_bandwidth(2112)
+    assert t.total_s >= max(t.compute_s, t.memory_s)
