@@ -7,9 +7,9 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import pytest
 
 from ggml_rknpu.cost import model
 from ggml_rknpu.cost.anchors import ANCHOR_TOLERANCE, ANCHORS
