@@ -114,7 +114,7 @@ def test_pointwise_capture_runs_every_variant(reference_dir, name):
     m, n = a.shape[0], b.shape[0]
     all_chains = chains(cap)
     assert sorted(i for ch in all_chains for i in ch) == list(range(len(cap.tasks)))
-    coverage = []
+    coverage, reused = [], 0
     for index, chain in enumerate(all_chains):
         core = index % 3
         mem, out = build_memory(cap, a, b)
@@ -132,7 +132,10 @@ def test_pointwise_capture_runs_every_variant(reference_dir, name):
             assert rec.enable_mask == cap.tasks[task_index]["enable_mask"]
             assert (rec.conv is not None) == (rec.enable_mask == 0x0D)
             assert (rec.pool is not None) == (rec.enable_mask == 0x60)
+            reused += bool(rec.conv and rec.conv.weight_reuse)
     assert coverage[0] == 1.0                           # the 1-core variant: whole output
+    # c64_h56's 1-core chain keeps its resident weights in CBUF for the second row tile
+    assert reused == (1 if name == "c64_h56" else 0)
     rest = sum(coverage[1:])
     assert abs(rest - round(rest)) < 1e-9 and round(rest) >= 1   # other variants tile it
 

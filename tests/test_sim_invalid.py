@@ -241,3 +241,28 @@ def test_reset_after_a_hang_then_a_good_program_runs(golden):
 
 def test_fetch_amount_of_the_vendor_kernel(golden):
     assert fetch_amount(len(small(golden))) == 53        # 104 body words -> 108 fetched
+
+
+def test_weight_reuse_of_different_weights(golden):
+    """WEIGHT_REUSE=1 keeps CBUF's weights; naming other weights would silently use the old."""
+    body = small(golden)
+    second = set_reg(set_reg(body, "CNA_CBUF_CON0", 0x20B1), "CNA_DCOMP_ADDR0", WEIGHTS + 0x400)
+    npu = run(memory(), [body, second])
+    assert npu.executed_tasks(0) == 1
+    assert_hang(npu, "task 1", "weight-reuse", "CNA_DCOMP_ADDR0=0x20000000",
+                "CNA_DCOMP_ADDR0=0x20000400", "old CBUF content", "silently")
+
+
+def test_weight_reuse_after_streamed_weights(golden):
+    body = set_reg(small(golden), "CNA_CBUF_CON0", 0x01)      # 0 weight banks: refused earlier
+    assert_hang(run(memory(), [body]), "cbuf-banks", "both need at least one bank")
+    big = golden[("fp16_fp32", 384, 384, 4096)]                # 3 MiB of weights, 3 banks
+    reuse = set_reg(big, "CNA_CBUF_CON0", 0x2039)
+    npu = run(memory(384, 384, 4096), [big, reuse])
+    assert_hang(npu, "task 1", "weight-reuse", "streamed them")
+
+
+def test_weight_reuse_of_resident_weights_is_accepted(golden):
+    body = small(golden)
+    npu = run(memory(), [body, set_reg(body, "CNA_CBUF_CON0", 0x20B1)])
+    assert npu.diagnostics(0) == [] and npu.trace(0)[1].conv.weight_reuse

@@ -77,6 +77,8 @@ class ConvTask:
     dst_plane_bytes: int
     data_banks: int
     weight_banks: int
+    weight_reuse: bool = False   # CBUF_CON0.WEIGHT_REUSE: keep the weights already in CBUF
+    data_reuse: bool = False     # CBUF_CON0.DATA_REUSE: keep the feature data already in CBUF
 
     @property
     def rows(self) -> int:
@@ -86,6 +88,20 @@ class ConvTask:
     @property
     def feature_plane_bytes(self) -> int:
         return limits.ATOM_BYTES * self.width * self.plane_height
+
+    @property
+    def weight_key(self) -> tuple[int, int, int, int, str]:
+        return (self.weight_addr, self.weight_bytes, self.kernels, self.channels, self.precision)
+
+    @property
+    def weights_resident(self) -> bool:
+        """All of the task's weights fit its weight banks (else they stream through CBUF)."""
+        return self.weight_bytes <= self.weight_banks * limits.CBUF_BANK_BYTES
+
+    @property
+    def data_key(self) -> tuple[int, int, int, int, int, str]:
+        return (self.feature_addr, self.width, self.height, self.channels, self.plane_height,
+                self.precision)
 
 
 def _model_limits(regs: RegisterSource) -> None:
@@ -198,6 +214,8 @@ def decode_conv(regs: RegisterSource, rdma_enabled: bool = False) -> ConvTask:
         dst_plane_bytes=fld(regs, "DPU_DST_SURF_STRIDE", "DST_SURF_STRIDE") * limits.ATOM_BYTES,
         data_banks=fld(regs, "CNA_CBUF_CON0", "DATA_BANK"),
         weight_banks=fld(regs, "CNA_CBUF_CON0", "WEIGHT_BANK"),
+        weight_reuse=bool(fld(regs, "CNA_CBUF_CON0", "WEIGHT_REUSE")),
+        data_reuse=bool(fld(regs, "CNA_CBUF_CON0", "DATA_REUSE")),
     )
 
 
@@ -289,7 +307,7 @@ class WeightCache:
         self._entries: dict[tuple[int, int, int, int, str], np.ndarray] = {}
 
     def get(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
-        key = (task.weight_addr, task.weight_bytes, task.kernels, task.channels, task.precision)
+        key = task.weight_key
         b = self._entries.get(key)
         if b is None:
             b = read_weights(memory, task)

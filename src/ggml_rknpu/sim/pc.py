@@ -33,8 +33,8 @@ from ggml_rknpu.sim.conv import ConvTask, DmaRead, DmaWrite, WeightCache, decode
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
 from ggml_rknpu.sim.regfile import RegisterFile
-from ggml_rknpu.sim.validate import SYMPTOM_DMA_FAULT, SYMPTOM_NOT_MODELED, NotModeled, \
-    TaskRefused, Violation, check_reserved
+from ggml_rknpu.sim.validate import SYMPTOM_DMA_FAULT, SYMPTOM_HANG, SYMPTOM_NOT_MODELED, \
+    SYMPTOM_SILENT, NotModeled, TaskRefused, Violation, check_reserved
 
 _INT = REGISTERS["PC_INTERRUPT_RAW_STATUS"]
 DMA_READ_ERROR = _INT.field("DMA_READ_ERROR").mask        # bit 12 [§3]
@@ -108,6 +108,8 @@ class ProgramCounter:
     def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState) -> None:
         self.core, self.memory, self.regs, self.state = core, memory, regs, state
         self.cache = WeightCache()
+        self.cbuf_weights: tuple[ConvTask, int] | None = None   # last conv task's weights, task no.
+        self.cbuf_data: tuple[ConvTask, int] | None = None
 
     def run(self) -> RunResult:
         result = RunResult()
@@ -133,8 +135,8 @@ class ProgramCounter:
         return result
 
     def _refuse(self, task: int, rule: str, message: str, register: str | None = None,
-                value: int | None = None) -> None:
-        raise TaskRefused(Violation(rule, message, register, value, task))
+                value: int | None = None, symptom: str = SYMPTOM_HANG) -> None:
+        raise TaskRefused(Violation(rule, message, register, value, task, symptom))
 
     def _run(self, result: RunResult) -> None:
         st = self.state
@@ -257,7 +259,10 @@ class ProgramCounter:
                 if enable & (OpEnable.PPU | OpEnable.PPU_RDMA):
                     raise NotModeled(f"op-enable 0x{enable:02X}: conv feeding the PPU")
                 rec.conv = decode_conv(view, rdma_enabled=bool(enable & OpEnable.DPU_RDMA))
+                self._check_reuse(t, rec.conv)
                 execute_conv(self.memory, rec.conv, self.cache)
+                self.cbuf_weights = (rec.conv, t)
+                self.cbuf_data = (rec.conv, t)
             elif enable & OpEnable.PPU:
                 rec.pool = decode_ppu(view, rdma_enabled=bool(enable & OpEnable.PPU_RDMA))
                 execute_ppu(self.memory, rec.pool)
@@ -268,6 +273,36 @@ class ProgramCounter:
             v = exc.violation
             raise TaskRefused(Violation(v.rule, v.message, v.register, v.value, t, v.symptom)) \
                 from None
+
+    def _check_reuse(self, t: int, conv: ConvTask) -> None:
+        """WEIGHT_REUSE / DATA_REUSE skip the refetch and use what CBUF holds [§7 table; MESA
+        sets WEIGHT_REUSE on tasks after the first when the weights are resident, §9;
+        capture c64_h56 task 1]. Sound only if the previous conv task of this run left
+        exactly these weights / this data resident; otherwise a board would silently
+        compute with the old CBUF content (*inference*), so the task is refused."""
+        for flag, held, key, resident, what, reg, rule in (
+            (conv.weight_reuse, self.cbuf_weights, "weight_key", "weights_resident", "weights",
+             "CNA_DCOMP_ADDR0", "weight-reuse"),
+            (conv.data_reuse, self.cbuf_data, "data_key", None, "feature data",
+             "CNA_FEATURE_DATA_ADDR", "data-reuse"),
+        ):
+            if not flag:
+                continue
+            if held is None:
+                raise NotModeled(f"{what} reuse in the first conv task of a run (CBUF content "
+                                 "across submits)")
+            prev, prev_t = held
+            cbuf = "CNA_CBUF_CON0"
+            if resident is not None and not getattr(prev, resident):
+                self._refuse(t, rule, f"CBUF_CON0 reuses the {what} of task {prev_t}, but that "
+                             f"task streamed them ({prev.weight_bytes} B > WEIGHT_BANK="
+                             f"{prev.weight_banks} banks): CBUF holds only a part", cbuf,
+                             symptom=SYMPTOM_SILENT)
+            if getattr(prev, key) != getattr(conv, key):
+                self._refuse(t, rule, f"CBUF_CON0 reuses the {what} of task {prev_t} "
+                             f"({reg}=0x{getattr(prev, key)[0]:08X}), but this task names "
+                             f"different {what} ({reg}=0x{getattr(conv, key)[0]:08X}, or "
+                             "another size)", cbuf, symptom=SYMPTOM_SILENT)
 
     def _final_interrupt_check(self, result: RunResult) -> None:
         """Explain a run that ends without a completion interrupt (bad INT_MASK and friends)."""

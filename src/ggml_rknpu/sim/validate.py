@@ -43,6 +43,10 @@ SYMPTOM_STALE = (
     "on a board: the task silently uses a stale value left in the ping-pong register "
     "group by an earlier task (wrong results); refused here so it is caught"
 )
+SYMPTOM_SILENT = (
+    "on a board: no error; the task silently computes with the old CBUF content (wrong "
+    "results); refused here so it is caught"
+)
 SYMPTOM_NOT_MODELED = "not modeled by the simulator; this is not a hardware verdict"
 
 
