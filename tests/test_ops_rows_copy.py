@@ -157,3 +157,13 @@ def test_set_rows_of_zero_rows_writes_nothing():
     src = alloc(F32, (256, 0, 1, 1))
     plan_op(node(GgmlOp.SET_ROWS, dst, src, alloc(I64, (0,))))()
     np.testing.assert_array_equal(dst.as_array(), before)
+
+
+def test_q8_0_quantizer_rounds_ties_to_even_like_ggml_cpu():
+    row = np.zeros(32, np.float32)
+    row[0] = 127.0
+    row[1:6] = [0.5, 1.5, 2.5, -0.5, -2.5]                  # exact ties at scale 1
+    q = quantize_rows(row, Q8_0)
+    assert np.frombuffer(q[:2].tobytes(), np.float16)[0] == 1.0
+    np.testing.assert_array_equal(q[2:8].view(np.int8), [127, 0, 2, 2, 0, -2])
+    np.testing.assert_array_equal(dequantize_rows(q, Q8_0)[:6], [127, 0, 2, 2, 0, -2])

@@ -69,7 +69,27 @@ def dequantize_rows(rows: np.ndarray, type_: int) -> np.ndarray:
 
 def quantize_rows(x: np.ndarray, type_: int) -> np.ndarray:
     """float32 (..., ne0) -> uint8 rows (..., row_bytes)."""
-    return gguf_quants.quantize(np.ascontiguousarray(x, dtype=np.float32), gguf_qtype(type_))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if type_ == GgmlType.Q8_0:
+        return quantize_q8_0(x)
+    return gguf_quants.quantize(x, gguf_qtype(type_))
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 as ggml-cpu's x86 ``quantize_row_q8_0`` (arch/x86/quants.c) makes it, which is
+    what KV-cache writes and test-backend-ops compare against: ``d = amax/127`` (stored f16),
+    ``q = round_half_even(x * (127/amax))``.  gguf's quantizer (the ``_ref`` variant:
+    ``x * (1/d)``, ties away from zero) differs on exact ties, common for bf16 sources."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv).astype(np.int8)
+    out = np.empty(blocks.shape[:-1] + (34,), np.uint8)
+    out[..., :2] = d.astype(np.float16).view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
 
 
 def to_f32(arr: np.ndarray, type_: int) -> np.ndarray:
