@@ -266,3 +266,16 @@ def test_weight_reuse_of_resident_weights_is_accepted(golden):
     body = small(golden)
     npu = run(memory(), [body, set_reg(body, "CNA_CBUF_CON0", 0x20B1)])
     assert npu.diagnostics(0) == [] and npu.trace(0)[1].conv.weight_reuse
+
+
+@pytest.mark.parametrize("register, fields", [
+    ("DPU_FEATURE_MODE_CFG", dict(BURST_LEN=15, OUTPUT_MODE=2, TP_EN=1)),
+    ("CNA_CONV_CON1", dict(PROC_PRECISION=1, IN_PRECISION=1)),           # int16
+    ("CNA_CONV_CON3", dict(CONV_X_STRIDE=2, CONV_Y_STRIDE=1)),
+])
+def test_outside_the_model_says_so(golden, register, fields):
+    """Legal-looking settings the simulator does not implement stop with a 'not modeled'
+    diagnostic, never with a result and never as a claimed hardware rule."""
+    body = set_reg(small(golden), register, REGISTERS[register].encode(**fields))
+    d = assert_hang(run(memory(), [body]), "not modeled", "not a hardware verdict")
+    assert "rule '" not in d

@@ -104,6 +104,21 @@ class ConvTask:
                 self.precision)
 
 
+# Fields that are 0 in every golden and captured stream [golden/mtx512-single-task.json;
+# captures/raw pw_c256_h14, c64_h56, h14] and whose effect is undocumented or unmodeled:
+# another value is NotModeled rather than silently ignored.
+ZERO_IN_EVERY_KNOWN_STREAM: dict[str, tuple[str, ...]] = {
+    "CNA_CONV_CON2": ("CMD_FIFO_SRST", "CSC_DO_EN", "CSC_WO_EN", "KERNEL_GROUP"),
+    "CNA_DATA_SIZE3": ("SURF_MODE",),
+    "DPU_FEATURE_MODE_CFG": ("NONALIGN", "RGP_TYPE", "TP_EN", "COMB_USE"),
+    "DPU_DATA_FORMAT": ("MC_SURF_OUT",),
+    "DPU_DATA_CUBE_HEIGHT": ("MINMAX_CTL",),
+    "DPU_DATA_CUBE_NOTCH_ADDR": ("NOTCH_ADDR_0", "NOTCH_ADDR_1"),
+    "DPU_WDMA_SIZE_0": ("SIZE_C_WDMA", "TP_PRECISION"),
+    "DPU_BS_OW_CFG": ("OW_SRC", "TP_ORG_EN", "RGP_CNTER"),
+}
+
+
 def _model_limits(regs: RegisterSource) -> None:
     """Refuse (NotModeled) what is legal but outside this simulator."""
     def need(register: str, field_name: str, want: int, what: str) -> None:
@@ -132,6 +147,10 @@ def _model_limits(regs: RegisterSource) -> None:
     need("DPU_FEATURE_MODE_CFG", "FLYING_MODE", 0, "DPU input from MRDMA")
     need("DPU_FEATURE_MODE_CFG", "CONV_MODE", 0, "DPU depthwise mode")
     need("DPU_FEATURE_MODE_CFG", "OUTPUT_MODE", 2, "output to PPU; 2 = to memory [TRM]")
+    need("DPU_BS_OW_CFG", "OD_BYPASS", 1, "the OW (weight zero-point) stage [§8]")
+    for register, fields in ZERO_IN_EVERY_KNOWN_STREAM.items():
+        for f in fields:
+            need(register, f, 0, "nonzero in no known stream; effect unknown")
     c = fld(regs, "CNA_DATA_SIZE1", "DATAIN_CHANNEL")
     if c % limits.K_ALIGN:
         raise NotModeled(f"DATAIN_CHANNEL={c} is not a multiple of {limits.K_ALIGN}: the weight "
