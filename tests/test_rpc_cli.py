@@ -43,15 +43,18 @@ def test_serve_process_answers_and_reports(tmp_path):
         with RpcClient(port) as c:
             assert c.device_count() == 1
             assert c.device_memory() == (4 << 30, 4 << 30)
-        _wait_for(proc, r"connections 1 \(rejected 0", lines)         # --stats after the client
+        with RpcClient(port) as c:
+            c.graph_compute([], [])                                   # an (empty) graph: worth a report
+            assert c.device_count() == 1
+        _wait_for(proc, r"connections 2 \(rejected 0", lines)         # --stats after a computing client
         proc.send_signal(signal.SIGUSR1)
-        _wait_for(proc, r"connections 1", lines)
+        _wait_for(proc, r"connections 2", lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         rest = proc.stderr.read()
-        assert "connections 1" in rest, rest                          # printed at exit too
+        assert "connections 2" in rest, rest                          # printed at exit too
         stats = json.loads((tmp_path / "stats.json").read_text())
-        assert stats["connections"] == 1 and stats["rejected"] == 0 and stats["weights"]["uploads"] == 0
+        assert stats["connections"] == 2 and stats["graph_runs"] == 1 and stats["rejected"] == 0 and stats["weights"]["uploads"] == 0
     finally:
         proc.kill()
         proc.wait()

@@ -88,6 +88,7 @@ def test_device_memory_reflects_allocations():
             assert h and size == 3 * GIB // 2
             assert c.device_memory() == (5 * GIB // 2, 4 * GIB)
             assert c.alloc(3 * GIB) == (0, 0)              # over budget: the client sees out-of-memory
+            assert c.alloc(2**64 - 1) == (0, 0)            # absurd size: refused, connection stays up
             npu.budget = (GIB, 4 * GIB)                    # staged weights used NPU address space
             assert c.device_memory() == (GIB, 4 * GIB)
         with st.client() as c:                             # buffers die with their connection

@@ -106,7 +106,7 @@ class ServerStats:
             table.add_row(op, engine, str(c.ops), f"{c.bytes / 2**20:.1f}", f"{c.seconds * 1e3:.1f}",
                           f"{c.seconds / c.ops * 1e6:.1f}" if c.ops else "-")
         for engine, t in sorted(self.engine_totals().items()):
-            table.add_row(f"[b]total[/b]", engine, str(t.ops), f"{t.bytes / 2**20:.1f}",
+            table.add_row("[b]total[/b]", engine, str(t.ops), f"{t.bytes / 2**20:.1f}",
                           f"{t.seconds * 1e3:.1f}", f"{t.seconds / t.ops * 1e6:.1f}" if t.ops else "-")
         out = io.StringIO()
         console = Console(file=out, width=100, force_terminal=False)

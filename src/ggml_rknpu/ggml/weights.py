@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -148,8 +149,6 @@ class WeightStore:
         log.info("staged %d weights (%.1f MiB of ggml data) as %s", len(todo), total / 2**20, self.fmt)
 
     def _stage(self, slot: WeightSlot) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             b = to_float_rows(slot.buffer.array[slot.start:slot.end], slot.type, slot.n, slot.k)

@@ -441,6 +441,7 @@ class RpcServer:
         self._stop = threading.Event()
 
     def serve_forever(self, poll_s: float = 0.2) -> None:
+        runs_reported = 0
         try:
             while not self._stop.is_set():
                 ready, _, _ = select.select([self.listener], [], [], poll_s)
@@ -456,9 +457,11 @@ class RpcServer:
                 t0 = time.perf_counter()
                 Session(self.state, sock, peer).run()
                 log.debug("client %s done after %.2f s", peer, time.perf_counter() - t0)
-                if self.state.config.stats_each_client:
-                    log.info("\n%s", self.state.stats.render(self.state.weight_stats))
-                self.state.write_stats_json()
+                if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
+                    runs_reported = self.state.stats.graph_runs
+                    if self.state.config.stats_each_client:
+                        log.info("\n%s", self.state.stats.render(self.state.weight_stats))
+                    self.state.write_stats_json()
         finally:
             self.listener.close()
 
