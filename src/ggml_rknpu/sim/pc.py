@@ -119,13 +119,13 @@ class ProgramCounter:
         except TaskRefused as exc:
             result.diagnostics.append(exc.violation.describe())
         except NotModeled as exc:
-            task = len(result.records) - 1
+            task = max(len(result.records) - 1, 0)
             result.diagnostics.append(f"task {task}: {exc} ({SYMPTOM_NOT_MODELED})")
         except (DmaRead, DmaFault) as exc:
             bit = DMA_WRITE_ERROR if isinstance(exc, DmaWrite) else DMA_READ_ERROR
             self.state.raw_status |= bit
             kind = "write" if bit == DMA_WRITE_ERROR else "read"
-            task = len(result.records) - 1
+            task = max(len(result.records) - 1, 0)
             result.diagnostics.append(
                 f"task {task}: DMA {kind} fault (raw status 0x{bit:X}) {exc}; the address "
                 f"register names which buffer to map or fix ({SYMPTOM_DMA_FAULT})")
@@ -157,7 +157,7 @@ class ProgramCounter:
             result.records.append(rec)
             next_base, next_amount = self._run_task(t, rec)
             result.completed_tasks = t + 1
-            st.task_status = t + 1
+            st.task_status += 1       # counts until TASK_CON.TASK_COUNT_CLEAR [TRM pc_task_con]
             if t == n_tasks - 1:
                 st.finished = True
                 break
