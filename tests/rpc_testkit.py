@@ -263,11 +263,11 @@ class RpcClient:
 # --- server in a thread -------------------------------------------------------------------------
 class ServerThread:
     def __init__(self, npu=None, planner=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
-                 cache_dir=None) -> None:
+                 cache_dir=None, stall_timeout_s: float = 120.0) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
-                                                     progress=False),
+                                                     progress=False, stall_timeout_s=stall_timeout_s),
                                  plan_op=planner)
         self.server = RpcServer(self.state, "127.0.0.1", 0)
         self.port = self.server.port

@@ -163,6 +163,22 @@ def test_truncated_payload(srv):
     assert srv.state.stats.rejected == 1
 
 
+def test_client_stalling_mid_message_is_dropped():
+    for st in serve(npu=FakeNpu(), planner=PlannerLog(), stall_timeout_s=0.5):
+        c = st.client()
+        c.sock.sendall(struct.pack("<BQ", Cmd.ALLOC_BUFFER, 12) + bytes(5))   # ...and never the rest
+        assert c.is_closed_by_server(timeout=10)
+        c.close()
+        assert st.alive() and st.state.stats.rejected == 1
+
+
+def test_idle_client_between_messages_is_kept():
+    for st in serve(npu=FakeNpu(), planner=PlannerLog(), stall_timeout_s=0.3):
+        with st.client() as c:
+            assert not c.is_closed_by_server(timeout=1.0)   # silent for > stall timeout at a boundary
+            assert c.device_count() == 1
+
+
 def test_truncated_set_tensor_data(srv, alloc_log):
     c = srv.client()
     h, base = c.alloc_base(4096)

@@ -67,8 +67,14 @@ class Reader:
         self.total += n
 
     def at_boundary_wait(self) -> None:
-        """Block until the next message starts (EOF here is a clean goodbye)."""
+        """Block until the next message starts (EOF here is a clean goodbye).
+
+        Between messages a client may stay idle for as long as it likes (llama-server
+        holds its connection while waiting for HTTP requests), so this wait has no
+        timeout; inside a message the socket timeout applies, so a client that stalls
+        mid-message cannot block the (sequential) server forever."""
         if self._lo == self._hi:
+            select.select([self._sock], [], [])
             self._fill(True)
 
     def read(self, n: int) -> bytes:
@@ -109,6 +115,7 @@ class ServerConfig:
     progress: bool = True
     stats_each_client: bool = False
     stats_json: Path | None = None    # rewritten after every client and at exit
+    stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
 
 
 @dataclass
@@ -149,6 +156,7 @@ class Session:
         self.state = state
         self.sock = sock
         self.peer = peer
+        sock.settimeout(state.config.stall_timeout_s)
         self.reader = Reader(sock)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
@@ -189,7 +197,11 @@ class Session:
         except ProtocolError as exc:
             stats.rejected += 1
             log.warning("closing %s: %s", self.peer, exc)
-        except (ConnectionError, TimeoutError) as exc:
+        except TimeoutError:
+            stats.rejected += 1
+            log.warning("closing %s: no progress for %.0f s in the middle of a message",
+                        self.peer, self.state.config.stall_timeout_s)
+        except ConnectionError as exc:
             log.info("%s went away: %s", self.peer, exc)
         except Exception as exc:  # op failures, data errors, engine errors: close, keep serving
             signature = _unsupported_signature(exc)
