@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print the placement counters after every client")
     p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
                    help="also write the counters as JSON to FILE after every client and at exit")
+    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="drop a client that stops in the middle of a message this long (idle between "
+                        "messages is always fine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
-                          stats_each_client=args.stats, stats_json=args.stats_json)
+                          stats_each_client=args.stats, stats_json=args.stats_json,
+                          stall_timeout_s=args.stall_timeout)
     state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
     try:
         server = RpcServer(state, args.host, args.port)
