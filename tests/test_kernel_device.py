@@ -299,3 +299,16 @@ def test_probe_exit_code_1_on_mismatch(monkeypatch, capsys):
 
 def test_struct_sizes_used_by_device_match_abi():
     assert ctypes.sizeof(rk.rknpu_task) * 11 == 440  # the captured task BO size for 11 tasks
+
+
+def test_task_bo_is_reused_while_the_tasks_fit_in_its_pages():
+    dev, k, npu = sim_device("rknpu")
+    regcmd = dev.alloc(4096, purpose="regcmd")
+    put_regcmd(regcmd, regcmd_words(10))
+    t = HwTask(regcmd.dma_addr, 10)
+    dev.submit(Job(cores=((t,),)))
+    first = dev._task_bo
+    dev.submit(Job(cores=((t,), (t,), (t,))))
+    assert dev._task_bo is first and first.size == 4096
+    dev.submit(Job(cores=((t,) * 103,)))  # 103 * 40 bytes > one page
+    assert dev._task_bo is not first and first.closed and dev._task_bo.size == 8192

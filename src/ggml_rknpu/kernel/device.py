@@ -360,7 +360,8 @@ class NpuDevice:
         if self._task_bo is None or self._task_bo.size < task_bytes:
             if self._task_bo is not None:
                 self._task_bo.close()
-            self._task_bo = self.alloc(task_bytes, purpose="task")
+            # whole pages, so the BO is reused until a submit needs more than fits in them
+            self._task_bo = self.alloc((task_bytes + PAGE - 1) // PAGE * PAGE, purpose="task")
         array = (rk.rknpu_task * n_tasks).from_buffer(self._task_bo.array())
         ranges: list[tuple[int, int, int]] = []  # (core, start, number), core-major
         i = 0
