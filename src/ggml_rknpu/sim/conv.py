@@ -283,12 +283,13 @@ def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
                       f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault) from None
     values = raw.view(_NUMPY_DTYPE[task.precision])
     full, rem = divmod(n, g)
-    parts = [values[: full * g * c].reshape(full, c // a, g, a).transpose(0, 2, 1, 3)
-             .reshape(full * g, c)]
+    out = np.empty((n, c), dtype=np.float32)     # one converting, transposing copy
+    out[: full * g].reshape(full, g, c // a, a)[...] = \
+        values[: full * g * c].reshape(full, c // a, g, a).transpose(0, 2, 1, 3)
     if rem:
-        parts.append(values[full * g * c:].reshape(c // a, rem, a).transpose(1, 0, 2)
-                     .reshape(rem, c))
-    return np.concatenate(parts).astype(np.float32)
+        out[full * g:].reshape(rem, c // a, a)[...] = \
+            values[full * g * c:].reshape(c // a, rem, a).transpose(1, 0, 2)
+    return out
 
 
 def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
