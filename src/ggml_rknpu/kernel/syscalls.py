@@ -57,7 +57,10 @@ class HostSyscalls:
         return fcntl.ioctl(fd, request, arg, True)
 
     def mmap(self, fd: int, length: int, offset: int) -> memoryview:
-        m = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        try:
+            m = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        except ValueError as exc:  # Python's own argument checks; the kernel would say EINVAL
+            raise OSError(errno.EINVAL, f"mmap of {length} bytes at {offset:#x}: {exc}") from exc
         view = memoryview(m)
         self._maps[id(view)] = m
         return view
