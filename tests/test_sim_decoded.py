@@ -30,6 +30,20 @@ MUST_CHECK = {"field-range", "rule_cbuf_banks", "rule_cbuf_input", "rule_weight_
               "rule_alignment", "rule_conv_mode", "rule_feature_grains"}
 
 
+def test_decoded_task_tables_use_what_the_simulator_runs(reference_dir):
+    """Every captured task is a conv (op-enable 0x0D) or a PPU separator (0x60) -- the two
+    task kinds the simulator executes -- and every regcmd address is 16-byte aligned
+    (PC_SOURCE_ADDR is bits 31:4 [§2])."""
+    masks, tasks = set(), 0
+    for f in sorted((reference_dir / "captures" / "decoded").glob("*.json")):
+        doc = json.loads(f.read_text())
+        assert len(doc["regcmd_addrs"]) == doc["task_count"]
+        masks |= set(doc["masks"])
+        assert all(int(a, 16) % 16 == 0 for a in doc["regcmd_addrs"]), f.stem
+        tasks += doc["task_count"]
+    assert masks == {0x0D, 0x60} and tasks > 1000
+
+
 def _rows(reference_dir):
     files = sorted((reference_dir / "captures" / "decoded").glob("*.json"))
     assert len(files) == 83
