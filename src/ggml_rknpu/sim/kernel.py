@@ -21,8 +21,8 @@ rknpu_gem.c; ROCKET rocket_job.c, rocket_gem.c]:
 Where the real driver would crash, corrupt or silently drop an error, the simulator
 refuses with an errno and a message instead (each such place says so):
 task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_addr
-(vendor: raw pointer), NONBLOCK/fences (not modelled), >4095 tasks per core (would
-overflow TASK_CON), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
+(vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
+NONBLOCK/fences (not modelled), >4095 tasks per core (would overflow TASK_CON), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
 EFAULT), a rocket job that fails validation (mainline drops the per-job error) or hangs
 (mainline PREP_BO returns 0 with stale data; here PREP_BO says ETIMEDOUT).
 ``hw_elapse_time`` is left 0: the simulator has no hardware clock.
