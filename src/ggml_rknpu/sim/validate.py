@@ -210,7 +210,7 @@ def rule_cbuf_input(regs: RegisterSource) -> None:
 def rule_weight_size(regs: RegisterSource) -> None:
     """WEIGHT_SIZE1 = kw*kh*C*b, WEIGHT_SIZE0 = kernels*WEIGHT_SIZE1 [§7 table; holds in all
     83 decoded captures, e.g. c1024_h1_oc1001 2050048 = 1001*2048], and one kernel fits the
-    weight banks. NOT enforced: MTX's 'one kernel <= one bank' (§9), because the vendor's
+    weight banks (*inference*: CBUF must hold at least one whole kernel). NOT enforced: MTX's 'one kernel <= one bank' (§9), because the vendor's
     5x5x768 depthwise kernel is 38400 B [decoded c768_h20_oc768_s1pvalid]."""
     prec = cna_precision(regs)
     kw = fld(regs, "CNA_WEIGHT_SIZE2", "WEIGHT_WIDTH")
