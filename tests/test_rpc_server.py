@@ -258,7 +258,8 @@ def _graph_client(srv):
 
 @pytest.mark.parametrize("case", ["unknown_src", "unknown_node", "cycle", "self_loop", "view_cycle",
                                   "node_twice", "dup_id", "absurd_nodes", "count_mismatch", "bad_view_addr",
-                                  "tensor_out_of_buffer", "unknown_dev", "unsupported_op"])
+                                  "tensor_out_of_buffer", "unknown_dev", "unsupported_op", "unbacked_src",
+                                  "unbacked_dst"])
 def test_bad_graphs_are_rejected(srv, alloc_log, case):
     c, h, base, a, b = _graph_client(srv)
     add = int(GgmlOp.ADD)
@@ -298,6 +299,12 @@ def test_bad_graphs_are_rejected(srv, alloc_log, case):
         out.data = base + 4096 - 16
     elif case == "unknown_dev":
         dev = 1
+    elif case == "unbacked_src":                       # a CPU-side tensor (buffer 0) read by a computing node
+        cpu = f32(0, 0x7F00_0000_0000, 8, name="cpu_side")
+        out.src = (a.id, cpu.id)
+        tensors = [a, cpu, out]
+    elif case == "unbacked_dst":
+        out.buffer = 0xB0F_0000_0999
     elif case == "unsupported_op":
         out.op = int(GgmlOp.SOFT_MAX)
     c.send(Cmd.GRAPH_COMPUTE, raw if raw is not None else graph_payload(nodes, tensors, dev))
@@ -307,6 +314,20 @@ def test_bad_graphs_are_rejected(srv, alloc_log, case):
     else:
         assert srv.state.stats.rejected == 1
     assert not alloc_log[-1].array.any(), "a rejected graph wrote into its buffer"
+
+
+def test_views_of_tensors_on_other_backends_are_accepted(srv):
+    """Partial offload: the client lists views of CPU-side tensors (e.g. its KV cache) as no-op nodes."""
+    c, h, base, a, b = _graph_client(srv)
+    cache = f32(0, 0x7F00_0000_0000, 64, name="cache_k_l0")
+    view = f32(0, 0x7F00_0000_0040, 8, op=int(GgmlOp.VIEW), view_src=cache.id, view_offs=64, name="k_view")
+    out = f32(h, base + 128, 8, op=int(GgmlOp.ADD), src=(a.id, b.id))
+    c.set_array(a, np.ones(8, np.float32))
+    c.set_array(b, np.ones(8, np.float32))
+    c.graph_compute([view, out], [cache, view, a, b, out])
+    assert np.array_equal(c.get_array(out).ravel(), np.full(8, 2, np.float32))
+    c.close()
+    assert srv.alive() and srv.state.stats.rejected == 0
 
 
 def test_op_failure_during_compute_closes_cleanly(srv):

@@ -30,14 +30,14 @@ from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
-from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor
+from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
 VIEW_OPS = frozenset(int(o) for o in (GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE))
 FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
-PLANS_PER_DEVICE = 32              # identical-graph cache (partial offload sends many splits)
+PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
 _FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16))  # bf16 as_array is a uint16 view
 
 
@@ -158,7 +158,7 @@ def _check_structure(g: ParsedGraph) -> dict[int, int]:
             cur = g.tensors[cur].view_src
         settled.update(path)
     for t in g.tensors.values():
-        if t.view_src:
+        if t.view_src and (t.buffer or g.tensors[t.view_src].buffer):   # views on other backends: not ours
             parent = g.tensors[t.view_src]
             if parent.buffer != t.buffer or parent.data + t.view_offs != t.data:
                 raise ProtocolError(
@@ -166,6 +166,19 @@ def _check_structure(g: ParsedGraph) -> dict[int, int]:
                     f"'{parent.name}' ({parent.data:#x} in {parent.buffer:#x}) + {t.view_offs}"
                 )
     return position
+
+
+def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
+    """Every tensor a computing node reads or writes must have its bytes on this server."""
+    for nid in g.node_ids:
+        t = g.tensors[nid]
+        if t.op in VIEW_OPS:
+            continue
+        for tid in (nid, *t.src):
+            if tid and not checked[tid].usable:
+                u = g.tensors[tid]
+                raise ProtocolError(f"GRAPH_COMPUTE: node '{t.name}' ({op_name(t.op)}) uses '{u.name}', "
+                                    f"which has {unbacked_reason(u)}")
 
 
 def _contiguous_2d(t: RpcTensor) -> bool:
@@ -197,8 +210,10 @@ class GraphPlanner:
         g = parse_graph(payload)
         position = _check_structure(g)
         checked: dict[int, CheckedTensor] = {
-            tid: check_tensor(t, self.buffers, "GRAPH_COMPUTE tensor") for tid, t in g.tensors.items()
+            tid: check_tensor(t, self.buffers, "GRAPH_COMPUTE tensor", allow_unbacked=True)
+            for tid, t in g.tensors.items()
         }
+        _check_backed(g, checked)
         for nid in g.node_ids:                       # bytes written by nodes are never weights
             t = g.tensors[nid]
             c = checked[nid]

@@ -89,9 +89,14 @@ class CheckedTensor:
     """An rpc_tensor whose bytes are known to be inside ``buffer`` at [start, end)."""
 
     rpc: RpcTensor
-    buffer: DeviceBuffer | None     # None only for an empty tensor (nbytes 0)
+    buffer: DeviceBuffer | None     # None: empty (nbytes 0) or, in a graph, on another backend
     start: int
     end: int
+
+    @property
+    def usable(self) -> bool:
+        """Its bytes can be read or written here (backed, or empty)."""
+        return self.buffer is not None or any(n == 0 for n in self.rpc.ne)
 
     @property
     def raw(self) -> np.ndarray:
@@ -107,14 +112,22 @@ class CheckedTensor:
         return TensorRef(type=t.type, ne=t.ne, nb=t.nb, raw=self.raw)
 
 
-def check_tensor(t: RpcTensor, buffers: BufferTable, what: str) -> CheckedTensor:
-    """Validate one tensor against the connection's buffers (C++ ``deserialize_tensor``, stricter)."""
+def unbacked_reason(t: RpcTensor) -> str:
+    return "no buffer on this server" if t.buffer == 0 else f"unknown buffer {t.buffer:#x}"
+
+
+def check_tensor(t: RpcTensor, buffers: BufferTable, what: str, *, allow_unbacked: bool = False) -> CheckedTensor:
+    """Validate one tensor against the connection's buffers (C++ ``deserialize_tensor``, stricter).
+
+    ``allow_unbacked``: a graph may list tensors that live on another backend (with partial
+    offload the client sends e.g. views of a CPU-side KV cache as no-op nodes). They are
+    accepted with ``buffer=None`` and the planner rejects any node that would touch them.
+    """
     size = nbytes(t, what)
     buf = buffers.find(t.buffer) if t.buffer else None
     if buf is None:
-        if size == 0:
+        if size == 0 or allow_unbacked:
             return CheckedTensor(t, None, 0, 0)
-        reason = "no buffer" if t.buffer == 0 else f"unknown buffer {t.buffer:#x}"
-        raise ProtocolError(f"{what} '{t.name}': {reason} for {size} bytes of data")
+        raise ProtocolError(f"{what} '{t.name}': {unbacked_reason(t)} for {size} bytes of data")
     start, end = buf.span(t.data, size, f"{what} '{t.name}'")
     return CheckedTensor(t, buf, start, end)
