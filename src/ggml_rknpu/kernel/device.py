@@ -4,6 +4,7 @@ Discovery (``NpuDevice.open(None)``, or ``RKNPU_DEVICE`` when set): every
 ``/dev/dri/renderD*`` whose DRM_IOCTL_VERSION name is ``rknpu`` (vendor driver), then every
 ``/dev/accel/accel*`` named ``rocket`` (mainline), else the simulator (``sim-rknpu``).
 Explicit choices: ``rknpu``, ``rocket``, ``sim-rknpu``, ``sim-rocket`` or a device path.
+``RKNPU_TRACE=1`` prints every syscall, decoded (``kernel/trace.py``).
 
 Submitting a ``Job`` [CONTRACT A; npu-programming.md §3-§5]:
 
@@ -39,6 +40,7 @@ from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.kernel.rocket_driver import RocketDriver, RocketJobSpec
 from ggml_rknpu.kernel.syscalls import HostSyscalls, Syscalls
+from ggml_rknpu.kernel.trace import from_environment
 
 N_CORES_RK3588 = 3  # [npu-programming.md §1]
 IOVA_WINDOW_BYTES = 1 << 32  # all NPU addresses are 32-bit [§4]
@@ -182,10 +184,10 @@ class NpuDevice:
             from ggml_rknpu.sim.kernel import SimKernel
 
             kind = device.removeprefix("sim-")
-            sim = SimKernel(kind)
+            sim = from_environment(SimKernel(kind))
             path = sim._device_paths()[-1]
             return cls(sim, sim.open(path), path, kind, simulated=True)
-        host = sys or HostSyscalls()
+        host = from_environment(sys or HostSyscalls())
         if device is not None and device.startswith("/"):
             fd = cls._open_node(host, device)
             try:

@@ -1,0 +1,130 @@
+"""``TracingSyscalls``: every syscall of the NPU stack, decoded, one line each.
+
+Because all open/ioctl/mmap/munmap/close calls go through one ``Syscalls`` object, a
+wrapper sees the whole conversation with the kernel - on a board or on the simulator -
+and can print it with the struct fields named (the role tinygrad's ``IOCTL=1`` sniffers
+play [anchors.md §1a]). ``NpuDevice.open`` wraps its syscalls in this when the
+environment variable ``RKNPU_TRACE`` is set (``1``/``stderr``: standard error; anything
+else: a file path to append to).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys as _sys
+from typing import Callable
+
+from ggml_rknpu.kernel import drm
+from ggml_rknpu.kernel import rknpu_abi as rk
+from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.syscalls import Syscalls
+
+# request number -> (name, struct used to decode it). The vendor SUBMIT is decoded with
+# the 0.9.8 layout (same size as 0.9.6; fields 32..55 differ, see rknpu_abi).
+IOCTLS: dict[int, tuple[str, type[ctypes.Structure]]] = {
+    drm.DRM_IOCTL_VERSION: ("DRM_IOCTL_VERSION", drm.drm_version),
+    drm.DRM_IOCTL_GEM_CLOSE: ("DRM_IOCTL_GEM_CLOSE", drm.drm_gem_close),
+    rk.DRM_IOCTL_RKNPU_ACTION: ("RKNPU_ACTION", rk.rknpu_action),
+    rk.DRM_IOCTL_RKNPU_SUBMIT: ("RKNPU_SUBMIT", rk.rknpu_submit_v098),
+    rk.DRM_IOCTL_RKNPU_MEM_CREATE_40: ("RKNPU_MEM_CREATE(40)", rk.rknpu_mem_create_v40),
+    rk.DRM_IOCTL_RKNPU_MEM_CREATE_48: ("RKNPU_MEM_CREATE(48)", rk.rknpu_mem_create_v48),
+    rk.DRM_IOCTL_RKNPU_MEM_MAP: ("RKNPU_MEM_MAP", rk.rknpu_mem_map),
+    rk.DRM_IOCTL_RKNPU_MEM_DESTROY: ("RKNPU_MEM_DESTROY", rk.rknpu_mem_destroy),
+    rk.DRM_IOCTL_RKNPU_MEM_SYNC: ("RKNPU_MEM_SYNC", rk.rknpu_mem_sync),
+    ro.DRM_IOCTL_ROCKET_CREATE_BO: ("ROCKET_CREATE_BO", ro.drm_rocket_create_bo),
+    ro.DRM_IOCTL_ROCKET_SUBMIT: ("ROCKET_SUBMIT", ro.drm_rocket_submit),
+    ro.DRM_IOCTL_ROCKET_PREP_BO: ("ROCKET_PREP_BO", ro.drm_rocket_prep_bo),
+    ro.DRM_IOCTL_ROCKET_FINI_BO: ("ROCKET_FINI_BO", ro.drm_rocket_fini_bo),
+}
+
+
+_HEX_FIELDS = ("flags", "mask", "addr", "offset")
+
+
+def format_struct(s: ctypes.Structure) -> str:
+    """``field=value`` pairs: bit sets, addresses and big numbers in hex, counts in decimal."""
+    parts = []
+    for name, *_ in s._fields_:
+        value = getattr(s, name)
+        if isinstance(value, ctypes.Array):
+            items = [tuple(getattr(e, f) for f, *_ in e._fields_) if isinstance(e, ctypes.Structure) else e
+                     for e in value]
+            parts.append(f"{name}={items}")
+        elif isinstance(value, int):
+            as_hex = abs(value) >= 4096 or any(k in name for k in _HEX_FIELDS)
+            parts.append(f"{name}={value:#x}" if as_hex else f"{name}={value}")
+        else:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+class TracingSyscalls:
+    """Wraps any ``Syscalls``; calls ``log`` with one decoded line per call."""
+
+    def __init__(self, inner: Syscalls, log: Callable[[str], None]) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name: str):
+        # simulator extras (stats, iova_budget, dmesg, n_cores...) stay reachable
+        return getattr(self.inner, name)
+
+    def open(self, path: str, flags: int = os.O_RDWR) -> int:
+        try:
+            fd = self.inner.open(path, flags)
+        except OSError as exc:
+            self.log(f"open({path}) -> errno {exc.errno} ({exc.strerror})")
+            raise
+        self.log(f"open({path}) -> fd {fd}")
+        return fd
+
+    def close(self, fd: int) -> None:
+        self.log(f"close({fd})")
+        self.inner.close(fd)
+
+    def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
+        name, struct = IOCTLS.get(request, (f"ioctl {request:#x}", None))
+        decode = struct is not None and len(arg) >= ctypes.sizeof(struct)
+        if decode:
+            self.log(f"{name}(fd {fd}) in:  {format_struct(struct.from_buffer_copy(arg))}")
+        try:
+            ret = self.inner.ioctl(fd, request, arg)
+        except OSError as exc:
+            self.log(f"{name}(fd {fd}) -> errno {exc.errno} ({exc.strerror})")
+            raise
+        out = f" out: {format_struct(struct.from_buffer_copy(arg))}" if decode else ""
+        self.log(f"{name}(fd {fd}) -> {ret}{out}")
+        return ret
+
+    def mmap(self, fd: int, length: int, offset: int) -> memoryview:
+        view = self.inner.mmap(fd, length, offset)
+        self.log(f"mmap(fd {fd}, {length} bytes, offset {offset:#x})")
+        return view
+
+    def munmap(self, view: memoryview) -> None:
+        self.log(f"munmap({view.nbytes} bytes)")
+        self.inner.munmap(view)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def read_text(self, path: str) -> str:
+        return self.inner.read_text(path)
+
+
+def from_environment(inner: Syscalls) -> Syscalls:
+    """``inner`` wrapped for tracing when ``RKNPU_TRACE`` is set, else ``inner``."""
+    target = os.environ.get("RKNPU_TRACE", "")
+    if not target or target == "0":
+        return inner
+    if target in ("1", "stderr"):
+        return TracingSyscalls(inner, lambda line: print(f"[rknpu] {line}", file=_sys.stderr))
+
+    def append(line: str) -> None:
+        with open(target, "a") as f:
+            f.write(line + "\n")
+
+    return TracingSyscalls(inner, append)
