@@ -312,3 +312,24 @@ def test_task_bo_is_reused_while_the_tasks_fit_in_its_pages():
     assert dev._task_bo is first and first.size == 4096
     dev.submit(Job(cores=((t,) * 103,)))  # 103 * 40 bytes > one page
     assert dev._task_bo is not first and first.closed and dev._task_bo.size == 8192
+
+
+def test_a_replayed_job_reuses_its_plan_and_task_array():
+    """Per-token submits are planned once: same Job.cores -> no rebuild, no task BO rewrite."""
+    dev, k, npu = sim_device("rknpu")
+    regcmd = dev.alloc(4096, purpose="regcmd")
+    put_regcmd(regcmd, regcmd_words(10))
+    job = Job(cores=((HwTask(regcmd.dma_addr, 10),), (HwTask(regcmd.dma_addr, 10),)))
+    dev.submit(job)
+    task_syncs = []
+    real = dev._task_bo.sync_to_device
+    dev._task_bo.sync_to_device = lambda *a: (task_syncs.append(a), real(*a))
+    dev.submit(job)
+    dev.submit(Job(cores=job.cores))  # an equal job built anew is the same plan
+    assert task_syncs == [] and len(dev._plans) == 1
+    dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),)))
+    assert len(task_syncs) == 1 and len(dev._plans) == 2
+    assert [npu.executed_tasks(c) for c in range(3)] == [4, 3, 0]
+    regcmd.close()
+    with pytest.raises(NpuError, match="not inside any buffer"):
+        dev.submit(job)  # the cached plan's regcmd buffer is gone: rebuilt and refused
