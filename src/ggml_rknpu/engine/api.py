@@ -144,6 +144,7 @@ class Npu:
         self.device = device
         self.cores = cores
         self.abi = device.kind
+        self.npu_mhz = _npu_mhz(device)
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "matmuls", "submits"), 0)
@@ -280,7 +281,7 @@ class Npu:
                 regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
                 int_mask=task.int_mask, enable_mask=task.enable_mask))
         job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf, w.buffer), outputs=(c_buf,))
-        modeled = modeled_time(program) if self.device.simulated else None
+        modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
         return _Plan(program, m, a_buf, c_buf, regcmd_buf, job, modeled)
 
     def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
@@ -362,6 +363,16 @@ class Npu:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _npu_mhz(device: Any) -> float | None:
+    """NPU clock for modeled device time: the driver's figure where it reports one, the
+    vendor driver's 1 GHz on the simulator [anchors.md §3.1], None (no model) otherwise
+    (rocket boots at 200 MHz and is often patched to 600: unknown without a query)."""
+    freq = device.info().npu_freq_hz if hasattr(device, "info") else None
+    if freq:
+        return freq / 1e6
+    return 1000.0 if device.simulated else None
 
 
 def open_engine(device: Any = None, cores: int = 3) -> Npu:

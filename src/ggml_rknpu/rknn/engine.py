@@ -78,6 +78,7 @@ class _Context:
     io: rb.MatmulIoAttr
     mems: tuple[Any, Any, Any]   # A, B, C
     nbytes: int
+    modeled_s: float             # device seconds of one run, modeled (librknnrt profile)
 
 
 class RknnWeight:
@@ -206,8 +207,7 @@ class RknnNpu:
                 result[m0: m0 + rows] += c_view[:rows, :N]
                 t4 = time.perf_counter()
                 times = [t + d for t, d in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3))]
-                device_s += modeled_time(vendor_style_workload(bucket, kc, w.n_padded, dtype=w.dtype),
-                                         profile=RKNN_RUNTIME).total_s
+                device_s += c.modeled_s
                 runs += 1
         self.counters["runs"] += runs
         self.counters["matmuls"] += 1
@@ -270,7 +270,8 @@ class RknnNpu:
         self._bytes += nbytes
         self.counters["contexts_created"] += 1
         self.counters["b_bytes_staged"] += native_b.nbytes
-        return _Context(ctx, io, (mems[0], mems[1], mems[2]), nbytes)
+        modeled = modeled_time(vendor_style_workload(m, k, w.n_padded, dtype=w.dtype), profile=RKNN_RUNTIME)
+        return _Context(ctx, io, (mems[0], mems[1], mems[2]), nbytes, modeled.total_s)
 
     def _destroy_context(self, c: _Context) -> None:
         for mem in c.mems:
