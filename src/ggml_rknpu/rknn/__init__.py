@@ -8,3 +8,8 @@ Validation status: this engine is validated ONLY through the C stand-in library 
 ``tests/rknn_standin/`` (built by the tests with gcc), which implements the documented
 semantics; it has not run against the real librknnrt until a board reports.
 """
+
+from ggml_rknpu.rknn.binding import RknnError, RknnUnavailable
+from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType
+
+__all__ = ["RknnError", "RknnNpu", "RknnUnavailable", "RknnUnsupportedType"]
