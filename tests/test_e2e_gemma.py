@@ -44,7 +44,6 @@ def gemma() -> Path:
         pytest.skip(str(exc))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_completion_is_coherent(tmp_path: Path, gemma: Path) -> None:
     prompt = "Question: What is the capital of France?\nAnswer:"

@@ -10,6 +10,7 @@ executed by the model of the NPU, so expect seconds per token, not the board's s
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
     parser.add_argument("--server-log", default=None, metavar="FILE",
                         help="write the server's output here instead of the terminal")
+
+
+def _simulated(device: str | None) -> bool:
+    """Whether the server's NPU is the simulator (auto picks it when no NPU node is found)."""
+    device = device or os.environ.get("RKNPU_DEVICE")
+    if device:
+        return device.startswith("sim")
+    from ggml_rknpu.kernel.device import discover
+    from ggml_rknpu.kernel.syscalls import HostSyscalls
+
+    return not discover(HostSyscalls())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,10 +67,19 @@ def run(args: argparse.Namespace) -> int:
                "-ngl", "99", "-t", "1", "-c", "512", "--temp", "0", "-no-cnv",
                "-n", str(args.n_predict), "-p", args.prompt]
         print(f"demo: {' '.join(cmd)}", file=sys.stderr)
+        client_log = llamacpp.cache_dir() / "logs" / "demo-llama-completion.log"
+        client_log.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        client = subprocess.run(cmd, env=launch.one_thread_env(), stdin=subprocess.DEVNULL)
+        with open(client_log, "w") as err:
+            client = subprocess.run(cmd, env=launch.one_thread_env(), stdin=subprocess.DEVNULL, stderr=err)
         print(f"\ndemo: llama-completion exited with {client.returncode} after "
-              f"{time.monotonic() - start:.1f} s (wall clock on this machine)", file=sys.stderr)
+              f"{time.monotonic() - start:.1f} s wall clock (its log: {client_log})", file=sys.stderr)
+        for line in client_log.read_text(errors="replace").splitlines():
+            if "prompt eval time" in line or " eval time" in line:
+                print("demo: " + line.split("common_perf_print:", 1)[-1].strip(), file=sys.stderr)
+        if _simulated(args.device):
+            print("demo: without a board the NPU is simulated on this CPU: these rates are the simulator's, "
+                  "not the NPU's", file=sys.stderr)
         return 0 if client.returncode == 0 else 1
     finally:
         launch.stop(server)
