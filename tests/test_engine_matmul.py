@@ -283,3 +283,12 @@ def test_fp16_output_adds_one_rounding(npu):
     ref = a16 @ b16.T
     bound = 1.01 * 201 * U32 * (np.abs(a16) @ np.abs(b16).T) + 2.0**-11 * np.abs(ref) + 2.0**-24
     assert (np.abs(c.astype(np.float64) - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("cores", (1, 2))
+def test_fewer_cores(cores):
+    with open_engine("sim-rknpu", cores=cores) as engine:
+        check_matmul(engine, 70, 300, 1001, "int8", seed=cores)
+        check_matmul(engine, 5, 2000, 100, "fp16", seed=cores)
+    with pytest.raises(ValueError, match="cores must be in 1..3"):
+        open_engine("sim-rknpu", cores=4)
