@@ -30,13 +30,12 @@ def softmax_row(w: np.ndarray, sink: float | None) -> np.ndarray:
     return e / total
 
 
-@pytest.mark.parametrize("mask_type", [None, F32, F16])
-@pytest.mark.parametrize("mask_heads", [1, 2])
-@pytest.mark.parametrize("max_bias", [0.0, 8.0])
-@pytest.mark.parametrize("sinks", [False, True])
+CASES = [(None, 1, 0.0, s) for s in (False, True)] + [
+    (m, heads, bias, s) for m in (F32, F16) for heads in (1, 2) for bias in (0.0, 8.0) for s in (False, True)]
+
+
+@pytest.mark.parametrize("mask_type,mask_heads,max_bias,sinks", CASES)
 def test_soft_max(mask_type, mask_heads, max_bias, sinks):
-    if mask_type is None and (max_bias > 0 or mask_heads > 1):
-        pytest.skip("ALiBi and mask broadcast need a mask")
     rng = np.random.default_rng(10)
     ne = (12, 5, 4, 2)
     x, d = alloc(F32, ne), alloc(F32, ne)
@@ -147,3 +146,17 @@ def test_flash_attn_rejects_mismatched_heads():
     with pytest.raises(UnsupportedOp):
         plan_op(node(GgmlOp.FLASH_ATTN_EXT, alloc(F32, (8, 3, 1, 1)), alloc(F32, (8, 1, 3, 1)),
                      alloc(F16, (8, 4, 2, 1)), alloc(F16, (8, 4, 2, 1)), op_params=params(1.0)))
+
+
+@pytest.mark.parametrize("max_bias", [0.0, 8.0])
+def test_flash_attn_mask_per_head_group(max_bias):
+    """A mask with 2 heads for 4 q heads is read as mask[.., h % 2] (ALiBi slopes per q head)."""
+    rng = np.random.default_rng(13)
+    q, k, v = alloc(F32, (32, 2, 4, 1)), alloc(F16, (32, 6, 2, 1)), alloc(F16, (32, 6, 2, 1))
+    qv, kv, vv = random(q, rng), random(k, rng), random(v, rng)
+    mask = alloc(F16, (6, 2, 2, 1))
+    mv = random(mask, rng, -2, 0)
+    d = alloc(F32, (32, 4, 2, 1))
+    plan_op(node(GgmlOp.FLASH_ATTN_EXT, d, q, k, v, mask, op_params=params(0.2, max_bias, 0.0)))()
+    want = attention_reference(qv.astype(np.float16).astype(np.float64), kv, vv, mv, 0.2, max_bias, 0.0, None)
+    np.testing.assert_allclose(values(d), want, rtol=1e-5, atol=2e-6)

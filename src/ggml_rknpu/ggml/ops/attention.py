@@ -66,17 +66,13 @@ def plan_flash_attn_ext(node: OpNode) -> Closure:
     slopes = alibi_slopes(hq, max_bias).reshape(1, hq, 1, 1)
     use_slope = max_bias > 0.0
     mask = None
+    mask_index: tuple = (slice(None), slice(None))   # one mask head/batch: plain broadcast
     if mask_ref is not None:
-        m = mask_ref.as_array()[:, :, :n_q, :n_kv]  # (m3, m2, N, KV)
-        m3, m2 = m.shape[0], m.shape[1]
-        head_idx = np.arange(hq) % m2
-        batch_idx = np.arange(nb) % m3
-        mask_index = (batch_idx[:, None], head_idx[None, :])
-        mask = m
+        mask = mask_ref.as_array()[:, :, :n_q, :n_kv]  # (m3, m2, N, KV)
+        m3, m2 = mask.shape[:2]
+        if m2 > 1 or m3 > 1:                            # ggml: mask[.., h % m2, b % m3]
+            mask_index = ((np.arange(nb) % m3)[:, None], (np.arange(hq) % m2)[None, :])
     sinks = sinks_ref.as_array()[0, 0, 0, :hq].reshape(1, hq, 1, 1) if sinks_ref is not None else None
-
-    if mask is not None and m2 == 1 and m3 == 1:
-        mask_index = (slice(None), slice(None))   # plain numpy broadcast, no gather
 
     def grouped(x: np.ndarray, heads: int) -> np.ndarray:
         """(B, Hq, rows, d) -> (B, heads, Hq/heads*rows, d): q heads h*g .. h*g+g-1 share
