@@ -292,3 +292,18 @@ def test_host_only_server_runs_weight_matmuls_on_host():
             c.set_array(g.x, x)
             np.testing.assert_allclose(g.compute(), x @ w.T, rtol=1e-5)
         assert planner.planned == ["MUL_MAT"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16", "F32", "Q4_0", "BF16"])
+def test_weight_conversion_matches_gguf_exactly(qtype, monkeypatch):
+    from ggml_rknpu.ggml import weights
+
+    monkeypatch.setattr(weights, "CONVERT_ROWS", 7)              # several chunks, a ragged last one
+    gq = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal((20, 64)) * 3).astype(np.float32)
+    wq = quantize(w, gq) if qtype not in ("F32", "F16") else w.astype(np.float16 if qtype == "F16" else np.float32)
+    raw = np.frombuffer(wq.tobytes(), dtype=np.uint8)
+    got = weights.to_float_rows(raw, int(GgmlType[qtype]), 20, 64)
+    ref = dequantize(raw.reshape(20, -1), gq).astype(np.float32)
+    assert got.dtype == np.float32 and np.array_equal(got, ref)
