@@ -11,6 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.placement import HOST, NPU
+import rpc_testkit
 from rpc_testkit import FakeNpu, PlannerLog, T, serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -307,3 +308,19 @@ def test_weight_conversion_matches_gguf_exactly(qtype, monkeypatch):
     got = weights.to_float_rows(raw, int(GgmlType[qtype]), 20, 64)
     ref = dequantize(raw.reshape(20, -1), gq).astype(np.float32)
     assert got.dtype == np.float32 and np.array_equal(got, ref)
+
+
+def test_engine_error_while_freeing_weights_does_not_stop_the_server(env, monkeypatch):
+    st, npu, planner = env
+
+    def broken_free(self):
+        raise RuntimeError("injected: NPU buffer release failed")
+
+    monkeypatch.setattr(rpc_testkit.FakeWeight, "free", broken_free)   # hit when the session closes
+    with st.client() as c:
+        g = MatmulGraph(c, w_bytes=rng_w().tobytes())
+        c.set_array(g.x, np.ones((M, K), np.float32))
+        g.compute()
+    assert st.alive()
+    assert st.state.memory.allocated == 0                   # every buffer released all the same
+    assert st.state.weight_stats.staged == 0

@@ -200,8 +200,12 @@ class WeightStore:
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
         free = getattr(handle, "free", None)
-        if free is not None:
+        if free is None:
+            return
+        try:
             free()
+        except Exception as exc:   # the engine could not release it; nothing here can do better
+            log.error("freeing the staged weight '%s' failed: %s", slot.name, exc)
 
     def invalidate(self, buffer: DeviceBuffer, start: int, end: int) -> None:
         """Bytes [start, end) of ``buffer`` were written: drop staged copies overlapping them."""

@@ -45,7 +45,11 @@ _RECV_CHUNK = 1 << 16
 
 
 class ClientGone(Exception):
-    """EOF from the client (clean at a message boundary, truncated otherwise)."""
+    """EOF from the client: a goodbye at a message boundary, or a truncated message."""
+
+    def __init__(self, truncated: bool) -> None:
+        super().__init__("message truncated by EOF" if truncated else "client closed the connection")
+        self.truncated = truncated
 
 
 class Reader:
@@ -62,7 +66,7 @@ class Reader:
     def _fill(self, at_boundary: bool) -> None:
         n = self._sock.recv_into(self._view, _RECV_CHUNK)
         if n == 0:
-            raise ClientGone("client closed the connection" if at_boundary else "message truncated by EOF")
+            raise ClientGone(truncated=not at_boundary)
         self._lo, self._hi = 0, n
         self.total += n
 
@@ -96,7 +100,7 @@ class Reader:
             if n - pos >= _RECV_CHUNK:               # large remainder: straight into the target
                 got = self._sock.recv_into(target[pos:], n - pos)
                 if got == 0:
-                    raise ClientGone("message truncated by EOF")
+                    raise ClientGone(truncated=True)
                 self.total += got
                 pos += got
             else:
@@ -189,7 +193,7 @@ class Session:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
                 self._handlers[cmd](size)
         except ClientGone as exc:
-            if "truncated" in str(exc):
+            if exc.truncated:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
             else:
@@ -467,7 +471,11 @@ class RpcServer:
                 peer = f"{addr[0]}:{addr[1]}"
                 log.debug("client %s connected", peer)
                 t0 = time.perf_counter()
-                Session(self.state, sock, peer).run()
+                try:
+                    Session(self.state, sock, peer).run()
+                except Exception:          # a failure while tearing a session down must not end the server
+                    log.exception("error while closing the session of %s", peer)
+                    sock.close()
                 log.debug("client %s done after %.2f s", peer, time.perf_counter() - t0)
                 if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
                     runs_reported = self.state.stats.graph_runs
