@@ -324,3 +324,14 @@ def test_engine_error_while_freeing_weights_does_not_stop_the_server(env, monkey
     assert st.alive()
     assert st.state.memory.allocated == 0                   # every buffer released all the same
     assert st.state.weight_stats.staged == 0
+
+
+def test_empty_batch_matmul_does_not_touch_the_engine(env):
+    st, npu, planner = env
+    with st.client() as c:
+        g = MatmulGraph(c, w_bytes=rng_w().tobytes())
+        x0 = f32(g.ch, g.cb, K, 0)
+        out0 = T(ne=(N, 0, 1, 1), buffer=g.ch, data=g.cb + 4096, op=MUL_MAT, src=(g.w.id, x0.id))
+        c.graph_compute([out0], [g.w, x0, out0])
+        assert c.device_count() == 1
+        assert npu.uploads == 0 and st.state.weight_stats.failures == 0

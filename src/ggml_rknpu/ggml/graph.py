@@ -269,6 +269,8 @@ class GraphPlanner:
             return None
         w, a = g.tensors[s0], g.tensors[s1]
         c0 = checked[s0]
+        if 0 in t.ne or 0 in w.ne:                       # empty: nothing to run, nothing to stage
+            return None
         if (s0 in position or w.view_src or w.flags & FLAG_INPUT or c0.buffer is None
                 or not _contiguous_2d(w) or c0.buffer.graph_written.overlaps(c0.start, c0.end)):
             return None
