@@ -34,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor cache directory for SET_TENSOR_HASH (like ggml-rpc-server -c)")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="BLAS threads for host ops (sets OPENBLAS_NUM_THREADS/OMP_NUM_THREADS; 1 on a shared box)")
-    p.add_argument("--stats", action="store_true", help="print the placement counters after every client")
+    p.add_argument("--stats", action="store_true",
+                   help="print the placement counters after every client that ran graphs")
     p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
-                   help="also write the counters as JSON to FILE after every client and at exit")
+                   help="also write the counters as JSON to FILE after every computing client and at exit")
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="drop a client that stops in the middle of a message this long (idle between "
                         "messages is always fine)")
