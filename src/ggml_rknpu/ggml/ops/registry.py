@@ -179,8 +179,9 @@ _PLANNERS: dict[int, Callable[[OpNode], Closure]] = {}
 def _planners() -> dict[int, Callable[[OpNode], Closure]]:
     if not _PLANNERS:
         from ggml_rknpu.ggml.ops import (attention, binary, copy, glu, matmul, norm, rope, rows,
-                                         scale, softmax, unary)
-        for module in (attention, binary, copy, glu, matmul, norm, rope, rows, scale, softmax, unary):
+                                         scale, shape, softmax, unary)
+        for module in (attention, binary, copy, glu, matmul, norm, rope, rows, scale, shape,
+                       softmax, unary):
             _PLANNERS.update(module.PLANNERS)
     return _PLANNERS
 
