@@ -20,25 +20,25 @@ from e2e_support import Server, cpp_server, parse_backend_ops, rknpu_server, run
 
 pytestmark = [pytest.mark.llama]
 
-# MUL_MAT src0 types the server accepts as weights (issue 4 item 3), spelled as test-backend-ops does
-MUL_MAT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
-                 "q2_K", "q3_K", "q4_K", "q5_K", "q6_K")
-_MUL_MAT_ACCEPTED = r"^type_a=(" + "|".join(MUL_MAT_TYPES) + "),"
-
-# Types the host ops handle for data (activations, KV cache): float types; quantized data appears
-# only as MUL_MAT weights / GET_ROWS sources, dequantized with gguf.
+# Weight types the server refuses: gguf has no dequantizer for them, so a MUL_MAT / GET_ROWS with
+# one is logged as an unsupported op and the connection is closed (the client aborts; the server
+# lives on: test_refused_type_leaves_server_serving). Every other ggml type is accepted.
+REFUSED_TYPES = ("q1_0", "q2_0")
+_ACCEPTED = "(?!(" + "|".join(REFUSED_TYPES) + "),)"
 _FLOAT = "(f32|f16|bf16)"
-_QUANT = "(" + "|".join(t for t in MUL_MAT_TYPES if t not in ("f32", "f16", "bf16")) + ")"
+# destination types gguf.quants can quantize to (checked against gguf 0.19)
+_QUANTIZABLE = "(f32|f16|bf16|q4_0|q4_1|q5_0|q5_1|q8_0|tq1_0|tq2_0|mxfp4)"
 
 # op -> -p filter for the full run (None: every case of the op)
 FULL_OPS: dict[str, str | None] = {
-    "MUL_MAT": _MUL_MAT_ACCEPTED,
+    "MUL_MAT": rf"^type_a={_ACCEPTED}",
     "ADD": None, "MUL": None, "SCALE": None, "RMS_NORM": None, "NORM": None,
-    "GET_ROWS": rf"^type=({_FLOAT[1:-1]}|i32|{_QUANT[1:-1]}),",
-    "SET_ROWS": rf"^type_src={_FLOAT},type_dst={_FLOAT},",
-    "CPY": rf"^type_src={_FLOAT},type_dst={_FLOAT},",
+    "GET_ROWS": rf"^type={_ACCEPTED}",
+    # writes into a quantized tensor (e.g. a q8_0 KV cache) need a quantizer: gguf's set
+    "SET_ROWS": rf"^type_src={_FLOAT},type_dst={_QUANTIZABLE},",
+    "CPY": rf"^type_src={_ACCEPTED}[a-z0-9_]+,type_dst={_QUANTIZABLE},",
     "CONT": None, "DUP": None, "ROPE": None, "SOFT_MAX": None,
-    "FLASH_ATTN_EXT": rf"type_K={_FLOAT},type_V={_FLOAT},",
+    "FLASH_ATTN_EXT": rf"type_K={_ACCEPTED}",
     "SWIGLU": None, "GEGLU": None, "REGLU": None, "SILU": None, "GELU": None,
 }
 
@@ -118,3 +118,16 @@ def test_parse_backend_ops_counts_and_failures() -> None:
     assert result.failures == ("ADD(type=f16): [ADD] NMSE = 1.0 > 1e-07 FAIL",)
     ok = parse_backend_ops("  3/3 tests passed\n  Backend RPC0[h:1]: OK\n")
     assert (ok.passed, ok.total, ok.backend_ok) == (3, 3, True)
+
+
+@pytest.mark.timeout(300)
+def test_refused_type_leaves_server_serving(server: Server) -> None:
+    """A weight type the server cannot dequantize: the op is logged with its signature, that
+    client's connection closes (the client aborts, as ggml RPC has no error reply), and the next
+    client is served."""
+    refused = run_backend_ops(server.endpoint, "MUL_MAT", r"^type_a=q1_0,type_b=f32,m=16,n=1,k=256,", timeout=240)
+    assert refused.total == 0 and refused.returncode != 0, refused.output[-2000:]
+    assert "unsupported op MUL_MAT(q1_0,f32)" in server.log(), server.log()
+    assert server.alive()
+    after = run_backend_ops(server.endpoint, "SCALE", FULL_OPS["SCALE"], timeout=240)
+    assert after.total > 0 and after.passed == after.total, after.summary()
