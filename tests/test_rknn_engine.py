@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType, check_type
@@ -296,3 +298,23 @@ def test_engine_errors(npu):
         npu.upload_weight(np.ones((2, 2), np.float32), "int8", matmul_type=1)
     with pytest.raises(ValueError, match="max_contexts"):
         RknnNpu(npu.lib, max_contexts=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(M=st.integers(1, 300), K=st.integers(1, 9000), N=st.integers(1, 200),
+       dtype=st.sampled_from(("fp16", "int8")), seed=st.integers(0, 2**16))
+def test_engine_random_shapes(lib, M, K, N, dtype, seed):
+    rng = np.random.default_rng(seed)
+    with RknnNpu(lib, max_contexts=4) as npu:
+        if dtype == "int8":
+            a = rng.integers(-128, 128, (M, K), dtype=np.int8)
+            b = rng.integers(-128, 128, (N, K), dtype=np.int8)
+            c = npu.matmul(a, npu.upload_weight(b, "int8"))
+            np.testing.assert_array_equal(c, a.astype(np.int64) @ b.astype(np.int64).T)
+        else:
+            a = rng.standard_normal((M, K)).astype(np.float32)
+            b = rng.standard_normal((N, K)).astype(np.float32)
+            c = npu.matmul(a, npu.upload_weight(b))
+            a16, b16 = a.astype(np.float16).astype(np.float64), b.astype(np.float16).astype(np.float64)
+            bound = 1.01 * (K + 1) * 2.0**-24 * (np.abs(a16) @ np.abs(b16).T)
+            assert (np.abs(c - a16 @ b16.T) <= bound).all()
