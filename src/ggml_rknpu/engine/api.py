@@ -19,7 +19,10 @@ in a bucket are zero and their outputs discarded.
 Timing (``last_timing``): host seconds for pack / submit / wait / unpack are measured on
 this host. ``submit_s`` covers the blocking submit call (the driver waits for completion
 inside it); ``wait_s`` is the cache sync of C after it. Device seconds are *measured* from
-``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` (labelled so).
+``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` at the NPU clock
+the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``device_label``).
+A bucket the compiler refuses (more tasks than one hardware run chains) halves the
+weight's largest bucket, and the call is split along M.
 
 Deviation from CONTRACT E (additive): ``open_engine(device, cores)`` also accepts an
 already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
