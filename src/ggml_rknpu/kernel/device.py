@@ -25,7 +25,6 @@ invalidates the outputs after it; anything else written by the CPU needs
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import time
