@@ -292,3 +292,26 @@ def test_fewer_cores(cores):
         check_matmul(engine, 5, 2000, 100, "fp16", seed=cores)
     with pytest.raises(ValueError, match="cores must be in 1..3"):
         open_engine("sim-rknpu", cores=4)
+
+
+def test_bucket_refused_by_the_compiler_splits_the_call(monkeypatch):
+    """Real compiler and device; the compiler is made to refuse buckets above 64 rows as it
+    refuses programs of more than 4095 tasks per core (too big to build here)."""
+    from ggml_rknpu.engine import api
+
+    real = api._compile
+
+    def refusing(m, *args):
+        if m > 64:
+            raise ValueError(f"matmul needs more than 4095 tasks on core 0 (M={m}); split the call along M")
+        return real(m, *args)
+
+    monkeypatch.setattr(api, "_compile", refusing)
+    rng = np.random.default_rng(12)
+    a = rng.integers(-128, 128, (300, 64), dtype=np.int8)
+    b = rng.integers(-128, 128, (24, 64), dtype=np.int8)
+    with open_engine("sim-rknpu") as engine:
+        w = engine.upload_weight(b, dtype="int8")
+        np.testing.assert_array_equal(engine.matmul(a, w), a.astype(np.int32) @ b.astype(np.int32).T)
+        assert w.max_program_m == 64 and engine.last_timing.submits == 5
+        assert "split the call along M" in w.compile_errors[0]
