@@ -90,6 +90,9 @@ OBJ_ADDR_BASE = 0xFFFFFF8100000000  # looks like the captured kernel pointers (0
 OBJ_ADDR_STRIDE = 0x400
 
 
+_RW, _W = drm.IOC_READ | drm.IOC_WRITE, drm.IOC_WRITE  # the drivers' declared _IOWR / _IOW
+
+
 def fuzz_status(status: int) -> int:
     """Widen every set interrupt bit to its whole group0/group1 pair [VEND rknpu_fuzz_status]."""
     out = 0
@@ -158,22 +161,22 @@ class SimKernel:
         self.powered = False
         self._power_refs = 0
         self.freq_hz, self.volt_uv = NPU_FREQ_HZ, NPU_VOLT_UV
-        core = {0x00: _Ioctl(self._drm_version, drm.drm_version, 3), 0x09: _Ioctl(self._gem_close, drm.drm_gem_close, 1)}
+        core = {0x00: _Ioctl(self._drm_version, drm.drm_version, _RW), 0x09: _Ioctl(self._gem_close, drm.drm_gem_close, _W)}
         if abi == "rknpu":
             driver = {
-                rk.Nr.ACTION: _Ioctl(self._rk_action, rk.rknpu_action, 3),
-                rk.Nr.SUBMIT: _Ioctl(self._rk_submit, rk.submit_struct_for(self.driver_version), 3),
-                rk.Nr.MEM_CREATE: _Ioctl(self._rk_mem_create, rk.mem_create_struct_for(self.driver_version), 3),
-                rk.Nr.MEM_MAP: _Ioctl(self._rk_mem_map, rk.rknpu_mem_map, 3),
-                rk.Nr.MEM_DESTROY: _Ioctl(self._rk_mem_destroy, rk.rknpu_mem_destroy, 3),
-                rk.Nr.MEM_SYNC: _Ioctl(self._rk_mem_sync, rk.rknpu_mem_sync, 3),
+                rk.Nr.ACTION: _Ioctl(self._rk_action, rk.rknpu_action, _RW),
+                rk.Nr.SUBMIT: _Ioctl(self._rk_submit, rk.submit_struct_for(self.driver_version), _RW),
+                rk.Nr.MEM_CREATE: _Ioctl(self._rk_mem_create, rk.mem_create_struct_for(self.driver_version), _RW),
+                rk.Nr.MEM_MAP: _Ioctl(self._rk_mem_map, rk.rknpu_mem_map, _RW),
+                rk.Nr.MEM_DESTROY: _Ioctl(self._rk_mem_destroy, rk.rknpu_mem_destroy, _RW),
+                rk.Nr.MEM_SYNC: _Ioctl(self._rk_mem_sync, rk.rknpu_mem_sync, _RW),
             }
         else:
             driver = {
-                ro.Nr.CREATE_BO: _Ioctl(self._ro_create_bo, ro.drm_rocket_create_bo, 3),
-                ro.Nr.SUBMIT: _Ioctl(self._ro_submit, ro.drm_rocket_submit, 1),
-                ro.Nr.PREP_BO: _Ioctl(self._ro_prep_bo, ro.drm_rocket_prep_bo, 1),
-                ro.Nr.FINI_BO: _Ioctl(self._ro_fini_bo, ro.drm_rocket_fini_bo, 1),
+                ro.Nr.CREATE_BO: _Ioctl(self._ro_create_bo, ro.drm_rocket_create_bo, _RW),
+                ro.Nr.SUBMIT: _Ioctl(self._ro_submit, ro.drm_rocket_submit, _W),
+                ro.Nr.PREP_BO: _Ioctl(self._ro_prep_bo, ro.drm_rocket_prep_bo, _W),
+                ro.Nr.FINI_BO: _Ioctl(self._ro_fini_bo, ro.drm_rocket_fini_bo, _W),
             }
         self._ioctls = {**core, **{drm.DRM_COMMAND_BASE + int(nr): v for nr, v in driver.items()}}
 
