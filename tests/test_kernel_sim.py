@@ -305,11 +305,22 @@ def test_core_mask_beyond_the_cores_is_einval():
         d.submit(task_obj_addr=t.obj_addr, task_number=1, core_mask=0b1001, subcore_tasks=((0, 1),))
 
 
-def test_more_than_4095_tasks_per_core_is_einval():
-    k, d = vendor()
+def test_more_than_4095_tasks_per_core_is_einval_before_098():
+    k, d = vendor((0, 9, 6))
     t, _ = task_bo(d, [one_task(0x1000)] * 4096)
     with expect(errno.EINVAL, "4095", "split"):
         d.submit(task_obj_addr=t.obj_addr, task_number=4096, core_mask=1, subcore_tasks=((0, 4096),))
+
+
+def test_driver_098_reissues_long_task_lists_in_4095_task_chunks():
+    """[npu-programming.md §4] max_submit_number = 4095: longer lists go in several runs."""
+    k, d = vendor((0, 9, 8))
+    npu = attach(k)
+    rc, _ = regcmd_bo(d, k, regcmd_words(10))
+    t, _ = task_bo(d, [one_task(rc.dma_addr)] * 4097)
+    res = d.submit(task_obj_addr=t.obj_addr, task_number=4097, core_mask=1, subcore_tasks=((0, 4097),))
+    assert res.task_counter == 4097
+    assert [v for _, o, v in npu.writes if o == 0x30] == [(0x6 << 12) | 4095, (0x6 << 12) | 2]
 
 
 def test_task_range_past_the_task_bo_is_einval():

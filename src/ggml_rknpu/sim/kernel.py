@@ -22,7 +22,9 @@ Where the real driver would crash, corrupt or silently drop an error, the simula
 refuses with an errno and a message instead (each such place says so):
 task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_addr
 (vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
-NONBLOCK/fences (not modelled), >4095 tasks per core (would overflow TASK_CON), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
+NONBLOCK/fences (not modelled), >4095 tasks per core on drivers before 0.9.8 (would
+overflow TASK_CON; 0.9.8-style drivers re-issue such lists in 4095-task chunks
+[npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
 EFAULT), a rocket job that fails validation (mainline drops the per-job error) or hangs
 (mainline PREP_BO returns 0 with stale data; here PREP_BO says ETIMEDOUT).
 ``hw_elapse_time`` is left 0: the simulator has no hardware clock.
@@ -490,6 +492,42 @@ class SimKernel:
         slot = 2 if len(cores) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
         return {c: (s.subcore_task[c + slot].task_start, s.subcore_task[c + slot].task_number) for c in cores}
 
+    def _rk_commit(self, npu, core: int, tasks, start: int, number: int, pp_en: int,
+                   task_base_addr: int) -> tuple[int, str | None]:
+        """rknpu_job_commit_pc for one core and its IRQ handler: (INT_STATUS, failure or None)."""
+        first, last = tasks[start], tasks[start + number - 1]
+        amount = (first.regcfg_amount + rk.PC_DATA_EXTRA_AMOUNT + rk.PC_DATA_AMOUNT_SCALE - 1) // rk.PC_DATA_AMOUNT_SCALE - 1
+        pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
+        fault = self._run(npu, core, [
+            (PC_BASE_ADDRESS, 1),
+            (CNA_S_POINTER, pointer),
+            (CORE_S_POINTER, pointer),
+            (PC_BASE_ADDRESS, first.regcmd_addr),
+            (PC_REGISTER_AMOUNTS, amount),
+            (PC_INTERRUPT_MASK, last.int_mask),
+            (PC_INTERRUPT_CLEAR, first.int_mask),
+            (PC_TASK_CON, ((0x6 | pp_en) << 12) | number),
+            (PC_TASK_DMA_BASE_ADDR, task_base_addr),
+            (PC_OPERATION_ENABLE, 1),
+            (PC_OPERATION_ENABLE, 0),
+        ])
+        if fault:
+            return 0, fault
+        status = npu.mmio_read(core, PC_INTERRUPT_STATUS)  # rknpu_irq_handler
+        failure = None
+        if status == 0:
+            failure = "no interrupt (the task list did not finish)"
+        elif fuzz_status(status) != last.int_mask:
+            raw = npu.mmio_read(core, PC_INTERRUPT_RAW_STATUS)
+            counter = npu.mmio_read(core, PC_TASK_STATUS) & rk.PC_TASK_NUMBER_MASK
+            self._log(f"invalid irq status: {status:#x}, raw status: {raw:#x}, require mask: {last.int_mask:#x}, "
+                      f"task counter: {counter:#x}")
+            failure = (f"invalid irq status {status:#x} (fuzzed {fuzz_status(status):#x}) != last task's int_mask "
+                       f"{last.int_mask:#x}; int_mask must be the whole bit pair of the block that finishes the "
+                       "task, e.g. 0x300 for DPU, 0xc00 for PPU")
+        npu.mmio_write(core, PC_INTERRUPT_CLEAR, INT_CLEAR_ALL)
+        return status, failure
+
     def _rk_submit(self, f: _File, s: ctypes.Structure) -> None:
         if s.task_number == 0:
             raise _fail(errno.EINVAL, "SUBMIT: invalid rknpu task number 0")
@@ -511,9 +549,11 @@ class SimKernel:
             if number == 0:
                 raise _fail(errno.EINVAL, f"SUBMIT: core {core} is selected but its subcore_task entry has "
                                           "task_number 0 (1-2 cores: subcore_task[i]; 3 cores: subcore_task[i+2])")
-            if number > rk.MAX_SUBMIT_TASKS:
-                raise _fail(errno.EINVAL, f"SUBMIT: {number} tasks on core {core}; TASK_CON holds at most "
-                                          f"{rk.MAX_SUBMIT_TASKS} per hardware run - split the job")
+            if number > rk.MAX_SUBMIT_TASKS and self.driver_version < rk.NEW_ABI_VERSION:
+                # the old commit ORs the count into TASK_CON, overflowing into the ping-pong bits
+                raise _fail(errno.EINVAL, f"SUBMIT: {number} tasks on core {core}; driver "
+                                          f"{'.'.join(map(str, self.driver_version))} puts at most "
+                                          f"{rk.MAX_SUBMIT_TASKS} in TASK_CON per hardware run - split the job")
             if start + number > n_slots:
                 raise _fail(errno.EINVAL, f"SUBMIT: tasks [{start}, {start + number}) of core {core} run past the "
                                           f"{n_slots} rknpu_task slots of the task BO")
@@ -524,39 +564,15 @@ class SimKernel:
         first_core = min(ranges)
         int_status: dict[int, int] = {}
         failures: dict[int, str] = {}
-        for core, (start, number) in ranges.items():  # rknpu_job_commit_pc per selected core
-            first, last = tasks[start], tasks[start + number - 1]
-            amount = (first.regcfg_amount + rk.PC_DATA_EXTRA_AMOUNT + rk.PC_DATA_AMOUNT_SCALE - 1) // rk.PC_DATA_AMOUNT_SCALE - 1
-            pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
-            fault = self._run(npu, core, [
-                (PC_BASE_ADDRESS, 1),
-                (CNA_S_POINTER, pointer),
-                (CORE_S_POINTER, pointer),
-                (PC_BASE_ADDRESS, first.regcmd_addr),
-                (PC_REGISTER_AMOUNTS, amount),
-                (PC_INTERRUPT_MASK, last.int_mask),
-                (PC_INTERRUPT_CLEAR, first.int_mask),
-                (PC_TASK_CON, ((0x6 | pp_en) << 12) | number),
-                (PC_TASK_DMA_BASE_ADDR, s.task_base_addr),
-                (PC_OPERATION_ENABLE, 1),
-                (PC_OPERATION_ENABLE, 0),
-            ])
-            if fault:
-                failures[core] = fault
-                continue
-            status = npu.mmio_read(core, PC_INTERRUPT_STATUS)  # rknpu_irq_handler
-            int_status[core] = status
-            if status == 0:
-                failures[core] = "no interrupt (the task list did not finish)"
-            elif fuzz_status(status) != last.int_mask:
-                raw = npu.mmio_read(core, PC_INTERRUPT_RAW_STATUS)
-                counter = npu.mmio_read(core, PC_TASK_STATUS) & rk.PC_TASK_NUMBER_MASK
-                self._log(f"invalid irq status: {status:#x}, raw status: {raw:#x}, require mask: {last.int_mask:#x}, "
-                          f"task counter: {counter:#x}")
-                failures[core] = (f"invalid irq status {status:#x} (fuzzed {fuzz_status(status):#x}) != last task's "
-                                  f"int_mask {last.int_mask:#x}; int_mask must be the whole bit pair of the block that "
-                                  "finishes the task, e.g. 0x300 for DPU, 0xc00 for PPU")
-            npu.mmio_write(core, PC_INTERRUPT_CLEAR, INT_CLEAR_ALL)
+        for core, (start, number) in ranges.items():
+            # 0.9.8 re-issues lists longer than max_submit_number in chunks from its IRQ path
+            for chunk in range(start, start + number, rk.MAX_SUBMIT_TASKS):
+                count = min(rk.MAX_SUBMIT_TASKS, start + number - chunk)
+                status, failure = self._rk_commit(npu, core, tasks, chunk, count, pp_en, s.task_base_addr)
+                int_status[core] = status
+                if failure:
+                    failures[core] = failure
+                    break
         start, number = ranges[first_core]
         last_index = start + number - 1
         status = int_status.get(first_core, 0)
