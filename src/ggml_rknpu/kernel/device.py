@@ -408,7 +408,8 @@ class NpuDevice:
             flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms,
             core_mask=plan.core_mask, subcore_tasks=plan.subcore,
         )
-        elapsed = None if self.simulated else result.hw_elapse_time  # ktime ns (inference); 0.9.6: None
+        # [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), in ns, commit to IRQ]; 0.9.6 ABI: None
+        elapsed = None if self.simulated else result.hw_elapse_time
         return Completion(hw_elapsed_ns=elapsed, task_counter=result.task_counter, simulated=self.simulated)
 
     def _submit_rocket(self, plan: "_SubmitPlan", job: Job, timeout_ms: int) -> Completion:

@@ -40,7 +40,7 @@ class RknpuMem:
 @dataclass(frozen=True)
 class SubmitResult:
     task_counter: int
-    hw_elapse_time: int | None  # ns as the 0.9.8 driver reports it; None on the 0.9.6 ABI
+    hw_elapse_time: int | None  # ns from commit to IRQ [VEND rknpu_job_done ktime_sub]; None on the 0.9.6 ABI
 
 
 class RknpuDriver:
