@@ -82,6 +82,16 @@ def test_device_path_opens_directly():
     assert e.value.errno == errno.EACCES and "render/video group" in str(e.value)
 
 
+def test_auto_with_an_unopenable_node_warns_before_simulating(monkeypatch):
+    monkeypatch.delenv("RKNPU_DEVICE", raising=False)
+    board = FakeBoard()
+    board.nodes = {"/dev/dri": ["renderD128"]}  # only the node we may not open
+    with pytest.warns(RuntimeWarning, match="renderD128: Permission denied"):
+        dev = NpuDevice.open(None, sys=board)
+    assert dev.simulated
+    dev.close()
+
+
 def test_auto_without_hardware_falls_back_to_the_simulator(monkeypatch):
     monkeypatch.delenv("RKNPU_DEVICE", raising=False)
     empty = SimKernel("rknpu")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -93,8 +94,9 @@ class DeviceInfo:
         return asdict(self)
 
 
-def discover(sys: Syscalls) -> list[tuple[str, str]]:
-    """(kind, path) of every NPU node: vendor render nodes first, then rocket accel nodes."""
+def discover(sys: Syscalls, unopenable: list[str] | None = None) -> list[tuple[str, str]]:
+    """(kind, path) of every NPU node: vendor render nodes first, then rocket accel nodes.
+    Nodes that could not be opened are appended to ``unopenable`` (as "path: reason")."""
     found: list[tuple[str, str]] = []
     for directory, prefix, name in (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME)):
         for entry in sys.listdir(directory):
@@ -103,8 +105,10 @@ def discover(sys: Syscalls) -> list[tuple[str, str]]:
             path = f"{directory}/{entry}"
             try:
                 fd = sys.open(path)
-            except OSError:
-                continue  # no permission or gone: not usable, keep looking
+            except OSError as exc:  # no permission or gone: not usable, keep looking
+                if unopenable is not None:
+                    unopenable.append(f"{path}: {exc.strerror}")
+                continue
             try:
                 if query_version(sys, fd).name == name:
                     found.append((name, path))
@@ -257,11 +261,15 @@ class NpuDevice:
         if device not in (None, "rknpu", "rocket"):
             raise NpuError(f"unknown device {device!r}; choose one of {', '.join(DEVICE_CHOICES)} or a /dev path",
                            errno.EINVAL)
-        nodes = [n for n in discover(host) if device is None or n[0] == device]
+        unopenable: list[str] = []
+        nodes = [n for n in discover(host, unopenable) if device is None or n[0] == device]
         if nodes:
             kind, path = nodes[0]
             return cls(host, cls._open_node(host, path), path, kind, simulated=False)
         if device is None:
+            if unopenable:  # maybe an NPU we may not open: say so instead of simulating silently
+                warnings.warn(f"using the NPU simulator; could not open {'; '.join(unopenable)} "
+                              "(join the render/video group if one of them is the NPU)", RuntimeWarning, stacklevel=2)
             return cls.open("sim-rknpu")
         where = "/dev/dri/renderD* named 'rknpu'" if device == "rknpu" else "/dev/accel/accel* named 'rocket'"
         raise NpuError(f"no {where} found: is the {device} kernel driver loaded and are you in the render/video "
