@@ -66,7 +66,8 @@ def _facts(info: DeviceInfo, free: int, total: int) -> list[tuple[str, str]]:
         ("IOMMU", opt(info.iommu_enabled, lambda v: "enabled" if v else "disabled")),
         ("SRAM total / free", "n/a (not in this ABI)" if info.sram_total_bytes is None
          else f"{info.sram_total_bytes} / {info.sram_free_bytes} bytes"),
-        ("NPU address space free", f"{free / 2**20:.1f} of {total / 2**20:.1f} MiB"),
+        ("NPU address space free", f"{free / 2**20:.1f} of {total / 2**20:.1f} MiB"
+         + ("" if info.simulated else " (estimate: this process's buffers only)")),
     ]
 
 

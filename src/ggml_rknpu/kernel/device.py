@@ -21,6 +21,9 @@ CPU caches: buffers are CPU-cached (as the RKNN runtime allocates them: flags 0x
 device cleans every input and every buffer holding a task's regcmd before a submit and
 invalidates the outputs after it; anything else written by the CPU needs
 ``Buffer.sync_to_device()`` (weights: once, after writing them).
+
+Not thread-safe: use one device per thread (or serialise calls); the vendor task BO is
+shared by all submits of a device.
 """
 
 from __future__ import annotations
