@@ -31,7 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{' | '.join(DEVICE_CHOICES)} | a /dev path (default: $RKNPU_DEVICE, else auto: "
                              "vendor, rocket, simulator)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--size", type=int, default=1 << 20, help="round-trip buffer size in bytes (default 1 MiB)")
+    parser.add_argument("--size", type=_positive_int, default=1 << 20,
+                        help="round-trip buffer size in bytes (default 1 MiB)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, not {value}")
+    return value
 
 
 def _round_trip(dev: NpuDevice, size: int) -> dict:
