@@ -156,3 +156,27 @@ def test_rope_bad_params_are_unsupported():
         plan_op(node(GgmlOp.ROPE, alloc(F32, (8, 2, 3)), x, pos, op_params=params(0, 10, NEOX)))
     with pytest.raises(UnsupportedOp):
         plan_op(node(GgmlOp.ROPE, alloc(F32, (8, 2, 3)), x, alloc(I32, (2,)), op_params=params(0, 8, NEOX)))
+
+
+def test_shared_angle_cache_never_mixes_inputs():
+    """Nodes sharing positions share angles; a change of positions, freq_factors or params is
+    a different entry (replays read the new positions)."""
+    rng = np.random.default_rng(14)
+    x = alloc(F32, (16, 2, 3))
+    xv = random(x, rng)
+    pos = alloc(I32, (3,))
+    ff1, ff2 = alloc(F32, (8,)), alloc(F32, (8,))
+    f1, f2 = random(ff1, rng, 0.5, 2).reshape(-1), random(ff2, rng, 0.5, 2).reshape(-1)
+    d1, d2, d3 = alloc(F32, (16, 2, 3)), alloc(F32, (16, 2, 3)), alloc(F32, (16, 2, 3))
+    p = params(0, 16, NEOX, 0, 512, 10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+    p_scaled = params(0, 16, NEOX, 0, 512, 10000.0, 0.5, 0.0, 1.0, 32.0, 1.0)
+    runs = [plan_op(node(GgmlOp.ROPE, d1, x, pos, ff1, op_params=p)),
+            plan_op(node(GgmlOp.ROPE, d2, x, pos, ff2, op_params=p)),
+            plan_op(node(GgmlOp.ROPE, d3, x, pos, ff1, op_params=p_scaled))]
+    for positions in ([1, 2, 3], [7, 8, 9]):
+        pos.as_array()[...] = positions
+        for fn in runs:
+            fn()
+        for d, ff, fscale in ((d1, f1, 1.0), (d2, f2, 1.0), (d3, f1, 0.5)):
+            want = rope_reference(xv, positions, NEOX, 16, 10000.0, fscale, 0.0, 1.0, 32.0, 1.0, 512, ff, (0, 0, 0, 0))
+            np.testing.assert_allclose(values(d), want, atol=1e-5)

@@ -35,6 +35,11 @@ MODE_VISION = 24  # GGML_ROPE_TYPE_VISION
 MODE_IMROPE = 40  # GGML_ROPE_TYPE_IMROPE
 _MODES = (MODE_NORMAL, MODE_NEOX, MODE_MROPE, MODE_VISION, MODE_IMROPE)
 
+# (parameters, positions, freq_factors) -> (cos, sin); cleared when full. The arrays are
+# never written after creation, so sharing them between nodes is safe.
+_ANGLE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_ANGLE_CACHE_SIZE = 16
+
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
                    beta_slow: float) -> tuple[float, float]:
@@ -150,6 +155,22 @@ def plan_rope(node: OpNode) -> Closure:
     else:
         source = steps = None
 
+    # every layer's q and k ROPE of one token has the same positions and parameters: the
+    # angles are computed once and shared through a small cache keyed by all their inputs
+    static_key = (mode, n_dims, ne2, n_cols, n_streams, float(theta_scale), float(freq_scale_f),
+                  float(mscale), float(sin_sign), None if ramp_mix is None else ramp_mix.tobytes(),
+                  tuple(sections))
+
+    def cached_angles() -> tuple[np.ndarray, np.ndarray]:
+        key = (static_key, positions[:ne2 * n_streams].tobytes(),
+               None if freq_factors is None else freq_factors.tobytes())
+        hit = _ANGLE_CACHE.get(key)
+        if hit is None:
+            if len(_ANGLE_CACHE) >= _ANGLE_CACHE_SIZE:
+                _ANGLE_CACHE.clear()
+            hit = _ANGLE_CACHE[key] = angles()
+        return hit
+
     def angles() -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, shape (ne2, n_cols), for the current positions."""
         m = steps_matrix.copy()
@@ -183,7 +204,7 @@ def plan_rope(node: OpNode) -> Closure:
     same_memory = np.shares_memory(x, d)
 
     def run() -> None:
-        cos, sin = angles()
+        cos, sin = cached_angles()
         cos = cos[None, :, None, :]
         sin = sin[None, :, None, :]
         a = x0.astype(np.float32, copy=False)

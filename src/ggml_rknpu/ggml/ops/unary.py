@@ -59,13 +59,14 @@ GELU_QUICK_TABLE = _f16_table(gelu_quick_f32)
 def gelu_table_f32(x: np.ndarray) -> np.ndarray:
     """ggml_vec_gelu_f32 with GGML_GELU_FP16."""
     x = x.astype(np.float32, copy=False)
-    y = GELU_TABLE[x.astype(np.float16).view(np.uint16)].astype(np.float32)
-    y = np.where(x >= 10.0, x, y)
-    return np.where(x <= -10.0, np.float32(0), y)
+    y = GELU_TABLE.take(x.astype(np.float16).view(np.uint16)).astype(np.float32)
+    if (np.abs(x) >= 10.0).any():          # rare: only then pay for the clamps
+        y = np.where(x >= 10.0, x, np.where(x <= -10.0, np.float32(0), y))
+    return y
 
 
 def gelu_quick_table_f32(x: np.ndarray) -> np.ndarray:
-    return GELU_QUICK_TABLE[x.astype(np.float16).view(np.uint16)].astype(np.float32)
+    return GELU_QUICK_TABLE.take(x.astype(np.float16).view(np.uint16)).astype(np.float32)
 
 
 def erfc_abs(z: np.ndarray) -> np.ndarray:
