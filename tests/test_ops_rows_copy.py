@@ -59,13 +59,16 @@ def test_get_rows_bad_index_raises_data_error():
 @pytest.mark.parametrize("dst_type", [F32, F16, BF16, Q8_0, Q4_0])
 @pytest.mark.parametrize("idx_type", [I32, I64])
 @pytest.mark.parametrize("src_type", [F32, F16])
-def test_set_rows_with_index_broadcast(dst_type, idx_type, src_type):
+@pytest.mark.parametrize("planes", [(4, 2), (1, 1)])
+def test_set_rows_with_index_broadcast(dst_type, idx_type, src_type, planes):
     rng = np.random.default_rng(31)
-    ne0, rows_in, ne2, ne3, n_dst = 64, 3, 4, 2, 9
+    ne0, rows_in, n_dst = 64, 3, 9
+    ne2, ne3 = planes
+    idx_planes = min(ne2, 2)
     src = padded(src_type, (ne0, rows_in, ne2, ne3))
     sv = random(src, rng)
-    idx = alloc(idx_type, (rows_in, 2, 1))            # broadcast over ne2 (4 % 2) and ne3 (2 % 1)
-    perm = [rng.permutation(n_dst)[:rows_in] for _ in range(2)]
+    idx = alloc(idx_type, (rows_in, idx_planes, 1))   # broadcast over ne2 (i2 % 2) and ne3 (i3 % 1)
+    perm = [rng.permutation(n_dst)[:rows_in] for _ in range(idx_planes)]
     idx.as_array()[0, 0] = np.stack(perm)
     dst = alloc(dst_type, (ne0, n_dst, ne2, ne3))
     before = dst.as_array().copy()
@@ -73,7 +76,7 @@ def test_set_rows_with_index_broadcast(dst_type, idx_type, src_type):
     after = dst.as_array()
     written = np.zeros(after.shape[:3], bool)
     for i3, i2, i in itertools.product(range(ne3), range(ne2), range(rows_in)):
-        r = idx.as_array()[0, 0, i2 % 2, i]
+        r = idx.as_array()[0, 0, i2 % idx_planes, i]
         written[i3, i2, r] = True
         row = sv[i3, i2, i]
         if dst_type in (Q8_0, Q4_0):

@@ -87,17 +87,28 @@ def plan_set_rows(node: OpNode) -> Closure:
     d = dst.as_array()                          # (ne3, ne2, ne1, ne0 | row_bytes)
     t = dst.type
 
+    if quantized:
+        def convert(r: np.ndarray) -> np.ndarray:
+            return quantize_rows(r, t)
+    elif t == GgmlType.BF16:
+        def convert(r: np.ndarray) -> np.ndarray:
+            return f32_to_bf16(r.astype(np.float32, copy=False))
+    else:
+        def convert(r: np.ndarray) -> np.ndarray:
+            return r if r.dtype == d.dtype else r.astype(d.dtype)
+
+    if ne02 == 1 and ne03 == 1:                 # one plane (a KV-cache write): plain row scatter
+        d_plane, rows_plane, idx_plane = d[0, 0], rows[0, 0], idx_all[0, 0]
+
+        def run_plane() -> None:
+            _check_range(idx_plane, ne1, "SET_ROWS")
+            d_plane[idx_plane] = convert(rows_plane)
+        return run_plane
+
     def run() -> None:
         idx = idx_all[idx_rows]                 # (ne03, ne02, ne01)
         _check_range(idx, ne1, "SET_ROWS")
-        if quantized:
-            d[i3, i2, idx] = quantize_rows(rows, t)
-        elif t == GgmlType.BF16:
-            d[i3, i2, idx] = f32_to_bf16(rows.astype(np.float32, copy=False))
-        elif rows.dtype == d.dtype:
-            d[i3, i2, idx] = rows
-        else:
-            d[i3, i2, idx] = rows.astype(d.dtype)
+        d[i3, i2, idx] = convert(rows)
     return run
 
 
