@@ -62,6 +62,8 @@ class Reader:
         self._lo = 0
         self._hi = 0
         self.total = 0
+        self._idle = select.poll()
+        self._idle.register(sock, select.POLLIN)
 
     def _fill(self, at_boundary: bool) -> None:
         n = self._sock.recv_into(self._view, _RECV_CHUNK)
@@ -78,7 +80,7 @@ class Reader:
         timeout; inside a message the socket timeout applies, so a client that stalls
         mid-message cannot block the (sequential) server forever."""
         if self._lo == self._hi:
-            select.select([self._sock], [], [])
+            self._idle.poll()          # poll, not select: no FD_SETSIZE limit on the socket's fd
             self._fill(True)
 
     def read(self, n: int) -> bytes:
