@@ -335,3 +335,20 @@ def test_empty_batch_matmul_does_not_touch_the_engine(env):
         c.graph_compute([out0], [g.w, x0, out0])
         assert c.device_count() == 1
         assert npu.uploads == 0 and st.state.weight_stats.failures == 0
+
+
+@pytest.mark.parametrize("act", ["F16", "BF16"])
+def test_half_precision_activations_on_the_npu_path(env, act):
+    st, npu, planner = env
+    with st.client() as c:
+        g = MatmulGraph(c)
+        w = rng_w()
+        c.set_array(g.w, w)
+        x = np.random.default_rng(8).standard_normal((M, K)).astype(np.float32)
+        x16 = x.astype(np.float16) if act == "F16" else (x.view(np.uint32) >> 16).astype(np.uint16)
+        x_ref = x16.astype(np.float32) if act == "F16" else (x16.astype(np.uint32) << 16).view(np.float32)
+        g.x = T(ne=(K, M, 1, 1), buffer=g.ch, data=g.cb, type=int(GgmlType[act]))
+        g.out.src = (g.w.id, g.x.id)
+        c.set_array(g.x, x16)
+        np.testing.assert_allclose(g.compute(), fp16_ref(x_ref, w), rtol=1e-5, atol=1e-4)
+        assert npu.matmuls == 1 and planner.planned == []

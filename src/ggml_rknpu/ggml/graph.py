@@ -38,7 +38,14 @@ log = logging.getLogger("ggml_rknpu.rpc")
 VIEW_OPS = frozenset(int(o) for o in (GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE))
 FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
 PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
-_FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16))  # bf16 as_array is a uint16 view
+_FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16))
+
+
+def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
+    """src1 of a MUL_MAT as float32 [M, K] (bf16 arrives as its raw uint16 view)."""
+    if type_id == GgmlType.BF16:
+        return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
+    return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
 
 
 def _unset() -> None:
@@ -288,6 +295,7 @@ class GraphPlanner:
         npu, weights, stats = self.npu, self.weights, self.stats
         npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
         a_view = ref(t.src[1]).as_array()
+        a_type = ref(t.src[1]).type
         d_view = ref(t.id).as_array()
         k = slot.k
         fallback: list[Callable[[], None]] = []
@@ -295,7 +303,7 @@ class GraphPlanner:
         def run() -> None:
             handle = weights.weight(slot)
             if handle is not None:
-                a = np.ascontiguousarray(a_view, dtype=np.float32).reshape(-1, k)
+                a = _as_f32_rows(a_view, a_type, k)
                 try:
                     c = npu.matmul(a, handle)
                 except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
