@@ -15,20 +15,26 @@ def test_protocol_version_matches_the_pinned_headers():
     assert wire.PROTO_VERSION == RPC_PROTO == (7, 0, 0)
 
 
-def test_rpc_tensor_field_offsets():
-    # [ggml-rpc.md §3.3] offsets of every field of the 296-byte packed struct
-    expected = {"id": 0, "type": 8, "buffer": 12, "ne": 20, "nb": 36, "op": 52, "op_params": 56,
-                "flags": 120, "src": 124, "view_src": 204, "view_offs": 212, "data": 220,
-                "name": 228, "use_count": 292}
-    assert wire.RPC_TENSOR.size == wire.RPC_TENSOR_DTYPE.itemsize == 296
-    assert {n: wire.RPC_TENSOR_DTYPE.fields[n][1] for n in expected} == expected
+# An independent description of rpc_tensor: the offset table of [ggml-rpc.md §3.3] as a numpy dtype.
+RPC_TENSOR_DTYPE = np.dtype({
+    "names": ["id", "type", "buffer", "ne", "nb", "op", "op_params", "flags",
+              "src", "view_src", "view_offs", "data", "name", "use_count"],
+    "formats": ["<u8", "<u4", "<u8", ("<u4", 4), ("<u4", 4), "<u4", ("<i4", 16), "<i4",
+                ("<u8", 10), "<u8", "<u8", "<u8", "S64", "<i4"],
+    "offsets": [0, 8, 12, 20, 36, 52, 56, 120, 124, 204, 212, 220, 228, 292],
+    "itemsize": 296,
+})
+
+
+def test_rpc_tensor_size():
+    assert wire.RPC_TENSOR.size == wire.RPC_TENSOR_SIZE == RPC_TENSOR_DTYPE.itemsize == 296
 
 
 def test_struct_and_dtype_agree_on_a_packed_tensor():
     raw = wire.pack_tensor(id=0x1122334455667788, type=12, buffer=0xB0F0000000001, ne=(256, 3, 2, 1),
                            nb=(144, 144, 432, 864), data=0x1_0000_0040, op=29, op_params=(1, -2, 3),
                            flags=16, src=(7, 8), view_src=9, view_offs=64, name="blk.0.ffn_up.weight")
-    rec = np.frombuffer(raw, dtype=wire.RPC_TENSOR_DTYPE)[0]
+    rec = np.frombuffer(raw, dtype=RPC_TENSOR_DTYPE)[0]
     t = RpcTensor.unpack_from(raw)
     assert t.id == rec["id"] == 0x1122334455667788
     assert t.ne == tuple(rec["ne"]) == (256, 3, 2, 1)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 
-import numpy as np
-
 PROTO_VERSION = (7, 0, 0)  # RPC_PROTO_MAJOR/MINOR/PATCH [ggml-rpc.md §1]
 
 
@@ -72,18 +70,6 @@ RPC_TENSOR = struct.Struct(
 )
 RPC_TENSOR_SIZE = 296
 assert RPC_TENSOR.size == RPC_TENSOR_SIZE
-
-# The same layout as a numpy structured dtype, to parse a whole graph's tensor list at once.
-RPC_TENSOR_DTYPE = np.dtype(
-    {
-        "names": ["id", "type", "buffer", "ne", "nb", "op", "op_params", "flags",
-                  "src", "view_src", "view_offs", "data", "name", "use_count"],
-        "formats": ["<u8", "<u4", "<u8", ("<u4", 4), ("<u4", 4), "<u4", ("<i4", 16), "<i4",
-                    ("<u8", 10), "<u8", "<u8", "<u8", "S64", "<i4"],
-        "offsets": [0, 8, 12, 20, 36, 52, 56, 120, 124, 204, 212, 220, 228, 292],
-        "itemsize": RPC_TENSOR_SIZE,
-    }
-)
 
 # Fixed request layouts (payload after the 9-byte header) [ggml-rpc.md §3.4]
 HELLO_REQ = struct.Struct("<24s")                 # conn_caps
