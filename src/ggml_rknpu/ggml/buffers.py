@@ -50,6 +50,8 @@ class IntervalSet:
         self._ends[i:j] = [end]
 
     def overlaps(self, start: int, end: int) -> bool:
+        if end <= start:
+            return False
         i = bisect.bisect_right(self._ends, start)       # first range ending after start
         return i < len(self._starts) and self._starts[i] < end
 
