@@ -77,6 +77,7 @@ def test_weight_matmul_runs_on_npu_and_replays_without_replanning(env):
         assert stats.plans_built == 1 and stats.recomputes == 3 and stats.plan_cache_hits == 1
         assert planner.planned == []                         # never needed the host planner
         assert stats.per_op[("MUL_MAT", NPU)].ops == 5
+        assert stats.per_op[("MUL_MAT", NPU)].bytes == 5 * (M * K + M * N) * 4   # activations only
         assert st.state.weight_stats.staged == 1
     assert st.alive()
     assert st.state.weight_stats.staged == 0 and npu.frees == 1   # freed with the connection

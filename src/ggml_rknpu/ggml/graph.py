@@ -246,9 +246,9 @@ class GraphPlanner:
                 continue
             span = sum(checked[s].end - checked[s].start for s in t.src if s) + checked[nid].end - checked[nid].start
             slot = self._weight_slot(t, g, position, checked) if t.op == GgmlOp.MUL_MAT else None
-            if slot is not None:
+            if slot is not None:                             # the weight is resident: only activations move
                 staged.append(slot)
-                step = Step(_unset, self.stats.counter("MUL_MAT", NPU), span)
+                step = Step(_unset, self.stats.counter("MUL_MAT", NPU), span - slot.nbytes)
                 step.run = self._npu_matmul(t, slot, ref, lambda t=t: self._host_node(t, ref), step)
                 steps.append(step)
             else:

@@ -9,8 +9,9 @@ microseconds at decode sizes. The cost model (``cost/model.py``) prices programs
 resident weights; pricing a per-call upload of both operands is not modeled yet, so
 no non-weight op is moved to the NPU (a deliberate, documented simplification).
 
-Counters are per (op, engine): nodes executed, bytes touched (sources + destination
-spans), host seconds around the step. Printed on SIGUSR1, with ``--stats`` after each
+Counters are per (op, engine): nodes executed, bytes (host: source + destination spans
+the op touches; NPU: the activations moved in and out, the weight being resident), host
+seconds around the step. Printed on SIGUSR1, with ``--stats`` after each
 client, and at exit.
 """
 
