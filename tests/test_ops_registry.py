@@ -59,3 +59,48 @@ def test_unsupported_signature_names_op_types_and_params():
     with pytest.raises(UnsupportedOp) as err:
         plan_op(node(GgmlOp.GLU, alloc(F32, (4,)), alloc(F16, (8,)), op_params=params(2)))
     assert err.value.signature == "GLU:SWIGLU(f16)->f32"
+
+
+def test_missing_sources_are_unsupported_not_crashes():
+    from ggml_rknpu.ggml.ops.registry import _planners
+    for op in _planners():
+        with pytest.raises(UnsupportedOp):
+            plan_op(node(op, alloc(F32, (4, 2)), op_params=params(0, 4, 0)))
+
+
+@pytest.mark.timeout(120)
+def test_random_nodes_plan_or_refuse_cleanly():
+    """Random types, shapes, sources and op_params: planning either succeeds or raises
+    UnsupportedOp; a planned closure either runs or raises OpDataError (never a crash)."""
+    from ggml_rknpu.ggml.ops.registry import OpDataError, _planners
+    rng = np.random.default_rng(60)
+    types = [F32, F16, GgmlType.BF16, I32, GgmlType.I64, GgmlType.Q8_0]
+    ops = sorted(_planners())
+
+    def tensor(like=None):
+        t = types[rng.integers(len(types))] if like is None else like.type
+        block = 32 if t == GgmlType.Q8_0 else 1
+        ne = like.ne if like is not None else tuple(
+            int(rng.integers(1, 4)) * (block if i == 0 else 1) for i in range(4))
+        ref = alloc(t, ne)
+        ref.raw[:] = rng.integers(0, 256, ref.raw.size, dtype=np.uint8)
+        return ref
+
+    planned = 0
+    for _ in range(1500):
+        op = ops[rng.integers(len(ops))]
+        srcs = [tensor() if rng.random() < 0.9 else None for _ in range(int(rng.integers(0, 5)))]
+        dst = tensor(srcs[0]) if srcs and srcs[0] is not None and rng.random() < 0.7 else tensor()
+        raw = rng.integers(-3, 50, 16) if rng.random() < 0.5 else rng.uniform(-2, 2, 16)
+        p = params(*[int(v) if isinstance(v, np.integer) else float(v) for v in raw])
+        try:
+            fn = plan_op(node(op, dst, *srcs, op_params=p))
+        except UnsupportedOp:
+            continue
+        planned += 1
+        with np.errstate(all="ignore"):
+            try:
+                fn()
+            except OpDataError:
+                pass
+    assert planned > 100

@@ -24,7 +24,7 @@ from ggml_rknpu.ggml.ops.softmax import alibi_slopes
 
 
 def plan_flash_attn_ext(node: OpNode) -> Closure:
-    q_ref, k_ref, v_ref = node.srcs[0], node.src(1), node.src(2)
+    q_ref, k_ref, v_ref = node.require(0), node.src(1), node.src(2)
     mask_ref, sinks_ref, dst = node.src(3), node.src(4), node.dst
     if q_ref is None or k_ref is None or v_ref is None:
         raise node.unsupported("FLASH_ATTN_EXT needs q, k and v")

@@ -26,8 +26,7 @@ _TYPES = {
 
 
 def plan_binary(node: OpNode) -> Closure:
-    src0, src1, dst = node.srcs[0], node.srcs[1], node.dst
-    assert src0 is not None and src1 is not None
+    src0, src1, dst = node.require(0), node.require(1), node.dst
     if (src0.type, src1.type, dst.type) not in _TYPES:
         raise node.unsupported("type combination not implemented by ggml-cpu")
     if src0.ne != dst.ne:

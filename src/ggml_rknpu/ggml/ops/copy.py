@@ -19,8 +19,7 @@ from ggml_rknpu.ggml.ops.registry import Closure, OpNode
 
 
 def plan_copy(node: OpNode) -> Closure:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.nelements != dst.nelements:
         raise node.unsupported(f"element counts differ: {src.ne} vs {dst.ne}")
     st, dt = src.type, dst.type

@@ -62,8 +62,7 @@ _F16_TABLES = {GgmlGluOp.GEGLU: GELU_TABLE, GgmlGluOp.GEGLU_QUICK: GELU_QUICK_TA
 
 
 def plan_glu(node: OpNode) -> Closure:
-    src0, src1, dst = node.srcs[0], node.src(1), node.dst
-    assert src0 is not None
+    src0, src1, dst = node.require(0), node.src(1), node.dst
     op = node.param_i32(0)
     swapped = node.param_i32(1) != 0
     t = src0.type

@@ -20,7 +20,7 @@ from ggml_rknpu.ggml.ops.registry import Closure, OpNode, UnsupportedOp
 
 
 def plan_mul_mat(node: OpNode) -> Closure:
-    a_ref, b_ref, dst = node.srcs[0], node.src(1), node.dst
+    a_ref, b_ref, dst = node.require(0), node.src(1), node.dst
     if a_ref is None or b_ref is None:
         raise node.unsupported("MUL_MAT needs two sources")
     if dst.type != GgmlType.F32:

@@ -14,8 +14,7 @@ from ggml_rknpu.ggml.ops.registry import Closure, OpNode
 
 
 def _check(node: OpNode) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type != GgmlType.F32 or dst.type != GgmlType.F32:
         raise node.unsupported("norms run on f32 only (as ggml-cpu)")
     if src.ne != dst.ne:

@@ -140,6 +140,13 @@ class OpNode:
     def src(self, i: int) -> TensorRef | None:
         return self.srcs[i] if i < len(self.srcs) else None
 
+    def require(self, i: int) -> TensorRef:
+        """Source i, which the op cannot do without (a malformed graph is unsupported)."""
+        src = self.src(i)
+        if src is None:
+            raise self.unsupported(f"missing source {i}")
+        return src
+
     def param_i32(self, i: int) -> int:
         return int(self.op_params[i])
 

@@ -95,7 +95,7 @@ def _section_sources(mode: int, sections: list[int], n_cols: int) -> tuple[np.nd
 
 
 def plan_rope(node: OpNode) -> Closure:
-    src, pos_ref, dst = node.srcs[0], node.src(1), node.dst
+    src, pos_ref, dst = node.require(0), node.src(1), node.dst
     ff_ref = node.src(2)
     mode = node.param_i32(2)
     extra = f"mode={mode}"

@@ -31,7 +31,7 @@ def _check_range(idx: np.ndarray, n: int, what: str) -> None:
 
 
 def plan_get_rows(node: OpNode) -> Closure:
-    src, idx_ref, dst = node.srcs[0], node.src(1), node.dst
+    src, idx_ref, dst = node.require(0), node.src(1), node.dst
     if src is None or idx_ref is None or idx_ref.type != GgmlType.I32:
         raise node.unsupported("GET_ROWS needs src0 and int32 indices")
     ne00, ne01, ne02, ne03 = src.ne
@@ -64,7 +64,7 @@ def plan_get_rows(node: OpNode) -> Closure:
 
 
 def plan_set_rows(node: OpNode) -> Closure:
-    src, idx_ref, dst = node.srcs[0], node.src(1), node.dst
+    src, idx_ref, dst = node.require(0), node.src(1), node.dst
     if src is None or idx_ref is None or idx_ref.type not in (GgmlType.I32, GgmlType.I64):
         raise node.unsupported("SET_ROWS needs src0 and int32/int64 indices")
     if src.type not in (GgmlType.F32, GgmlType.F16):

@@ -15,8 +15,7 @@ from ggml_rknpu.ggml.ops.registry import Closure, OpNode
 
 
 def plan_scale(node: OpNode) -> Closure:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type != dst.type or src.type not in (GgmlType.F32, GgmlType.BF16):
         raise node.unsupported("SCALE runs on f32 or bf16 with dst of the same type")
     if src.ne != dst.ne:

@@ -18,8 +18,7 @@ from ggml_rknpu.ggml.ops.registry import Closure, OpNode
 
 
 def plan_repeat(node: OpNode) -> Closure:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type != dst.type or src.type not in NON_BLOCK:
         raise node.unsupported("REPEAT copies plain types to the same type")
     (d,), s = split_repeat((dst.as_array(),), src.as_array())
@@ -30,7 +29,7 @@ def plan_repeat(node: OpNode) -> Closure:
 
 
 def plan_concat(node: OpNode) -> Closure:
-    a_ref, b_ref, dst = node.srcs[0], node.src(1), node.dst
+    a_ref, b_ref, dst = node.require(0), node.src(1), node.dst
     if b_ref is None or not (a_ref.type == b_ref.type == dst.type) or dst.type not in NON_BLOCK:
         raise node.unsupported("CONCAT joins two plain tensors of the dst type")
     dim = node.param_i32(0)
@@ -54,8 +53,7 @@ def plan_concat(node: OpNode) -> Closure:
 
 
 def _reduce_f32(node: OpNode, expect: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type != GgmlType.F32 or dst.type != GgmlType.F32:
         raise node.unsupported("reductions run on f32")
     if dst.ne != expect:
@@ -64,7 +62,7 @@ def _reduce_f32(node: OpNode, expect: tuple[int, int, int, int]) -> tuple[np.nda
 
 
 def plan_sum_rows(node: OpNode) -> Closure:
-    x, d = _reduce_f32(node, (1,) + node.srcs[0].ne[1:])
+    x, d = _reduce_f32(node, (1,) + node.require(0).ne[1:])
 
     def run() -> None:
         np.copyto(d, x.sum(axis=-1, keepdims=True, dtype=np.float64), casting="unsafe")
@@ -72,7 +70,7 @@ def plan_sum_rows(node: OpNode) -> Closure:
 
 
 def plan_mean(node: OpNode) -> Closure:
-    x, d = _reduce_f32(node, (1,) + node.srcs[0].ne[1:])
+    x, d = _reduce_f32(node, (1,) + node.require(0).ne[1:])
 
     def run() -> None:
         np.copyto(d, x.mean(axis=-1, keepdims=True, dtype=np.float64), casting="unsafe")
@@ -88,8 +86,7 @@ def plan_sum(node: OpNode) -> Closure:
 
 
 def plan_argmax(node: OpNode) -> Closure:
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type != GgmlType.F32 or dst.type != GgmlType.I32:
         raise node.unsupported("ARGMAX maps f32 rows to int32")
     if src.ne[2:] != (1, 1) or dst.ne != (src.ne[1], 1, 1, 1):

@@ -34,8 +34,7 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
 
 
 def plan_soft_max(node: OpNode) -> Closure:
-    src, mask_ref, sinks_ref, dst = node.srcs[0], node.src(1), node.src(2), node.dst
-    assert src is not None
+    src, mask_ref, sinks_ref, dst = node.require(0), node.src(1), node.src(2), node.dst
     if src.type != GgmlType.F32 or dst.type != GgmlType.F32 or src.ne != dst.ne:
         raise node.unsupported("SOFT_MAX runs on f32 with dst of the same shape")
     if mask_ref is not None and mask_ref.type not in (GgmlType.F32, GgmlType.F16):

@@ -154,8 +154,7 @@ def _xielu(node: OpNode) -> Fn:
 def plan_elementwise(node: OpNode, fn: Fn, f16_table: np.ndarray | None = None,
                      bf16_fn: Fn | None = None) -> Closure:
     """dst = fn(src) elementwise with ggml's f32 compute and dst conversion."""
-    src, dst = node.srcs[0], node.dst
-    assert src is not None
+    src, dst = node.require(0), node.dst
     if src.type not in (F32, F16, BF16) or dst.type != src.type:
         raise node.unsupported("elementwise ops run on f32/f16/bf16 with dst of the same type")
     if src.ne != dst.ne:
