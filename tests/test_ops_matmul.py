@@ -24,6 +24,16 @@ def mul_mat_reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def vec_dot_rounded(b: np.ndarray, a_type: int) -> np.ndarray:
+    """ggml-cpu converts src1 to src0's vec-dot type first: f16 -> f16, bf16 -> bf16."""
+    if a_type == F16:
+        return b.astype(np.float16).astype(np.float64)
+    if a_type == BF16:
+        bits = b.astype(np.float32).view(np.uint32)
+        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    return b
+
+
 @pytest.mark.parametrize("a_type", [F32, F16, BF16])
 @pytest.mark.parametrize("bcast", [(1, 1), (2, 1), (1, 3), (4, 2)])
 @pytest.mark.parametrize("n", [1, 5])
@@ -36,7 +46,7 @@ def test_mul_mat_broadcast(a_type, bcast, n):
     av, bv = random(a, rng), random(b, rng)
     d = alloc(F32, (m, n, ne02 * r2, ne03 * r3))
     plan_op(node(GgmlOp.MUL_MAT, d, a, b))()
-    np.testing.assert_allclose(values(d), mul_mat_reference(av, bv), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(values(d), mul_mat_reference(av, vec_dot_rounded(bv, a_type)), rtol=1e-5, atol=1e-5)
 
 
 def test_mul_mat_permuted_kq_and_kqv_views():
@@ -48,12 +58,12 @@ def test_mul_mat_permuted_kq_and_kqv_views():
     kv, qv = random(k, rng), random(q, rng)
     kq = alloc(F32, (n_kv, n_tok, hq, 1))
     plan_op(node(GgmlOp.MUL_MAT, kq, k, q))()
-    np.testing.assert_allclose(values(kq), mul_mat_reference(kv, qv), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(values(kq), mul_mat_reference(kv, vec_dot_rounded(qv, F16)), rtol=1e-5, atol=1e-6)
     v = permuted(F16, (n_kv, d_head, hk, 1), (1, 0, 2, 3))
     vv = random(v, rng)
     kqv = permuted(F32, (d_head, n_tok, hq, 1), (0, 2, 1, 3))     # written through a permuted dst
     plan_op(node(GgmlOp.MUL_MAT, kqv, v, kq))()
-    np.testing.assert_allclose(values(kqv), mul_mat_reference(vv, values(kq)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(values(kqv), mul_mat_reference(vv, vec_dot_rounded(values(kq), F16)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", [GgmlType.Q8_0, GgmlType.Q4_0, GgmlType.Q5_1])

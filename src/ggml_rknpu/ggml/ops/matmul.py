@@ -6,8 +6,10 @@ src0 ``[K, M, ne02, ne03]``, src1 ``[K, N, ne12, ne13]``, dst f32 ``[M, N, ne12,
 ``r2 = ne12/ne02``, ``r3 = ne13/ne03`` (each src0 matrix serves r2 consecutive src1 ones:
 a repeat, not the modulo of the binary ops).  Any strides (permuted views).  src0 of any
 type gguf can dequantize; src1 f32/f16/bf16.  Computed as float32 BLAS on contiguous
-copies (numpy only reaches BLAS for contiguous inner matrices); ggml-cpu's rounding of
-src1 to the vec-dot type of src0 is not reproduced (within test-backend-ops tolerance).
+copies (numpy only reaches BLAS for contiguous inner matrices).  ggml-cpu first converts
+src1 to src0's vec-dot type; for f16 and bf16 src0 (the KQ/KQV of an f16 KV cache) that
+rounding is reproduced, for quantized src0 (src1 -> q8_0/q8_1/q8_K) it is not (within
+test-backend-ops tolerance).
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.ops.convert import reader
+from ggml_rknpu.ggml.ops.convert import bf16_to_f32, f32_to_bf16, reader
 from ggml_rknpu.ggml.ops.registry import Closure, OpNode, UnsupportedOp
+
+
+# src1 rounding to the vec-dot type of src0 (ggml-cpu type traits: f16 -> f16, bf16 -> bf16)
+_ROUND_TO = {
+    GgmlType.F16: lambda b: b.astype(np.float16).astype(np.float32),
+    GgmlType.BF16: lambda b: bf16_to_f32(f32_to_bf16(b)),
+}
 
 
 def plan_mul_mat(node: OpNode) -> Closure:
@@ -37,6 +46,7 @@ def plan_mul_mat(node: OpNode) -> Closure:
         read_a, read_b = reader(a_ref), reader(b_ref)
     except UnsupportedOp as exc:
         raise node.unsupported(exc.reason) from exc
+    round_b = _ROUND_TO.get(a_ref.type)
     r2, r3 = ne12 // ne02, ne13 // ne03
     out = dst.as_array()                                   # (ne13, ne12, N, M)
     out_grouped = out.reshape(ne03, r3, ne02, r2, n, m) if out.flags.c_contiguous else None
@@ -45,6 +55,8 @@ def plan_mul_mat(node: OpNode) -> Closure:
     def run() -> None:
         a = np.ascontiguousarray(read_a(), dtype=np.float32)       # (ne03, ne02, M, K)
         b = np.ascontiguousarray(read_b(), dtype=np.float32)       # (ne13, ne12, N, K)
+        if round_b is not None:
+            b = round_b(b)
         # group the r2 src1 matrices that share one src0 matrix into one GEMM
         b6 = b.reshape(ne03, r3, ne02, r2, n, k).reshape(b_shape)
         c = np.matmul(b6, a[:, None].swapaxes(-1, -2))              # (ne03, r3, ne02, r2*N, M)
