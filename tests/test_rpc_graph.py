@@ -281,6 +281,9 @@ def test_stats_render_reports_engines_and_weights(env):
     assert "MUL_MAT" in text and "npu" in text
     assert "1 staged" in text and "GRAPH_RECOMPUTE replays 1" in text
     assert "NPU device time of the matmuls: 2.0 ms (modeled)" in text
+    assert "GRAPH_COMPUTE 1, GET_TENSOR 0" not in text and "GRAPH_COMPUTE 1" in text and "GRAPH_RECOMPUTE 1" in text
+    as_json = st.state.stats.as_dict(st.state.weight_stats)
+    assert as_json["commands"]["GRAPH_COMPUTE"] == 1 and as_json["commands"]["HELLO"] == 1
 
 
 def test_host_only_server_runs_weight_matmuls_on_host():

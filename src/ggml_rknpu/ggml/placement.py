@@ -20,6 +20,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 
+from ggml_rknpu.ggml.rpc.wire import N_COMMANDS, Cmd
+
 NPU = "npu"
 HOST = "host"
 
@@ -36,6 +38,7 @@ class ServerStats:
     """Everything the server counts; one instance per server (all connections)."""
 
     per_op: dict[tuple[str, str], OpCounter] = field(default_factory=dict)
+    commands: list[int] = field(default_factory=lambda: [0] * N_COMMANDS)   # requests, by command id
     connections: int = 0
     rejected: int = 0                 # connections closed for a protocol / validation error
     unsupported: int = 0              # connections closed for an op we cannot run
@@ -86,8 +89,8 @@ class ServerStats:
         """Machine-readable counters (``--stats-json``), for benchmarks and reports."""
         per_op = [{"op": op, "engine": engine, "nodes": c.ops, "bytes": c.bytes, "host_seconds": c.seconds}
                   for (op, engine), c in self.per_op.items() if c.ops]
-        out = {k: v for k, v in vars(self).items() if k != "per_op"}
-        out.update(per_op=per_op, host_us_per_non_matmul_node=self.host_us_per_node(),
+        out = {k: v for k, v in vars(self).items() if k not in ("per_op", "commands")}
+        out.update(per_op=per_op, commands={Cmd(i).name: n for i, n in enumerate(self.commands) if n}, host_us_per_non_matmul_node=self.host_us_per_node(),
                    replay_overhead_us_per_node=self.replay_overhead_us_per_node())
         if weights is not None:
             out["weights"] = dict(vars(weights))
@@ -121,7 +124,8 @@ class ServerStats:
             f"view nodes skipped {self.view_nodes}",
             f"host time per non-matmul node: {per_node:.1f} µs" if per_node is not None else "host time per node: -",
             f"replay overhead beyond the ops: {overhead:.2f} µs per node" if overhead is not None else "",
-            f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out",
+            f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out; requests: "
+            + (", ".join(f"{Cmd(i).name} {n}" for i, n in enumerate(self.commands) if n) or "none"),
         ]
         if self.npu_device_seconds:
             lines.append(f"NPU device time of the matmuls: {self.npu_device_seconds * 1e3:.1f} ms "

@@ -193,6 +193,7 @@ class Session:
                 wire.expected_payload(cmd, size)
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
+                stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except ClientGone as exc:
             if exc.truncated:
