@@ -67,6 +67,15 @@ def _open_engine(device: str):
     return ggml_rknpu.open(device=None if device == "auto" else device)
 
 
+def _device_name(npu, requested: str) -> str:
+    """What --device resolved to, e.g. 'rknpu (simulated)' for auto off a board."""
+    dev = getattr(npu, "device", None)
+    kind = getattr(dev, "kind", None)
+    if kind is None:
+        return requested
+    return f"{kind} (simulated)" if getattr(dev, "simulated", False) else kind
+
+
 def run(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -91,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         server = RpcServer(state, args.host, args.port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        if npu is not None:
+            npu.close()
         return 1
 
     def print_stats(*_: object) -> None:
@@ -104,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     free, total = state.memory.report()
-    engine = "host only (no NPU)" if npu is None else f"NPU engine on {args.device}"
+    engine = "host only (no NPU)" if npu is None else f"NPU engine on {_device_name(npu, args.device)}"
     log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free",
              args.host, server.port, engine, args.weights, free / 2**20, total / 2**20)
     try:
