@@ -26,14 +26,14 @@ def real_plan_op():
     return plan_op
 
 
-@pytest.fixture(scope="module")
-def sim_npu():
+@pytest.fixture(scope="module", params=["sim-rknpu", "sim-rocket"])
+def sim_npu(request):
     import ggml_rknpu
 
     try:
-        npu = ggml_rknpu.open("sim-rknpu")
+        npu = ggml_rknpu.open(request.param)
     except Exception as exc:   # engine or simulator not there yet
-        pytest.skip(f"simulated NPU engine not available: {exc}")
+        pytest.skip(f"simulated NPU engine ({request.param}) not available: {exc}")
     yield npu
     npu.close()
 
