@@ -26,16 +26,27 @@ def real_plan_op():
     return plan_op
 
 
-@pytest.fixture(scope="module", params=["sim-rknpu", "sim-rocket"])
-def sim_npu(request):
+@pytest.fixture(scope="module")
+def engines():
+    """open(device) once per module; skips when the engine or simulator is not there yet."""
     import ggml_rknpu
 
-    try:
-        npu = ggml_rknpu.open(request.param)
-    except Exception as exc:   # engine or simulator not there yet
-        pytest.skip(f"simulated NPU engine ({request.param}) not available: {exc}")
-    yield npu
-    npu.close()
+    opened: dict[str, object] = {}
+
+    def get(device: str):
+        if device not in opened:
+            try:
+                opened[device] = ggml_rknpu.open(device)
+            except Exception as exc:
+                pytest.skip(f"simulated NPU engine ({device}) not available: {exc}")
+        return opened[device]
+
+    yield get
+    for npu in opened.values():
+        npu.close()
+
+
+SIM_DEVICES = ["sim-rknpu", "sim-rocket"]
 
 
 def fp16(w: np.ndarray) -> np.ndarray:
@@ -59,9 +70,9 @@ def _graph(c, wq: np.ndarray, w_type: int, k: int):
     return x, bias, out, [mm, out], [w, x, mm, bias, out]
 
 
-@pytest.mark.parametrize("device", ["host", "sim"])
-def test_quantized_matmul_plus_add_with_real_ops(request, real_plan_op, device):
-    npu = request.getfixturevalue("sim_npu") if device == "sim" else None
+@pytest.mark.parametrize("device", ["host", *SIM_DEVICES])
+def test_quantized_matmul_plus_add_with_real_ops(engines, real_plan_op, device):
+    npu = engines(device) if device != "host" else None
     rng = np.random.default_rng(0)
     k = 256
     w_float = rng.standard_normal((N, k)).astype(np.float32)
@@ -90,7 +101,9 @@ def test_quantized_matmul_plus_add_with_real_ops(request, real_plan_op, device):
             assert st.state.weight_stats.uploads == 1
 
 
-def test_sim_engine_weight_invalidation(real_plan_op, sim_npu):
+@pytest.mark.parametrize("device", SIM_DEVICES)
+def test_sim_engine_weight_invalidation(engines, real_plan_op, device):
+    sim_npu = engines(device)
     rng = np.random.default_rng(1)
     w1, w2 = (rng.standard_normal((N, K)).astype(np.float32) for _ in range(2))
     xv = rng.standard_normal((M, K)).astype(np.float32)
