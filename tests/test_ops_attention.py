@@ -160,3 +160,20 @@ def test_flash_attn_mask_per_head_group(max_bias):
     plan_op(node(GgmlOp.FLASH_ATTN_EXT, d, q, k, v, mask, op_params=params(0.2, max_bias, 0.0)))()
     want = attention_reference(qv.astype(np.float16).astype(np.float64), kv, vv, mv, 0.2, max_bias, 0.0, None)
     np.testing.assert_allclose(values(d), want, rtol=1e-5, atol=2e-6)
+
+
+def test_flash_attn_never_reads_the_masked_cache_tail():
+    """Cells after the last visible key hold garbage (NaN): ggml skips them, so must we."""
+    rng = np.random.default_rng(14)
+    q, k, v = alloc(F32, (16, 1, 2, 1)), alloc(F16, (16, 8, 1, 1)), alloc(F16, (16, 8, 1, 1))
+    qv, kv, vv = random(q, rng), random(k, rng), random(v, rng)
+    k.as_array()[0, 0, 5:] = np.nan
+    v.as_array()[0, 0, 5:] = np.nan
+    mask = alloc(F16, (8, 1, 1, 1))
+    mask.as_array()[...] = 0
+    mask.as_array()[..., 5:] = -np.inf
+    d = alloc(F32, (16, 2, 1, 1))
+    plan_op(node(GgmlOp.FLASH_ATTN_EXT, d, q, k, v, mask, op_params=params(0.25, 0.0, 0.0)))()
+    want = attention_reference(qv.astype(np.float16).astype(np.float64), kv[:, :, :5], vv[:, :, :5],
+                               np.zeros((1, 1, 1, 5)), 0.25, 0.0, 0.0, None)
+    np.testing.assert_allclose(values(d), want, rtol=1e-5, atol=2e-6)

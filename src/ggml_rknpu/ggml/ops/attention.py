@@ -11,6 +11,11 @@ ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` (llama.cp
 * q is first converted to the K dot type; for f16 K that rounds q to f16, reproduced here.
 * the result is written permuted: dst ``[DV, Hq, N, B]`` f32, row ``(b, i1, h)``.
   A row whose keys are all masked (and no sink) is 0 (``S == 0`` gives ``1/S = 0``).
+
+Keys after the last one the mask lets any query see are not read at all (ggml skips -inf
+keys), so the padded tail of a decode-time KV view costs nothing and may hold anything.
+Masked keys inside that range are computed with weight 0, which equals ggml unless such
+a cell holds inf/NaN (never-written cells only occur in the tail).
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.ops.convert import reader
-from ggml_rknpu.ggml.ops.registry import Closure, OpNode, UnsupportedOp
+from ggml_rknpu.ggml.ops.convert import NON_BLOCK, can_dequantize, to_f32
+from ggml_rknpu.ggml.ops.registry import Closure, OpNode
 from ggml_rknpu.ggml.ops.softmax import alibi_slopes
 
 
@@ -45,10 +50,9 @@ def plan_flash_attn_ext(node: OpNode) -> Closure:
             raise node.unsupported("mask heads/batches do not divide q's")
     if sinks_ref is not None and (sinks_ref.type != GgmlType.F32 or sinks_ref.ne[0] < hq):
         raise node.unsupported("sinks must be f32 with one entry per head")
-    try:
-        k_read, v_read = reader(k_ref), reader(v_ref)
-    except UnsupportedOp as exc:
-        raise node.unsupported(exc.reason) from exc
+    for ref in (k_ref, v_ref):
+        if ref.type not in NON_BLOCK and not can_dequantize(ref.type):
+            raise node.unsupported("gguf cannot dequantize the K/V type")
 
     scale = node.param_f32(0)
     max_bias = node.param_f32(1)
@@ -60,6 +64,8 @@ def plan_flash_attn_ext(node: OpNode) -> Closure:
     q_f16 = k_ref.type == GgmlType.F16
 
     q_view = q_ref.as_array()                       # (B, Hq, N, DK)
+    k_view, v_view = k_ref.as_array(), v_ref.as_array()   # (B, H, KV, D | row bytes)
+    k_type, v_type = k_ref.type, v_ref.type
     out = dst.as_array()                            # (B, N, Hq, DV)
     bk = nb // k_ref.ne[3]
     bv = nb // kb
@@ -80,22 +86,34 @@ def plan_flash_attn_ext(node: OpNode) -> Closure:
         b, h, rows, width = x.shape
         return x.reshape(b, heads, h // heads * rows, width)
 
+    def used_cells() -> int:
+        """Keys past the last one any query may see are never read by ggml (a -inf mask
+        skips the key): the cache tail llama.cpp pads n_kv with costs nothing here either."""
+        if mask is None:
+            return n_kv
+        seen = np.flatnonzero(np.isfinite(mask).any(axis=(0, 1, 2)))
+        return int(seen[-1]) + 1 if seen.size else 0
+
     def run() -> None:
+        kv = used_cells()
+        if kv == 0:                                      # every key masked: S = 0, output 0
+            out[...] = 0
+            return
         q = q_view.astype(np.float16).astype(np.float32) if q_f16 else q_view
-        k = k_read()                                     # (Bk, Hk, KV, DK)
-        v = v_read()                                     # (Bv, Hv, KV, DV)
+        k = to_f32(k_view[:, :, :kv], k_type)            # (Bk, Hk, kv, DK)
+        v = to_f32(v_view[:, :, :kv], v_type)            # (Bv, Hv, kv, DV)
         if bk > 1:
             k = np.repeat(k, bk, axis=0)
         if bv > 1:
             v = np.repeat(v, bv, axis=0)
         s = np.matmul(grouped(np.ascontiguousarray(q), k.shape[1]), k.swapaxes(-1, -2))
-        s = s.reshape(nb, hq, n_q, n_kv)
+        s = s.reshape(nb, hq, n_q, kv)
         s *= scale32
         if softcap32 != 0:
             np.tanh(s, out=s)
             s *= softcap32
         if mask is not None:
-            mv = mask[mask_index]
+            mv = mask[..., :kv][mask_index]
             s += slopes * mv if use_slope else mv
         s_max = s.max(axis=-1, keepdims=True)
         if sinks is not None:
