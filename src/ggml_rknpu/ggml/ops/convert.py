@@ -21,10 +21,10 @@ from ggml_rknpu.ggml.enums import GgmlType
 from ggml_rknpu.ggml.ops.registry import TensorRef, UnsupportedOp
 
 Reader = Callable[[], np.ndarray]
-Writer = Callable[[np.ndarray], None]
 
 FLOAT_TYPES = frozenset({GgmlType.F32, GgmlType.F16, GgmlType.BF16})
 INT_TYPES = frozenset({GgmlType.I8, GgmlType.I16, GgmlType.I32, GgmlType.I64})
+NON_BLOCK = FLOAT_TYPES | INT_TYPES | {GgmlType.F64}   # one element per "block"
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -45,6 +45,8 @@ def gguf_qtype(type_: int) -> GGMLQuantizationType:
     return GGMLQuantizationType(int(type_))
 
 
+# gguf has no public "which types can you (de)quantize" query: its per-type classes live in
+# ``quants._type_traits``, and only some of them define ``quantize_blocks``.
 def can_dequantize(type_: int) -> bool:
     try:
         qt = gguf_qtype(type_)
@@ -103,8 +105,6 @@ def to_f32(arr: np.ndarray, type_: int) -> np.ndarray:
     return dequantize_rows(arr, type_)
 
 
-NON_BLOCK = FLOAT_TYPES | INT_TYPES | {GgmlType.F64}
-
 
 def reader(ref: TensorRef) -> Reader:
     """Plan reading a tensor as float32 in its logical shape ``ne[::-1]``."""
@@ -119,26 +119,6 @@ def reader(ref: TensorRef) -> Reader:
     if not can_dequantize(t):
         raise UnsupportedOp(f"dequantize {t}", "gguf cannot dequantize this type")
     return lambda: dequantize_rows(view, t)
-
-
-def writer(ref: TensorRef) -> Writer:
-    """Plan writing float32 values (broadcastable to ``ne[::-1]``) into a tensor."""
-    view = ref.as_array()
-    t = ref.type
-    if t == GgmlType.BF16:
-        def write_bf16(x: np.ndarray) -> None:
-            view[...] = f32_to_bf16(np.broadcast_to(x, view.shape))
-        return write_bf16
-    if t in NON_BLOCK:
-        def write(x: np.ndarray) -> None:
-            np.copyto(view, x, casting="unsafe")
-        return write
-    if not can_quantize(t):
-        raise UnsupportedOp(f"quantize {t}", "gguf cannot quantize to this type")
-
-    def write_quantized(x: np.ndarray) -> None:
-        view[...] = quantize_rows(np.broadcast_to(x, ref.ne[::-1]), t)
-    return write_quantized
 
 
 def split_repeat(bigs: tuple[np.ndarray, ...], small: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
