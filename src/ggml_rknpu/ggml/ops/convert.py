@@ -6,7 +6,7 @@ once per tensor: f32 views are used as they are; f16 goes through numpy's IEEE h
 (round-to-nearest-even, as F16C does); bf16 is rebuilt from its upper 16 bits and
 rounded back with ggml's rule (ggml-impl.h ``ggml_compute_fp32_to_bf16``); block-quantized
 types go through ``gguf.quants`` (dequantize for reading, quantize for writing where gguf
-implements it).
+implements it), except Q8_0 targets, quantized here exactly as ggml-cpu does (ties to even).
 """
 
 from __future__ import annotations
