@@ -211,6 +211,8 @@ def test_non_weight_matmuls_stay_on_the_host(env):
         np.testing.assert_allclose(c.get_array(kq2), xv @ av.T, rtol=1e-5)
         assert npu.uploads == 0 and planner.planned.count("MUL_MAT") == 2
         assert st.state.stats.view_nodes == 1
+        assert st.state.stats.host_matmul_reasons == {"src0 computed by the graph": 1,
+                                                       "src0 is a view (KV cache)": 1}
 
 
 def test_input_flagged_src0_is_not_a_weight(env):
@@ -222,6 +224,7 @@ def test_input_flagged_src0_is_not_a_weight(env):
         c.set_array(g.x, np.ones((M, K), np.float32))
         g.compute()
         assert npu.uploads == 0
+        assert st.state.stats.host_matmul_reasons == {"src0 is a graph input": 1}
 
 
 def test_free_buffer_drops_graphs_and_staged_weights(env):

@@ -27,8 +27,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import BufferTable
-from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
-from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
@@ -36,9 +36,7 @@ from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 log = logging.getLogger("ggml_rknpu.rpc")
 
 VIEW_OPS = frozenset(int(o) for o in (GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE))
-FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
 PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
-_FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16))
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
@@ -188,12 +186,6 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
                                     f"which has {unbacked_reason(u)}")
 
 
-def _contiguous_2d(t: RpcTensor) -> bool:
-    block, type_size = TYPE_TRAITS[GgmlType(t.type)]
-    row = t.ne[0] // block * type_size
-    return t.ne[2] == 1 and t.ne[3] == 1 and t.nb[0] == type_size and t.nb[1] == row
-
-
 class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
@@ -269,23 +261,20 @@ class GraphPlanner:
     def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                      checked: dict[int, CheckedTensor]) -> WeightSlot | None:
         """The staged-weight slot for this MUL_MAT's src0, or None when it runs on the host."""
-        if self.npu is None:
-            return None
         s0, s1 = t.src[0], t.src[1]
         if not s0 or not s1:
             return None
-        w, a = g.tensors[s0], g.tensors[s1]
         c0 = checked[s0]
-        if 0 in t.ne or 0 in w.ne:                       # empty: nothing to run, nothing to stage
-            return None
-        if (s0 in position or w.view_src or w.flags & FLAG_INPUT or c0.buffer is None
-                or not _contiguous_2d(w) or c0.buffer.graph_written.overlaps(c0.start, c0.end)):
-            return None
-        k, n = w.ne[0], w.ne[1]
-        if (a.type not in _FLOAT_ACTIVATIONS or t.type != GgmlType.F32 or a.ne[0] != k or t.ne[0] != n
-                or t.ne[1:] != a.ne[1:]):
-            return None
-        return self.weights.slot_for(c0)
+        reason = matmul_host_reason(
+            t, g.tensors[s0], g.tensors[s1], engine=self.npu is not None, w_computed=s0 in position,
+            w_backed=c0.buffer is not None,
+            w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end))
+        slot = self.weights.slot_for(c0) if reason is None else None
+        if reason is None and slot is None:
+            reason = "weight type or engine refused it"
+        if reason is not None:
+            self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
+        return slot
 
     def _npu_matmul(self, t: RpcTensor, slot: WeightSlot, ref: Callable[[int], Any],
                     host_plan: Callable[[], Callable[[], None]], step: Step) -> Callable[[], None]:

@@ -20,10 +20,51 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 
+from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlType
 from ggml_rknpu.ggml.rpc.wire import N_COMMANDS, Cmd
+from ggml_rknpu.ggml.tensor import RpcTensor
 
 NPU = "npu"
 HOST = "host"
+
+FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
+_FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16))
+
+
+def _contiguous_2d(t: RpcTensor) -> bool:
+    block, type_size = TYPE_TRAITS[GgmlType(t.type)]
+    return t.ne[2] == 1 and t.ne[3] == 1 and t.nb[0] == type_size and t.nb[1] == t.ne[0] // block * type_size
+
+
+def matmul_host_reason(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, engine: bool, w_computed: bool,
+                       w_backed: bool, w_graph_written: bool) -> str | None:
+    """Why this MUL_MAT (dst = a @ w^T) runs on the host, or None: its src0 is a weight for the NPU.
+
+    A weight is a leaf (not computed by the graph), not a view (the KV cache is reached
+    through views), not a graph input, 2-D and contiguous, never written by a graph node,
+    and the activations are float with matching shapes.
+    """
+    if not engine:
+        return "no NPU engine"
+    if 0 in dst.ne or 0 in w.ne:
+        return "empty"
+    if w.view_src:                 # checked first: KV cache views are (no-op) nodes of the graph too
+        return "src0 is a view (KV cache)"
+    if w_computed:
+        return "src0 computed by the graph"
+    if w.flags & FLAG_INPUT:
+        return "src0 is a graph input"
+    if not w_backed:
+        return "src0 not on this server"
+    if not _contiguous_2d(w):
+        return "src0 not 2-D contiguous"
+    if w_graph_written:
+        return "src0 written by a graph"
+    if a.type not in _FLOAT_ACTIVATIONS or dst.type != GgmlType.F32:
+        return "activation/output type"
+    if a.ne[0] != w.ne[0] or dst.ne[0] != w.ne[1] or dst.ne[1:] != a.ne[1:]:
+        return "broadcast shapes"
+    return None
 
 
 @dataclass(slots=True)
@@ -39,6 +80,7 @@ class ServerStats:
 
     per_op: dict[tuple[str, str], OpCounter] = field(default_factory=dict)
     commands: list[int] = field(default_factory=lambda: [0] * N_COMMANDS)   # requests, by command id
+    host_matmul_reasons: dict[str, int] = field(default_factory=dict)      # planned MUL_MATs kept on host
     connections: int = 0
     rejected: int = 0                 # connections closed for a protocol / validation error
     unsupported: int = 0              # connections closed for an op we cannot run
@@ -127,6 +169,9 @@ class ServerStats:
             f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out; requests: "
             + (", ".join(f"{Cmd(i).name} {n}" for i, n in enumerate(self.commands) if n) or "none"),
         ]
+        if self.host_matmul_reasons:
+            lines.append("MUL_MATs planned on the host: " + ", ".join(
+                f"{reason} {n}" for reason, n in sorted(self.host_matmul_reasons.items(), key=lambda kv: -kv[1])))
         if self.npu_device_seconds:
             lines.append(f"NPU device time of the matmuls: {self.npu_device_seconds * 1e3:.1f} ms "
                          f"({self.npu_device_label})")
