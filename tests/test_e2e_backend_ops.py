@@ -38,7 +38,7 @@ FULL_OPS: dict[str, str | None] = {
     "SET_ROWS": rf"^type_src={_FLOAT},type_dst={_QUANTIZABLE},",
     "CPY": rf"^type_src={_ACCEPTED}[a-z0-9_]+,type_dst={_QUANTIZABLE},",
     "CONT": None, "DUP": None, "ROPE": None, "SOFT_MAX": None,
-    "FLASH_ATTN_EXT": rf"type_K={_ACCEPTED}",
+    "FLASH_ATTN_EXT": rf"type_K={_ACCEPTED}[a-z0-9_]+,type_V={_ACCEPTED}",
     "SWIGLU": None, "GEGLU": None, "REGLU": None, "SILU": None, "GELU": None,
 }
 
