@@ -432,6 +432,15 @@ class Session:
             log.warning("cannot write the tensor cache %s: %s", path, exc)
 
 
+def _keepalive(sock: socket.socket) -> None:
+    """Detect a client that vanished without closing (a board across a dropped network link)
+    in about 90 s, instead of holding the one-client-at-a-time server for hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):                # Linux names; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -471,6 +480,7 @@ class RpcServer:
                 except OSError:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keepalive(sock)
                 peer = f"{addr[0]}:{addr[1]}"
                 log.debug("client %s connected", peer)
                 t0 = time.perf_counter()
