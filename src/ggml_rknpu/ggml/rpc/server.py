@@ -204,10 +204,13 @@ class Session:
         except ProtocolError as exc:
             stats.rejected += 1
             log.warning("closing %s: %s", self.peer, exc)
-        except TimeoutError:
-            stats.rejected += 1
-            log.warning("closing %s: no progress for %.0f s in the middle of a message",
-                        self.peer, self.state.config.stall_timeout_s)
+        except TimeoutError as exc:
+            if exc.errno is None:      # our socket timeout, not the kernel's keepalive verdict
+                stats.rejected += 1
+                log.warning("closing %s: no progress for %.0f s in the middle of a message",
+                            self.peer, self.state.config.stall_timeout_s)
+            else:
+                log.warning("%s vanished (TCP keepalive: %s)", self.peer, exc)
         except ConnectionError as exc:
             log.info("%s went away: %s", self.peer, exc)
         except Exception as exc:  # op failures, data errors, engine errors: close, keep serving
