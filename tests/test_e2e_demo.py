@@ -17,7 +17,6 @@ def test_bad_token_count_is_refused_before_any_work() -> None:
 
 
 @pytest.mark.llama
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_demo_generates_text_with_the_real_model(tmp_path) -> None:
     tool_or_skip("llama-completion")
