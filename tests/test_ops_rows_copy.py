@@ -170,3 +170,26 @@ def test_q8_0_quantizer_rounds_ties_to_even_like_ggml_cpu():
     assert np.frombuffer(q[:2].tobytes(), np.float16)[0] == 1.0
     np.testing.assert_array_equal(q[2:8].view(np.int8), [127, 0, 2, 2, 0, -2])
     np.testing.assert_array_equal(dequantize_rows(q, Q8_0)[:6], [127, 0, 2, 2, 0, -2])
+
+
+def test_q1_0_and_q2_0_codecs_follow_ggml_reference():
+    rng = np.random.default_rng(35)
+    x = rng.uniform(-1, 1, (3, 128)).astype(np.float32)
+    q1 = quantize_rows(x, GgmlType.Q1_0)
+    assert q1.shape == (3, 18)
+    d1 = np.abs(x).sum(axis=-1) / 128
+    np.testing.assert_allclose(np.frombuffer(q1[:, :2].tobytes(), np.float16), d1, rtol=1e-3)
+    back = dequantize_rows(q1, GgmlType.Q1_0)
+    np.testing.assert_array_equal(back, np.where(x >= 0, 1, -1) * np.frombuffer(q1[:, :2].tobytes(), np.float16).astype(np.float32)[:, None])
+    x2 = rng.uniform(-1, 1, (2, 128)).astype(np.float32)
+    x2[0, :4] = [1.0, 0.5, -0.5, 0.25]                       # block amax 1: ties round away from zero
+    q2 = quantize_rows(x2, GgmlType.Q2_0)
+    assert q2.shape == (2, 36)
+    v = dequantize_rows(q2, GgmlType.Q2_0)
+    np.testing.assert_array_equal(v[0, :4], [1.0, 1.0, -1.0, 0.0])
+    for r in range(2):
+        for blk in range(2):
+            seg = x2[r, blk * 64:(blk + 1) * 64]
+            d = np.float16(np.abs(seg).max()).astype(np.float32)
+            want = (np.clip([np.floor(abs(t) / np.abs(seg).max() + 0.5) * np.sign(t) for t in seg], -1, 2)) * d
+            np.testing.assert_allclose(v[r, blk * 64:(blk + 1) * 64], want, rtol=1e-6)

@@ -6,7 +6,8 @@ once per tensor: f32 views are used as they are; f16 goes through numpy's IEEE h
 (round-to-nearest-even, as F16C does); bf16 is rebuilt from its upper 16 bits and
 rounded back with ggml's rule (ggml-impl.h ``ggml_compute_fp32_to_bf16``); block-quantized
 types go through ``gguf.quants`` (dequantize for reading, quantize for writing where gguf
-implements it), except Q8_0 targets, quantized here exactly as ggml-cpu does (ties to even).
+implements it), except the formats :mod:`quants` codes itself (Q1_0, Q2_0, and Q8_0
+targets quantized exactly as ggml-cpu does).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.ggml.ops.quants import DEQUANTIZERS, QUANTIZERS
 from ggml_rknpu.ggml.ops.registry import TensorRef, UnsupportedOp
 
 Reader = Callable[[], np.ndarray]
@@ -48,6 +50,8 @@ def gguf_qtype(type_: int) -> GGMLQuantizationType:
 # gguf has no public "which types can you (de)quantize" query: its per-type classes live in
 # ``quants._type_traits``, and only some of them define ``quantize_blocks``.
 def can_dequantize(type_: int) -> bool:
+    if type_ in DEQUANTIZERS:
+        return True
     try:
         qt = gguf_qtype(type_)
     except ValueError:
@@ -56,6 +60,8 @@ def can_dequantize(type_: int) -> bool:
 
 
 def can_quantize(type_: int) -> bool:
+    if type_ in QUANTIZERS:
+        return True
     try:
         qt = gguf_qtype(type_)
     except ValueError:
@@ -66,32 +72,17 @@ def can_quantize(type_: int) -> bool:
 
 def dequantize_rows(rows: np.ndarray, type_: int) -> np.ndarray:
     """uint8 rows (..., row_bytes) -> float32 (..., ne0)."""
+    own = DEQUANTIZERS.get(type_)
+    if own is not None:
+        return own(rows)
     return gguf_quants.dequantize(np.ascontiguousarray(rows), gguf_qtype(type_)).astype(np.float32, copy=False)
 
 
 def quantize_rows(x: np.ndarray, type_: int) -> np.ndarray:
     """float32 (..., ne0) -> uint8 rows (..., row_bytes)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if type_ == GgmlType.Q8_0:
-        return quantize_q8_0(x)
-    return gguf_quants.quantize(x, gguf_qtype(type_))
-
-
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """Q8_0 as ggml-cpu's x86 ``quantize_row_q8_0`` (arch/x86/quants.c) makes it, which is
-    what KV-cache writes and test-backend-ops compare against: ``d = amax/127`` (stored f16),
-    ``q = round_half_even(x * (127/amax))``.  gguf's quantizer (the ``_ref`` variant:
-    ``x * (1/d)``, ties away from zero) differs on exact ties, common for bf16 sources."""
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv).astype(np.int8)
-    out = np.empty(blocks.shape[:-1] + (34,), np.uint8)
-    out[..., :2] = d.astype(np.float16).view(np.uint8)
-    out[..., 2:] = q.view(np.uint8)
-    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+    own = QUANTIZERS.get(type_)
+    return own(x) if own is not None else gguf_quants.quantize(x, gguf_qtype(type_))
 
 
 def to_f32(arr: np.ndarray, type_: int) -> np.ndarray:
