@@ -9,7 +9,6 @@ said.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -24,9 +23,7 @@ from pathlib import Path
 import pytest
 
 from ggml_rknpu.ggml import llamacpp
-
-ONE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
+from ggml_rknpu.ggml.launch import free_port, one_thread_env
 
 def tool_or_skip(name: str) -> Path:
     """Path of a pinned llama.cpp tool; skips the test when scripts/build-llama-cpp has not run."""
@@ -36,17 +33,8 @@ def tool_or_skip(name: str) -> Path:
         pytest.skip(str(exc))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def tool_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(ONE_THREAD_ENV)
-    env.update(extra)
-    return env
+    return one_thread_env(**extra)
 
 
 def log_tail(path: Path, n_chars: int = 3000) -> str:
