@@ -101,13 +101,32 @@ class Server:
         return log_tail(self.log_path)
 
 
+class RknpuServer(Server):
+    """``rknpu serve`` with its machine-readable counters (``--stats-json``)."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, stats_path: Path):
+        super().__init__([*argv, "--stats-json", str(stats_path)], port, log_path)
+        self.stats_path = stats_path
+
+    def stats(self) -> dict:
+        """The counters the server last wrote (after each client and at exit)."""
+        return json.loads(self.stats_path.read_text())
+
+    def nodes(self, op: str) -> int:
+        return sum(r["nodes"] for r in self.stats()["per_op"] if r["op"] == op)
+
+    def weight_uploads(self) -> int:
+        """Weights uploaded to the NPU: proof that llama.cpp offloaded the model, not a CPU run."""
+        return int(self.stats()["weights"]["uploads"])
+
+
 def rknpu_server(tmp_path: Path, *, device: str = "sim-rknpu", extra: tuple[str, ...] = (),
-                 name: str = "rknpu-serve") -> Server:
+                 name: str = "rknpu-serve") -> RknpuServer:
     """``rknpu serve`` of this checkout on a free loopback port (simulated NPU by default)."""
     port = free_port()
     argv = [sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--device", device, *extra]
-    return Server(argv, port, tmp_path / f"{name}-{port}.log")
+    return RknpuServer(argv, port, tmp_path / f"{name}-{port}.log", tmp_path / f"{name}-{port}.json")
 
 
 def cpp_server(tmp_path: Path) -> Server:

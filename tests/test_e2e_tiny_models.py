@@ -9,7 +9,6 @@ cannot pass.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,6 @@ from gguf_models import ARCHES, write_tiny_gguf
 pytestmark = [pytest.mark.llama]
 PROMPT = "The capital of France is"
 N_PREDICT = 12
-
-
-def staged_weights(server_log: str) -> int:
-    """How many weights ``rknpu serve`` uploaded to the NPU (the "N uploads" of the counters it
-    prints at exit): proof that llama.cpp really offloaded the model, not a silent CPU run."""
-    return sum(int(n) for n in re.findall(r"(\d+) uploads", server_log))
 
 
 # 2 layers x 7 matmul weights + the output head (tests/gguf_models.py)
@@ -39,16 +32,24 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: write_tiny_gguf(root / f"tiny-{arch}-f16.gguf", arch, "f16") for arch in ARCHES}
 
 
+# flash attention: "on" sends FLASH_ATTN_EXT; "off" sends KQ/KQV MUL_MATs and SOFT_MAX instead
+ATTENTION_OP = {"on": "FLASH_ATTN_EXT", "off": "SOFT_MAX"}
+
+
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("fa", sorted(ATTENTION_OP))
 @pytest.mark.parametrize("arch", ARCHES)
-def test_greedy_tokens_equal_cpu(tmp_path: Path, models: dict[str, Path], arch: str) -> None:
-    cpu_text, cpu = completion(models[arch], PROMPT, n_predict=N_PREDICT)
+def test_greedy_tokens_equal_cpu(tmp_path: Path, models: dict[str, Path], arch: str, fa: str) -> None:
+    flags = ("-fa", fa)
+    cpu_text, cpu = completion(models[arch], PROMPT, n_predict=N_PREDICT, extra=flags)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
-        text, proc = completion(models[arch], PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=800)
+        text, proc = completion(models[arch], PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, extra=flags,
+                                timeout=800)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         assert server.alive(), server.log()
-    assert staged_weights(server.log()) >= TINY_MATMUL_WEIGHTS, server.log()
+    assert server.weight_uploads() >= TINY_MATMUL_WEIGHTS, server.log()
+    assert server.nodes(ATTENTION_OP[fa]) > 0, server.stats()["per_op"]
     assert cpu_text.strip(), cpu.stderr[-2000:]
     assert text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n--- server ---\n{server.log()}"
 
@@ -66,6 +67,6 @@ def test_two_servers_split_same_tokens_as_one(tmp_path: Path, models: dict[str, 
                                 extra=("-ts", "1,1"), timeout=800)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- a ---\n{a.log()}\n--- b ---\n{b.log()}"
     # each server holds part of the model, together all of it
-    split = [staged_weights(a.log()), staged_weights(b.log())]
+    split = [a.weight_uploads(), b.weight_uploads()]
     assert min(split) > 0 and sum(split) >= TINY_MATMUL_WEIGHTS, f"staged per server: {split}"
     assert text == one_text, f"split {text!r} != one server {one_text!r}"
