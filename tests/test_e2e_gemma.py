@@ -46,12 +46,15 @@ def gemma() -> Path:
 
 
 @pytest.mark.timeout(1800)
-def test_completion_is_coherent(tmp_path: Path, gemma: Path) -> None:
+@pytest.mark.parametrize("fa,attention_op", [("on", "FLASH_ATTN_EXT"), ("off", "SOFT_MAX")])
+def test_completion_is_coherent(tmp_path: Path, gemma: Path, fa: str, attention_op: str) -> None:
     prompt = "Question: What is the capital of France?\nAnswer:"
     with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
-        text, proc = completion(gemma, prompt, n_predict=8, rpc=server.endpoint, timeout=1700)
+        text, proc = completion(gemma, prompt, n_predict=8, rpc=server.endpoint, extra=("-fa", fa),
+                                timeout=1700)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
     assert "Paris" in text, f"{text!r}\n{proc.stderr[-2000:]}"
+    assert server.nodes(attention_op) > 0 and server.weight_uploads() > 100, server.stats()
 
 
 @pytest.mark.timeout(1800)

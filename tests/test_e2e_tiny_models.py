@@ -3,8 +3,8 @@ with ``rknpu serve`` (simulated NPU) as the device: greedy output equals the CPU
 
 Greedy comparison is on the generated text: it is the concatenation of the sampled tokens'
 pieces, so a different token choice shows up as different text. The offload itself is checked
-too (the model buffer must land on the RPC device), so a run that silently stayed on the CPU
-cannot pass.
+too (the server's counters must show the weights uploaded to the NPU and the attention op of the
+chosen path executed), so a run that silently stayed on the CPU cannot pass.
 """
 
 from __future__ import annotations
