@@ -181,7 +181,8 @@ def matmul_placement(server_log: str) -> dict[str, int] | None:
     ``rknpu serve --stats`` printed (None when the log has none). Proves the NPU side used the NPU."""
     last_table = server_log.rsplit("where ops ran", 1)[-1]
     found = {where: int(nodes) for where, nodes in _PLACEMENT_RE.findall(last_table)}
-    return found or None
+    # the table lists only the engines that ran a MUL_MAT: an absent engine ran none
+    return {"npu": 0, "host": 0} | found if found else None
 
 
 _KLD_RE = re.compile(r"Mean\s+KLD:\s+([-+0-9.eE]+)")
