@@ -52,3 +52,22 @@ def test_reductions():
     am = alloc(I32, (4,))
     plan_op(node(GgmlOp.ARGMAX, am, m))()
     np.testing.assert_array_equal(am.as_array().reshape(-1), mv[0, 0].argmax(axis=-1))
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_concat_quantized_joins_raw_blocks(dim):
+    from ggml_rknpu.ggml.enums import GgmlType
+    from ggml_rknpu.ggml.ops.convert import dequantize_rows, quantize_rows
+    rng = np.random.default_rng(53)
+    q4 = GgmlType.Q4_0
+    ne_a, ne_b = [64, 3, 2, 1], [64, 3, 2, 1]
+    ne_b[dim] = 32 if dim == 0 else 1
+    a, b = alloc(q4, tuple(ne_a)), alloc(q4, tuple(ne_b))
+    a.as_array()[...] = quantize_rows(rng.uniform(-1, 1, tuple(ne_a[::-1])), q4)
+    b.as_array()[...] = quantize_rows(rng.uniform(-1, 1, tuple(ne_b[::-1])), q4)
+    ne_d = list(ne_a)
+    ne_d[dim] += ne_b[dim]
+    d = alloc(q4, tuple(ne_d))
+    plan_op(node(GgmlOp.CONCAT, d, a, b, op_params=params(dim)))()
+    want = np.concatenate([dequantize_rows(a.as_array(), q4), dequantize_rows(b.as_array(), q4)], axis=3 - dim)
+    np.testing.assert_array_equal(dequantize_rows(d.as_array(), q4), want)

@@ -3,7 +3,8 @@ graphs llama.cpp may send: REPEAT, CONCAT, SUM, SUM_ROWS, MEAN, ARGMAX.
 
 ggml-cpu/ops.cpp (llama.cpp 0c1e570):
 * REPEAT: ``dst[i] = src[i % ne_src]`` in every dim (plain types, bytes copied).
-* CONCAT (op_params int32 [dim]): src0 then src1 along ``dim``, same type.
+* CONCAT (op_params int32 [dim]): src0 then src1 along ``dim``, same type; block types are
+  joined as raw rows (dim 0 joins row bytes: whole blocks, as ggml's ``ne0/blck`` offset).
 * SUM_ROWS / MEAN: per row over ne0 (f32), dst ne0 = 1; SUM: everything into one f32.
 * ARGMAX: f32 rows -> int32 index of the first maximum (dst ne = [ne1]).
 """
@@ -30,8 +31,8 @@ def plan_repeat(node: OpNode) -> Closure:
 
 def plan_concat(node: OpNode) -> Closure:
     a_ref, b_ref, dst = node.require(0), node.src(1), node.dst
-    if b_ref is None or not (a_ref.type == b_ref.type == dst.type) or dst.type not in NON_BLOCK:
-        raise node.unsupported("CONCAT joins two plain tensors of the dst type")
+    if b_ref is None or not (a_ref.type == b_ref.type == dst.type):
+        raise node.unsupported("CONCAT joins two tensors of the dst type")
     dim = node.param_i32(0)
     if not 0 <= dim < 4:
         raise node.unsupported(f"dim {dim} outside 0..3")
