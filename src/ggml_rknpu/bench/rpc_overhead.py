@@ -126,35 +126,3 @@ def run(args, rig, console: Console) -> rp.Report | None:
                      tables=[table], raw={"rknpu_serve_stats": stats, "llama_bench": {"ours": ours, "cpp": cpp}},
                      notes=notes)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (scripts/bench-rpc-overhead): check-rig, run, print, write the report."""
-    import argparse
-    import sys
-
-    from ggml_rknpu.bench.rig import check_rig
-
-    def common(p, out: str) -> None:
-        p.add_argument("--out", default=out, metavar="DIR", help=f"report directory (default {out})")
-        p.add_argument("--device", default=None, help="rknpu | rocket | sim-rknpu | sim-rocket (default: auto)")
-        p.add_argument("--rig-root", default="/", metavar="DIR", help="filesystem root check-rig reads")
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser, common)
-    args = parser.parse_args(argv)
-    console = Console()
-    try:
-        report = run(args, check_rig(args.rig_root), console)
-    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
-        print(f"bench rpc-overhead failed: {exc}", file=sys.stderr)
-        return 1
-    if report is None:
-        return 1
-    report.print(console)
-    paths = report.write(args.out)
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--window", type=float, default=1.0, help="window length in seconds")
     from ggml_rknpu.bench import model as model_bench
     model_bench.add_arguments(sub.add_parser("model", help="llama-bench CPU-only vs through rknpu serve"), _common)
+    from ggml_rknpu.bench import rpc_overhead
+    rpc_overhead.add_arguments(sub.add_parser(
+        "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
+        _common)
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -258,10 +262,13 @@ def run(args: argparse.Namespace) -> int:
         report = run_sustained(args, rig, console)
     else:
         from ggml_rknpu.bench import model as model_bench
+        from ggml_rknpu.bench import rpc_overhead
+
+        bench = model_bench if args.bench == "model" else rpc_overhead
         try:
-            report = model_bench.run(args, rig, console)
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-            console.print(f"[bold red]bench model failed:[/] {exc}")
+            report = bench.run(args, rig, console)
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            console.print(f"[bold red]bench {args.bench} failed:[/] {exc}")
             return 1
         if report is None:
             return 1
