@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from ggml_rknpu.ggml.buffers import DeviceBuffer
 from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.ggml.ops.convert import dequantize_rows
 from ggml_rknpu.ggml.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -49,29 +48,19 @@ PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
 CONVERT_ROWS = 8192      # rows per conversion chunk: bounds the temporaries of a 262k-row output head
 
 
-def _q8_0_rows(rows: np.ndarray) -> np.ndarray:
-    """Q8_0 (f16 scale + 32 int8) -> float32, d * q exactly as gguf computes it, without its
-    generic per-group machinery (8x faster on a 262k x 640 output head)."""
-    blocks = rows.reshape(-1, 34)
-    d = np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32)
-    return (d * blocks[:, 2:].view(np.int8)).reshape(rows.shape[0], -1)
-
-
 def _dequantize_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
-    if type_id == GgmlType.Q8_0:
-        return _q8_0_rows(rows)
     if type_id == GgmlType.F16:
         return np.ascontiguousarray(rows).view(np.float16)
     if type_id == GgmlType.F32:
         return np.ascontiguousarray(rows).view(np.float32)
-    return dequantize(rows, GGMLQuantizationType(type_id))
+    return dequantize_rows(rows, type_id)
 
 
 def to_float_rows(raw: np.ndarray, type_id: int, n_rows: int, k: int) -> np.ndarray:
     """ggml bytes of a contiguous [n_rows, k] tensor -> float32 [n_rows, k].
 
-    gguf's decoders (a fast path for Q8_0, F16, F32 with identical results), converted
-    in row chunks into one preallocated array."""
+    The host ops' decoders (``ops.convert.dequantize_rows``; F16 and F32 as views),
+    converted in row chunks into one preallocated array."""
     rows = raw.reshape(n_rows, -1)
     out = np.empty((n_rows, k), dtype=np.float32)
     for r0 in range(0, n_rows, CONVERT_ROWS):

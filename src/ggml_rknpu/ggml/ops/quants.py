@@ -1,7 +1,8 @@
 """Block formats the host ops encode/decode themselves instead of through gguf: Q1_0 and
-Q2_0 (new in this ggml, absent from gguf-py) and Q8_0 encoding (gguf's rounding differs
-from ggml-cpu's).  Layouts and formulas from ggml-common.h / ggml-quants.c and
-ggml-cpu/arch/x86/quants.c (llama.cpp 0c1e570); rows are uint8 ``(..., row_bytes)``.
+Q2_0 (new in this ggml, absent from gguf-py), Q8_0 encoding (gguf's rounding differs
+from ggml-cpu's) and Q8_0 decoding (gguf's values, faster).  Layouts and formulas from
+ggml-common.h / ggml-quants.c and ggml-cpu/arch/x86/quants.c (llama.cpp 0c1e570); rows are
+uint8 ``(..., row_bytes)``.
 
 * Q8_0 (32 values, 34 bytes): f16 ``d = amax/127``, int8 ``q = round_half_even(x*127/amax)``
   (the x86 ``quantize_row_q8_0`` that KV-cache writes use; gguf follows the ``_ref``
@@ -51,6 +52,13 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     return _pack(amax / np.float32(127), q.view(np.uint8), x.shape)
 
 
+def dequantize_q8_0(rows: np.ndarray) -> np.ndarray:
+    """``d * q`` in float32, the values gguf's Q8_0 decoder gives, without its generic
+    per-group machinery (8x faster on a 262k x 640 output head)."""
+    blocks = _block_rows(rows, 34)
+    return (_scales(blocks) * blocks[..., 2:].view(np.int8)).reshape(*rows.shape[:-1], -1)
+
+
 def quantize_q1_0(x: np.ndarray) -> np.ndarray:
     b = _blocks(x, 128)
     d = np.cumsum(np.abs(b), axis=-1, dtype=np.float32)[..., -1:] / np.float32(128)
@@ -90,5 +98,5 @@ QUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     GgmlType.Q8_0: quantize_q8_0, GgmlType.Q1_0: quantize_q1_0, GgmlType.Q2_0: quantize_q2_0,
 }
 DEQUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
-    GgmlType.Q1_0: dequantize_q1_0, GgmlType.Q2_0: dequantize_q2_0,
+    GgmlType.Q8_0: dequantize_q8_0, GgmlType.Q1_0: dequantize_q1_0, GgmlType.Q2_0: dequantize_q2_0,
 }
