@@ -28,6 +28,9 @@ import numpy as np
 
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.ops.convert import bf16_to_f32
+from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpNode, op_name
+from ggml_rknpu.ggml.ops.registry import plan_op as host_plan_op
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
@@ -35,26 +38,18 @@ from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-VIEW_OPS = frozenset(int(o) for o in (GgmlOp.NONE, GgmlOp.RESHAPE, GgmlOp.VIEW, GgmlOp.PERMUTE, GgmlOp.TRANSPOSE))
 PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
     """src1 of a MUL_MAT as float32 [M, K] (bf16 arrives as its raw uint16 view)."""
     if type_id == GgmlType.BF16:
-        return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
+        return bf16_to_f32(view).reshape(-1, k)
     return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
 
 
 def _unset() -> None:
     raise AssertionError("step closure not bound")
-
-
-def op_name(op: int) -> str:
-    try:
-        return GgmlOp(op).name
-    except ValueError:
-        return f"op{op}"
 
 
 @dataclass
@@ -195,14 +190,7 @@ class GraphPlanner:
         self.weights = weights
         self.npu = npu
         self.stats = stats
-        self._plan_op = plan_op
-
-    def plan_op(self, node: Any) -> Callable[[], None]:
-        if self._plan_op is None:
-            from ggml_rknpu.ggml.ops.registry import plan_op
-
-            self._plan_op = plan_op
-        return self._plan_op(node)
+        self.plan_op = plan_op or host_plan_op
 
     def build(self, payload: bytes | memoryview, digest: bytes) -> Plan:
         t0 = time.perf_counter()
@@ -252,8 +240,6 @@ class GraphPlanner:
         return Plan(g.dev, digest, steps, len(g.node_ids), n_views)
 
     def _host_node(self, t: RpcTensor, ref: Callable[[int], Any]) -> Callable[[], None]:
-        from ggml_rknpu.ggml.ops.registry import OpNode
-
         node = OpNode(op=t.op, op_params=np.array(t.op_params, dtype=np.int32), dst=ref(t.id),
                       srcs=tuple(ref(s) if s else None for s in t.src), name=t.name)
         return self.plan_op(node)

@@ -50,6 +50,13 @@ class OpDataError(ValueError):
     of range); ggml would abort, the server logs it and closes the connection instead."""
 
 
+def op_name(op: int) -> str:
+    try:
+        return GgmlOp(op).name
+    except ValueError:
+        return f"op{op}"
+
+
 def type_name(t: int) -> str:
     try:
         return TYPE_NAMES[GgmlType(t)]
@@ -154,20 +161,17 @@ class OpNode:
         return float(np.asarray(self.op_params[i:i + 1], dtype=np.int32).view(np.float32)[0])
 
     def signature(self, extra: str = "") -> str:
-        try:
-            op_name = GgmlOp(self.op).name
-        except ValueError:
-            op_name = f"op{self.op}"
+        name = op_name(self.op)
         if self.op in (GgmlOp.UNARY, GgmlOp.GLU):
             from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlUnaryOp
             enum = GgmlUnaryOp if self.op == GgmlOp.UNARY else GgmlGluOp
             sub = self.param_i32(0)
             try:
-                op_name += ":" + enum(sub).name
+                name += ":" + enum(sub).name
             except ValueError:
-                op_name += f":{sub}"
+                name += f":{sub}"
         srcs = ",".join(type_name(s.type) if s is not None else "-" for s in self.srcs)
-        sig = f"{op_name}({srcs.rstrip(',-')})->{type_name(self.dst.type)}"
+        sig = f"{name}({srcs.rstrip(',-')})->{type_name(self.dst.type)}"
         return f"{sig} {extra}" if extra else sig
 
     def unsupported(self, reason: str, extra: str = "") -> UnsupportedOp:
