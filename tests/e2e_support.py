@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.ggml import launch, llamacpp
 from ggml_rknpu.ggml.launch import free_port, one_thread_env
 
 def tool_or_skip(name: str) -> Path:
@@ -85,14 +85,8 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            launch.stop(self.proc, timeout=10)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

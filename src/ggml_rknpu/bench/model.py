@@ -35,6 +35,7 @@ from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport
+from ggml_rknpu.ggml import launch
 
 BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; anchors.md §3.4]
 BIG_CORE_THREADS = 4
@@ -86,18 +87,12 @@ def _same_precision(quants: dict, server_weights: str) -> bool:
     return bool(types) and types <= _GGUF_FOR_ENGINE[server_weights]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServeProcess:
     """``rknpu serve`` on a loopback port for the duration of a ``with`` block."""
 
     def __init__(self, device: str, weights: str, threads: int, log_path: Path, prefix: list[str],
                  ready_timeout: float = 120.0) -> None:
-        self.port = _free_port()
+        self.port = launch.free_port()
         self.argv = [*prefix, sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
                      "--port", str(self.port), "--device", device, "--weights", weights, "-t", str(threads),
                      "--no-progress", "--stats"]
@@ -127,14 +122,8 @@ class ServeProcess:
                            f"log: {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            launch.stop(self.proc, timeout=10)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
