@@ -1,7 +1,7 @@
 """Measured matmul throughputs on RK3588 boards that the cost model is calibrated on.
 
-Copied from ``reference/anchors.md`` and the seed log (code under ``src/`` never reads
-``../shared``). These are other people's *measured* figures; what our model says about the
+Copied from ``reference/anchors.md`` and the seed log (the product never reads the
+reference files at run time). These are other people's *measured* figures; what our model says about the
 same shapes is *modeled*.
 
 Reading of the seed's figures (Milestones 7 and 8, via ``rknn_matmul_api``):
