@@ -283,7 +283,11 @@ class Npu:
             per_core[task.core].append(HwTask(
                 regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
                 int_mask=task.int_mask, enable_mask=task.enable_mask))
-        job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf, w.buffer), outputs=(c_buf,))
+        # The device cleans a job's inputs before every submit; the weight was cleaned once in
+        # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
+        # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
+        # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
+        job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf,), outputs=(c_buf,))
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
         return _Plan(program, m, a_buf, c_buf, regcmd_buf, job, modeled)
 
