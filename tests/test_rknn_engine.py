@@ -6,9 +6,6 @@ stand-in until a board reports."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,24 +14,10 @@ from hypothesis import strategies as st
 
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType, check_type
+from rknn_support import build_so as _gcc
+from rknn_support import standin_path  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)
-STANDIN = Path(__file__).parent / "rknn_standin" / "rknn_standin.c"
-
-
-def _gcc(tmp: Path, source: Path, name: str) -> Path:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc not installed: cannot build the librknnrt stand-in")
-    out = tmp / name
-    subprocess.run([gcc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(out), str(source)],
-                   check=True, capture_output=True)
-    return out
-
-
-@pytest.fixture(scope="session")
-def standin_path(tmp_path_factory) -> Path:
-    return _gcc(tmp_path_factory.mktemp("rknn"), STANDIN, "librknnrt.so")
 
 
 @pytest.fixture(scope="session")

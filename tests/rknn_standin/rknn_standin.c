@@ -20,6 +20,8 @@
  *    rknn_matmul_run returns -1 while more than STANDIN_MAX_CONTEXTS (env
  *    RKNN_STANDIN_MAX_CONTEXTS, default 150) contexts are alive.
  * Test-only introspection: standin_live_contexts(), standin_live_mems(), standin_runs().
+ * Marker: ggml_rknpu_rknn_standin() is exported so that reports can say "stand-in"
+ * (binding.RknnLibrary.is_standin); the vendor library has no such symbol.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -92,6 +94,7 @@ static int g_live_ctx, g_live_mem, g_runs;
 int standin_live_contexts(void) { return g_live_ctx; }
 int standin_live_mems(void) { return g_live_mem; }
 int standin_runs(void) { return g_runs; }
+int ggml_rknpu_rknn_standin(void) { return 1; }
 
 static ctx_t *lookup(rknn_context h) {
     if (h == 0 || h > MAX_CTX || !g_ctx[h - 1].live) return NULL;

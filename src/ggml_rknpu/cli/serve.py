@@ -5,8 +5,11 @@
 
 Flags follow ggml-rpc-server (-H/--host, -p/--port, -t/--threads, -c/--cache).
 ``--device host`` runs every op on the host (no NPU engine): a protocol and op
-reference. Counters (where ops ran, staged weights, host µs per node) are printed
-on SIGUSR1, after each client with ``--stats``, and at exit.
+reference. ``--engine rknn`` runs the matmuls through Rockchip's closed librknnrt instead
+of our own register commands, chosen once at start-up (the device rule is in
+``rknn.opener``: a vendor rknpu node, or an explicit ``$LIBRKNNRT_PATH``). Counters (where
+ops ran, staged weights, host µs per node, the engine's own) are printed on SIGUSR1, after
+each client with ``--stats``, and at exit.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from pathlib import Path
 
 DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
+ENGINES = ("ours", "rknn")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
                         "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
+    p.add_argument("--engine", default="ours", choices=ENGINES,
+                   help="matmul engine: ours (our register commands) or rknn (Rockchip's closed librknnrt, "
+                        "installed by you; found at $LIBRKNNRT_PATH or the usual library directories)")
+    p.add_argument("--rknn-contexts", type=int, default=32, metavar="N",
+                   help="--engine rknn: at most N live librknnrt contexts, least recently used evicted "
+                        "(default 32; the runtime failed beyond ~150 in the seed's tests)")
     p.add_argument("--weights", default="fp16", choices=("fp16", "int8"),
                    help="format weights are staged in on the NPU (fp16 is the accuracy reference)")
     p.add_argument("-c", "--cache", type=Path, default=None, metavar="DIR",
@@ -59,12 +69,19 @@ def _set_threads(threads: int | None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "ggml_rknpu.cli.main", *sys.argv[1:]])
 
 
-def _open_engine(device: str):
-    if device == "host":
-        return None
+def _open_engine(args: argparse.Namespace):
+    """(engine or None for --device host, how to name it in the start-up line)."""
+    if args.engine == "rknn":
+        from ggml_rknpu.rknn.opener import open_rknn
+
+        npu, setup = open_rknn(args.device, max_contexts=args.rknn_contexts)
+        return npu, f"{setup.describe()}, at most {args.rknn_contexts} contexts"
+    if args.device == "host":
+        return None, "host only (no NPU)"
     import ggml_rknpu
 
-    return ggml_rknpu.open(device=None if device == "auto" else device)
+    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
+    return npu, f"NPU engine on {_device_name(npu, args.device)}"
 
 
 def _device_name(npu, requested: str) -> str:
@@ -85,11 +102,17 @@ def run(args: argparse.Namespace) -> int:
     from ggml_rknpu.ggml.buffers import DeviceMemory
     from ggml_rknpu.ggml.rpc.server import HOST_ONLY_BUDGET, RpcServer, ServerConfig, ServerState
 
+    if args.rknn_contexts < 1:
+        log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
+        return 2
+    if args.engine == "rknn" and args.device == "host":
+        log.error("--engine rknn and --device host contradict each other (host runs no engine)")
+        return 2
     try:
-        npu = _open_engine(args.device)
+        npu, engine = _open_engine(args)
     except Exception as exc:
-        log.error("cannot open the NPU engine for --device %s: %s (use --device host to serve without it)",
-                  args.device, exc)
+        log.error("cannot open the %s engine for --device %s: %s (use --device host to serve without it)",
+                  args.engine, args.device, exc)
         return 1
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
@@ -115,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     free, total = state.memory.report()
-    engine = "host only (no NPU)" if npu is None else f"NPU engine on {_device_name(npu, args.device)}"
     log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free",
              args.host, server.port, engine, args.weights, free / 2**20, total / 2**20)
     try:
@@ -125,5 +147,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print_stats()
         if npu is not None:
+            log.info("%s engine counters: %s", args.engine, dict(getattr(npu, "counters", {})))
             npu.close()
     return 0

@@ -148,6 +148,7 @@ class RknnUnavailable(RuntimeError):
     """librknnrt.so is not installed (or lacks the matmul API)."""
 
 
+STANDIN_MARKER = "ggml_rknpu_rknn_standin"   # exported only by tests/rknn_standin (never by librknnrt)
 SEARCH_DIRS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/lib/aarch64-linux-gnu",
                "/lib", "/lib/aarch64-linux-gnu")
 LIBRARY_NAME = "librknnrt.so"
@@ -206,6 +207,11 @@ class RknnLibrary:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+
+    @property
+    def is_standin(self) -> bool:
+        """True for the test stand-in (it exports ``STANDIN_MARKER``): nothing it does is the NPU."""
+        return hasattr(self._lib, STANDIN_MARKER)
 
     def _call(self, name: str, *args, hint: str = "") -> int:
         ret = getattr(self._lib, name)(*args)
