@@ -24,11 +24,6 @@ from ggml_rknpu.sim.validate import SYMPTOM_STALE, TaskRefused, Violation
 PP_BLOCKS = (Block.CNA, Block.CORE, Block.DPU, Block.DPU_RDMA, Block.PPU, Block.PPU_RDMA)
 _S_POINTER = REGISTERS["CNA_S_POINTER"]          # same field layout in every block [registers.xml]
 S_POINTER_OFFSET = 0x4                          # block base + 0x4 [registers.xml]
-FIRST_SHADOWED_OFFSET = 0x8                     # block base + 0x8 OPERATION_ENABLE [TRM]
-
-
-def is_shadowed(offset: int) -> bool:
-    return (offset & 0xFFF) >= FIRST_SHADOWED_OFFSET
 
 
 @dataclass
