@@ -81,7 +81,6 @@ class WeightSlot:
     k: int                           # row length (ne00)
     name: str
     handle: Any = None               # engine weight from npu.upload_weight, None = not staged
-    stage_count: int = 0
     invalidations: int = 0
     volatile: bool = False           # demoted for good: runs on the host
     failed: str | None = None        # why the engine refused it: runs on the host
@@ -175,7 +174,6 @@ class WeightStore:
             self.stats.failures += 1
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
             return
-        slot.stage_count += 1
         self.stats.uploads += 1
         self.stats.staged += 1
         self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
