@@ -75,6 +75,15 @@ def _as_input(x: np.ndarray, dtype: str, what: str) -> np.ndarray:
     raise ValueError(f"unsupported input dtype {dtype!r}")
 
 
+def _dest_bytes(out: np.ndarray | None, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of ``out`` (uint8, e.g. a mapped device buffer), or a new array."""
+    if out is None:
+        return np.empty(nbytes, np.uint8)
+    if out.dtype != np.uint8 or out.size < nbytes:
+        raise ValueError(f"out must be a uint8 array of >= {nbytes} bytes")
+    return out.reshape(-1)[:nbytes]
+
+
 def pack_a(a: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray | None = None) -> np.ndarray:
     """A [rows, K] -> native bytes (uint8, ``a_bytes``): ``(Kp/C2, M, C2)``.
 
@@ -88,12 +97,7 @@ def pack_a(a: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray 
         raise ValueError(f"A has shape {x.shape}, the program expects at most ({shape.M}, {shape.K})")
     c2 = shape.c2_in
     nbytes = a_bytes(shape)
-    if out is None:
-        dest_bytes = np.empty(nbytes, np.uint8)
-    else:
-        if out.dtype != np.uint8 or out.size < nbytes:
-            raise ValueError(f"out must be a uint8 array of >= {nbytes} bytes")
-        dest_bytes = out.reshape(-1)[:nbytes]
+    dest_bytes = _dest_bytes(out, nbytes)
     dest = dest_bytes.view(x.dtype).reshape(shape.Kp // c2, shape.M, c2)
     full = shape.K // c2
     dest[:full, :rows] = x[:, : full * c2].reshape(rows, full, c2).transpose(1, 0, 2)
@@ -116,12 +120,7 @@ def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarr
         raise ValueError(f"B has shape {x.shape}, the program expects [N, K] = ({shape.N}, {shape.K})")
     g, atom = shape.kernel_group, limits.K_ALIGN
     nbytes = b_bytes(shape)
-    if out is None:
-        dest_bytes = np.empty(nbytes, np.uint8)
-    else:
-        if out.dtype != np.uint8 or out.size < nbytes:
-            raise ValueError(f"out must be a uint8 array of >= {nbytes} bytes")
-        dest_bytes = out.reshape(-1)[:nbytes]
+    dest_bytes = _dest_bytes(out, nbytes)
     dest = dest_bytes.view(x.dtype)
     for chunk in k_chunks(shape.K, dtype):
         padded = np.zeros((shape.Np, chunk.size), dtype=x.dtype)
