@@ -154,3 +154,81 @@ def test_serve_engine_rknn_runs_a_matmul_through_the_standin(standin_path, tmp_p
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- rknpu bench matmul --engines ours,rknn -----------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_bench_matmul_rows_for_both_engines(monkeypatch, standin_path, tmp_path):
+    from test_bench_matmul import RIGS, engine_or_skip, run_cli, valid_png
+
+    engine_or_skip()
+    monkeypatch.setenv("LIBRKNNRT_PATH", str(standin_path))
+    out = tmp_path / "bench"
+    assert run_cli("matmul", "--engines", "ours,rknn", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1,16",
+                   "--dtypes", "fp16,int8", "--cores", "1", "--iters", "2", "--warmup", "0",
+                   "--max-sim-macs", str(16 * 256 * 128 - 1), "--out", str(out),
+                   "--rig-root", str(RIGS / "not_rk3588")) == 0
+    data = json.loads((out / "matmul.json").read_text())
+    rows = data["raw"]["rows"]
+    assert [r["engine"] for r in rows] == ["ours"] * 8 + ["rknn"] * 8
+    ours, rknn = rows[:8], rows[8:]
+    assert [(r["shape"], r["dtype"], r["M"]) for r in ours] == [(r["shape"], r["dtype"], r["M"]) for r in rknn]
+    assert {r["ran_on"] for r in ours if r["executed"]} == {"simulator"}
+    assert {r["ran_on"] for r in rknn if r["executed"]} == {"stand-in"}
+    assert {(r["engine"], r["shape"], r["M"]) for r in rows if not r["executed"]} == {
+        (e, "small 256x128", 16) for e in ("ours", "rknn")}
+    for r in rows:
+        assert r["gflops_modeled"] > 0 and "gflops_measured" not in r and "gflops_call_measured" not in r
+    for r in (r for r in rknn if r["executed"]):
+        assert r["calls"] == 2 and r["submit_ms_measured"] > 0
+        # the engine's own modeled device time (librknnrt profile, padded N) beside our program's
+        assert r["device_ms_modeled"] > 0
+    # different cost profiles: the librknnrt submit cost (250 µs) exceeds ours (79 µs) [docs/engine.md]
+    small = {(r["engine"], r["dtype"]): r["device_ms_modeled"] for r in rows if r["shape"] == "small 64x64" and r["M"] == 1}
+    assert small[("rknn", "fp16")] > small[("ours", "fp16")]
+    assert data["meta"]["engines"] == ["ours", "rknn"]
+    assert data["meta"]["rknn"]["standin"] is True and data["meta"]["rknn"]["on_board"] is False
+    assert data["meta"]["simulated"] is True
+    md = (out / "matmul.md").read_text()
+    assert "| engine |" in md and "| rknn |" in md and "| stand-in |" in md and "TEST STAND-IN" in md
+    assert "device ms (modeled)" in md and "submit ms (measured)" in md
+    assert len(data["plots"]) == 2
+    for p in data["plots"]:
+        labels = {s["label"] for s in p["series"]}
+        assert labels == {f"{e} {d} 1c (modeled)" for e in ("ours", "rknn") for d in ("fp16", "int8")}
+        valid_png(out / p["file"])
+
+
+def test_bench_matmul_rknn_missing_library_fails_clearly(monkeypatch, tmp_path, capsys):
+    from test_bench_matmul import RIGS, run_cli
+
+    monkeypatch.setenv("LIBRKNNRT_PATH", str(tmp_path / "absent" / "librknnrt.so"))
+    out = tmp_path / "bench"
+    assert run_cli("matmul", "--engines", "rknn", "--shapes", "small", "--out", str(out),
+                   "--rig-root", str(RIGS / "not_rk3588")) == 1
+    text = capsys.readouterr().out
+    assert "cannot open the rknn engine" in text and "LIBRKNNRT_PATH" in text
+    assert not out.exists()
+
+
+def test_rknn_rows_on_a_board_plot_wall_time_as_the_measured_figure():
+    """librknnrt gives no device clock: device time stays modeled, the call's wall time is the
+    measured figure, and the plot names it end-to-end."""
+    from ggml_rknpu.bench import matmul as mm
+    from ggml_rknpu.cli.bench import _gflops_plots
+    from ggml_rknpu.engine.api import Timing
+
+    rows = []
+    for engine in ("ours", "rknn"):
+        case = mm.Case(mm.SEED_SHAPES[0], 1, "fp16", 3, engine)
+        label = "measured" if engine == "ours" else "modeled"
+        calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 1e-5, 2e-5, 1e-3, label, 1)))] * 3
+        rows.append(mm.summarize_calls(case, calls, on_board=True))
+    ours, rknn = rows
+    assert rknn["engine"] == "rknn" and rknn["ran_on"] == "board"
+    assert rknn["device_ms_modeled"] == pytest.approx(1.0) and "device_ms_measured" not in rknn
+    assert rknn["gflops_call_measured"] == pytest.approx(ours["gflops_call_measured"])
+    assert "device_ms_measured" in ours
+    (plot,) = _gflops_plots(rows, engines=True)
+    assert {s.label for s in plot.series} == {"ours fp16 3c (measured)", "ours fp16 3c (modeled)",
+                                              "rknn fp16 3c (modeled)", "rknn fp16 3c end-to-end (measured)"}

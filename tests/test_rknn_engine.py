@@ -301,3 +301,13 @@ def test_engine_random_shapes(lib, M, K, N, dtype, seed):
             a16, b16 = a.astype(np.float16).astype(np.float64), b.astype(np.float16).astype(np.float64)
             bound = 1.01 * (K + 1) * 2.0**-24 * (np.abs(a16) @ np.abs(b16).T)
             assert (np.abs(c - a16 @ b16.T) <= bound).all()
+
+
+def test_modeled_device_time_follows_the_core_mask(lib):
+    """auto prices one core (cost/anchors.py); a 3-core mask prices three: a wide GEMV gets faster."""
+    times = {}
+    for mask in ("auto", "core0", "core0_1_2"):
+        with RknnNpu(lib, core_mask=mask) as npu:
+            npu.matmul(np.ones((1, 2048), np.float32), npu.upload_weight(np.ones((2048, 2048), np.float32)))
+            times[mask] = npu.last_timing.device_s
+    assert times["auto"] == times["core0"] and times["core0_1_2"] < 0.6 * times["core0"]

@@ -15,6 +15,12 @@ Figure keys follow ``bench.report``: ``*_measured`` is a clock read on this mach
 the host columns are this host's (an x86 running the simulator), which the report says.
 The seed's own measured figures are taken from ``cost.anchors.ANCHORS`` (copied there from
 the seed log, Milestones 7 and 8, with their citation) rather than copied a second time.
+
+Engines (``Case.engine``): ``ours`` (our register commands) and ``rknn`` (Rockchip's
+librknnrt, ``rknn.engine.RknnNpu``). Rows of both sit side by side with an ``engine`` column.
+The rknn engine cannot read the NPU's clock: its device time is always *modeled* (cost model,
+librknnrt profile); on a board only its wall time per call is a measurement. Through the
+test stand-in its host columns are wall time of host C code (``ran_on`` "stand-in").
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.cost.anchors import ANCHORS
-from ggml_rknpu.cost.model import OWN_DRIVER, modeled_time, vendor_style_workload
+from ggml_rknpu.cost.model import OWN_DRIVER, RKNN_RUNTIME, modeled_time, vendor_style_workload
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ GEMM_MS = (16, 64, 256, 512, 1024, 2048)       # prefill batch sizes up to 2048 
 # our phase name -> engine.api.Timing attribute (submit_s includes the driver's blocking wait;
 # wait_s is the cache sync of C after it [engine.api docstring])
 HOST_PHASES = {"pack_a": "pack_s", "submit": "submit_s", "wait": "wait_s", "unpack_c": "unpack_s"}
+ENGINES = ("ours", "rknn")
 
 
 def flops(M: int, K: int, N: int) -> int:
@@ -69,7 +76,8 @@ def flops(M: int, K: int, N: int) -> int:
 
 
 MATMUL_COLUMNS = [
-    rp.Column("shape", "shape"), rp.Column("dtype", "dtype"), rp.Column("cores", "cores"), rp.Column("M", "M"),
+    rp.Column("engine", "engine"), rp.Column("shape", "shape"), rp.Column("dtype", "dtype"),
+    rp.Column("cores", "cores"), rp.Column("M", "M"),
     rp.Column("ran_on", "ran on"), rp.Column("pack_a_ms_measured", "pack A ms", "{:.3f}", figure=True),
     rp.Column("submit_ms_measured", "submit ms", "{:.3f}", figure=True),
     rp.Column("wait_ms_measured", "wait ms", "{:.3f}", figure=True),
@@ -95,6 +103,14 @@ def modeled_program_time(M: int, K: int, N: int, dtype: str, cores: int, *, dram
 
 
 THROTTLED_DRAM_MHZ = 528   # the DMC governor's parked step [seed log Milestone 15; anchors.md §3.2]
+
+
+def modeled_engine_time(engine: str, M: int, K: int, N: int, dtype: str, cores: int) -> float:
+    """Modeled seconds of one call on ``engine``: our compiled program (own submit path), or
+    librknnrt's documented tiling with its submit cost (``cost.model.RKNN_RUNTIME``)."""
+    if engine == "rknn":
+        return modeled_time(vendor_style_workload(M, K, N, dtype=dtype, cores=cores), profile=RKNN_RUNTIME).total_s
+    return modeled_program_time(M, K, N, dtype, cores)
 
 
 def seed_comparison(*, dram_mhz: float = 2112) -> list[dict]:
@@ -159,18 +175,21 @@ class Case:
     M: int
     dtype: str
     cores: int
+    engine: str = "ours"
 
     @property
     def flops(self) -> int:
         return flops(self.M, self.shape.K, self.shape.N)
 
 
-def summarize_calls(case: Case, calls: list[tuple[float, dict]], *, on_board: bool) -> dict:
+def summarize_calls(case: Case, calls: list[tuple[float, dict]], *, on_board: bool,
+                    ran_on: str | None = None) -> dict:
     """Median per-call figures of one case. Host phases are measured on this host; device time
-    keeps the basis the engine reported; GFLOP/s is derived from each."""
-    row = {"shape": case.shape.label, "M": case.M, "K": case.shape.K, "N": case.shape.N,
-           "dtype": case.dtype, "cores": case.cores, "calls": len(calls), "executed": True,
-           "ran_on": "board" if on_board else "simulator"}
+    keeps the basis the engine reported; GFLOP/s is derived from each. ``ran_on`` defaults to
+    "board" / "simulator"."""
+    row = {"engine": case.engine, "shape": case.shape.label, "M": case.M, "K": case.shape.K,
+           "N": case.shape.N, "dtype": case.dtype, "cores": case.cores, "calls": len(calls), "executed": True,
+           "ran_on": ran_on or ("board" if on_board else "simulator")}
     for phase in HOST_PHASES:
         vals = [t[f"{phase}_s"] for _, t in calls if t[f"{phase}_s"] is not None]
         row[f"{phase}_ms_measured"] = float(np.median(vals)) * 1e3 if vals else None
@@ -185,14 +204,14 @@ def summarize_calls(case: Case, calls: list[tuple[float, dict]], *, on_board: bo
         row[f"gflops_{basis}"] = case.flops / float(np.median(dev)) / 1e9
     if basis != "modeled":
         # on a board, the cost model's figure beside the measured one (a check of the model)
-        t = modeled_program_time(case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
+        t = modeled_engine_time(case.engine, case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
         row["device_ms_modeled"] = t * 1e3
         row["gflops_modeled"] = case.flops / t / 1e9
     return row
 
 
 def run_case(npu, case: Case, *, iters: int, warmup: int, rng: np.random.Generator,
-             on_board: bool) -> dict:
+             on_board: bool, ran_on: str | None = None) -> dict:
     a, b = make_operands(case.shape, case.M, case.dtype, rng)
     w = npu.upload_weight(b, dtype=case.dtype)
     try:
@@ -205,20 +224,22 @@ def run_case(npu, case: Case, *, iters: int, warmup: int, rng: np.random.Generat
             calls.append((time.perf_counter() - t0, read_timing(npu.last_timing)))
     finally:
         w.free()
-    return summarize_calls(case, calls, on_board=on_board)
+    return summarize_calls(case, calls, on_board=on_board, ran_on=ran_on)
 
 
 def modeled_only_row(case: Case, reason: str) -> dict:
-    t = modeled_program_time(case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
-    return {"shape": case.shape.label, "M": case.M, "K": case.shape.K, "N": case.shape.N, "dtype": case.dtype,
-            "cores": case.cores, "calls": 0, "executed": False, "ran_on": "model only", "skipped": reason,
+    t = modeled_engine_time(case.engine, case.M, case.shape.K, case.shape.N, case.dtype, case.cores)
+    return {"engine": case.engine, "shape": case.shape.label, "M": case.M, "K": case.shape.K, "N": case.shape.N,
+            "dtype": case.dtype, "cores": case.cores, "calls": 0, "executed": False, "ran_on": "model only", "skipped": reason,
             "device_ms_modeled": t * 1e3, "gflops_modeled": case.flops / t / 1e9}
 
 
 def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, warmup: int, on_board: bool,
-          max_sim_macs: int, advance: Callable[[int], None] = lambda n=1: None, seed: int = 0) -> list[dict]:
-    """Every case: executed through an engine opened with ``open_npu(cores)``, or (on the
-    simulator, above ``max_sim_macs``) priced by the cost model only and marked not executed."""
+          max_sim_macs: int, advance: Callable[[int], None] = lambda n=1: None, seed: int = 0,
+          ran_on: str | None = None) -> list[dict]:
+    """Every case: executed through an engine opened with ``open_npu(cores)``, or (off a board,
+    above ``max_sim_macs``) priced by the cost model only and marked not executed. ``ran_on``
+    names where an off-board run happens (default "simulator")."""
     rng = np.random.default_rng(seed)
     rows: dict[Case, dict] = {}
     for cores in dict.fromkeys(c.cores for c in cases):
@@ -227,15 +248,16 @@ def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, w
         for case in group:
             if case not in runnable:
                 macs = case.M * case.shape.K * case.shape.N
-                rows[case] = modeled_only_row(case, f"{macs:.2e} MACs exceed the simulator budget "
-                                                    f"{max_sim_macs:.0e}")
+                rows[case] = modeled_only_row(case, f"{macs:.2e} MACs exceed the {ran_on or 'simulator'} "
+                                                    f"budget {max_sim_macs:.0e}")
                 advance(1)
         if not runnable:
             continue
         npu = open_npu(cores)
         try:
             for case in runnable:
-                rows[case] = run_case(npu, case, iters=iters, warmup=warmup, rng=rng, on_board=on_board)
+                rows[case] = run_case(npu, case, iters=iters, warmup=warmup, rng=rng, on_board=on_board,
+                                      ran_on=ran_on)
                 advance(1)
         finally:
             npu.close()

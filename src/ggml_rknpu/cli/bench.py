@@ -6,6 +6,9 @@ Every benchmark runs ``check-rig`` first and stamps its verdict into the report;
 (throttled DRAM, powersave CPU, hot board, no driver) refuses to benchmark unless
 ``--allow-throttled``. On a machine that is not an RK3588 board the benchmark runs on the
 simulator and its device figures are *modeled*. Reports (JSON, Markdown, PNG) go to ``--out``.
+``matmul --engines ours,rknn`` puts rows of our engine and of Rockchip's librknnrt side by
+side (``engine`` column and plot series); ``--device`` applies to our engine only, the rknn
+engine follows ``rknn.opener``'s rule and says "stand-in" when it runs the test stand-in.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ def _dtypes(text: str) -> list[str]:
     return vals
 
 
+def _engines(text: str) -> list[str]:
+    vals = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [v for v in vals if v not in mm.ENGINES]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {bad or text!r}: choose from {', '.join(mm.ENGINES)}")
+    return vals
+
+
 def _common(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--out", default=out, metavar="DIR", help=f"report directory (default {out})")
     p.add_argument("--allow-throttled", action="store_true",
@@ -54,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(m, "bench-out/matmul")
     m.add_argument("--modeled", action="store_true",
                    help="no device: modeled GFLOP/s for the seed's Milestone 7/8 shapes beside its measured figures")
+    m.add_argument("--engines", type=_engines, default=["ours"],
+                   help="comma list: ours (our register commands), rknn (Rockchip's librknnrt via $LIBRKNNRT_PATH "
+                        "or the usual directories; --device does not apply to it). Default ours")
     m.add_argument("--shapes", default="seed", help="comma list of shape sets: seed, model, small (default seed)")
     m.add_argument("--dtypes", type=_dtypes, default=["fp16", "int8"])
     m.add_argument("--cores", type=_ints, default=[1, 3])
@@ -61,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--iters", type=int, default=5, help="timed calls per case (median reported)")
     m.add_argument("--warmup", type=int, default=1)
     m.add_argument("--max-sim-macs", type=float, default=2 ** 24,
-                   help="on the simulator, cases above this many MACs are modeled only (not executed)")
+                   help="off a board (simulator, rknn stand-in), cases above this many MACs are modeled only "
+                        "(not executed)")
     s = sub.add_parser("sustained", help="back-to-back calls for a duration, per-second windows")
     _common(s, "bench-out/sustained")
     s.add_argument("--K", type=int, default=2048)
@@ -162,42 +177,102 @@ def _present(columns: list[rp.Column], rows: list[dict]) -> list[rp.Column]:
     return [c for c in columns if not c.figure or any(r.get(c.key) is not None for r in rows)]
 
 
-def _gflops_plots(rows: list[dict], prefix: str = "gflops_vs_m") -> list[rp.Plot]:
+def _gflops_plots(rows: list[dict], prefix: str = "gflops_vs_m", engines: bool = False) -> list[rp.Plot]:
+    """One plot per shape, a series per (dtype, cores) and basis; with ``engines`` the series
+    name the engine too (rows of several engines in one report)."""
     plots = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        sub = [{**r, "series": f"{r['dtype']} {r['cores']}c"} for r in rows if r["shape"] == shape]
+        sub = [{**r, "series": f"{r['engine'] + ' ' if engines else ''}{r['dtype']} {r['cores']}c"}
+               for r in rows if r["shape"] == shape]
         series = []
         for key in ("gflops_measured", "gflops_modeled"):
             series += rp.series_by(sub, "series", "M", key, "{} ({})")
+        # librknnrt has no device clock: on a board its only measured figure is the call's wall time
+        series += rp.series_by([r for r in sub if r.get("engine") == "rknn"], "series", "M",
+                               "gflops_call_measured", "{} end-to-end ({})")
         plots.append(rp.Plot(f"{prefix}_{_slug(shape)}.png", f"GFLOP/s vs M: {shape}", "M", "GFLOP/s",
                              series, log_x=True))
     return plots
 
 
-def run_matmul(args, rig: RigReport, console: Console) -> rp.Report:
-    shapes = _shape_sets(args.shapes)
-    cases = [mm.Case(s, m, d, c) for s in shapes for d in args.dtypes for c in args.cores for m in args.ms]
-    probe = _open_engine(args, 1)
-    try:
-        meta = _device_meta(probe)
-    finally:
-        probe.close()
-    with rp.progress(console, "matmul", len(cases)) as advance:
-        rows = mm.burst(lambda cores: _open_engine(args, cores), cases, iters=args.iters, warmup=args.warmup,
-                        on_board=not meta["simulated"], max_sim_macs=int(args.max_sim_macs), advance=advance)
+def _engine_runs(args, console: Console) -> list[dict] | None:
+    """Per engine: how to open it per core count, whether its wall times are board figures,
+    what its rows' ``ran_on`` says, and its metadata. None (after a clear message) when the
+    rknn engine cannot be opened here."""
+    runs = []
+    for engine in args.engines:
+        if engine == "ours":
+            probe = _open_engine(args, 1)
+            try:
+                meta = _device_meta(probe)
+            finally:
+                probe.close()
+            runs.append({"engine": engine, "open": lambda cores: _open_engine(args, cores),
+                         "on_board": not meta["simulated"], "ran_on": None, "meta": meta})
+            continue
+        from ggml_rknpu.rknn import RknnError, RknnUnavailable
+        from ggml_rknpu.rknn.opener import RknnRefused, load, open_rknn
+
+        try:
+            loaded = load("auto")
+        except (RknnUnavailable, RknnRefused, RknnError) as exc:
+            console.print(f"[bold red]bench matmul: cannot open the rknn engine:[/] {exc}")
+            return None
+        setup = loaded[1]
+        ran_on = "stand-in" if setup.standin else "board" if setup.on_board else "librknnrt, device not recognised"
+        runs.append({"engine": engine, "open": lambda cores, loaded=loaded: open_rknn(cores=cores, loaded=loaded)[0],
+                     "on_board": setup.on_board, "ran_on": ran_on,
+                     "meta": {**setup.as_dict(), "describe": setup.describe(), "host": mm.host_description()}})
+    return runs
+
+
+def _engine_notes(runs: list[dict]) -> list[str]:
     notes = []
-    if meta["simulated"]:
-        notes.append(f"simulator: device times are modeled; host columns (pack/submit/wait/unpack) are measured "
-                     f"on this host ({meta['host']}) running the simulator, not on a board")
+    for run in runs:
+        meta = run["meta"]
+        if run["engine"] == "ours" and meta["simulated"]:
+            notes.append(f"simulator: device times are modeled; host columns (pack/submit/wait/unpack) are "
+                         f"measured on this host ({meta['host']}) running the simulator, not on a board")
+        elif run["engine"] == "rknn":
+            if meta["standin"]:
+                notes.append(f"rknn rows ran on the TEST STAND-IN ({meta['library']}), not Rockchip's librknnrt: "
+                             f"their host columns are wall time of host C code on this host ({meta['host']}) and say "
+                             "nothing about the NPU; their device times are modeled (cost model, librknnrt profile)")
+            elif not meta["on_board"]:
+                notes.append(f"rknn rows: librknnrt at {meta['library']} without a recognised vendor rknpu node: "
+                             "host columns measured on this host, device times modeled, no NPU figure")
+            else:
+                notes.append("rknn rows: librknnrt has no device clock; device times are modeled (librknnrt "
+                             "profile), end-to-end GFLOP/s is measured wall time per call on the board")
+    return notes
+
+
+def run_matmul(args, rig: RigReport, console: Console) -> rp.Report | None:
+    shapes = _shape_sets(args.shapes)
+    runs = _engine_runs(args, console)
+    if runs is None:
+        return None
+    rows: list[dict] = []
+    n_cases = len(shapes) * len(args.dtypes) * len(args.cores) * len(args.ms) * len(runs)
+    with rp.progress(console, "matmul", n_cases) as advance:
+        for run in runs:
+            cases = [mm.Case(s, m, d, c, run["engine"]) for s in shapes for d in args.dtypes for c in args.cores
+                     for m in args.ms]
+            rows += mm.burst(run["open"], cases, iters=args.iters, warmup=args.warmup, on_board=run["on_board"],
+                             max_sim_macs=int(args.max_sim_macs), advance=advance, ran_on=run["ran_on"])
+    notes = _engine_notes(runs)
     skipped = [r for r in rows if not r["executed"]]
     if skipped:
-        notes.append(f"{len(skipped)} case(s) too large for the simulator were priced by the cost model only "
+        notes.append(f"{len(skipped)} case(s) too large to run off a board were priced by the cost model only "
                      "(executed=false in the JSON)")
     table = rp.Table("Matmul burst (median per call)", _present(mm.MATMUL_COLUMNS, rows), rows)
-    meta.update(iters=args.iters, warmup=args.warmup, mode="burst")
+    ours = next((r["meta"] for r in runs if r["engine"] == "ours"), {})
+    meta = {**ours, "engines": [r["engine"] for r in runs], "iters": args.iters, "warmup": args.warmup,
+            "mode": "burst"}
+    meta.update({r["engine"]: r["meta"] for r in runs if r["engine"] != "ours"})
     return rp.Report("matmul", "Matmul benchmark (burst)", rig.to_dict(), meta=meta, tables=[table],
-                     plots=_gflops_plots(rows), raw={"rows": rows, "shapes": [s.__dict__ for s in shapes]},
-                     notes=notes)
+                     plots=_gflops_plots(rows, engines=len(runs) > 1),
+                     raw={"rows": rows, "shapes": [s.__dict__ for s in shapes]}, notes=notes)
 
 
 def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
@@ -258,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         return REFUSED
     if args.bench == "matmul":
         report = run_matmul_modeled(args, rig) if args.modeled else run_matmul(args, rig, console)
+        if report is None:
+            return 1
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:

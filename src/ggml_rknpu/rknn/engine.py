@@ -134,6 +134,12 @@ class RknnNpu:
         self._bytes = 0
         self._closed = False
 
+    @property
+    def modeled_cores(self) -> int:
+        """Cores the cost model prices a run on: those in the core mask; 1 for "auto" (the
+        runtime's AUTO mask runs a matmul on one core: reading in ``cost/anchors.py``)."""
+        return min(3, bin(self.core_mask & 0b111).count("1")) or 1
+
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16", *, matmul_type: int | None = None) -> RknnWeight:
         """Convert ``b`` [N, K] once (fp16, or int8 with per-row scales) into the native
@@ -270,7 +276,8 @@ class RknnNpu:
         self._bytes += nbytes
         self.counters["contexts_created"] += 1
         self.counters["b_bytes_staged"] += native_b.nbytes
-        modeled = modeled_time(vendor_style_workload(m, k, w.n_padded, dtype=w.dtype), profile=RKNN_RUNTIME)
+        modeled = modeled_time(vendor_style_workload(m, k, w.n_padded, dtype=w.dtype, cores=self.modeled_cores),
+                               profile=RKNN_RUNTIME)
         return _Context(ctx, io, (mems[0], mems[1], mems[2]), nbytes, modeled.total_s)
 
     def _destroy_context(self, c: _Context) -> None:
