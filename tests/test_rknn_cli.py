@@ -12,16 +12,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from rknn_support import standin_path  # noqa: F401  (fixture)
+from rpc_testkit import RpcClient, T
 
 from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn import opener
-from rknn_support import standin_path  # noqa: F401  (fixture)
-from rpc_testkit import RpcClient, T
 
 pytestmark = pytest.mark.timeout(120)
 K, N, M = 64, 32, 3
