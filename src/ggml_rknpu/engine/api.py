@@ -171,7 +171,7 @@ class Npu:
         except BaseException:
             buffer.close()
             raise
-        weight = Weight(self, staged, buffer, nbytes)
+        weight = Weight(self, staged.without_data(), buffer, nbytes)
         self._weights.append(weight)
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes

@@ -40,6 +40,13 @@ class StagedWeight:
     def shape(self) -> tuple[int, int]:
         return self.data.shape  # type: ignore[return-value]
 
+    def without_data(self) -> "StagedWeight":
+        """The same weight with its host copy released (a zero-byte read-only view keeps the
+        shape and element type): what an engine holds once the data is in device memory,
+        so a resident model does not also occupy host RAM."""
+        return StagedWeight(np.broadcast_to(np.zeros((), self.data.dtype), self.data.shape),
+                            self.dtype, self.scales)
+
 
 def check_matrix(x: np.ndarray, what: str) -> np.ndarray:
     """``x`` as a 2-D numpy array with at least one element; ValueError saying what is wrong."""

@@ -166,7 +166,7 @@ class RknnNpu:
             info = rb.MatmulInfo(M=1, K=kc, N=n_pad, type=mtype, B_layout=rb.LAYOUT_NATIVE)
             b_kn = np.ascontiguousarray(padded[:, k0: k0 + kc].T)
             native.append(self.lib.b_normal_to_native(b_kn, info, b_kn.nbytes))
-        weight = RknnWeight(self, staged, native, k_chunks, n_pad)
+        weight = RknnWeight(self, staged.without_data(), native, k_chunks, n_pad)
         self._weights.append(weight)
         self.counters["weights_uploaded"] += 1
         return weight
