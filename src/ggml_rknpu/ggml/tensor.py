@@ -17,6 +17,7 @@ import numpy as np
 
 from ggml_rknpu.ggml.buffers import BufferTable, DeviceBuffer
 from ggml_rknpu.ggml.enums import TYPE_TRAITS
+from ggml_rknpu.ggml.ops.registry import TensorRef, tensor_span
 from ggml_rknpu.ggml.rpc.wire import RPC_TENSOR, ProtocolError, tensor_name
 
 # Largest logical size of one tensor (elements × element size). ne/nb are u32 on the
@@ -74,14 +75,10 @@ def nbytes(t: RpcTensor, what: str = "tensor") -> int:
             raise ProtocolError(f"{what} '{t.name}': ne0={t.ne[0]} is not a multiple of the block size {block}")
         if t.nb[0] != type_size:
             raise ProtocolError(f"{what} '{t.name}': quantized nb0={t.nb[0]} != block bytes {type_size}")
-        size = t.ne[0] * t.nb[0] // block
-    else:
-        size = type_size + (t.ne[0] - 1) * t.nb[0]
-    size += sum((t.ne[i] - 1) * t.nb[i] for i in range(1, 4))
     logical = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3] * type_size // block
     if logical > MAX_TENSOR_LOGICAL_BYTES:
         raise ProtocolError(f"{what} '{t.name}': absurd size, ne={t.ne} ({logical} bytes)")
-    return size
+    return tensor_span(t.type, t.ne, t.nb)
 
 
 @dataclass(eq=False, slots=True)
@@ -104,10 +101,8 @@ class CheckedTensor:
             return np.empty(0, dtype=np.uint8)
         return self.buffer.array[self.start:self.end]
 
-    def ref(self):
+    def ref(self) -> TensorRef:
         """The CONTRACT G TensorRef the host ops work on."""
-        from ggml_rknpu.ggml.ops.registry import TensorRef
-
         t = self.rpc
         return TensorRef(type=t.type, ne=t.ne, nb=t.nb, raw=self.raw)
 
