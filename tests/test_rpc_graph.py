@@ -256,6 +256,24 @@ def test_npu_failure_falls_back_to_host(env):
         assert st.state.weight_stats.failures == 1 and planner.planned == ["MUL_MAT"]
 
 
+def test_npu_failure_is_not_retried_and_frees_the_weight(env):
+    st, npu, planner = env
+    with st.client() as c:
+        g = MatmulGraph(c)
+        w = rng_w()
+        c.set_array(g.w, w)
+        x = np.ones((M, K), np.float32)
+        c.set_array(g.x, x)
+        npu.fail_matmul = True
+        g.compute()
+        npu.fail_matmul = False                                  # even once the engine works again
+        for _ in range(2):
+            c.graph_recompute()
+            np.testing.assert_allclose(c.get_array(g.out), x @ w.T, rtol=1e-5)
+        assert st.state.weight_stats.failures == 1 and npu.matmuls == 0
+        assert st.state.weight_stats.staged == 0 and npu.frees == 1
+
+
 def test_int8_format_is_passed_to_the_engine():
     seen = []
 

@@ -18,7 +18,6 @@ are recorded per buffer so they can never be mistaken for a weight.
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,8 +34,6 @@ from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
-
-log = logging.getLogger("ggml_rknpu.rpc")
 
 PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
 
@@ -282,9 +279,7 @@ class GraphPlanner:
                 try:
                     c = npu.matmul(a, handle)
                 except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
-                    slot.failed = f"{type(exc).__name__}: {exc}"
-                    weights.stats.failures += 1
-                    log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
+                    weights.matmul_failed(slot, exc)
                 else:
                     d_view[...] = c.reshape(d_view.shape)
                     step.counter = npu_counter

@@ -137,9 +137,18 @@ class WeightStore:
 
     def weight(self, slot: WeightSlot) -> Any:
         """The staged engine weight, staging it first if needed (None: run on the host)."""
-        if slot.handle is None and slot.on_npu:
+        if not slot.on_npu:
+            return None
+        if slot.handle is None:
             self._stage(slot)
         return slot.handle
+
+    def matmul_failed(self, slot: WeightSlot, exc: BaseException) -> None:
+        """The engine failed a matmul with this weight: host path for good, NPU copy freed."""
+        slot.failed = f"{type(exc).__name__}: {exc}"
+        self.stats.failures += 1
+        log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
+        self._unstage(slot)
 
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
