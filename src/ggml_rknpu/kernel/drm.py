@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from ggml_rknpu.kernel.errors import ioctl_error
+
 # [asm-generic/ioctl.h] field widths and shifts
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
 _IOC_NRSHIFT = 0
@@ -139,3 +141,15 @@ def query_version(sys, fd: int) -> DrmVersion:
 
 def gem_close(sys, fd: int, handle: int) -> None:
     sys.ioctl(fd, DRM_IOCTL_GEM_CLOSE, bytearray(bytes(drm_gem_close(handle=handle))))
+
+
+def call(sys, fd: int, request: int, struct: ctypes.Structure, what: str, name: str,
+         hints: dict[tuple[str, int], str]) -> ctypes.Structure:
+    """One driver ioctl on a copy of ``struct``: the struct as the kernel wrote it back, or the
+    NpuError ``ioctl_error`` builds (``what`` names the call, ``hints`` say what to check)."""
+    arg = bytearray(bytes(struct))
+    try:
+        sys.ioctl(fd, request, arg)
+    except OSError as exc:
+        raise ioctl_error(what, name, exc, hints) from exc
+    return type(struct).from_buffer_copy(arg)

@@ -12,9 +12,10 @@ import ctypes
 import errno
 from dataclasses import dataclass
 
+from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel import rknpu_abi as abi
 from ggml_rknpu.kernel.drm import DrmVersion, query_version
-from ggml_rknpu.kernel.errors import NpuError, ioctl_error
+from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 _HINTS: dict[tuple[str, int], str] = {
@@ -59,12 +60,7 @@ class RknpuDriver:
         )
 
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
-        arg = bytearray(bytes(struct))
-        try:
-            self.sys.ioctl(self.fd, request, arg)
-        except OSError as exc:
-            raise ioctl_error(f"RKNPU {name}", name, exc, _HINTS) from exc
-        return type(struct).from_buffer_copy(arg)
+        return drm.call(self.sys, self.fd, request, struct, f"RKNPU {name}", name, _HINTS)
 
     def action(self, action: abi.Action, value: int = 0) -> int:
         out = self._call("ACTION", abi.DRM_IOCTL_RKNPU_ACTION, abi.rknpu_action(flags=int(action), value=value & 0xFFFFFFFF))

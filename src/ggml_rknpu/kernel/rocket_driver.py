@@ -11,9 +11,10 @@ import ctypes
 import errno
 from dataclasses import dataclass
 
+from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel import rocket_abi as abi
 from ggml_rknpu.kernel.drm import DrmVersion, gem_close, query_version
-from ggml_rknpu.kernel.errors import NpuError, ioctl_error
+from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 INT64_MAX = (1 << 63) - 1
@@ -52,12 +53,7 @@ class RocketDriver:
         self.version = (self.drm.major, self.drm.minor, self.drm.patch)
 
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
-        arg = bytearray(bytes(struct))
-        try:
-            self.sys.ioctl(self.fd, request, arg)
-        except OSError as exc:
-            raise ioctl_error(f"ROCKET {name}", name, exc, _HINTS) from exc
-        return type(struct).from_buffer_copy(arg)
+        return drm.call(self.sys, self.fd, request, struct, f"ROCKET {name}", name, _HINTS)
 
     def create_bo(self, size: int) -> RocketBo:
         out = self._call("CREATE_BO", abi.DRM_IOCTL_ROCKET_CREATE_BO, abi.drm_rocket_create_bo(size=size))
