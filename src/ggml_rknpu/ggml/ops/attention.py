@@ -4,7 +4,7 @@ ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` (llama.cp
 
 * q ``[DK, N, Hq, B]`` f32; k ``[DK, KV, Hk, B]`` and v ``[DV, KV, Hv, B]`` (f32, f16, bf16
   or a gguf-dequantizable quant type); head ``h`` reads kv head ``h / (Hq/Hk)``.
-* mask (src3) f16 ``[KV, >=N, m2, m3]`` broadcast as ``mask[i1, h % m2, b % m3]``; a key
+* mask (src3) f16/f32 ``[KV, >=N, m2, m3]`` broadcast as ``mask[i1, h % m2, b % m3]``; a key
   whose mask is -inf is skipped; sinks (src4) f32 per head join the softmax denominator.
 * op_params f32 ``[scale, max_bias, logit_softcap]`` (+ int prec at [3], ignored: f32 here);
   with softcap ``s = softcap * tanh(s * scale / softcap)``; ALiBi slopes as SOFT_MAX.
@@ -45,7 +45,7 @@ def plan_flash_attn_ext(node: OpNode) -> Closure:
         raise node.unsupported(f"dst {dst.ne} != (DV, Hq, N, B) = {(dv, hq, n_q, nb)}")
     if mask_ref is not None:
         if mask_ref.type not in (GgmlType.F16, GgmlType.F32) or mask_ref.ne[0] < n_kv or mask_ref.ne[1] < n_q:
-            raise node.unsupported(f"mask {mask_ref.ne} must be f16 and cover [KV, N]")
+            raise node.unsupported(f"mask {mask_ref.ne} must be f16 or f32 and cover [KV, N]")
         if hq % mask_ref.ne[2] or nb % mask_ref.ne[3]:
             raise node.unsupported("mask heads/batches do not divide q's")
     if sinks_ref is not None and (sinks_ref.type != GgmlType.F32 or sinks_ref.ne[0] < hq):
