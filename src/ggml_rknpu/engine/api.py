@@ -40,6 +40,7 @@ import numpy as np
 
 from ggml_rknpu.cost.model import ModeledTime, modeled_time
 from ggml_rknpu.engine.weights import (
+    ResidentWeight,
     StagedWeight,
     check_matrix,
     dequantize_output,
@@ -97,7 +98,7 @@ class _Plan:
             buf.close()
 
 
-class Weight:
+class Weight(ResidentWeight):
     """A weight resident in NPU memory in its native layout. ``shape`` is (N, K)."""
 
     def __init__(self, npu: "Npu", staged: StagedWeight, buffer: Any, packed_bytes: int) -> None:
@@ -109,18 +110,6 @@ class Weight:
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
         self.freed = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.staged.shape
-
-    @property
-    def dtype(self) -> str:
-        return self.staged.dtype
-
-    @property
-    def scales(self) -> np.ndarray | None:
-        return self.staged.scales
 
     def free(self) -> None:
         """Release the weight and every program compiled for it (idempotent)."""

@@ -48,6 +48,25 @@ class StagedWeight:
                             self.dtype, self.scales)
 
 
+class ResidentWeight:
+    """What both engines' weight handles expose: ``shape`` (N, K), ``dtype`` and ``scales``,
+    read from the ``staged`` weight they were made from."""
+
+    staged: StagedWeight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.staged.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.staged.dtype
+
+    @property
+    def scales(self) -> np.ndarray | None:
+        return self.staged.scales
+
+
 def check_matrix(x: np.ndarray, what: str) -> np.ndarray:
     """``x`` as a 2-D numpy array with at least one element; ValueError saying what is wrong."""
     if not isinstance(x, np.ndarray):

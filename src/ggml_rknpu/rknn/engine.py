@@ -33,6 +33,7 @@ import numpy as np
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
 from ggml_rknpu.engine.api import MAX_PROGRAM_M, Timing, m_bucket
 from ggml_rknpu.engine.weights import (
+    ResidentWeight,
     StagedWeight,
     check_matrix,
     dequantize_output,
@@ -81,7 +82,7 @@ class _Context:
     modeled_s: float             # device seconds of one run, modeled (librknnrt profile)
 
 
-class RknnWeight:
+class RknnWeight(ResidentWeight):
     """A weight staged on the host (converted, padded, in native layout per K chunk) and,
     per M bucket, resident in the contexts that use it."""
 
@@ -93,18 +94,6 @@ class RknnWeight:
         self.k_chunks = k_chunks
         self.n_padded = n_padded
         self.freed = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.staged.shape
-
-    @property
-    def dtype(self) -> str:
-        return self.staged.dtype
-
-    @property
-    def scales(self) -> np.ndarray | None:
-        return self.staged.scales
 
     def free(self) -> None:
         if not self.freed:
