@@ -60,7 +60,7 @@ def test_pack_b_k_chunks_are_contiguous_blocks():
     N, K = 40, 10240 + 100
     b = rand(rng, (N, K), "fp16")
     chunks = k_chunks(K, "fp16")
-    assert len(chunks) == 2 and sum(c.size for c in chunks) == -(-K // 32) * 32
+    assert len(chunks) >= 2 and sum(c.size for c in chunks) == -(-K // 32) * 32   # K > 8192: split
     packed = pack_b(b, "fp16").view(np.float16)
     Np = 48
     for ch in chunks:
@@ -94,21 +94,23 @@ def test_unpack_c_inverts_the_section6_layout(M, N, mode, seed):
 
 def test_unpack_c_sums_k_split_partials():
     prog = compile_matmul(3, 20000, 20, dtype="int8", out="int32")
-    assert prog.k_splits == 2
-    region = prog.c_bytes // 2 // 4
+    k = prog.k_splits
+    assert k >= 2
+    region = prog.c_bytes // k // 4
     buf = np.zeros(prog.c_bytes // 4, np.int32)
-    buf[:region] = 5
-    buf[region:] = 7
-    np.testing.assert_array_equal(unpack_c(buf.view(np.uint8), prog), np.full((3, 20), 12, np.int32))
+    for i in range(k):
+        buf[i * region: (i + 1) * region] = 5 + 2 * i          # partial i of every output
+    expected = sum(5 + 2 * i for i in range(k))
+    np.testing.assert_array_equal(unpack_c(buf.view(np.uint8), prog), np.full((3, 20), expected, np.int32))
 
 
 def test_fp16_out_with_k_split_writes_fp32_partials():
     prog = compile_matmul(2, 12000, 16, dtype="fp16", out="fp16")
-    assert prog.k_splits == 2 and prog.c_dtype == "fp32"
+    assert prog.k_splits >= 2 and prog.c_dtype == "fp32"
     buf = np.full(prog.c_bytes // 4, 0.25, np.float32)
     got = unpack_c(buf.view(np.uint8), prog)
     assert got.dtype == np.float16
-    np.testing.assert_array_equal(got, np.full((2, 16), 0.5, np.float16))
+    np.testing.assert_array_equal(got, np.full((2, 16), 0.25 * prog.k_splits, np.float16))
 
 
 def test_bad_inputs_raise_clear_errors():

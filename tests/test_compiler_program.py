@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
 from ggml_rknpu.compiler.matmul import compile_matmul
+from ggml_rknpu.compiler.tiling import k_chunks
 from ggml_rknpu.hw.regcmd import Target, decode_word, fetch_amount, task_tail, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET
 
@@ -111,7 +112,7 @@ def test_k_split_programs_compute_the_matmul(mode):
     a = rng.integers(-2, 3, size=(M, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
     b = rng.integers(-2, 3, size=(N, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
     prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=3)
-    assert prog.k_splits == 3
+    assert prog.k_splits == len(k_chunks(K, mode[0])) >= 3
     np.testing.assert_array_equal(run_program(a, b, prog).astype(np.float64), reference(a, b, mode))
 
 

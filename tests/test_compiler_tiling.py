@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.compiler.tiling import MAX_TASK_K, k_chunks, plan
+from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, k_chunks, plan
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import BY_OFFSET
@@ -65,6 +65,19 @@ def test_tiling_invariants(args):
         assert "4095" in str(e)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 1022), st.integers(8193, 40000), st.integers(1, 12000),
+       st.sampled_from(MODES), st.integers(1, 3))
+def test_tiling_invariants_long_k(M, K, N, mode, cores):
+    # K > 8192 is chunked for rows per task (tiling.py); every bank and coverage rule holds
+    try:
+        t = check_tiling(M, K, N, mode, cores)
+    except ValueError as e:
+        assert "4095" in str(e)
+        return
+    assert t.k_splits >= 2
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.tuples(st.integers(1, 1500), st.integers(1, 25000), st.integers(1, 9000),
                  st.sampled_from(MODES), st.integers(1, 3)))
@@ -91,10 +104,17 @@ def test_golden_shapes_stay_single_task():
         assert len(plan(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32")).tasks) == 1
 
 
-def test_k_split_only_beyond_the_task_limit():
-    assert len(k_chunks(10240, "fp16")) == 1
-    assert len(k_chunks(10241, "fp16")) == 2
-    assert [c.size for c in k_chunks(11008, "int8")] == [5504, 5504]
+def test_k_split_only_beyond_the_sdk_split_point():
+    # one chunk up to Kp = 8192 (SDK split point [rknn-toolkit.md §4.4]; MTX golden 1x8192x8192)
+    assert len(k_chunks(8192, "fp16")) == 1
+    assert len(k_chunks(8161, "int8")) == 1
+    # beyond it: chunks of 1024..10240 channels, chosen by the modeled reference prefill
+    for K, dtype in [(8193, "fp16"), (8960, "fp16"), (10240, "fp16"), (11008, "int8"), (40000, "int8")]:
+        chunks = k_chunks(K, dtype)
+        assert len(chunks) >= 2
+        Kp = -(-K // 32) * 32
+        assert len(chunks) <= -(-Kp // MIN_CHUNK_K) and all(c.size <= MAX_TASK_K for c in chunks)
+        assert chunks[-1].size <= chunks[0].size
 
 
 def test_core_split_prefers_n_then_m():

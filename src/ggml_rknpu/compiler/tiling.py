@@ -6,11 +6,25 @@ Rules, each with its source:
   K limit [SDK rknn_matmul_api.h; npu-programming.md §9; rknn-toolkit.md]. This also
   keeps one kernel's weights within one CBUF bank (Kp*b <= 32 KiB [§9, MTX check]) and a
   whole kernel group within 10 of the 12 banks (16*10240*2 = 32*10240*1 = 10 banks; that the
-  SDK limit is chosen for this is our *inference*). Longer K is cut into balanced
-  chunks of whole 32-channel atoms; each chunk's fp32/int32 partial result lands in its
-  own C region and the host sums them (``layout.unpack_c``) -- there is no proven on-NPU
-  accumulation across tasks [§9]. Chunking depends on (K, dtype) only, so weights are
-  packed once whatever M is.
+  SDK limit is chosen for this is our *inference*). K is cut into balanced chunks of whole
+  32-channel atoms; each chunk's fp32/int32 partial result lands in its own C region and
+  the host sums them (``layout.unpack_c``) -- there is no proven on-NPU accumulation
+  across tasks [§9]. Chunking depends on (K, dtype) only, so weights are packed once
+  whatever M is. How many chunks:
+
+  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [rknn-toolkit.md
+    §4.4]) and the 15 hardware-validated MTX single-task streams [golden] do. The model
+    would prefer chunks for prefill here too (512x4096x11008); left so, to keep the
+    single-task streams the MTX goldens pin down.
+  - Kp > 8192: the count, between the fewest chunks of <= MAX_TASK_K and chunks of
+    ``MIN_CHUNK_K``, whose tiling of a reference prefill (``TUNE_M`` x K x ``TUNE_N``, one
+    core) is modeled (``cost.model``) within ``CHUNK_SLACK`` of the least time. WHY: a
+    kernel group of a long chunk fills most weight banks (K=8960 fp16: 9 banks), leaving
+    ~5 rows of A per task, and every M tile re-streams the weights. Shorter chunks trade that for one more fp32
+    partial C per chunk. Cutting K well below the SDK limit is what Rockchip's own
+    compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
+    1536/1536/1024; 64x1536x8960 in 2x768 [rknn-toolkit.md §1.6]); the count is our choice
+    by the cost model, which does not price the host's sum of the partials.
 * **N** -- split across cores first (contiguous kernel-group ranges; no automatic
   intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
   channel fields are 13 bits holding N-1 [registers.xml; §9]. Tasks take whole kernel
@@ -19,8 +33,12 @@ Rules, each with its source:
   DATA_BANK + WEIGHT_BANK = 12 [§7, §9]. We keep WEIGHT_BANK large enough for one whole
   kernel group (g*Kc*b bytes). That is a *guess* on the safe side: the golden and blob
   streams all satisfy it [golden; capture c1024_h1_oc1001: WEIGHT_BANK 11], and no public
-  stream shows a group split across refills. M_t <= 1022 so that FEATURE_GRAINS = M_t+1
-  (MTX's validated value [§7]) fits its 10-bit field.
+  stream shows a group split across refills (in all 683 decoded capture task rows,
+  min(g, kernels) * WEIGHT_SIZE1 <= WEIGHT_BANK * 32 KiB; the one kernel larger than a
+  bank, 38400 B in c768_h20_oc768_s1pvalid, runs alone with WEIGHT_BANK=2). Rows per task
+  therefore come from shorter K chunks (above), not from fewer weight banks.
+  M_t <= 1022 so that FEATURE_GRAINS = M_t+1 (MTX's validated value [§7]) fits its
+  10-bit field.
 * **Cores** -- N ranges when N has at least one kernel group per core, else M ranges.
 * <= 4095 tasks per core (PC TASK_NUMBER, 12 bits [§3, §9]); more is an error telling the
   caller to split the call.
@@ -29,6 +47,7 @@ Rules, each with its source:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.hw import limits
@@ -36,6 +55,12 @@ from ggml_rknpu.hw import limits
 MAX_TASK_K = limits.SDK_MAX_K
 MAX_TASK_N = limits.MAX_DPU_CUBE                      # 8192 (13-bit field holds N-1)
 MAX_TASK_M = limits.MAX_FEATURE_GRAINS - 1            # 1022: FEATURE_GRAINS = M_t + 1
+SDK_SPLIT_K = 8192     # the SDK splits B into ceil(K/8192) segments beyond this [rknn-toolkit.md §4.4]
+MIN_CHUNK_K = 1024     # OUR CHOICE: a shortest chunk whose fp16 kernel group fills one bank
+#                        (16*1024*2 B = 32 KiB); bounds the partial C regions the host sums
+TUNE_M, TUNE_N = 512, 4096   # OUR CHOICE: the reference prefill the chunk count is tuned on
+CHUNK_SLACK = 0.10     # OUR CHOICE: the fewest chunks within 10% of the best modeled time,
+#                        because the model does not price the host's sum of the partials
 assert MAX_TASK_M <= limits.MAX_DATAIN_HEIGHT
 assert MAX_TASK_K * 2 <= limits.MAX_KERNEL_BYTES      # one fp16 kernel fits one bank
 # a whole kernel group of a maximal chunk leaves >= 1 data bank (16*10240*2 = 10 banks)
@@ -82,20 +107,48 @@ class Tiling:
 
 
 def k_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
-    """Balanced chunks of whole 32-channel atoms, each <= MAX_TASK_K. Depends only on
-    (K, dtype) so the native B layout of a weight does not depend on M."""
+    """Balanced chunks of whole 32-channel atoms, each <= MAX_TASK_K, counted as the module
+    doc says. Depends only on (K, dtype) so the native B layout of a weight does not depend
+    on M."""
     if dtype not in limits.KERNEL_GROUP:
         raise ValueError(f"unsupported matmul input dtype {dtype!r}; supported: {sorted(limits.KERNEL_GROUP)}")
-    if not isinstance(K, int) or K < 1:
+    if not isinstance(K, int) or isinstance(K, bool) or K < 1:
         raise ValueError(f"matmul K must be a positive int, got {K!r}")
+    return _tuned_chunks(K, dtype)
+
+
+def _balanced_chunks(K: int, parts: int) -> tuple[KChunk, ...]:
+    """K in about ``parts`` balanced runs of whole 32-channel atoms (fewer when the atoms
+    run out: every chunk is non-empty)."""
     atoms = ceil_div(K, limits.K_ALIGN)
-    n = ceil_div(atoms * limits.K_ALIGN, MAX_TASK_K)
-    per = ceil_div(atoms, n)
-    chunks = []
-    for i in range(n):
-        a0 = i * per
-        chunks.append(KChunk(i, a0 * limits.K_ALIGN, (min(per, atoms - a0)) * limits.K_ALIGN))
-    return tuple(chunks)
+    per = ceil_div(atoms, parts)
+    return tuple(KChunk(i, a0 * limits.K_ALIGN, min(per, atoms - a0) * limits.K_ALIGN)
+                 for i, a0 in enumerate(range(0, atoms, per)))
+
+
+@lru_cache(maxsize=512)
+def _tuned_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
+    Kp = ceil_div(K, limits.K_ALIGN) * limits.K_ALIGN
+    fewest = ceil_div(Kp, MAX_TASK_K)
+    if Kp <= SDK_SPLIT_K:
+        return _balanced_chunks(K, fewest)
+    most = max(fewest, ceil_div(Kp, MIN_CHUNK_K))
+    seconds = {chunks: _reference_seconds(K, dtype, chunks)
+               for chunks in {_balanced_chunks(K, parts) for parts in range(fewest, most + 1)}}
+    best = min(seconds.values())
+    near_best = [chunks for chunks, t in seconds.items() if t <= best * (1 + CHUNK_SLACK)]
+    return min(near_best, key=lambda chunks: (len(chunks), seconds[chunks]))
+
+
+def _reference_seconds(K: int, dtype: str, chunks: tuple[KChunk, ...]) -> float:
+    """Modeled time of the reference prefill TUNE_M x K x TUNE_N on one core with these
+    chunks (the priced tasks are exactly what ``_plan`` emits)."""
+    from ggml_rknpu.cost.model import TaskWork, Workload, modeled_time
+
+    out = "int32" if dtype == "int8" else "fp32"
+    tiling = _plan(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
+    works = tuple(TaskWork(t.core, t.m, t.chunk.size, t.n, dtype, limits.BYTES[out]) for t in tiling.tasks)
+    return modeled_time(Workload(works)).total_s
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -127,9 +180,12 @@ def plan(shape: MatmulShape, cores: int = 1) -> Tiling:
     """The task list for ``shape`` on up to ``cores`` cores (pure, deterministic)."""
     if not 1 <= cores <= limits.N_CORES:
         raise ValueError(f"cores must be 1..{limits.N_CORES}, got {cores}")
+    return _plan(shape, cores, k_chunks(shape.K, shape.dtype))
+
+
+def _plan(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
     g = shape.kernel_group
     groups = shape.Np // g
-    chunks = k_chunks(shape.K, shape.dtype)
     m_max = max_task_rows(max(c.size for c in chunks), shape)
 
     if groups >= cores:
