@@ -147,10 +147,13 @@ def unpack_c(buf: np.ndarray, program, rows: int | None = None) -> np.ndarray:
         raise ValueError(f"C buffer holds {raw.size} bytes, the program writes {nbytes}")
     c2 = limits.c2(pdt)
     vals = raw[:nbytes].view(NUMPY_DTYPE[pdt]).reshape(k_splits, shape.Np // c2, shape.M, c2)[:, :, :rows]
-    parts = vals.transpose(0, 2, 1, 3).reshape(k_splits, rows, shape.Np)[:, :, : shape.N]
+    # Partials are summed in the native layout and transposed once: the host touches each
+    # partial once instead of copying all of them through a transpose (long K has 4-11).
     if k_splits == 1:
-        return np.ascontiguousarray(parts[0])
-    if pdt == "int32":
-        return parts.sum(axis=0, dtype=np.int64).astype(np.int32)
-    total = parts.sum(axis=0, dtype=np.float32)
-    return total.astype(NUMPY_DTYPE[shape.out])
+        total = vals[0]
+    elif pdt == "int32":
+        total = vals.sum(axis=0, dtype=np.int64).astype(np.int32)
+    else:
+        total = vals.sum(axis=0, dtype=np.float32)
+    out = total.transpose(1, 0, 2).reshape(rows, shape.Np)[:, : shape.N]
+    return np.ascontiguousarray(out, dtype=NUMPY_DTYPE[shape.out])
