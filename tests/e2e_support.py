@@ -218,13 +218,14 @@ def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeo
 
 # The pinned tools print through an asynchronous logger that is never joined at exit (it is
 # leaked on purpose, log.cpp), so on a busy machine the tail of the output can be lost. The logger
-# is one FIFO: once common_perf_print's lines (printed after the generated text) are on stderr,
-# the text on stdout is complete. An incomplete run is repeated rather than compared.
-_COMPLETE_MARK = "common_perf_print:"
+# is one FIFO: once the last line common_perf_print always prints ("graphs reused", after the
+# generated text and the timings) is on stderr, stdout and the timing lines are complete. An
+# incomplete run is repeated rather than compared.
+_COMPLETE_MARK = "graphs reused ="
 
 
 def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
-               extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 3,
+               extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 5,
                ) -> tuple[str, subprocess.CompletedProcess[str]]:
     """Greedy text of exactly ``n_predict`` tokens from ``llama-completion`` (CPU-only, or fully
     offloaded to the ``rpc`` servers). The text is returned without the tool's closing blank line."""
