@@ -151,12 +151,12 @@ def test_board_rows_carry_measured_and_modeled_side_by_side():
     from ggml_rknpu.engine.api import Timing
 
     case = mm.Case(mm.SEED_SHAPES[0], 1, "fp16", 3)
-    calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 1e-5, 2e-5, d, "measured", 1))) for d in (9e-4, 1e-3, 1.1e-3)]
+    calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 2e-5, d, "measured", 1))) for d in (9e-4, 1e-3, 1.1e-3)]
     row = mm.summarize_calls(case, calls, on_board=True)
     assert row["ran_on"] == "board" and row["device_ms_measured"] == pytest.approx(1.0)
     assert row["gflops_measured"] == pytest.approx(case.flops / 1e-3 / 1e9)
     assert row["gflops_call_measured"] == pytest.approx(case.flops / 2e-3 / 1e9)
     assert row["device_ms_modeled"] == pytest.approx(mm.modeled_program_time(1, 2048, 2048, "fp16", 3) * 1e3)
     assert row["pack_a_ms_measured"] == pytest.approx(0.1) and row["submit_ms_measured"] == pytest.approx(1.2)
-    unknown = mm.read_timing(Timing(1e-4, 1e-3, 1e-5, 2e-5, None, "unknown", 1))
+    unknown = mm.read_timing(Timing(1e-4, 1e-3, 2e-5, None, "unknown", 1))
     assert unknown["device_s"] is None and unknown["device_basis"] is None

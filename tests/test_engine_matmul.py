@@ -186,7 +186,7 @@ def test_last_timing_is_measured_on_host_and_modeled_on_device(npu):
     t = npu.last_timing
     w.free()
     assert t.device_label == "modeled" and t.device_s > 0 and t.submits == 1
-    assert min(t.pack_s, t.submit_s, t.wait_s, t.unpack_s) >= 0 and t.host_s > 0
+    assert min(t.pack_s, t.submit_s, t.unpack_s) >= 0 and t.host_s > 0
 
 
 def test_large_m_runs_as_several_submits(npu):

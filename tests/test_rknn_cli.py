@@ -221,7 +221,7 @@ def test_rknn_rows_on_a_board_plot_wall_time_as_the_measured_figure():
     for engine in ("ours", "rknn"):
         case = mm.Case(mm.SEED_SHAPES[0], 1, "fp16", 3, engine)
         label = "measured" if engine == "ours" else "modeled"
-        calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 1e-5, 2e-5, 1e-3, label, 1)))] * 3
+        calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 2e-5, 1e-3, label, 1)))] * 3
         rows.append(mm.summarize_calls(case, calls, on_board=True))
     ours, rknn = rows
     assert rknn["engine"] == "rknn" and rknn["ran_on"] == "board"

@@ -4,7 +4,7 @@ fp16 and int8, 1 and 3 cores; burst and sustained; plus modeled figures beside t
 WHY these modes (the seed log's lessons):
   * burst (a few calls) vs sustained (per-second windows for a duration): a 30-call burst
     measured cold clocks and flipped the ranking of CPU, GPU and NPU (seed log, Milestone 12);
-  * a per-call breakdown (pack A, submit, wait, unpack C on the host; device time from the
+  * a per-call breakdown (pack A, submit, unpack C on the host; device time from the
     driver's ``hw_elapse_time`` on a board, from the cost model elsewhere), because the
     seed's per-call overheads, not the MAC array, decided its results (Milestones 9-10, 16);
   * GEMV (M=1, decode) and GEMM (prefill) separately: their throughput differs ~60x
@@ -65,9 +65,9 @@ SMALL_SHAPES = (
 )
 SHAPE_SETS = {"seed": SEED_SHAPES, "model": MODEL_SHAPES, "small": SMALL_SHAPES}
 GEMM_MS = (16, 64, 256, 512, 1024, 2048)       # prefill batch sizes up to 2048 (issue 5)
-# our phase name -> engine.api.Timing attribute (submit_s includes the driver's blocking wait;
-# wait_s is the cache sync of C after it [engine.api docstring])
-HOST_PHASES = {"pack_a": "pack_s", "submit": "submit_s", "wait": "wait_s", "unpack_c": "unpack_s"}
+# our phase name -> engine.api.Timing attribute (submit_s is the whole device submit: cache
+# clean of A, the driver's blocking wait, cache invalidate of C [engine.api docstring])
+HOST_PHASES = {"pack_a": "pack_s", "submit": "submit_s", "unpack_c": "unpack_s"}
 ENGINES = ("ours", "rknn")
 
 
@@ -80,7 +80,6 @@ MATMUL_COLUMNS = [
     rp.Column("cores", "cores"), rp.Column("M", "M"),
     rp.Column("ran_on", "ran on"), rp.Column("pack_a_ms_measured", "pack A ms", "{:.3f}", figure=True),
     rp.Column("submit_ms_measured", "submit ms", "{:.3f}", figure=True),
-    rp.Column("wait_ms_measured", "wait ms", "{:.3f}", figure=True),
     rp.Column("unpack_c_ms_measured", "unpack C ms", "{:.3f}", figure=True),
     rp.Column("device_ms_modeled", "device ms", "{:.3f}", figure=True),
     rp.Column("device_ms_measured", "device ms", "{:.3f}", figure=True),

@@ -231,7 +231,7 @@ def _engine_notes(runs: list[dict]) -> list[str]:
     for run in runs:
         meta = run["meta"]
         if run["engine"] == "ours" and meta["simulated"]:
-            notes.append(f"simulator: device times are modeled; host columns (pack/submit/wait/unpack) are "
+            notes.append(f"simulator: device times are modeled; host columns (pack/submit/unpack) are "
                          f"measured on this host ({meta['host']}) running the simulator, not on a board")
         elif run["engine"] == "rknn":
             if meta["standin"]:

@@ -16,9 +16,10 @@ M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MA
 ``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
 in a bucket are zero and their outputs discarded.
 
-Timing (``last_timing``): host seconds for pack / submit / wait / unpack are measured on
-this host. ``submit_s`` covers the blocking submit call (the driver waits for completion
-inside it); ``wait_s`` is the cache sync of C after it. Device seconds are *measured* from
+Timing (``last_timing``): host seconds for pack / submit / unpack are measured on this
+host. ``submit_s`` is the whole ``NpuDevice.submit`` call: the cache clean of A, the
+blocking submit (the driver waits for completion inside it) and the cache invalidate of C;
+the engine adds no cache maintenance of its own (the device owns it). Device seconds are *measured* from
 ``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` at the NPU clock
 the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``device_label``).
 A bucket the compiler refuses (more tasks than one hardware run chains) halves the
@@ -70,7 +71,6 @@ class Timing:
 
     pack_s: float
     submit_s: float
-    wait_s: float
     unpack_s: float
     device_s: float | None
     device_label: str
@@ -78,7 +78,7 @@ class Timing:
 
     @property
     def host_s(self) -> float:
-        return self.pack_s + self.submit_s + self.wait_s + self.unpack_s
+        return self.pack_s + self.submit_s + self.unpack_s
 
 
 @dataclass
@@ -186,7 +186,7 @@ class Npu:
         M = a.shape[0]
         result = np.empty((M, N), dtype=np.float16 if out == "fp16" else
                           (np.int32 if out == "int32" else np.float32))
-        totals = [0.0] * 4
+        totals = [0.0] * 3
         device_s: float | None = 0.0
         labels = set()
         submits = 0
@@ -205,7 +205,7 @@ class Npu:
             m0 += rows
         t0 = time.perf_counter()
         final = dequantize_output(result, act, w.staged)
-        totals[3] += time.perf_counter() - t0
+        totals[2] += time.perf_counter() - t0
         self.counters["matmuls"] += 1
         label = labels.pop() if len(labels) == 1 else "unknown"
         self.last_timing = Timing(*totals, device_s=device_s, device_label=label, submits=submits)
@@ -284,7 +284,6 @@ class Npu:
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
         _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
-        plan.a_buf.sync_to_device(0, plan.program.a_bytes)
         t1 = time.perf_counter()
         try:
             completion = self.device.submit(plan.job)
@@ -292,17 +291,15 @@ class Npu:
             raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
         self.counters["submits"] += 1
         t2 = time.perf_counter()
-        plan.c_buf.sync_from_device(0, plan.program.c_bytes)
-        t3 = time.perf_counter()
         c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         if completion.hw_elapsed_ns is not None and not completion.simulated:
             dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
         elif plan.modeled is not None:
             dev, label = plan.modeled.total_s, "modeled"
         else:
             dev, label = None, "unknown"
-        return c, [t1 - t0, t2 - t1, t3 - t2, t4 - t3], dev, label
+        return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
