@@ -9,8 +9,23 @@ the CPU because it converted and uploaded weights on every call; here a weight i
 and packed into its native layout once, into a device buffer that stays resident, and each
 (weight, M bucket) gets one compiled program whose register commands are bound to fixed
 buffers once. A call then only packs A into the resident A buffer, submits, waits and
-unpacks C. Everything goes through ``NpuDevice.submit``: on the simulator that is
-``SimKernel`` -> ``SimNpu``, the same submit path a board takes.
+unpacks C.
+
+Scratch memory: A and C are shared, one A and one C buffer per M bucket, grown to the
+largest program of that bucket. Matmuls run strictly one after another (one thread, every
+call waits for completion), so no two programs use them at once. Per-program buffers made
+C (which grows with the K chunk count) scale with the number of cached programs: a 7B
+prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must grow, the
+new one is allocated first, every program using it is re-bound (``Program.bind``) and the
+old one freed, so regcmd words always point at live buffers; a shared buffer is freed
+with the last program using it (eviction, ``Weight.free``). Regcmd buffers stay per
+program. A job lists a ``_Window`` (the first bytes of a shared buffer that its program
+uses) rather than the ``Buffer``, so a submit cleans/invalidates what that program uses,
+not the whole shared buffer (deviation: ``Job.inputs/outputs`` get a duck-typed view
+offering the ``Buffer`` members ``NpuDevice.submit`` uses).
+
+Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
+``SimNpu``, the same submit path a board takes.
 
 M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
 ``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
@@ -81,21 +96,86 @@ class Timing:
         return self.pack_s + self.submit_s + self.unpack_s
 
 
-@dataclass
+class _Scratch:
+    """One shared A or C buffer of an M bucket and the plans bound to it."""
+
+    def __init__(self, pool: dict[tuple[str, int], "_Scratch"], key: tuple[str, int], buf: Any) -> None:
+        self.pool, self.key, self.buf = pool, key, buf
+        self.users: set[_Plan] = set()
+        pool[key] = self
+
+    def leave(self, plan: "_Plan") -> None:
+        """``plan`` no longer uses this buffer; the last user frees it."""
+        self.users.discard(plan)
+        if not self.users and self.pool.get(self.key) is self:
+            del self.pool[self.key]
+            self.buf.close()
+
+
+class _Window:
+    """The first ``size`` bytes of a shared scratch buffer, as a job's input or output.
+    ``NpuDevice.submit`` checks, cleans and invalidates through it, so a call syncs what
+    its program uses, not the whole shared buffer. It follows the scratch buffer when that
+    is replaced by a larger one."""
+
+    __slots__ = ("scratch", "size")
+
+    def __init__(self, scratch: _Scratch, size: int) -> None:
+        self.scratch, self.size = scratch, size
+
+    @property
+    def closed(self) -> bool:
+        return self.scratch.buf.closed
+
+    @property
+    def device(self) -> Any:
+        return self.scratch.buf.device
+
+    @property
+    def handle(self) -> int:
+        return self.scratch.buf.handle
+
+    @property
+    def dma_addr(self) -> int:
+        return self.scratch.buf.dma_addr
+
+    def array(self, dtype: Any = np.uint8) -> np.ndarray:
+        return self.scratch.buf.array(dtype)[: self.size // np.dtype(dtype).itemsize]
+
+    def sync_to_device(self, offset: int = 0, size: int | None = None) -> None:
+        self.scratch.buf.sync_to_device(offset, self.size - offset if size is None else size)
+
+    def sync_from_device(self, offset: int = 0, size: int | None = None) -> None:
+        self.scratch.buf.sync_from_device(offset, self.size - offset if size is None else size)
+
+
+@dataclass(eq=False)
 class _Plan:
-    """A compiled program bound to its own A, C and regcmd buffers plus the weight's B."""
+    """A compiled program bound to windows of its bucket's shared A and C buffers, its own
+    regcmd buffer and the weight's B."""
 
     program: Any
     m: int
-    a_buf: Any
-    c_buf: Any
-    regcmd_buf: Any
-    job: Any
+    b_addr: int
     modeled: ModeledTime | None
+    a_buf: _Window | None = None
+    c_buf: _Window | None = None
+    regcmd_buf: Any = None
+    job: Any = None
+
+    def write_words(self) -> None:
+        """Bind the register commands to the current buffers and make them visible to the NPU."""
+        words = self.program.bind(a=self.a_buf.dma_addr, b=self.b_addr, c=self.c_buf.dma_addr,
+                                  regcmd=self.regcmd_buf.dma_addr)
+        self.regcmd_buf.array(np.uint64)[: len(words)] = words
+        self.regcmd_buf.sync_to_device(0, words.nbytes)
 
     def close(self) -> None:
-        for buf in (self.a_buf, self.c_buf, self.regcmd_buf):
-            buf.close()
+        for window in (self.a_buf, self.c_buf):
+            if window is not None:
+                window.scratch.leave(self)
+        if self.regcmd_buf is not None:
+            self.regcmd_buf.close()
 
 
 class Weight(ResidentWeight):
@@ -139,10 +219,12 @@ class Npu:
         self.npu_mhz = _npu_mhz(device)
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
-            "program_cache_hits", "program_cache_misses", "programs_evicted", "matmuls", "submits"), 0)
+            "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
+            "submits"), 0)
         self.last_timing: Timing | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
+        self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
         self._closed = False
 
     # -- weights ---------------------------------------------------------------------
@@ -254,19 +336,19 @@ class Npu:
         from ggml_rknpu.kernel.device import HwTask, Job
 
         what = f"program M={m} for {w!r}"
-        bufs = []
+        modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
+        plan = _Plan(program, m, w.buffer.dma_addr, modeled)
         try:
-            a_buf = self._alloc(program.a_bytes, "data", what, bufs)
-            c_buf = self._alloc(program.c_bytes, "data", what, bufs)
-            regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what, bufs)
+            # Each step may evict other programs; the plan already counts as a user of the
+            # shared buffers it joined, so they stay alive.
+            plan.a_buf = self._join_scratch(plan, "A", program.a_bytes, what)
+            plan.c_buf = self._join_scratch(plan, "C", program.c_bytes, what)
+            plan.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
+            plan.write_words()
         except BaseException:
-            for buf in bufs:
-                buf.close()
+            plan.close()
             raise
-        words = program.bind(a=a_buf.dma_addr, b=w.buffer.dma_addr, c=c_buf.dma_addr,
-                             regcmd=regcmd_buf.dma_addr)
-        regcmd_buf.array(np.uint64)[: len(words)] = words
-        regcmd_buf.sync_to_device(0, words.nbytes)
+        regcmd_buf = plan.regcmd_buf
         per_core: list[list[Any]] = [[] for _ in range(self.device.n_cores)]
         for task in program.tasks:
             per_core[task.core].append(HwTask(
@@ -276,9 +358,32 @@ class Npu:
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
-        job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf,), outputs=(c_buf,))
-        modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
-        return _Plan(program, m, a_buf, c_buf, regcmd_buf, job, modeled)
+        plan.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(plan.a_buf,), outputs=(plan.c_buf,))
+        return plan
+
+    def _join_scratch(self, plan: _Plan, role: str, nbytes: int, what: str) -> _Window:
+        """A window of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
+        the larger buffer is allocated first, the programs on the old one re-bound to it,
+        then the old one freed (so no program ever points at freed memory)."""
+        key = (role, plan.m)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.buf.size < nbytes:
+            buf = self._alloc(nbytes, "data", what)
+            scratch = self._scratch.get(key)            # the allocation may have evicted its users
+            if scratch is None:
+                scratch = _Scratch(self._scratch, key, buf)
+            else:
+                old, scratch.buf = scratch.buf, buf
+                for user in scratch.users:
+                    user.write_words()
+                old.close()
+                self.counters["scratch_grown"] += 1
+        scratch.users.add(plan)
+        return _Window(scratch, nbytes)
+
+    def scratch_bytes(self) -> int:
+        """NPU bytes held by the shared A and C buffers."""
+        return sum(s.buf.capacity for s in self._scratch.values())
 
     def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
         t0 = time.perf_counter()
@@ -306,7 +411,7 @@ class Npu:
         """(free, total) bytes of NPU address space."""
         return self.device.iova_budget()
 
-    def _alloc(self, size: int, purpose: str, what: str, track: list | None = None) -> Any:
+    def _alloc(self, size: int, purpose: str, what: str) -> Any:
         """Allocate, evicting least-recently-used programs when NPU memory runs out."""
         while True:
             try:
@@ -319,8 +424,6 @@ class Npu:
                         f"out of NPU memory allocating {size} bytes for {what} "
                         f"({free} of {total} bytes free, no cached program left to evict); "
                         "free weights you no longer need", exc.errno) from exc
-        if track is not None:
-            track.append(buf)
         return buf
 
     def _evict_one(self) -> bool:
