@@ -263,11 +263,12 @@ class RpcClient:
 # --- server in a thread -------------------------------------------------------------------------
 class ServerThread:
     def __init__(self, npu=None, planner=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
-                 cache_dir=None, stall_timeout_s: float = 120.0) -> None:
+                 cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
-                                                     progress=False, stall_timeout_s=stall_timeout_s),
+                                                     progress=False, stall_timeout_s=stall_timeout_s,
+                                                     weight_reuse=weight_reuse),
                                  plan_op=planner)
         self.server = RpcServer(self.state, "127.0.0.1", 0)
         self.port = self.server.port
@@ -285,6 +286,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.stop()
         self.thread.join(timeout=5)
+        self.state.close()
 
 
 def serve(**kwargs) -> Iterator[ServerThread]:

@@ -80,7 +80,8 @@ def test_weight_matmul_runs_on_npu_and_replays_without_replanning(env):
         assert stats.per_op[("MUL_MAT", NPU)].bytes == 5 * (M * K + M * N) * 4   # activations only
         assert st.state.weight_stats.staged == 1
     assert st.alive()
-    assert st.state.weight_stats.staged == 0 and npu.frees == 1   # freed with the connection
+    ws = st.state.weight_stats                                   # kept for the next client, not freed
+    assert ws.staged == 0 and ws.retired_now == 1 and npu.frees == 0
 
 
 @pytest.mark.parametrize("write", ["set_tensor", "set_partial", "copy_tensor", "memset", "buffer_clear"])
@@ -236,7 +237,7 @@ def test_free_buffer_drops_graphs_and_staged_weights(env):
     assert st.state.weight_stats.staged == 1
     c.free(g.wh)
     assert c.device_count() == 1                                  # sync
-    assert st.state.weight_stats.staged == 0 and npu.frees == 1
+    assert st.state.weight_stats.staged == 0 and st.state.weight_stats.retired_now == 1 and npu.frees == 0
     c.graph_recompute()                                           # no stored graph any more
     assert c.is_closed_by_server()
     c.close()

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="drop a client that stops in the middle of a message this long (idle between "
                         "messages is always fine)")
+    p.add_argument("--no-weight-reuse", action="store_true",
+                   help="free a client's staged weights when it leaves instead of keeping them (keyed by "
+                        "content) for the next client; see docs/server.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
-                          stall_timeout_s=args.stall_timeout)
+                          stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse)
     state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
     try:
         server = RpcServer(state, args.host, args.port)
@@ -148,5 +151,6 @@ def run(args: argparse.Namespace) -> int:
         print_stats()
         if npu is not None:
             log.info("%s engine counters: %s", args.engine, dict(getattr(npu, "counters", {})))
+            state.close()
             npu.close()
     return 0

@@ -86,15 +86,19 @@ class DeviceMemory:
     ``npu_budget`` is the engine's ``memory_budget()`` (free, total bytes of NPU
     address space). Buffers are host memory, so allocation is bounded by
     ``total - allocated``; staged weights use NPU address space, so the free figure
-    reported is the smaller of the two constraints.
+    reported is the smaller of the two constraints. ``reclaimable`` is NPU memory held
+    by retired weights (kept for reuse by a later client, freed on demand), so it
+    counts as free: llama.cpp's ``-fit`` must not shrink its offload because of them.
     """
 
     def __init__(self, npu_budget: Callable[[], tuple[int, int]]) -> None:
         self._npu_budget = npu_budget
         self.allocated = 0
+        self.reclaimable: Callable[[], int] = lambda: 0
 
     def report(self) -> tuple[int, int]:
         npu_free, total = self._npu_budget()
+        npu_free = min(total, npu_free + self.reclaimable())
         return max(0, min(npu_free, total - self.allocated)), total
 
     def max_buffer(self) -> int:

@@ -182,4 +182,9 @@ class ServerStats:
                 f"{weights.uploads} uploads ({weights.upload_seconds:.2f} s), {weights.invalidations} invalidated, "
                 f"{weights.demoted} demoted to host, {weights.failures} refused by the engine"
             )
+            lines.append(
+                f"weight reuse across clients: {weights.reused} reused, {weights.retired} retired, "
+                f"{weights.evicted} evicted; {weights.retired_now} retired now "
+                f"({weights.retired_bytes / 2**20:.1f} MiB NPU), digests {weights.digest_seconds:.2f} s"
+            )
         return out.getvalue() + "\n".join(line for line in lines if line) + "\n"

@@ -14,13 +14,26 @@ bytes, so a result is never computed from stale weights. A slot invalidated afte
 staging more than ``VOLATILE_AFTER`` times is data the client rewrites all the time
 (an activation copied in as src0); it is demoted to the host path for good instead of
 being re-uploaded every token.
+
+Staged weights outlive the connection that staged them (``RetiredWeights``): when a
+slot's buffer is freed (FREE_BUFFER or disconnect) its staged copy moves to a
+server-wide LRU keyed by the *content* of the ggml bytes (SHA-256 of the exact
+bytes, ggml type, ne, nb, weight format). A later connection whose candidate has
+the same key takes that copy instead of converting again, so a restarted
+llama.cpp process does not pay the whole conversion a second time, and a weight
+with any different byte can never match. The digest is computed only when a slot
+is about to be staged (once per weight per connection), never per token. Retired
+copies are freed LRU-first when the engine runs out of NPU memory, and count as
+free memory in GET_DEVICE_MEMORY (``DeviceMemory.reclaimable``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -30,6 +43,7 @@ from ggml_rknpu.ggml.buffers import DeviceBuffer
 from ggml_rknpu.ggml.enums import GgmlType
 from ggml_rknpu.ggml.ops.convert import dequantize_rows
 from ggml_rknpu.ggml.tensor import CheckedTensor
+from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
@@ -80,10 +94,12 @@ class WeightSlot:
     n: int                           # rows (ne01): output features
     k: int                           # row length (ne00)
     name: str
+    layout: tuple = ()               # (ne, nb) of the tensor: part of the content key
     handle: Any = None               # engine weight from npu.upload_weight, None = not staged
     invalidations: int = 0
     volatile: bool = False           # demoted for good: runs on the host
     failed: str | None = None        # why the engine refused it: runs on the host
+    content_key: tuple | None = None  # RetiredWeights key of the staged copy (None: reuse off)
 
     @property
     def on_npu(self) -> bool:
@@ -104,6 +120,74 @@ class WeightStats:
     demoted: int = 0
     failures: int = 0
     upload_seconds: float = 0.0
+    digest_seconds: float = 0.0      # hashing candidate bytes for the reuse key
+    reused: int = 0                  # stagings served from a retired copy (no conversion)
+    retired: int = 0                 # staged copies kept after their buffer was freed
+    evicted: int = 0                 # retired copies freed for NPU memory
+    retired_now: int = 0             # retired copies held now
+    retired_bytes: int = 0           # NPU bytes of the retired copies held now
+
+
+def _free_handle(handle: Any, name: str) -> None:
+    free = getattr(handle, "free", None)
+    if free is None:
+        return
+    try:
+        free()
+    except Exception as exc:   # the engine could not release it; nothing here can do better
+        log.error("freeing the staged weight '%s' failed: %s", name, exc)
+
+
+class RetiredWeights:
+    """Server-wide LRU of staged weights whose buffers were freed, keyed by content.
+
+    Bounded by NPU memory: ``evict_one`` frees the least recently retired copy when an
+    upload runs out of NPU memory; ``npu_bytes`` is what GET_DEVICE_MEMORY adds back
+    to the free figure (it can be reclaimed at any time)."""
+
+    def __init__(self, stats: WeightStats) -> None:
+        self.stats = stats
+        self._lru: OrderedDict[tuple, tuple[Any, int, str]] = OrderedDict()
+
+    @property
+    def npu_bytes(self) -> int:
+        return self.stats.retired_bytes
+
+    def retire(self, key: tuple, handle: Any, nbytes: int, name: str) -> bool:
+        """Keep ``handle`` under ``key``; False (caller frees it) if an equal copy is already kept."""
+        if key in self._lru:
+            return False
+        self._lru[key] = (handle, nbytes, name)
+        self.stats.retired += 1
+        self.stats.retired_now += 1
+        self.stats.retired_bytes += nbytes
+        return True
+
+    def take(self, key: tuple) -> Any:
+        """The retired copy for ``key``, removed from the LRU, or None."""
+        entry = self._lru.pop(key, None)
+        if entry is None:
+            return None
+        self.stats.retired_now -= 1
+        self.stats.retired_bytes -= entry[1]
+        return entry[0]
+
+    def evict_one(self) -> bool:
+        if not self._lru:
+            return False
+        _, (handle, nbytes, name) = self._lru.popitem(last=False)
+        self.stats.retired_now -= 1
+        self.stats.retired_bytes -= nbytes
+        self.stats.evicted += 1
+        _free_handle(handle, name)
+        return True
+
+    def clear(self) -> None:
+        while self._lru:
+            _, (handle, nbytes, name) = self._lru.popitem(last=False)
+            self.stats.retired_now -= 1
+            self.stats.retired_bytes -= nbytes
+            _free_handle(handle, name)
 
 
 @dataclass
@@ -114,6 +198,7 @@ class WeightStore:
     fmt: str = "fp16"
     progress: bool = True
     stats: WeightStats = field(default_factory=WeightStats)
+    retired: RetiredWeights | None = None   # None: no reuse across connections
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
 
@@ -130,7 +215,7 @@ class WeightStore:
         slot = self._slots.get(key)
         if slot is None:
             slot = WeightSlot(buffer=t.buffer, start=t.start, end=t.end, type=r.type,
-                              n=r.ne[1], k=r.ne[0], name=r.name)
+                              n=r.ne[1], k=r.ne[0], name=r.name, layout=(tuple(r.ne), tuple(r.nb)))
             self._slots[key] = slot
             self._by_buffer.setdefault(t.buffer.handle, []).append(slot)
         return slot if slot.on_npu else None
@@ -144,7 +229,14 @@ class WeightStore:
         return slot.handle
 
     def matmul_failed(self, slot: WeightSlot, exc: BaseException) -> None:
-        """The engine failed a matmul with this weight: host path for good, NPU copy freed."""
+        """The engine failed a matmul with this weight: host path for good, NPU copy freed.
+
+        Out of NPU memory (programs and scratch are allocated at the first matmul of a
+        size) while retired copies hold some: free the oldest instead; this run falls
+        back to the host and the next one tries the NPU again."""
+        if isinstance(exc, NpuOutOfMemory) and self.retired is not None and self.retired.evict_one():
+            log.info("NPU out of memory in a matmul with '%s': evicted a retired weight", slot.name)
+            return
         slot.failed = f"{type(exc).__name__}: {exc}"
         self.stats.failures += 1
         log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
@@ -175,33 +267,55 @@ class WeightStore:
 
     def _stage(self, slot: WeightSlot) -> None:
         t0 = time.perf_counter()
+        raw = slot.buffer.array[slot.start:slot.end]
+        slot.content_key = None
+        if self.retired is not None:
+            digest = hashlib.sha256(raw).digest()
+            slot.content_key = (digest, slot.type, slot.layout, self.fmt)
+            self.stats.digest_seconds += time.perf_counter() - t0
+            slot.handle = self.retired.take(slot.content_key)
+            if slot.handle is not None:
+                self.stats.reused += 1
+                self._count_staged(slot)
+                return
         try:
-            b = to_float_rows(slot.buffer.array[slot.start:slot.end], slot.type, slot.n, slot.k)
-            slot.handle = self.npu.upload_weight(b, dtype=self.fmt)
+            slot.handle = self._upload(to_float_rows(raw, slot.type, slot.n, slot.k))
         except Exception as exc:  # engine limits / NPU out of memory: this weight stays on the host
             slot.failed = f"{type(exc).__name__}: {exc}"
             self.stats.failures += 1
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
             return
         self.stats.uploads += 1
+        self._count_staged(slot)
+        self.stats.upload_seconds += time.perf_counter() - t0
+
+    def _upload(self, b: np.ndarray) -> Any:
+        """``npu.upload_weight``, freeing retired copies LRU-first while NPU memory is short."""
+        while True:
+            try:
+                return self.npu.upload_weight(b, dtype=self.fmt)
+            except NpuOutOfMemory:
+                if self.retired is None or not self.retired.evict_one():
+                    raise
+
+    def _count_staged(self, slot: WeightSlot) -> None:
         self.stats.staged += 1
         self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
         self.stats.staged_bytes += slot.nbytes
-        self.stats.upload_seconds += time.perf_counter() - t0
 
-    def _unstage(self, slot: WeightSlot) -> None:
+    def _unstage(self, slot: WeightSlot, retire: bool = False) -> None:
+        """Free the staged copy, or with ``retire`` hand it to the retired LRU (buffer freed)."""
         if slot.handle is None:
             return
         handle, slot.handle = slot.handle, None
+        key, slot.content_key = slot.content_key, None
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
-        free = getattr(handle, "free", None)
-        if free is None:
-            return
-        try:
-            free()
-        except Exception as exc:   # the engine could not release it; nothing here can do better
-            log.error("freeing the staged weight '%s' failed: %s", slot.name, exc)
+        if retire and key is not None and self.retired is not None:
+            nbytes = getattr(handle, "packed_bytes", slot.nbytes)
+            if self.retired.retire(key, handle, nbytes, slot.name):
+                return
+        _free_handle(handle, slot.name)
 
     def invalidate(self, buffer: DeviceBuffer, start: int, end: int) -> None:
         """Bytes [start, end) of ``buffer`` were written: drop staged copies overlapping them."""
@@ -230,14 +344,14 @@ class WeightStore:
                     self.stats.demoted += 1
 
     def drop_buffer(self, buffer: DeviceBuffer) -> None:
-        """The buffer was freed: free its staged weights and forget its slots."""
+        """The buffer was freed: retire (or free) its staged weights and forget its slots."""
         for slot in self._by_buffer.pop(buffer.handle, ()):
-            self._unstage(slot)
+            self._unstage(slot, retire=True)
         self._slots = {k: s for k, s in self._slots.items() if s.buffer is not buffer}
 
     def close(self) -> None:
         for slots in self._by_buffer.values():
             for slot in slots:
-                self._unstage(slot)
+                self._unstage(slot, retire=True)
         self._by_buffer.clear()
         self._slots.clear()

@@ -36,7 +36,7 @@ from ggml_rknpu.ggml.placement import ServerStats
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
-from ggml_rknpu.ggml.weights import WeightStats, WeightStore
+from ggml_rknpu.ggml.weights import RetiredWeights, WeightStats, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
@@ -122,6 +122,7 @@ class ServerConfig:
     stats_each_client: bool = False
     stats_json: Path | None = None    # rewritten after every client and at exit
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
+    weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
 
 
 @dataclass
@@ -134,6 +135,17 @@ class ServerState:
     stats: ServerStats = field(default_factory=ServerStats)
     weight_stats: WeightStats = field(default_factory=WeightStats)
     plan_op: Callable | None = None
+    retired: RetiredWeights | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.weight_reuse and self.npu is not None and self.retired is None:
+            self.retired = RetiredWeights(self.weight_stats)
+            self.memory.reclaimable = lambda: self.retired.npu_bytes
+
+    def close(self) -> None:
+        """Free the retired weights (server exit)."""
+        if self.retired is not None:
+            self.retired.clear()
 
     def write_stats_json(self) -> None:
         path = self.config.stats_json
@@ -164,7 +176,8 @@ class Session:
         self.peer = peer
         sock.settimeout(state.config.stall_timeout_s)
         self.reader = Reader(sock)
-        self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats)
+        self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
+                                   state.retired)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.plan_op)
