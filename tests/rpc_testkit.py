@@ -7,9 +7,12 @@ depend on the simulator's speed or on every host-op module being present.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
+import subprocess
 import threading
+import time
 from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -295,3 +298,18 @@ def serve(**kwargs) -> Iterator[ServerThread]:
         yield st
     finally:
         st.stop()
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:
+    """Read a server subprocess's stderr until a line matches ``pattern`` (lines read are kept
+    in ``lines`` for the failure message)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")

@@ -11,12 +11,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 from rknn_support import standin_path  # noqa: F401  (fixture)
-from rpc_testkit import RpcClient, T
+from rpc_testkit import RpcClient, T, wait_for_line
 
 from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.rknn import binding as rb
@@ -32,17 +31,6 @@ def _serve(env: dict, *argv: str) -> subprocess.Popen:
                             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **env})
 
 
-def _wait_for(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m
-    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")
 
 
 def f32(buffer, data, *ne, **kw) -> T:
@@ -122,7 +110,7 @@ def test_serve_engine_rknn_runs_a_matmul_through_the_standin(standin_path, tmp_p
     w = rng.standard_normal((N, K)).astype(np.float32)
     x = rng.standard_normal((M, K)).astype(np.float32)
     try:
-        m = _wait_for(proc, r"on 127\.0\.0\.1:(\d+), (.*?), weights", lines)
+        m = wait_for_line(proc, r"on 127\.0\.0\.1:(\d+), (.*?), weights", lines)
         port = int(m.group(1))
         assert "rknn engine through the TEST STAND-IN" in m.group(2) and "at most 4 contexts" in m.group(2)
         with RpcClient(port) as c:

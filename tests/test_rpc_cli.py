@@ -5,32 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from ggml_rknpu.ggml.buffers import DeviceMemory
 from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState, is_loopback
-from rpc_testkit import RpcClient
+from rpc_testkit import RpcClient, wait_for_line
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _wait_for(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 30.0) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m
-    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")
 
 
 def test_serve_process_answers_and_reports(tmp_path):
@@ -39,16 +26,16 @@ def test_serve_process_answers_and_reports(tmp_path):
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
     try:
-        port = int(_wait_for(proc, r"on 127\.0\.0\.1:(\d+)", lines).group(1))
+        port = int(wait_for_line(proc, r"on 127\.0\.0\.1:(\d+)", lines).group(1))
         with RpcClient(port) as c:
             assert c.device_count() == 1
             assert c.device_memory() == (4 << 30, 4 << 30)
         with RpcClient(port) as c:
             c.graph_compute([], [])                                   # an (empty) graph: worth a report
             assert c.device_count() == 1
-        _wait_for(proc, r"connections 2 \(rejected 0", lines)         # --stats after a computing client
+        wait_for_line(proc, r"connections 2 \(rejected 0", lines)         # --stats after a computing client
         proc.send_signal(signal.SIGUSR1)
-        _wait_for(proc, r"connections 2", lines)
+        wait_for_line(proc, r"connections 2", lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         rest = proc.stderr.read()
