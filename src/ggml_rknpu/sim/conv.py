@@ -30,13 +30,14 @@ Numerics (documented choices; see ``docs`` of each function):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ggml_rknpu.hw import limits
-from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
 from ggml_rknpu.sim.validate import (
     CONV_RULES,
     NotModeled,
@@ -272,6 +273,11 @@ def read_features(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
         .astype(np.float32)
 
 
+def _weight_fault(task: ConvTask, fault: DmaFault) -> DmaRead:
+    return DmaRead(f"weights (CNA_DCOMP_ADDR0=0x{task.weight_addr:08X}, "
+                   f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault)
+
+
 def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
     """(N, C) float32 kernels from the grouped layout (full groups + a packed partial one)."""
     g = limits.KERNEL_GROUP[task.precision]
@@ -279,8 +285,7 @@ def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
     try:
         raw = memory.view(task.weight_addr, task.weight_bytes)
     except DmaFault as fault:
-        raise DmaRead(f"weights (CNA_DCOMP_ADDR0=0x{task.weight_addr:08X}, "
-                      f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault) from None
+        raise _weight_fault(task, fault) from None
     values = raw.view(_NUMPY_DTYPE[task.precision])
     full, rem = divmod(n, g)
     out = np.empty((n, c), dtype=np.float32)     # one converting, transposing copy
@@ -319,33 +324,70 @@ def write_output(memory: DeviceMemory, task: ConvTask, acc: np.ndarray) -> None:
     planes[...] = atoms.view(np.uint8).reshape(n_planes, -1)
 
 
-class WeightCache:
-    """Decoded weights of the current run, so M-tiled tasks sharing one weight block decode
-    it once; dropped when a task writes over it and at the end of every run."""
+WEIGHT_CACHE_BYTES = 3 << 30   # decoded fp32 weights kept across runs (gemma3-270m: ~1.1 GiB)
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, int, int, int, str], np.ndarray] = {}
+
+class WeightCache:
+    """Decoded (N, C) float32 weights, so tasks and jobs sharing one weight block decode it
+    once. An entry is keyed by the task's weight registers and the memory's content token
+    of the weight bytes (``sim.memory.content_token``): it is used only while the token is
+    unchanged (no sync, no NPU write to the object since), so replayed programs skip the
+    decode and a changed weight is always read again. Entries without a token (memory that
+    cannot tell) are dropped at the end of every run, as before; entries a task writes over
+    are dropped at once; the rest are evicted least recently used beyond ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = WEIGHT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple[object, np.ndarray]] = OrderedDict()
+        self._bytes = 0
 
     def get(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        try:
+            token = content_token(memory, task.weight_addr, task.weight_bytes)
+        except DmaFault as fault:
+            raise _weight_fault(task, fault) from None
         key = task.weight_key
-        b = self._entries.get(key)
-        if b is None:
-            b = read_weights(memory, task)
-            self._entries[key] = b
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == token:
+            self._entries.move_to_end(key)
+            return hit[1]
+        b = read_weights(memory, task)
+        self._drop(key)
+        self._entries[key] = (token, b)
+        self._bytes += b.nbytes
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            self._drop(next(iter(self._entries)))
         return b
+
+    def _drop(self, key: tuple) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1].nbytes
 
     def invalidate(self, start: int, nbytes: int) -> None:
         for key in [k for k in self._entries if k[0] < start + nbytes and start < k[0] + k[1]]:
-            del self._entries[key]
+            self._drop(key)
+
+    def end_run(self) -> None:
+        """Drop what no content token vouches for (it may change before the next run)."""
+        for key in [k for k, (token, _) in self._entries.items() if token is None]:
+            self._drop(key)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._bytes = 0
+
+
+def output_span(task: ConvTask) -> int:
+    """Bytes from DST_BASE_ADDR to the end of the last output plane."""
+    return (task.out_channels // limits.c2(task.out_precision) - 1) * task.dst_plane_bytes \
+        + task.rows * limits.ATOM_BYTES
 
 
 def execute_conv(memory: DeviceMemory, task: ConvTask, cache: WeightCache) -> None:
     a = read_features(memory, task)
     b = cache.get(memory, task)
     write_output(memory, task, multiply(task, a, b))
-    span = (task.out_channels // limits.c2(task.out_precision) - 1) * task.dst_plane_bytes \
-        + task.rows * limits.ATOM_BYTES
+    span = output_span(task)
     cache.invalidate(task.dst_addr, span)
+    note_device_write(memory, task.dst_addr, span)

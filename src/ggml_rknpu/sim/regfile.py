@@ -76,6 +76,14 @@ class RegisterFile:
         self.task_index = task_index
         self.written = set()
 
+    def replay(self, task_index: int, block_writes: tuple[tuple[Block, dict[int, int]], ...]) -> None:
+        """The writes of a task decoded before, per block (none of them to S_POINTER, so
+        each block's group is fixed for the task): the same state as ``write`` one by one."""
+        for block, writes in block_writes:
+            group = self.pointers[block].group if block in self.pointers else 0
+            self.groups[group].update({o: (v, task_index) for o, v in writes.items()})
+            self.written.update(writes)
+
     def end_task(self, enabled_blocks: set[Block]) -> None:
         for block in enabled_blocks:
             if block in self.pointers:
