@@ -264,6 +264,12 @@ class SimKernel:
             "allocated_bytes": self._allocated,
         }
 
+    @property
+    def simulation_seconds(self) -> float:
+        """Host seconds spent inside the NPU model so far (simulated hardware time is not
+        a host cost on a board: subtract this to time the host path alone)."""
+        return self._npu.busy_seconds if self._npu is not None else 0.0
+
     def address_space(self, fd: int) -> IommuDomain:
         """The NPU address space ``fd``'s buffers live in (its ``view`` is what the NPU sees)."""
         return self._domain(self._file(fd))

@@ -23,9 +23,11 @@ words is a pure function of those words, so a task that ran without a refusal is
 words (a fetch fault is still a fault), still writes every register into the register file
 (so later tasks see the same ping-pong state and diagnostics), still checks CBUF reuse
 against the previous task of the run, and still executes through the memory model, which
-checks every address again. Only tasks that write no S_POINTER in-stream are kept (their
-register group is then fixed for the whole task); refusals are never cached, so a refused
-task takes the full path every time and says the same thing.
+checks every address again. A task is kept only if no block's S_POINTER write follows a
+write to that block's registers (streams set DPU_S_POINTER first), so each block writes
+and executes from one register group and the decode cannot depend on what an earlier
+task left behind; refusals are never cached, so a refused task takes the full path every
+time and says the same thing.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class DecodedTask:
     """A task's words, decoded and validated: everything its replay needs."""
 
     writes: dict[int, int]                        # offset -> value, as TaskRecord.writes
-    block_writes: tuple[tuple[Block, dict[int, int]], ...]   # register-file writes per block
+    pointer_writes: tuple[tuple[int, int], ...]   # in-stream S_POINTER writes, in order
+    block_writes: tuple[tuple[Block, dict[int, int]], ...]   # other register-file writes
     next_base: int | None
     next_amount: int | None
     enable: int
@@ -149,17 +152,23 @@ def _enabled_blocks(mask: int) -> set[Block]:
     return {b for flag, b in names.items() if mask & flag}
 
 
-def _decoded(rec: TaskRecord, next_base: int | None, next_amount: int | None) -> DecodedTask:
-    """What a replay of ``rec``'s words needs (register-file writes grouped by block)."""
+def _decoded(rec: TaskRecord, ordered: list[tuple[int, int]], next_base: int | None,
+             next_amount: int | None) -> DecodedTask | None:
+    """What a replay of ``rec``'s words needs, or None when the task may not be replayed
+    from a cache (an S_POINTER write after a register write of its block)."""
+    pointers: list[tuple[int, int]] = []
     per_block: dict[Block, dict[int, int]] = {}
-    for offset, value in rec.writes.items():
-        block = block_of_offset(offset)
-        if block != Block.PC:
-            reg = BY_OFFSET.get(offset)
-            per_block.setdefault(reg.block if reg is not None else block, {})[offset] = value
+    for offset, value in ordered:
+        block = BY_OFFSET[offset].block
+        if (offset & 0xFFF) == S_POINTER_OFFSET and block in PP_BLOCKS:   # as RegisterFile.write
+            if block in per_block:
+                return None
+            pointers.append((offset, value))
+        else:
+            per_block.setdefault(block, {})[offset] = value
     assert rec.enable_mask is not None
-    return DecodedTask(dict(rec.writes), tuple(per_block.items()), next_base, next_amount,
-                       rec.enable_mask, rec.conv, rec.pool)
+    return DecodedTask(dict(rec.writes), tuple(pointers), tuple(per_block.items()), next_base,
+                       next_amount, rec.enable_mask, rec.conv, rec.pool)
 
 
 class ProgramCounter:
@@ -246,6 +255,7 @@ class ProgramCounter:
         if cached is not None:
             return self._replay(t, rec, cached)
         words = np.frombuffer(raw, dtype="<u8")
+        ordered: list[tuple[int, int]] = []      # register-file writes, in stream order
         armed = False
         enable: int | None = None
         next_base: int | None = None
@@ -300,6 +310,7 @@ class ProgramCounter:
                             else "register_amounts", value)
                 else:
                     self.regs.write(offset, value)
+                    ordered.append((offset, value))
         if enable is None:
             self._refuse(t, "missing-tail", f"no op-enable word among the {rec.fetched_words} "
                          f"words fetched from 0x{rec.regcmd_addr:08X} (PC_REGISTER_AMOUNTS too "
@@ -308,10 +319,10 @@ class ProgramCounter:
         rec.enable_mask = enable
         self._execute(t, rec, enable)
         self._finish_task(t, enable)
-        if self.decoded is not None and not any(
-                (off & 0xFFF) == S_POINTER_OFFSET and block_of_offset(off) in PP_BLOCKS
-                for off in rec.writes):
-            self.decoded.put(raw, _decoded(rec, next_base, next_amount))
+        decoded = _decoded(rec, ordered, next_base, next_amount) if self.decoded is not None \
+            else None
+        if decoded is not None:
+            self.decoded.put(raw, decoded)
         return next_base, next_amount
 
     def _finish_task(self, t: int, enable: int) -> None:
@@ -323,7 +334,7 @@ class ProgramCounter:
         effects as ``_run_task``, then execution through the memory model (which checks
         every address again)."""
         rec.writes = dict(task.writes)
-        self.regs.replay(t, task.block_writes)
+        self.regs.replay(t, task.pointer_writes, task.block_writes)
         if task.next_base is not None:
             self.state.base_address = task.next_base
         if task.next_amount is not None:

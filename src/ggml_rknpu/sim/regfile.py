@@ -76,9 +76,13 @@ class RegisterFile:
         self.task_index = task_index
         self.written = set()
 
-    def replay(self, task_index: int, block_writes: tuple[tuple[Block, dict[int, int]], ...]) -> None:
-        """The writes of a task decoded before, per block (none of them to S_POINTER, so
-        each block's group is fixed for the task): the same state as ``write`` one by one."""
+    def replay(self, task_index: int, pointer_writes: tuple[tuple[int, int], ...],
+               block_writes: tuple[tuple[Block, dict[int, int]], ...]) -> None:
+        """The writes of a task decoded before: its S_POINTER writes in order, then its
+        other writes per block. The same state as ``write`` one by one, given that no
+        block's S_POINTER write followed a write to that block's registers."""
+        for offset, value in pointer_writes:
+            self.write(offset, value)
         for block, writes in block_writes:
             group = self.pointers[block].group if block in self.pointers else 0
             self.groups[group].update({o: (v, task_index) for o, v in writes.items()})
