@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rpc_overhead.add_arguments(sub.add_parser(
         "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
         _common)
+    from ggml_rknpu.bench import sim as sim_bench
+    sim_bench.add_arguments(sub.add_parser(
+        "sim", help="simulated matmul through the public API vs numpy on this host (simulator speed)"))
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -324,6 +327,10 @@ def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.bench == "sim":   # host-only: times the simulator, no rig to check
+        from ggml_rknpu.bench import sim as sim_bench
+
+        return sim_bench.run(args, console)
     try:
         rig = rig_gate(args, console)
     except FileNotFoundError as exc:
