@@ -17,7 +17,7 @@ time spent inside runs (simulation time; a caller timing its own host path subtr
 
 What stays across runs is only what a content check vouches for: decoded tasks by their
 regcmd bytes (``pc.DecodeCache``) and decoded weights by the memory's content token
-(``conv.WeightCache``); neither survives a change of the bytes it came from.
+(``conv.OperandCache``, features too); neither survives a change of the bytes it came from.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.memory import DeviceMemory
-from ggml_rknpu.sim.conv import WeightCache
+from ggml_rknpu.sim.conv import OperandCache
 from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 
@@ -74,9 +74,13 @@ class SimNpu:
         self.memory = memory
         self.n_cores = n_cores
         self._cores = [_Core() for _ in range(n_cores)]
-        self.weights = WeightCache()
+        self.operands = OperandCache()
         self.decoded = DecodeCache()
         self.busy_seconds = 0.0
+        # True: conv tasks of a run that tile M over one weight block execute as one
+        # (conv.BulkConv); False: every task on its own, the reference the bulk path is
+        # tested against (tests/test_sim_bulk.py).
+        self.bulk = True
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -149,8 +153,8 @@ class SimNpu:
     def _run(self, c: _Core, core: int) -> None:
         t0 = time.perf_counter()
         try:
-            result = ProgramCounter(core, self.memory, c.regs, c.state, self.weights,
-                                    self.decoded).run()
+            result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
+                                    self.decoded, self.bulk).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
         c.diagnostics = list(result.diagnostics)

@@ -41,8 +41,8 @@ from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
     decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import ConvTask, DmaRead, DmaWrite, WeightCache, decode_conv, \
-    execute_conv
+from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, OperandCache, \
+    decode_conv, execute_conv
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
 from ggml_rknpu.sim.regfile import PP_BLOCKS, S_POINTER_OFFSET, RegisterFile
@@ -175,10 +175,12 @@ class ProgramCounter:
     """Runs one core's program; owns nothing but what a run needs."""
 
     def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState,
-                 weights: WeightCache | None = None, decoded: DecodeCache | None = None) -> None:
+                 operands: OperandCache | None = None, decoded: DecodeCache | None = None,
+                 bulk: bool = False) -> None:
         self.core, self.memory, self.regs, self.state = core, memory, regs, state
-        self.cache = weights if weights is not None else WeightCache()
+        self.cache = operands if operands is not None else OperandCache()
         self.decoded = decoded
+        self.bulk = BulkConv(memory, self.cache) if bulk else None
         self.cbuf_weights: tuple[ConvTask, int] | None = None   # last conv task's weights, task no.
         self.cbuf_data: tuple[ConvTask, int] | None = None
 
@@ -201,6 +203,8 @@ class ProgramCounter:
                 f"task {task}: DMA {kind} fault (raw status 0x{bit:X}) {exc}; the address "
                 f"register names which buffer to map or fix ({SYMPTOM_DMA_FAULT})")
         finally:
+            if self.bulk is not None:
+                self.bulk.flush()   # cannot fail: see BulkConv
             self.cache.end_run()
         self._final_interrupt_check(result)
         return result
@@ -249,6 +253,9 @@ class ProgramCounter:
         return raw.tobytes()
 
     def _run_task(self, t: int, rec: TaskRecord) -> tuple[int | None, int | None]:
+        if self.bulk is not None and self.bulk.writes_into(rec.regcmd_addr,
+                                                           rec.fetched_words * _WORD_BYTES):
+            self.bulk.flush()
         raw = self._fetch(t, rec.regcmd_addr, rec.fetched_words)
         self.regs.begin_task(t)
         cached = self.decoded.get(raw) if self.decoded is not None else None
@@ -355,11 +362,16 @@ class ProgramCounter:
         return task.next_base, task.next_amount
 
     def _execute_conv(self, conv: ConvTask, t: int) -> None:
-        execute_conv(self.memory, conv, self.cache)
+        if self.bulk is not None:
+            self.bulk.submit(conv)
+        else:
+            execute_conv(self.memory, conv, self.cache)
         self.cbuf_weights = (conv, t)
         self.cbuf_data = (conv, t)
 
     def _execute_pool(self, pool: PoolTask) -> None:
+        if self.bulk is not None:
+            self.bulk.flush()
         execute_ppu(self.memory, pool)
         self.cache.invalidate(pool.dst_addr, pool.dst_plane_bytes)
         note_device_write(self.memory, pool.dst_addr, pool.dst_plane_bytes)
