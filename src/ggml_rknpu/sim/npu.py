@@ -81,6 +81,7 @@ class SimNpu:
         # (conv.BulkConv); False: every task on its own, the reference the bulk path is
         # tested against (tests/test_sim_bulk.py).
         self.bulk = True
+        self.merged_tasks = 0
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -157,6 +158,7 @@ class SimNpu:
                                     self.decoded, self.bulk).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
+        self.merged_tasks += result.merged_tasks
         c.diagnostics = list(result.diagnostics)
         c.records = result.records
         c.completed = result.completed_tasks

@@ -141,6 +141,7 @@ class RunState:
 @dataclass
 class RunResult:
     completed_tasks: int = 0
+    merged_tasks: int = 0       # tasks that ran inside another task's bulk execution
     diagnostics: list[str] = field(default_factory=list)
     records: list[TaskRecord] = field(default_factory=list)
 
@@ -205,6 +206,7 @@ class ProgramCounter:
         finally:
             if self.bulk is not None:
                 self.bulk.flush()   # cannot fail: see BulkConv
+                result.merged_tasks = self.bulk.tasks_merged
             self.cache.end_run()
         self._final_interrupt_check(result)
         return result
