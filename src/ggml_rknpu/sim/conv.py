@@ -347,11 +347,15 @@ FEATURE_CACHE_BYTES = 256 << 20  # decoded fp32 features (the cores of one submi
 
 class _Decoded:
     """Decoded operands by key, each valid while the memory's content token of its bytes is
-    unchanged (``sim.memory.content_token``); least recently used beyond ``max_bytes``."""
+    unchanged (``sim.memory.content_token``); least recently used beyond ``max_bytes``.
+    An entry with a token needs no address check when the NPU writes: the write bumps the
+    token (``note_device_write``). Entries without one are checked by address
+    (``invalidate``) and dropped at the end of the run."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple, tuple[object, tuple[int, int], np.ndarray]] = OrderedDict()
+        self._untracked: set[tuple] = set()
         self._bytes = 0
 
     def get(self, key: tuple, token: object, extent: tuple[int, int],
@@ -363,6 +367,8 @@ class _Decoded:
         value = read()
         self._drop(key)
         self._entries[key] = (token, extent, value)
+        if token is None:
+            self._untracked.add(key)
         self._bytes += value.nbytes
         while self._bytes > self.max_bytes and len(self._entries) > 1:
             self._drop(next(iter(self._entries)))
@@ -372,17 +378,19 @@ class _Decoded:
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= old[2].nbytes
+            self._untracked.discard(key)
 
     def invalidate(self, start: int, nbytes: int) -> None:
-        for key in [k for k, (_, (lo, hi), _) in self._entries.items() if lo < start + nbytes and start < hi]:
+        for key in [k for k in self._untracked if _overlap(self._entries[k][1], (start, start + nbytes))]:
             self._drop(key)
 
     def end_run(self) -> None:
-        for key in [k for k, (token, _, _) in self._entries.items() if token is None]:
+        for key in list(self._untracked):
             self._drop(key)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._untracked.clear()
         self._bytes = 0
 
 
@@ -392,8 +400,8 @@ class OperandCache:
     submit share the decode of A. An entry is keyed by the task's registers and used only
     while the memory's content token of its bytes is unchanged (no sync, no NPU write to
     the object since), so a changed operand is always read again. Entries without a token
-    (memory that cannot tell) are dropped at the end of every run; entries a task writes
-    over are dropped at once (``invalidate``)."""
+    (memory that cannot tell) are dropped when a task writes over them (``invalidate``) and
+    at the end of every run."""
 
     def __init__(self, weight_bytes: int = WEIGHT_CACHE_BYTES,
                  feature_bytes: int = FEATURE_CACHE_BYTES) -> None:

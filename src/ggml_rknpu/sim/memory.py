@@ -60,8 +60,9 @@ class DmaFault(Exception):
 class DeviceMemory(Protocol):
     """What the NPU model needs: ``view`` (required). A memory may also offer
     ``content_token(iova, nbytes)`` (hashable, or None when unknown) and
-    ``note_device_write(iova, nbytes)``; the model uses them through ``content_token`` and
-    ``note_device_write`` below, which treat a memory without them as untracked."""
+    ``note_device_write(iova, nbytes)`` (which must change the token of what was written);
+    the model uses them through ``content_token`` and ``note_device_write`` below, which
+    treat a memory without them as untracked."""
 
     def view(self, iova: int, nbytes: int) -> np.ndarray: ...
 
