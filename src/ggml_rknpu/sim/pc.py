@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -146,11 +147,12 @@ class RunResult:
     records: list[TaskRecord] = field(default_factory=list)
 
 
-def _enabled_blocks(mask: int) -> set[Block]:
+@lru_cache(maxsize=None)
+def _enabled_blocks(mask: int) -> frozenset[Block]:
     names = {OpEnable.CNA: Block.CNA, OpEnable.CORE: Block.CORE, OpEnable.DPU: Block.DPU,
              OpEnable.DPU_RDMA: Block.DPU_RDMA, OpEnable.PPU: Block.PPU,
              OpEnable.PPU_RDMA: Block.PPU_RDMA}
-    return {b for flag, b in names.items() if mask & flag}
+    return frozenset(b for flag, b in names.items() if mask & flag)
 
 
 def _decoded(rec: TaskRecord, ordered: list[tuple[int, int]], next_base: int | None,
@@ -222,6 +224,8 @@ class ProgramCounter:
                          "does not fetch; write the regcmd DMA address with bit 0 clear [§3]",
                          "PC_BASE_ADDRESS", st.base_address)
         n_tasks = REGISTERS["PC_TASK_CON"].field("TASK_NUMBER").extract(st.task_con)
+        if n_tasks == 1:
+            self.bulk = None      # nothing to merge with: execute at once, skip the deferral
         if n_tasks == 0:
             self._refuse(0, "task-number", "PC_TASK_CON.TASK_NUMBER=0: nothing to run, no "
                          "interrupt will come", "PC_TASK_CON", st.task_con)
