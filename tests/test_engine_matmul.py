@@ -257,7 +257,7 @@ def test_out_of_npu_memory_is_clear_and_loses_nothing():
 
     sim = SimKernel("rknpu", memory_limit=4 << 20)
     path = sim._device_paths()[-1]
-    npu = Npu(NpuDevice(sim, sim.open(path), path, "rknpu", simulated=True))
+    npu = Npu(NpuDevice(sim, sim.open(path), path, simulated=True))
     w1 = npu.upload_weight(np.ones((512, 1024), np.float32))           # 1 MiB
     np.testing.assert_array_equal(npu.matmul(np.ones((256, 1024), np.float32), w1), 1024)
     w2 = npu.upload_weight(np.ones((1024, 1024), np.float32))          # 2 MiB: evicts w1's program

@@ -34,7 +34,7 @@ def _small_engine(limit: int) -> Npu:
 
     sim = SimKernel("rknpu", memory_limit=limit)
     path = sim._device_paths()[-1]
-    return Npu(NpuDevice(sim, sim.open(path), path, "rknpu", simulated=True))
+    return Npu(NpuDevice(sim, sim.open(path), path, simulated=True))
 
 
 @pytest.mark.parametrize("device", ("sim-rknpu", "sim-rocket"))

@@ -14,9 +14,10 @@ import pytest
 
 from kernel_fake_npu import attach, regcmd_words
 from ggml_rknpu.kernel import rknpu_abi as rk
+from ggml_rknpu.devices import open_device
+from ggml_rknpu.kernel.abi_rknpu import RknpuAbi
 from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice, discover
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
-from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.sim.kernel import SimKernel
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +28,7 @@ def sim_device(abi: str, **fake) -> tuple[NpuDevice, SimKernel, object]:
     k = SimKernel(abi)
     npu = attach(k, **fake)
     path = k._device_paths()[-1]
-    return NpuDevice(k, k.open(path), path, abi, simulated=True), k, npu
+    return NpuDevice(k, k.open(path), path, simulated=True), k, npu
 
 
 def put_regcmd(buf, words: np.ndarray, offset: int = 0) -> None:
@@ -58,9 +59,9 @@ def test_discovery_on_a_board_picks_the_vendor_render_node():
     board = FakeBoard()
     assert discover(board) == [("rknpu", "/dev/dri/renderD129")]
     assert not any("card" in p for p in board.opened)  # only render nodes are probed
-    with NpuDevice.open(None, sys=board) as dev:
+    with open_device(None, syscalls=board) as dev:
         assert (dev.kind, dev.path, dev.simulated) == ("rknpu", "/dev/dri/renderD129", False)
-        assert isinstance(dev.driver, RknpuDriver)
+        assert isinstance(dev.driver, RknpuAbi)
         info = dev.info()
         assert info.driver_version == "0.9.8" and info.hw_version == 0x46495245 and not info.simulated
         free, total = dev.iova_budget()
@@ -70,15 +71,15 @@ def test_discovery_on_a_board_picks_the_vendor_render_node():
 
 def test_asking_for_rocket_on_a_vendor_board_is_a_clear_enodev():
     with pytest.raises(NpuError) as e:
-        NpuDevice.open("rocket", sys=FakeBoard())
+        open_device("rocket", syscalls=FakeBoard())
     assert e.value.errno == errno.ENODEV and "sim-rocket" in str(e.value)
 
 
 def test_device_path_opens_directly():
-    with NpuDevice.open("/dev/dri/renderD129", sys=FakeBoard()) as dev:
+    with open_device("/dev/dri/renderD129", syscalls=FakeBoard()) as dev:
         assert dev.kind == "rknpu"
     with pytest.raises(NpuError) as e:
-        NpuDevice.open("/dev/dri/renderD128", sys=FakeBoard())
+        open_device("/dev/dri/renderD128", syscalls=FakeBoard())
     assert e.value.errno == errno.EACCES and "render/video group" in str(e.value)
 
 
@@ -87,7 +88,7 @@ def test_auto_with_an_unopenable_node_warns_before_simulating(monkeypatch):
     board = FakeBoard()
     board.nodes = {"/dev/dri": ["renderD128"]}  # only the node we may not open
     with pytest.warns(RuntimeWarning, match="renderD128: Permission denied"):
-        dev = NpuDevice.open(None, sys=board)
+        dev = open_device(None, syscalls=board)
     assert dev.simulated
     dev.close()
 
@@ -96,21 +97,21 @@ def test_auto_without_hardware_falls_back_to_the_simulator(monkeypatch):
     monkeypatch.delenv("RKNPU_DEVICE", raising=False)
     empty = SimKernel("rknpu")
     empty.nodes = {}
-    with NpuDevice.open(None, sys=empty) as dev:
+    with open_device(None, syscalls=empty) as dev:
         assert (dev.kind, dev.simulated) == ("rknpu", True)
 
 
 def test_env_overrides_auto(monkeypatch):
     monkeypatch.setenv("RKNPU_DEVICE", "sim-rocket")
-    with NpuDevice.open() as dev:
+    with open_device() as dev:
         assert (dev.kind, dev.simulated) == ("rocket", True)
-    with NpuDevice.open("sim-rknpu") as dev:  # an explicit choice beats the env
+    with open_device("sim-rknpu") as dev:  # an explicit choice beats the env
         assert dev.kind == "rknpu"
 
 
 def test_unknown_device_name():
     with pytest.raises(NpuError) as e:
-        NpuDevice.open("npu0")
+        open_device("npu0")
     assert e.value.errno == errno.EINVAL and "sim-rknpu" in str(e.value)
 
 
@@ -154,7 +155,7 @@ def test_vendor_submit_three_cores_core_major_with_subcore_i_plus_2():
     out = dev.alloc(4096)
     done = dev.submit(Job(cores=((t1, t2), (t2,), (t1, t2)), outputs=(out,)))
     assert done.task_counter == 5 and done.hw_elapsed_ns is None and done.simulated
-    tasks = (rk.rknpu_task * 5).from_buffer_copy(dev._task_bo.array()[:200])
+    tasks = (rk.rknpu_task * 5).from_buffer_copy(dev.driver.task_bo.view[:200])
     assert [t.regcmd_addr for t in tasks] == [t1.regcmd_addr, t2.regcmd_addr, t2.regcmd_addr,
                                              t1.regcmd_addr, t2.regcmd_addr]
     assert [t.regcfg_amount for t in tasks] == [10, 12, 12, 10, 12]
@@ -313,29 +314,38 @@ def test_task_bo_is_reused_while_the_tasks_fit_in_its_pages():
     put_regcmd(regcmd, regcmd_words(10))
     t = HwTask(regcmd.dma_addr, 10)
     dev.submit(Job(cores=((t,),)))
-    first = dev._task_bo
+    first = dev.driver.task_bo
     dev.submit(Job(cores=((t,), (t,), (t,))))
-    assert dev._task_bo is first and first.size == 4096
+    assert dev.driver.task_bo is first and first.capacity == 4096
+    objects = k.stats()["objects"]
     dev.submit(Job(cores=((t,) * 103,)))  # 103 * 40 bytes > one page
-    assert dev._task_bo is not first and first.closed and dev._task_bo.size == 8192
+    assert dev.driver.task_bo is not first and dev.driver.task_bo.capacity == 8192
+    assert k.stats()["objects"] == objects  # the one-page task BO was freed
 
 
-def test_a_replayed_job_reuses_its_plan_and_task_array():
-    """Per-token submits are planned once: same Job.cores -> no rebuild, no task BO rewrite."""
+def test_a_replayed_job_reuses_its_submit_table_and_task_array():
+    """Per-token submits are tabled once: same Job.cores -> no rebuild, no task BO rewrite."""
     dev, k, npu = sim_device("rknpu")
     regcmd = dev.alloc(4096, purpose="regcmd")
     put_regcmd(regcmd, regcmd_words(10))
     job = Job(cores=((HwTask(regcmd.dma_addr, 10),), (HwTask(regcmd.dma_addr, 10),)))
     dev.submit(job)
     task_syncs = []
-    real = dev._task_bo.sync_to_device
-    dev._task_bo.sync_to_device = lambda *a: (task_syncs.append(a), real(*a))
+    real = dev.driver.sync
+    task_bo = dev.driver.task_bo
+
+    def counting_sync(allocation, offset, size, *, to_device):
+        if allocation is task_bo:
+            task_syncs.append((offset, size))
+        real(allocation, offset, size, to_device=to_device)
+
+    dev.driver.sync = counting_sync
     dev.submit(job)
-    dev.submit(Job(cores=job.cores))  # an equal job built anew is the same plan
-    assert task_syncs == [] and len(dev._plans) == 1
+    dev.submit(Job(cores=job.cores))  # an equal job built anew is the same submit table
+    assert task_syncs == [] and len(dev._tables) == 1
     dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),)))
-    assert len(task_syncs) == 1 and len(dev._plans) == 2
+    assert len(task_syncs) == 1 and len(dev._tables) == 2
     assert [npu.executed_tasks(c) for c in range(3)] == [4, 3, 0]
     regcmd.close()
     with pytest.raises(NpuError, match="not inside any buffer"):
-        dev.submit(job)  # the cached plan's regcmd buffer is gone: rebuilt and refused
+        dev.submit(job)  # the cached table's regcmd buffer is gone: rebuilt and refused

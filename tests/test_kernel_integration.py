@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from sim_support import pack_feature, pack_weights, unpack_output, within_fp16_model
-from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice
+from ggml_rknpu.devices import open_device
+from ggml_rknpu.kernel.device import HwTask, Job
 
 pytestmark = pytest.mark.timeout(120)
 GOLDEN_BASES = (0x1000_0000, 0x2000_0000, 0x3000_0000)  # feature, weights, output [golden/README.md]
@@ -43,7 +44,7 @@ def test_golden_stream_through_the_kernel_seam(reference_dir, abi, index):
         a, b = rng.standard_normal((m, k)).astype(np.float16), rng.standard_normal((n, k)).astype(np.float16)
     words = np.array([int(w, 16) for w in case["words"]], dtype=np.uint64)
     out_bytes = m * n * np.dtype(out_dt).itemsize
-    with NpuDevice.open(f"sim-{abi}") as dev:
+    with open_device(f"sim-{abi}") as dev:
         feat, wts, out, regcmd = dev.alloc(a.nbytes), dev.alloc(b.nbytes), dev.alloc(out_bytes), \
             dev.alloc(words.nbytes, purpose="regcmd")
         feat.array()[:] = pack_feature(a, 16 // a.itemsize).view(np.uint8)
@@ -60,7 +61,7 @@ def test_golden_stream_through_the_kernel_seam(reference_dir, abi, index):
             np.testing.assert_array_equal(got, a.astype(np.int64) @ b.astype(np.int64).T)
         else:
             assert within_fp16_model(got, a, b).all()
-        assert dev.sys.dmesg == []
+        assert dev.syscalls.dmesg == []
 
 
 @pytest.mark.parametrize("int_mask,message,dmesg", [
@@ -72,13 +73,13 @@ def test_wrong_int_mask_on_the_real_model_times_out_with_diagnostics(reference_d
 
     case = json.loads((reference_dir / "golden" / "mtx512-single-task.json").read_text())["cases"][0]
     words = np.array([int(w, 16) for w in case["words"]], dtype=np.uint64)
-    with NpuDevice.open("sim-rknpu") as dev:
+    with open_device("sim-rknpu") as dev:
         bufs = [dev.alloc(n) for n in (64, 1024, 64)]
         regcmd = dev.alloc(words.nbytes, purpose="regcmd")
         regcmd.array(np.uint64)[:] = relocate(words, GOLDEN_BASES, tuple(b.dma_addr for b in bufs), (64, 1024, 64))
         with pytest.raises(NpuTimeout, match=message):
             dev.submit(Job(cores=((HwTask(regcmd.dma_addr, len(words) - 4, int_mask=int_mask),),)))
-        assert any(dmesg in line for line in dev.sys.dmesg)
-        assert any("soft reset" in line for line in dev.sys.dmesg)
+        assert any(dmesg in line for line in dev.syscalls.dmesg)
+        assert any("soft reset" in line for line in dev.syscalls.dmesg)
         regcmd.array(np.uint64)[:] = relocate(words, GOLDEN_BASES, tuple(b.dma_addr for b in bufs), (64, 1024, 64))
         assert dev.submit(Job(cores=((HwTask(regcmd.dma_addr, len(words) - 4),),))).task_counter == 1  # recovered

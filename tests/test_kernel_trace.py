@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel.device import NpuDevice
+from ggml_rknpu.devices import open_device
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.kernel.trace import TracingSyscalls
@@ -32,10 +32,10 @@ def test_trace_decodes_struct_fields_and_errors():
 def test_trace_file_from_environment(tmp_path, monkeypatch):
     log = tmp_path / "trace.log"
     monkeypatch.setenv("RKNPU_TRACE", str(log))
-    with NpuDevice.open("sim-rocket") as dev:
+    with open_device("sim-rocket") as dev:
         with dev.alloc(4096) as buf:
             buf.sync_to_device()
-        assert dev.sys.stats()["objects"] == 0  # simulator extras reachable through the wrapper
+        assert dev.syscalls.stats()["objects"] == 0  # simulator extras reachable through the wrapper
     text = log.read_text()
     for expected in ("ROCKET_CREATE_BO", "mmap(fd", "ROCKET_FINI_BO", "munmap(4096 bytes)", "DRM_IOCTL_GEM_CLOSE",
                      "close("):

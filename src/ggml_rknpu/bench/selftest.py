@@ -84,10 +84,10 @@ def _plain_value(v):
 
 def probe(device: str | None) -> dict:
     """Open the device, read its facts and do a buffer round trip (what ``rknpu probe`` does)."""
-    from ggml_rknpu.kernel.device import NpuDevice
+    from ggml_rknpu.devices import open_device
 
     pattern = (np.arange(4096, dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
-    with NpuDevice.open(device) as dev:
+    with open_device(device) as dev:
         info = _plain(dev.info())
         with dev.alloc(4096) as buf:
             buf.array(np.uint8)[:] = pattern

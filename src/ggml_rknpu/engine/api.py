@@ -475,9 +475,9 @@ def open_engine(device: Any = None, cores: int = 3) -> Npu:
     """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
     (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``."""
     if device is None or isinstance(device, str):
-        from ggml_rknpu.kernel.device import NpuDevice
+        from ggml_rknpu.devices import open_device
 
-        dev = NpuDevice.open(device)
+        dev = open_device(device)
         try:
             return Npu(dev, cores)
         except BaseException:

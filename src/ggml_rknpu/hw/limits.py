@@ -32,6 +32,10 @@ REGCMD_TASK_ALIGN = 64          # MESA aligns every task's regcmd to 64 B [§2];
 DATA_ALIGN = 16                 # feature/output atoms are 16 B; DST_BASE_ADDR [31:4] use [§6, §7]
 INT_MASK_DPU = 0x300            # DPU group0|group1 [§3]
 INT_MASK_PPU = 0xC00            # [§3]
+INT_CLEAR_ALL = 0x1FFFF         # every PC INTERRUPT_CLEAR bit: RKNPU_INT_CLEAR, rocket's IRQ clear, and what
+                                # the RKNN runtime writes into rknpu_task.int_clear [§3; capture pw_c256_h14 task BO]
+ADDRESS_WINDOW_BYTES = 1 << ADDRESS_BITS   # the NPU's whole IOVA space [§4]
+PAGE_BYTES = 4096               # IOMMU and GEM page: buffers are whole pages, IOVA 0 is never mapped [§4]
 
 # --- Precisions -------------------------------------------------------------------------
 # CNA and CORE *_PRECISION codes [TRM; §1]

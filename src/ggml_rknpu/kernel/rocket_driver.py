@@ -45,15 +45,15 @@ class RocketJobSpec:
 
 
 class RocketDriver:
-    def __init__(self, sys: Syscalls, fd: int) -> None:
-        self.sys, self.fd = sys, fd
-        self.drm: DrmVersion = query_version(sys, fd)
+    def __init__(self, syscalls: Syscalls, fd: int) -> None:
+        self.syscalls, self.fd = syscalls, fd
+        self.drm: DrmVersion = query_version(syscalls, fd)
         if self.drm.name != abi.DRIVER_NAME:
             raise NpuError(f"DRM driver is {self.drm.name!r}, not {abi.DRIVER_NAME!r}; open /dev/accel/accel*")
         self.version = (self.drm.major, self.drm.minor, self.drm.patch)
 
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
-        return drm.call(self.sys, self.fd, request, struct, f"ROCKET {name}", name, _HINTS)
+        return drm.call(self.syscalls, self.fd, request, struct, f"ROCKET {name}", name, _HINTS)
 
     def create_bo(self, size: int) -> RocketBo:
         out = self._call("CREATE_BO", abi.DRM_IOCTL_ROCKET_CREATE_BO, abi.drm_rocket_create_bo(size=size))
@@ -94,9 +94,9 @@ class RocketDriver:
 
     def gem_close(self, handle: int) -> None:
         try:
-            gem_close(self.sys, self.fd, handle)
+            gem_close(self.syscalls, self.fd, handle)
         except OSError as exc:
             raise NpuError.from_oserror("DRM GEM_CLOSE", exc) from exc
 
     def mmap(self, offset: int, length: int) -> memoryview:
-        return self.sys.mmap(self.fd, length, offset)
+        return self.syscalls.mmap(self.fd, length, offset)
