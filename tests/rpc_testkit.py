@@ -34,6 +34,9 @@ class FakeWeight:
     def __init__(self, engine: "FakeNpu", b: np.ndarray, dtype: str) -> None:
         self.engine = engine
         self.b = b.astype(np.float16).astype(np.float32) if dtype == "fp16" else b.astype(np.float32)
+        self.shape: tuple[int, int] = b.shape
+        self.dtype = dtype
+        self.packed_bytes = b.size * (2 if dtype == "fp16" else 1)
         self.freed = False
 
     def free(self) -> None:
@@ -42,10 +45,12 @@ class FakeWeight:
 
 
 class FakeNpu:
-    """CONTRACT E surface: upload_weight / matmul / memory_budget / close, with counters."""
+    """A ``MatmulEngine`` (engine/contract.py) computing on the host, with counters."""
 
     def __init__(self, budget: tuple[int, int] = (3 * GIB, 4 * GIB)) -> None:
         self.budget = budget
+        self.counters: dict[str, int] = {}
+        self.last_timing: SimpleNamespace | None = None
         self.uploads = 0
         self.frees = 0
         self.matmuls = 0
@@ -56,7 +61,10 @@ class FakeNpu:
         self.uploads += 1
         return FakeWeight(self, b, dtype)
 
-    def matmul(self, a: np.ndarray, w: FakeWeight) -> np.ndarray:
+    def describe(self) -> str:
+        return "fake engine (host numpy)"
+
+    def matmul(self, a: np.ndarray, w: FakeWeight, *, out: str | None = None) -> np.ndarray:
         assert not w.freed, "matmul with a freed (stale) weight"
         if self.fail_matmul:
             raise RuntimeError("injected NPU fault")

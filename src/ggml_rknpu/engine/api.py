@@ -19,10 +19,8 @@ prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must 
 new one is allocated first, every program using it is re-bound (``Program.bind``) and the
 old one freed, so regcmd words always point at live buffers; a shared buffer is freed
 with the last program using it (eviction, ``Weight.free``). Regcmd buffers stay per
-program. A job lists a ``_Window`` (the first bytes of a shared buffer that its program
-uses) rather than the ``Buffer``, so a submit cleans/invalidates what that program uses,
-not the whole shared buffer (deviation: ``Job.inputs/outputs`` get a duck-typed view
-offering the ``Buffer`` members ``NpuDevice.submit`` uses).
+program. A job lists the range of a shared buffer its program uses (``BufferRange``), so
+a submit cleans/invalidates what that program uses, not the whole shared buffer.
 
 Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
 ``SimNpu``, the same submit path a board takes.
@@ -64,6 +62,8 @@ from ggml_rknpu.engine.weights import (
     stage_weight,
 )
 from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.kernel.device import NpuDevice
+from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 BUCKET_POW2_MAX = 256
 MAX_PROGRAM_M = 2048
@@ -112,28 +112,15 @@ class _Scratch:
             self.buf.close()
 
 
-class _Window:
-    """The first ``size`` bytes of a shared scratch buffer, as a job's input or output.
-    ``NpuDevice.submit`` checks, cleans and invalidates through it, so a call syncs what
-    its program uses, not the whole shared buffer. It follows the scratch buffer when that
-    is replaced by a larger one."""
+class _ScratchShare:
+    """The first ``size`` bytes of a shared scratch buffer that one program uses. It follows
+    the scratch buffer when that is replaced by a larger one; ``range()`` is what the
+    program's job reads or writes, so a submit syncs that, not the whole shared buffer."""
 
     __slots__ = ("scratch", "size")
 
     def __init__(self, scratch: _Scratch, size: int) -> None:
         self.scratch, self.size = scratch, size
-
-    @property
-    def closed(self) -> bool:
-        return self.scratch.buf.closed
-
-    @property
-    def device(self) -> Any:
-        return self.scratch.buf.device
-
-    @property
-    def handle(self) -> int:
-        return self.scratch.buf.handle
 
     @property
     def dma_addr(self) -> int:
@@ -142,38 +129,38 @@ class _Window:
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         return self.scratch.buf.array(dtype)[: self.size // np.dtype(dtype).itemsize]
 
-    def sync_to_device(self, offset: int = 0, size: int | None = None) -> None:
-        self.scratch.buf.sync_to_device(offset, self.size - offset if size is None else size)
-
-    def sync_from_device(self, offset: int = 0, size: int | None = None) -> None:
-        self.scratch.buf.sync_from_device(offset, self.size - offset if size is None else size)
+    def range(self) -> BufferRange:
+        return BufferRange(self.scratch.buf, 0, self.size)
 
 
 @dataclass(eq=False)
 class _Plan:
-    """A compiled program bound to windows of its bucket's shared A and C buffers, its own
+    """A compiled program bound to shares of its bucket's shared A and C buffers, its own
     regcmd buffer and the weight's B."""
 
     program: Any
     m: int
     b_addr: int
     modeled: ModeledTime | None
-    a_buf: _Window | None = None
-    c_buf: _Window | None = None
+    a_buf: _ScratchShare | None = None
+    c_buf: _ScratchShare | None = None
     regcmd_buf: Any = None
-    job: Any = None
+    job: Job | None = None
 
     def write_words(self) -> None:
-        """Bind the register commands to the current buffers and make them visible to the NPU."""
+        """Bind the register commands to the current buffers and make them visible to the NPU;
+        the job follows (its ranges name the current scratch buffers)."""
         words = self.program.bind(a=self.a_buf.dma_addr, b=self.b_addr, c=self.c_buf.dma_addr,
                                   regcmd=self.regcmd_buf.dma_addr)
         self.regcmd_buf.array(np.uint64)[: len(words)] = words
         self.regcmd_buf.sync_to_device(0, words.nbytes)
+        if self.job is not None:
+            self.job = Job(cores=self.job.cores, inputs=(self.a_buf.range(),), outputs=(self.c_buf.range(),))
 
     def close(self) -> None:
-        for window in (self.a_buf, self.c_buf):
-            if window is not None:
-                window.scratch.leave(self)
+        for share in (self.a_buf, self.c_buf):
+            if share is not None:
+                share.scratch.leave(self)
         if self.regcmd_buf is not None:
             self.regcmd_buf.close()
 
@@ -208,9 +195,9 @@ class Weight(ResidentWeight):
 
 
 class Npu:
-    """The engine over one ``NpuDevice``; see the module docstring."""
+    """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
-    def __init__(self, device: Any, cores: int = 3) -> None:
+    def __init__(self, device: NpuDevice, cores: int = 3) -> None:
         if not 1 <= cores <= device.n_cores:
             raise ValueError(f"cores must be in 1..{device.n_cores}, got {cores}")
         self.device = device
@@ -226,6 +213,9 @@ class Npu:
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
         self._closed = False
+
+    def describe(self) -> str:
+        return f"{self.device.kind} (simulated)" if self.device.simulated else self.device.kind
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
@@ -333,8 +323,6 @@ class Npu:
         return plan
 
     def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
-        from ggml_rknpu.kernel.device import HwTask, Job
-
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
         plan = _Plan(program, m, w.buffer.dma_addr, modeled)
@@ -358,11 +346,12 @@ class Npu:
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
-        plan.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(plan.a_buf,), outputs=(plan.c_buf,))
+        plan.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(plan.a_buf.range(),),
+                       outputs=(plan.c_buf.range(),))
         return plan
 
-    def _join_scratch(self, plan: _Plan, role: str, nbytes: int, what: str) -> _Window:
-        """A window of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
+    def _join_scratch(self, plan: _Plan, role: str, nbytes: int, what: str) -> _ScratchShare:
+        """A share of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
         the larger buffer is allocated first, the programs on the old one re-bound to it,
         then the old one freed (so no program ever points at freed memory)."""
         key = (role, plan.m)
@@ -379,7 +368,7 @@ class Npu:
                 old.close()
                 self.counters["scratch_grown"] += 1
         scratch.users.add(plan)
-        return _Window(scratch, nbytes)
+        return _ScratchShare(scratch, nbytes)
 
     def scratch_bytes(self) -> int:
         """NPU bytes held by the shared A and C buffers."""
@@ -461,17 +450,17 @@ class Npu:
         self.close()
 
 
-def _npu_mhz(device: Any) -> float | None:
+def _npu_mhz(device: NpuDevice) -> float | None:
     """NPU clock for modeled device time: the driver's figure where it reports one, the
     vendor driver's 1 GHz on the simulator [anchors.md §3.1], None (no model) otherwise
     (rocket boots at 200 MHz and is often patched to 600: unknown without a query)."""
-    freq = device.info().npu_freq_hz if hasattr(device, "info") else None
+    freq = device.info().npu_freq_hz
     if freq:
         return freq / 1e6
     return 1000.0 if device.simulated else None
 
 
-def open_engine(device: Any = None, cores: int = 3) -> Npu:
+def open_engine(device: str | NpuDevice | None = None, cores: int = 3) -> Npu:
     """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
     (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``."""
     if device is None or isinstance(device, str):

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.ops.convert import bf16_to_f32
@@ -181,7 +182,7 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
 class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
-    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: Any, stats: ServerStats,
+    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  plan_op: Callable[[Any], Callable[[], None]] | None = None) -> None:
         self.buffers = buffers
         self.weights = weights
@@ -283,7 +284,7 @@ class GraphPlanner:
                 else:
                     d_view[...] = c.reshape(d_view.shape)
                     step.counter = npu_counter
-                    timing = getattr(npu, "last_timing", None)
+                    timing = npu.last_timing
                     if timing is not None and timing.device_s is not None:
                         stats.npu_device_seconds += timing.device_s
                         stats.npu_device_label = timing.device_label

@@ -8,26 +8,11 @@ that object. A third ABI is a third class plus one entry in ``device.ABIS``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.drm import DrmVersion
 from ggml_rknpu.kernel.job import BufferRange, Cores
-
-if TYPE_CHECKING:
-    from ggml_rknpu.kernel.device import Buffer
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """One GEM object as the driver returned it, mapped for the CPU."""
-
-    handle: int
-    dma_addr: int
-    capacity: int  # whole pages
-    cached: bool  # CPU-cached: needs explicit sync
-    view: memoryview
-    obj_addr: int = 0  # vendor: the kernel object id MEM_SYNC/MEM_DESTROY/SUBMIT take
-
 
 @dataclass(frozen=True)
 class DriverFacts:
@@ -53,7 +38,7 @@ class Finished:
 class SubmitTable(Protocol):
     """A ``Job.cores`` in one ABI's submit form, built once per distinct ``cores``."""
 
-    regcmd_buffers: tuple["Buffer", ...]
+    regcmd_buffers: tuple[Buffer, ...]
     n_tasks: int
 
 
@@ -72,7 +57,7 @@ class DriverAbi(Protocol):
         """(free, total) bytes of NPU address space as far as this process can tell."""
         ...
 
-    def submit_table(self, cores: Cores, regcmd_buffers: tuple["Buffer", ...]) -> SubmitTable: ...
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> SubmitTable: ...
 
     def submit(self, table: SubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_CLEAR_ALL, PAGE_BYTES
 from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel.abi import Allocation, DriverFacts, Finished
+from ggml_rknpu.kernel.abi import DriverFacts, Finished
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
 from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.kernel.syscalls import Syscalls
-
-if TYPE_CHECKING:
-    from ggml_rknpu.kernel.device import Buffer
-
 _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GET_FREQ),
           ("npu_volt_uv", rk.Action.GET_VOLT), ("iommu_enabled", rk.Action.GET_IOMMU_EN),
           ("sram_total_bytes", rk.Action.GET_TOTAL_SRAM_SIZE), ("sram_free_bytes", rk.Action.GET_FREE_SRAM_SIZE))
@@ -38,7 +34,7 @@ _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GE
 class RknpuSubmitTable:
     """A ``Job.cores`` as the vendor SUBMIT takes it."""
 
-    regcmd_buffers: tuple["Buffer", ...]
+    regcmd_buffers: tuple[Buffer, ...]
     n_tasks: int
     task_array: bytes  # the rknpu_task array, core-major
     core_mask: int
@@ -84,7 +80,7 @@ class RknpuAbi:
         return total - sum(self._live.values()), total
 
     # ------------------------------------------------------------------ submit
-    def submit_table(self, cores: Cores, regcmd_buffers: tuple["Buffer", ...]) -> RknpuSubmitTable:
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RknpuSubmitTable:
         used = [(i, tasks) for i, tasks in enumerate(cores) if tasks]
         slot = 2 if len(used) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
         subcore = [(0, 0)] * rk.N_SUBCORE_TASKS

@@ -12,26 +12,22 @@ from __future__ import annotations
 import errno
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 from ggml_rknpu.hw.regcmd import TAIL_WORDS
 from ggml_rknpu.kernel import rocket_abi as ro
-from ggml_rknpu.kernel.abi import Allocation, DriverFacts, Finished
+from ggml_rknpu.kernel.abi import DriverFacts, Finished
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
 from ggml_rknpu.kernel.rocket_driver import RocketDriver, RocketJobSpec
 from ggml_rknpu.kernel.syscalls import Syscalls
 
-if TYPE_CHECKING:
-    from ggml_rknpu.kernel.device import Buffer
-
-
 @dataclass(frozen=True, eq=False)
 class RocketSubmitTable:
     """A ``Job.cores`` as rocket's SUBMIT takes it."""
 
-    regcmd_buffers: tuple["Buffer", ...]
+    regcmd_buffers: tuple[Buffer, ...]
     n_tasks: int
     jobs: tuple[tuple[tuple[int, int], ...], ...]  # per used core: (regcmd address, body + tail words)
 
@@ -75,7 +71,7 @@ class RocketAbi:
         return total - sum(self._live.values()), total
 
     # ------------------------------------------------------------------ submit
-    def submit_table(self, cores: Cores, regcmd_buffers: tuple["Buffer", ...]) -> RocketSubmitTable:
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RocketSubmitTable:
         jobs = tuple(tuple((t.regcmd_addr, t.body_words + TAIL_WORDS) for t in tasks) for tasks in cores if tasks)
         return RocketSubmitTable(regcmd_buffers, sum(len(j) for j in jobs), jobs)
 

@@ -18,14 +18,14 @@ import errno
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-import numpy as np
 
 from ggml_rknpu.hw.limits import N_CORES
 from ggml_rknpu.kernel import rknpu_abi as rk
 from ggml_rknpu.kernel import rocket_abi as ro
-from ggml_rknpu.kernel.abi import Allocation, DriverAbi, SubmitTable
+from ggml_rknpu.kernel.abi import DriverAbi, SubmitTable
 from ggml_rknpu.kernel.abi_rknpu import RknpuAbi
 from ggml_rknpu.kernel.abi_rocket import RocketAbi
+from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.drm import query_version
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Completion, HwTask, Job, check_cores
@@ -98,60 +98,6 @@ def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> "Npu
     except BaseException:
         syscalls.close(fd)
         raise
-
-
-class Buffer:
-    """One NPU buffer: a GEM object, its NPU address and its CPU mapping."""
-
-    def __init__(self, device: "NpuDevice", size: int, allocation: Allocation, purpose: str) -> None:
-        self.device, self.size, self.allocation, self.purpose = device, size, allocation, purpose
-        self.capacity, self.dma_addr, self.handle = allocation.capacity, allocation.dma_addr, allocation.handle
-        self._view: memoryview | None = allocation.view
-
-    @property
-    def closed(self) -> bool:
-        return self._view is None
-
-    def array(self, dtype: Any = np.uint8) -> np.ndarray:
-        """Writable view of the first ``size`` bytes of the CPU mapping."""
-        if self._view is None:
-            raise NpuError("buffer is closed; allocate a new one")
-        dtype = np.dtype(dtype)
-        return np.frombuffer(self._view, dtype=dtype, count=self.size // dtype.itemsize)
-
-    def range(self, offset: int = 0, size: int | None = None) -> BufferRange:
-        """``size`` bytes from ``offset`` (default: to ``self.size``), as a job input or output."""
-        return BufferRange(self, *self._range(offset, size))
-
-    def _range(self, offset: int, size: int | None) -> tuple[int, int]:
-        size = self.size - offset if size is None else size
-        if offset < 0 or size < 0 or offset + size > self.capacity:
-            raise NpuError(f"range [{offset}, {offset + size}) is outside the {self.capacity}-byte buffer",
-                           errno.EINVAL)
-        return offset, size
-
-    def sync_to_device(self, offset: int = 0, size: int | None = None) -> None:
-        """Make CPU writes visible to the NPU (clean the CPU cache)."""
-        self.device._sync(self, *self._range(offset, size), to_device=True)
-
-    def sync_from_device(self, offset: int = 0, size: int | None = None) -> None:
-        """Make NPU writes visible to the CPU (invalidate; rocket: also waits for the writer)."""
-        self.device._sync(self, *self._range(offset, size), to_device=False)
-
-    def close(self) -> None:
-        if self._view is not None:
-            self._view = None
-            self.device._free(self)
-
-    def __enter__(self) -> "Buffer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"dma={self.dma_addr:#x}"
-        return f"Buffer({self.purpose}, {self.size} B, {state})"
 
 
 class NpuDevice:

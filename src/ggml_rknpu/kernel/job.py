@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Union
+from typing import Callable, Union
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_MASK_DPU, MAX_TASKS_PER_SUBMIT, REGCMD_ALIGN
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE
+from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.errors import NpuError
-
-if TYPE_CHECKING:
-    from ggml_rknpu.kernel.device import Buffer
-
 
 @dataclass(frozen=True)
 class HwTask:
@@ -32,19 +29,19 @@ class HwTask:
 class BufferRange:
     """``size`` bytes of ``buffer`` from ``offset``: what a job reads or writes."""
 
-    buffer: "Buffer"
+    buffer: Buffer
     offset: int = 0
     size: int = 0
 
     @classmethod
-    def whole(cls, buffer: "Buffer") -> "BufferRange":
+    def whole(cls, buffer: Buffer) -> "BufferRange":
         return cls(buffer, 0, buffer.size)
 
 
 Cores = tuple[tuple[HwTask, ...], ...]  # cores[i]: tasks for core i in order; () = unused
 
 
-def _ranges(items: tuple[Union["Buffer", BufferRange], ...]) -> tuple[BufferRange, ...]:
+def _ranges(items: tuple[Union[Buffer, BufferRange], ...]) -> tuple[BufferRange, ...]:
     return tuple(i if isinstance(i, BufferRange) else BufferRange.whole(i) for i in items)
 
 
@@ -70,7 +67,7 @@ class Completion:
 
 
 def check_cores(cores: Cores, n_cores: int,
-                buffer_at: Callable[[int], "Buffer | None"]) -> tuple["Buffer", ...]:
+                buffer_at: Callable[[int], Buffer | None]) -> tuple[Buffer, ...]:
     """Validate ``cores`` for any ABI; the distinct buffers holding their regcmd."""
     if len(cores) > n_cores:
         raise NpuError(f"job has task lists for {len(cores)} cores; this NPU has {n_cores}", errno.EINVAL)

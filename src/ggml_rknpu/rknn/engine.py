@@ -95,6 +95,11 @@ class RknnWeight(ResidentWeight):
         self.n_padded = n_padded
         self.freed = False
 
+    @property
+    def packed_bytes(self) -> int:
+        """Host bytes of the native layout (what each context using it holds on the NPU)."""
+        return sum(chunk.nbytes for chunk in self.native_chunks)
+
     def free(self) -> None:
         if not self.freed:
             self._npu._drop_weight(self)
@@ -128,6 +133,9 @@ class RknnNpu:
         """Cores the cost model prices a run on: those in the core mask; 1 for "auto" (the
         runtime's AUTO mask runs a matmul on one core: reading in ``cost/anchors.py``)."""
         return min(3, bin(self.core_mask & 0b111).count("1")) or 1
+
+    def describe(self) -> str:
+        return "librknnrt (the vendor runtime)"
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16", *, matmul_type: int | None = None) -> RknnWeight:

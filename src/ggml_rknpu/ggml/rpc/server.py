@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
@@ -129,7 +130,7 @@ class ServerConfig:
 class ServerState:
     """What outlives a connection: the engine, the device budget, the counters."""
 
-    npu: Any
+    npu: MatmulEngine | None
     memory: DeviceMemory
     config: ServerConfig
     stats: ServerStats = field(default_factory=ServerStats)
