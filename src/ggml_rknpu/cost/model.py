@@ -29,13 +29,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ggml_rknpu.hw import limits
+
 # --- hardware rates -------------------------------------------------------------------
 MACS_PER_CYCLE_PER_CORE = {"fp16": 512, "int8": 1024}
 # [anchors.md A1 / §3.1: 1024 INT8 MAC/cycle/core; TRM NPU chapter; rknn-toolkit.md §1.7:
 #  Rockchip's compiler cost model implies 512 fp16 and 1024 int8 MAC/cycle]
-IN_BYTES = {"fp16": 2, "int8": 1}
-KERNEL_GROUP = {"fp16": 16, "int8": 32}  # N padding [npu-programming.md §6 B layouts]
-K_ALIGN = 32  # [npu-programming.md §6: K padded to 32]
+IN_BYTES = {d: limits.BYTES[d] for d in ("fp16", "int8")}
+KERNEL_GROUP = limits.KERNEL_GROUP  # N padding [npu-programming.md §6 B layouts]
+K_ALIGN = limits.K_ALIGN  # [npu-programming.md §6: K padded to 32]
 M_ATOM = 16  # M padded to 16 per task [rknn-toolkit.md §1.7: M=1 runs at 1/16 of the MAC rate]
 
 DRAM_BYTES_PER_TRANSFER = 8  # 4 x 16-bit LPDDR4x channels [anchors.md A3]

@@ -35,6 +35,9 @@ INT_MASK_PPU = 0xC00            # [§3]
 INT_CLEAR_ALL = 0x1FFFF         # every PC INTERRUPT_CLEAR bit: RKNPU_INT_CLEAR, rocket's IRQ clear, and what
                                 # the RKNN runtime writes into rknpu_task.int_clear [§3; capture pw_c256_h14 task BO]
 ADDRESS_WINDOW_BYTES = 1 << ADDRESS_BITS   # the NPU's whole IOVA space [§4]
+# The version the kernel reports (PC VERSION + VERSION_NUM & 0xffff): a mainline boot log shows
+# 1179210309 = 0x46495245 [§3; ollama issue #5001]. How it splits between the two is unknown.
+HW_VERSION = 0x46495245
 PAGE_BYTES = 4096               # IOMMU and GEM page: buffers are whole pages, IOVA 0 is never mapped [§4]
 
 # --- Precisions -------------------------------------------------------------------------

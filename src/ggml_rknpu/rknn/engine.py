@@ -32,6 +32,7 @@ import numpy as np
 
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
 from ggml_rknpu.engine.api import MAX_PROGRAM_M, Timing, m_bucket
+from ggml_rknpu.hw import limits
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -51,10 +52,10 @@ UNSUPPORTED_RK3588 = {
     5: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
     7: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
 }
-N_ALIGN = {"fp16": 16, "int8": 32}   # RK3588 [rknn-toolkit.md §4.4]
-K_ALIGN = 32
+N_ALIGN = limits.KERNEL_GROUP        # the runtime's N alignment is the kernel group [rknn-toolkit.md §4.4]
+K_ALIGN = limits.K_ALIGN
 K_CHUNK = 8192                       # RK3588 segments B beyond 8192 [§4.4]
-IOVA_DOMAIN_BYTES = 4 << 30          # one IOMMU domain is a 4 GB space [§4.3 iommu_domain_id]
+IOVA_DOMAIN_BYTES = limits.ADDRESS_WINDOW_BYTES   # one IOMMU domain is the 4 GB space [§4.3 iommu_domain_id]
 ELEMENT = {"fp16": np.float16, "int8": np.int8}
 
 

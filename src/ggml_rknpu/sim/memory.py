@@ -30,11 +30,13 @@ from typing import Protocol
 
 import numpy as np
 
-PAGE = 4096
+from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
+
+PAGE = PAGE_BYTES
 # 32-bit NPU window [npu-programming.md §4: all regcmd address fields are 32-bit, all
 # observed IOVAs < 4 GiB]. Page 0 is kept out so that DMA address 0 always faults.
 IOVA_BASE = PAGE
-IOVA_END = 1 << 32
+IOVA_END = ADDRESS_WINDOW_BYTES
 MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x100000000]
 
 

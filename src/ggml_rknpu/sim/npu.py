@@ -43,10 +43,8 @@ TASK_STATUS = _off("PC_TASK_STATUS")
 VERSION = _off("PC_VERSION")
 VERSION_NUM = _off("PC_VERSION_NUM")
 
-# The kernel reports VERSION + (VERSION_NUM & 0xffff); a mainline boot log shows
-# 1179210309 = 0x46495245 [§3, ollama issue #5001]. How it splits is unknown: all of it is
-# put in VERSION (guess).
-VERSION_VALUE = 0x46495245
+# All of the reported version is put in VERSION (guess: how it splits is unknown).
+VERSION_VALUE = limits.HW_VERSION
 VERSION_NUM_VALUE = 0
 _TASK_COUNT_CLEAR = REGISTERS["PC_TASK_CON"].field("TASK_COUNT_CLEAR")
 _INT_BITS = REGISTERS["PC_INTERRUPT_CLEAR"].field("RESERVED_0").lo   # 14 status bits [§3]
