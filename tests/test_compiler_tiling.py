@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, k_chunks, plan
+from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, k_chunks, tile
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import BY_OFFSET
@@ -23,7 +23,7 @@ shapes = st.tuples(
 
 def check_tiling(M, K, N, mode, cores):
     shape = MatmulShape(M, K, N, *mode)
-    t = plan(shape, cores)
+    t = tile(shape, cores)
     b, g = shape.in_bytes, shape.kernel_group
     # K chunks partition [0, Kp) in whole atoms, each within the per-task K limit
     k0 = 0
@@ -101,7 +101,7 @@ def test_large_shapes_from_the_issue_sweep():
 
 def test_golden_shapes_stay_single_task():
     for M, K, N, dt in [(384, 384, 4096, "fp16"), (544, 544, 4096, "int8"), (1, 8192, 8192, "fp16")]:
-        assert len(plan(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32")).tasks) == 1
+        assert len(tile(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32")).tasks) == 1
 
 
 def test_k_split_only_beyond_the_sdk_split_point():
@@ -118,20 +118,20 @@ def test_k_split_only_beyond_the_sdk_split_point():
 
 
 def test_core_split_prefers_n_then_m():
-    t = plan(MatmulShape(1, 64, 48, "fp16", "fp32"), 3)            # 3 kernel groups -> N split
+    t = tile(MatmulShape(1, 64, 48, "fp16", "fp32"), 3)            # 3 kernel groups -> N split
     assert {(x.core, x.n0, x.n) for x in t.tasks} == {(0, 0, 16), (1, 16, 16), (2, 32, 16)}
-    t = plan(MatmulShape(30, 64, 16, "fp16", "fp32"), 3)           # 1 group -> M split
+    t = tile(MatmulShape(30, 64, 16, "fp16", "fp32"), 3)           # 1 group -> M split
     assert {(x.core, x.m0, x.m) for x in t.tasks} == {(0, 0, 10), (1, 10, 10), (2, 20, 10)}
-    t = plan(MatmulShape(1, 64, 16, "fp16", "fp32"), 3)            # nothing to split
+    t = tile(MatmulShape(1, 64, 16, "fp16", "fp32"), 3)            # nothing to split
     assert t.cores_used == 1
 
 
 def test_refuses_what_cannot_run():
     with pytest.raises(ValueError, match="cores"):
-        plan(MatmulShape(4, 64, 32, "fp16", "fp32"), 4)
+        tile(MatmulShape(4, 64, 32, "fp16", "fp32"), 4)
     with pytest.raises(ValueError, match="unsupported matmul precision"):
         MatmulShape(4, 64, 32, "int8", "fp32")
     with pytest.raises(ValueError, match="positive"):
         MatmulShape(0, 64, 32, "fp16", "fp32")
     with pytest.raises(ValueError, match="4095"):
-        plan(MatmulShape(1022 * 4096, 32, 16, "fp16", "fp32"), 1)
+        tile(MatmulShape(1022 * 4096, 32, 16, "fp16", "fp32"), 1)

@@ -166,7 +166,7 @@ def test_program_cache_hit_on_repeat_and_weights_stay_resident(npu):
 
 def _plan_bytes(npu, w) -> int:
     """w's regcmd buffers and the shared A/C buffers (w is the only weight with programs)."""
-    return sum(p.regcmd_buf.capacity for p in w.plans.values()) + npu.scratch_bytes()
+    return sum(p.regcmd_buf.capacity for p in w.programs.values()) + npu.scratch_bytes()
 
 
 def test_free_returns_memory(npu):
@@ -234,15 +234,15 @@ def test_timeout_is_reported_and_the_engine_survives(npu):
     w = npu.upload_weight(np.ones((16, 32), np.float32))
     a = np.ones((4, 32), np.float32)
     np.testing.assert_array_equal(npu.matmul(a, w), np.full((4, 16), 32, np.float32))
-    plan = next(iter(w.plans.values()))
-    words = plan.regcmd_buf.array(np.uint64)
+    bound = next(iter(w.programs.values()))
+    words = bound.regcmd_buf.array(np.uint64)
     saved = words.copy()
     words[:] = 0                                     # no op-enable, no tail: the NPU never finishes
-    plan.regcmd_buf.sync_to_device()
+    bound.regcmd_buf.sync_to_device()
     with pytest.raises(NpuTimeout, match="timed out"):
         npu.matmul(a, w)
     words[:] = saved
-    plan.regcmd_buf.sync_to_device()
+    bound.regcmd_buf.sync_to_device()
     np.testing.assert_array_equal(npu.matmul(a, w), np.full((4, 16), 32, np.float32))
     w.free()
 
@@ -261,7 +261,7 @@ def test_out_of_npu_memory_is_clear_and_loses_nothing():
     w1 = npu.upload_weight(np.ones((512, 1024), np.float32))           # 1 MiB
     np.testing.assert_array_equal(npu.matmul(np.ones((256, 1024), np.float32), w1), 1024)
     w2 = npu.upload_weight(np.ones((1024, 1024), np.float32))          # 2 MiB: evicts w1's program
-    assert npu.counters["programs_evicted"] >= 1 and not w1.plans
+    assert npu.counters["programs_evicted"] >= 1 and not w1.programs
     with pytest.raises(NpuOutOfMemory, match="out of NPU memory.*free weights"):
         npu.upload_weight(np.ones((1024, 1024), np.float32))
     np.testing.assert_array_equal(npu.matmul(np.ones((2, 1024), np.float32), w1), 1024)

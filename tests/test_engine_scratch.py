@@ -45,12 +45,12 @@ def test_shared_scratch_is_exact_across_weights_buckets_and_growth(device):
         small, big = npu.upload_weight(b_small, "int8"), npu.upload_weight(b_big, "int8")
         a_small, a_big = _ints(rng, (3, 64)), _ints(rng, (3, 200))
         _exact(npu, a_small, small, b_small)                  # bucket 4: small A and C buffers
-        plan = small.plans[(4, "int32")]
-        a_addr, c_addr = plan.a_buf.dma_addr, plan.c_buf.dma_addr
+        bound = small.programs[(4, "int32")]
+        a_addr, c_addr = bound.a_buf.dma_addr, bound.c_buf.dma_addr
         _exact(npu, a_big, big, b_big)                        # same bucket, larger: both grow
         assert npu.counters["scratch_grown"] == 2
-        assert (plan.a_buf.dma_addr, plan.c_buf.dma_addr) != (a_addr, c_addr)   # re-bound
-        assert big.plans[(4, "int32")].c_buf.scratch is plan.c_buf.scratch
+        assert (bound.a_buf.dma_addr, bound.c_buf.dma_addr) != (a_addr, c_addr)   # re-bound
+        assert big.programs[(4, "int32")].c_buf.scratch is bound.c_buf.scratch
         for _ in range(2):                                    # stale bytes of the other never leak in
             _exact(npu, a_small, small, b_small)
             _exact(npu, a_big, big, b_big)
@@ -68,7 +68,7 @@ def test_steady_state_calls_neither_rebind_nor_allocate(monkeypatch):
         _exact(npu, a1, w1, b1)
         _exact(npu, a2, w2, b2)
         binds, allocs = [], []
-        monkeypatch.setattr(api._Plan, "write_words", lambda self: binds.append(self))
+        monkeypatch.setattr(api._BoundProgram, "write_words", lambda self: binds.append(self))
         real_alloc = npu.device.alloc
         monkeypatch.setattr(npu.device, "alloc", lambda *a, **k: allocs.append(a) or real_alloc(*a, **k))
         for _ in range(3):
@@ -85,12 +85,12 @@ def test_scratch_memory_does_not_scale_with_cached_programs():
         a = _ints(rng, (100, 512))
         _exact(npu, a, *weights[0][::-1])
         one = free0 - npu.memory_budget()[0]
-        regcmd = weights[0][1].plans[(128, "int32")].regcmd_buf.capacity
+        regcmd = weights[0][1].programs[(128, "int32")].regcmd_buf.capacity
         for b, w in weights[1:]:
             _exact(npu, a, w, b)
         six = free0 - npu.memory_budget()[0]
         assert six == one + 5 * regcmd                         # only regcmd is per program
-        program = weights[0][1].plans[(128, "int32")].program
+        program = weights[0][1].programs[(128, "int32")].program
         assert npu.scratch_bytes() < 2 * (program.a_bytes + program.c_bytes)
         assert npu.scratch_bytes() * 3 < 6 * (program.a_bytes + program.c_bytes)
 
@@ -126,7 +126,7 @@ def test_growth_under_memory_pressure_evicts_and_stays_exact():
     _exact(npu, a, w1, b1)                                    # A 256 KiB, C 512 KiB
     filler = npu.upload_weight(np.ones((3 << 10, 1024), np.int8), "int8")   # 3 MiB
     _exact(npu, a, w2, b2)                                    # C needs 2 MiB: evicts w1's program
-    assert npu.counters["programs_evicted"] >= 1 and not w1.plans
+    assert npu.counters["programs_evicted"] >= 1 and not w1.programs
     _exact(npu, a, w2, b2)
     _exact(npu, _ints(rng, (2, 1024)), w1, b1)
     filler.free()
@@ -143,7 +143,7 @@ def test_out_of_memory_while_growing_is_clear_and_loses_nothing():
     filler = npu.upload_weight(np.ones((5 << 10, 1024), np.int8), "int8")   # 5 MiB
     with pytest.raises(NpuOutOfMemory, match="out of NPU memory allocating .* bytes for program M=256.*free weights"):
         npu.matmul(a, filler)                                 # C needs 5 MiB more
-    assert not filler.plans and not w1.plans and not npu._scratch   # evicted, then nothing held
+    assert not filler.programs and not w1.programs and not npu._scratch   # evicted, then nothing held
     _exact(npu, _ints(rng, (2, 1024)), w1, b1)                # the engine still works
     filler.free()
     _exact(npu, a, w1, b1)

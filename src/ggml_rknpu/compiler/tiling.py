@@ -142,11 +142,11 @@ def _tuned_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
 
 def _reference_seconds(K: int, dtype: str, chunks: tuple[KChunk, ...]) -> float:
     """Modeled time of the reference prefill TUNE_M x K x TUNE_N on one core with these
-    chunks (the priced tasks are exactly what ``_plan`` emits)."""
+    chunks (the priced tasks are exactly what ``_tile`` emits)."""
     from ggml_rknpu.cost.model import TaskWork, Workload, modeled_time
 
     out = "int32" if dtype == "int8" else "fp32"
-    tiling = _plan(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
+    tiling = _tile(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
     works = tuple(TaskWork(t.core, t.m, t.chunk.size, t.n, dtype, limits.BYTES[out]) for t in tiling.tasks)
     return modeled_time(Workload(works)).total_s
 
@@ -176,14 +176,14 @@ def data_banks_for(rows: int, chunk_size: int, in_bytes: int) -> int:
     return ceil_div(rows * chunk_size * in_bytes, limits.CBUF_BANK_BYTES)
 
 
-def plan(shape: MatmulShape, cores: int = 1) -> Tiling:
+def tile(shape: MatmulShape, cores: int = 1) -> Tiling:
     """The task list for ``shape`` on up to ``cores`` cores (pure, deterministic)."""
     if not 1 <= cores <= limits.N_CORES:
         raise ValueError(f"cores must be 1..{limits.N_CORES}, got {cores}")
-    return _plan(shape, cores, k_chunks(shape.K, shape.dtype))
+    return _tile(shape, cores, k_chunks(shape.K, shape.dtype))
 
 
-def _plan(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
+def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
     g = shape.kernel_group
     groups = shape.Np // g
     m_max = max_task_rows(max(c.size for c in chunks), shape)

@@ -1,4 +1,4 @@
-"""The public matmul engine: resident weights, programs planned once and replayed.
+"""The public matmul engine: resident weights, programs compiled and bound once, then replayed.
 
     npu = ggml_rknpu.open()                       # or open(device="sim-rocket", cores=3)
     w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
@@ -97,16 +97,16 @@ class Timing:
 
 
 class _Scratch:
-    """One shared A or C buffer of an M bucket and the plans bound to it."""
+    """One shared A or C buffer of an M bucket and the bound programs using it."""
 
     def __init__(self, pool: dict[tuple[str, int], "_Scratch"], key: tuple[str, int], buf: Any) -> None:
         self.pool, self.key, self.buf = pool, key, buf
-        self.users: set[_Plan] = set()
+        self.users: set[_BoundProgram] = set()
         pool[key] = self
 
-    def leave(self, plan: "_Plan") -> None:
-        """``plan`` no longer uses this buffer; the last user frees it."""
-        self.users.discard(plan)
+    def leave(self, bound: "_BoundProgram") -> None:
+        """``bound`` no longer uses this buffer; the last user frees it."""
+        self.users.discard(bound)
         if not self.users and self.pool.get(self.key) is self:
             del self.pool[self.key]
             self.buf.close()
@@ -134,7 +134,7 @@ class _ScratchShare:
 
 
 @dataclass(eq=False)
-class _Plan:
+class _BoundProgram:
     """A compiled program bound to shares of its bucket's shared A and C buffers, its own
     regcmd buffer and the weight's B."""
 
@@ -173,7 +173,7 @@ class Weight(ResidentWeight):
         self.staged = staged
         self.buffer = buffer
         self.packed_bytes = packed_bytes
-        self.plans: dict[tuple[int, str], _Plan] = {}
+        self.programs: dict[tuple[int, str], _BoundProgram] = {}
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
         self.freed = False
@@ -183,14 +183,14 @@ class Weight(ResidentWeight):
         if self.freed:
             return
         self._npu._forget(self)
-        for plan in self.plans.values():
-            plan.close()
-        self.plans.clear()
+        for bound in self.programs.values():
+            bound.close()
+        self.programs.clear()
         self.buffer.close()
         self.freed = True
 
     def __repr__(self) -> str:
-        state = "freed" if self.freed else f"{len(self.plans)} programs"
+        state = "freed" if self.freed else f"{len(self.programs)} programs"
         return f"Weight(N={self.shape[0]}, K={self.shape[1]}, {self.dtype}, {state})"
 
 
@@ -265,10 +265,10 @@ class Npu:
         m0 = 0
         while m0 < M:
             rows = min(w.max_program_m, M - m0)
-            plan = self._plan_or_shrink(w, rows, out)
-            if plan is None:
+            bound = self._bound_or_shrink(w, rows, out)
+            if bound is None:
                 continue
-            part, times, dev, label = self._run(plan, act.data[m0: m0 + rows])
+            part, times, dev, label = self._run(bound, act.data[m0: m0 + rows])
             result[m0: m0 + rows] = part
             totals = [t + x for t, x in zip(totals, times)]
             labels.add(label)
@@ -291,12 +291,12 @@ class Npu:
             raise ValueError(f"out={out!r} is not available for a {w.dtype} weight; use one of {allowed}")
         return out
 
-    def _plan_or_shrink(self, w: Weight, rows: int, out: str) -> _Plan | None:
-        """The plan for ``rows``; None after lowering ``w.max_program_m`` when the compiler
+    def _bound_or_shrink(self, w: Weight, rows: int, out: str) -> _BoundProgram | None:
+        """The bound program for ``rows``; None after lowering ``w.max_program_m`` when the compiler
         refuses the bucket (too many tasks for one hardware run: split along M)."""
         bucket = m_bucket(rows)
         try:
-            return self._plan(w, bucket, out)
+            return self._bound_program(w, bucket, out)
         except ValueError as exc:
             if bucket == 1:
                 raise
@@ -304,12 +304,12 @@ class Npu:
             w.compile_errors.append(str(exc))
             return None
 
-    def _plan(self, w: Weight, m: int, out: str) -> _Plan:
-        plan = w.plans.get((m, out))
-        if plan is not None:
+    def _bound_program(self, w: Weight, m: int, out: str) -> _BoundProgram:
+        bound = w.programs.get((m, out))
+        if bound is not None:
             self.counters["program_cache_hits"] += 1
             self._lru.move_to_end((id(w), m, out))
-            return plan
+            return bound
         self.counters["program_cache_misses"] += 1
         N, K = w.shape
         program = _compile(m, K, N, w.dtype, out, self.cores, self.abi)
@@ -317,26 +317,26 @@ class Npu:
         if program.b_bytes > w.packed_bytes:
             raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
                            f"weight was packed into {w.packed_bytes}; the B layout must not depend on M")
-        plan = self._bind(program, m, w)
-        w.plans[(m, out)] = plan
+        bound = self._bind(program, m, w)
+        w.programs[(m, out)] = bound
         self._lru[(id(w), m, out)] = w
-        return plan
+        return bound
 
-    def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
+    def _bind(self, program: Any, m: int, w: Weight) -> _BoundProgram:
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
-        plan = _Plan(program, m, w.buffer.dma_addr, modeled)
+        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled)
         try:
-            # Each step may evict other programs; the plan already counts as a user of the
+            # Each step may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
-            plan.a_buf = self._join_scratch(plan, "A", program.a_bytes, what)
-            plan.c_buf = self._join_scratch(plan, "C", program.c_bytes, what)
-            plan.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
-            plan.write_words()
+            bound.a_buf = self._join_scratch(bound, "A", program.a_bytes, what)
+            bound.c_buf = self._join_scratch(bound, "C", program.c_bytes, what)
+            bound.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
+            bound.write_words()
         except BaseException:
-            plan.close()
+            bound.close()
             raise
-        regcmd_buf = plan.regcmd_buf
+        regcmd_buf = bound.regcmd_buf
         per_core: list[list[Any]] = [[] for _ in range(self.device.n_cores)]
         for task in program.tasks:
             per_core[task.core].append(HwTask(
@@ -346,15 +346,15 @@ class Npu:
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
-        plan.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(plan.a_buf.range(),),
-                       outputs=(plan.c_buf.range(),))
-        return plan
+        bound.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(bound.a_buf.range(),),
+                        outputs=(bound.c_buf.range(),))
+        return bound
 
-    def _join_scratch(self, plan: _Plan, role: str, nbytes: int, what: str) -> _ScratchShare:
+    def _join_scratch(self, bound: _BoundProgram, role: str, nbytes: int, what: str) -> _ScratchShare:
         """A share of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
         the larger buffer is allocated first, the programs on the old one re-bound to it,
         then the old one freed (so no program ever points at freed memory)."""
-        key = (role, plan.m)
+        key = (role, bound.m)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.buf.size < nbytes:
             buf = self._alloc(nbytes, "data", what)
@@ -367,30 +367,30 @@ class Npu:
                     user.write_words()
                 old.close()
                 self.counters["scratch_grown"] += 1
-        scratch.users.add(plan)
+        scratch.users.add(bound)
         return _ScratchShare(scratch, nbytes)
 
     def scratch_bytes(self) -> int:
         """NPU bytes held by the shared A and C buffers."""
         return sum(s.buf.capacity for s in self._scratch.values())
 
-    def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
+    def _run(self, bound: _BoundProgram, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
-        _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        _pack_a(a_rows, bound.program, bound.a_buf.array(np.uint8))   # missing bucket rows are zeroed
         t1 = time.perf_counter()
         try:
-            completion = self.device.submit(plan.job)
+            completion = self.device.submit(bound.job)
         except NpuTimeout as exc:
-            raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
+            raise NpuTimeout(f"matmul {bound.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
         self.counters["submits"] += 1
         t2 = time.perf_counter()
-        c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
+        c = _unpack_c(bound.c_buf.array(np.uint8), bound.program, rows)
         t3 = time.perf_counter()
         if completion.hw_elapsed_ns is not None and not completion.simulated:
             dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
-        elif plan.modeled is not None:
-            dev, label = plan.modeled.total_s, "modeled"
+        elif bound.modeled is not None:
+            dev, label = bound.modeled.total_s, "modeled"
         else:
             dev, label = None, "unknown"
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
@@ -419,7 +419,7 @@ class Npu:
         if not self._lru:
             return False
         (_wid, m, out), weight = self._lru.popitem(last=False)
-        weight.plans.pop((m, out)).close()
+        weight.programs.pop((m, out)).close()
         self.counters["programs_evicted"] += 1
         return True
 
