@@ -188,7 +188,7 @@ def test_3x3_capture_stops_at_a_model_limit_not_a_rule(reference_dir):
     cap = parse(path)
     assert cap.weight_shape == (320, 160, 3, 3)
     mem = FakeMemory()
-    for name, (dma, size) in cap.gems.items():
+    for dma, size in cap.gems.values():
         mem.map(dma, size)
     for addr, word in cap.words.items():
         mem.view(addr, 8)[:] = np.array([word], dtype="<u8").view(np.uint8)

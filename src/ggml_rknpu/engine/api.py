@@ -150,6 +150,7 @@ class _BoundProgram:
     def write_words(self) -> None:
         """Bind the register commands to the current buffers and make them visible to the NPU;
         the job follows (its ranges name the current scratch buffers)."""
+        assert self.a_buf is not None and self.c_buf is not None, "bound before joining its scratch buffers"
         words = self.program.bind(a=self.a_buf.dma_addr, b=self.b_addr, c=self.c_buf.dma_addr,
                                   regcmd=self.regcmd_buf.dma_addr)
         self.regcmd_buf.array(np.uint64)[: len(words)] = words
@@ -280,7 +281,8 @@ class Npu:
         totals[2] += time.perf_counter() - t0
         self.counters["matmuls"] += 1
         label = labels.pop() if len(labels) == 1 else "unknown"
-        self.last_timing = Timing(*totals, device_s=device_s, device_label=label, submits=submits)
+        self.last_timing = Timing(pack_s=totals[0], submit_s=totals[1], unpack_s=totals[2], device_s=device_s,
+                                  device_label=label, submits=submits)
         return final
 
     def _out_dtype(self, w: Weight, out: str | None) -> str:
@@ -375,6 +377,7 @@ class Npu:
         return sum(s.buf.capacity for s in self._scratch.values())
 
     def _run(self, bound: _BoundProgram, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
+        assert bound.job is not None and bound.a_buf is not None and bound.c_buf is not None, "not bound yet"
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
         _pack_a(a_rows, bound.program, bound.a_buf.array(np.uint8))   # missing bucket rows are zeroed

@@ -8,7 +8,7 @@ that object. A third ABI is a third class plus one entry in ``device.ABIS``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.drm import DrmVersion
@@ -42,7 +42,12 @@ class SubmitTable(Protocol):
     n_tasks: int
 
 
-class DriverAbi(Protocol):
+TableT = TypeVar("TableT", bound=SubmitTable)
+
+
+class DriverAbi(Protocol[TableT]):
+    """One kernel driver ABI; ``TableT`` is its submit table type."""
+
     name: str  # the DRM driver name: "rknpu" | "rocket"
     drm: DrmVersion
     version: tuple[int, int, int]
@@ -57,9 +62,9 @@ class DriverAbi(Protocol):
         """(free, total) bytes of NPU address space as far as this process can tell."""
         ...
 
-    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> SubmitTable: ...
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...
 
-    def submit(self, table: SubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
+    def submit(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:
         """Run ``table`` (inputs already clean), wait, and make ``outputs`` CPU-visible."""
         ...

@@ -84,7 +84,7 @@ class RknpuAbi:
         used = [(i, tasks) for i, tasks in enumerate(cores) if tasks]
         slot = 2 if len(used) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
         subcore = [(0, 0)] * rk.N_SUBCORE_TASKS
-        records = []
+        records: list[rk.rknpu_task] = []
         for core, tasks in used:
             subcore[core + slot] = (len(records), len(tasks))
             records.extend(rk.rknpu_task(

@@ -34,7 +34,7 @@ from ggml_rknpu.kernel.syscalls import Syscalls
 __all__ = ["ABIS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
            "discover", "open_node"]
 
-ABIS: dict[str, Callable[[Syscalls, int], DriverAbi]] = {rk.DRIVER_NAME: RknpuAbi, ro.DRIVER_NAME: RocketAbi}
+ABIS: dict[str, Callable[[Syscalls, int], DriverAbi[Any]]] = {rk.DRIVER_NAME: RknpuAbi, ro.DRIVER_NAME: RocketAbi}
 NODE_PATTERNS = (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME))
 PURPOSES = ("data", "regcmd", "task")
 MAX_CACHED_TABLES = 256  # distinct Job.cores kept as submit tables (a model has a few per layer shape)
@@ -107,7 +107,7 @@ class NpuDevice:
         if abi is None:
             raise NpuError(f"{path} is driven by {name!r}, not {' or '.join(ABIS)}", errno.ENODEV)
         self.syscalls, self.fd, self.path, self.simulated = syscalls, fd, path, simulated
-        self.driver: DriverAbi = abi(syscalls, fd)
+        self.driver: DriverAbi[Any] = abi(syscalls, fd)
         self.kind = self.driver.name
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}

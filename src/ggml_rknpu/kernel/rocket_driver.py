@@ -81,8 +81,7 @@ class RocketDriver:
         req = abi.drm_rocket_submit(
             jobs=ctypes.addressof(job_array), job_count=len(jobs), job_struct_size=ctypes.sizeof(abi.drm_rocket_job)
         )
-        self._call("SUBMIT", abi.DRM_IOCTL_ROCKET_SUBMIT, req)
-        del keep, job_array
+        self._call("SUBMIT", abi.DRM_IOCTL_ROCKET_SUBMIT, req)  # keep and job_array live until we return
 
     def prep_bo(self, handle: int, timeout_ns: int = INT64_MAX) -> None:
         """Wait for the BO's write fences, then make it coherent for the CPU."""

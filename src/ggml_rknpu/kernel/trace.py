@@ -84,15 +84,15 @@ class TracingSyscalls:
 
     def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
         name, struct = IOCTLS.get(request, (f"ioctl {request:#x}", None))
-        decode = struct is not None and len(arg) >= ctypes.sizeof(struct)
-        if decode:
-            self.log(f"{name}(fd {fd}) in:  {format_struct(struct.from_buffer_copy(arg))}")
+        decode = struct if struct is not None and len(arg) >= ctypes.sizeof(struct) else None
+        if decode is not None:
+            self.log(f"{name}(fd {fd}) in:  {format_struct(decode.from_buffer_copy(arg))}")
         try:
             ret = self.inner.ioctl(fd, request, arg)
         except OSError as exc:
             self.log(f"{name}(fd {fd}) -> errno {exc.errno} ({exc.strerror})")
             raise
-        out = f" out: {format_struct(struct.from_buffer_copy(arg))}" if decode else ""
+        out = f" out: {format_struct(decode.from_buffer_copy(arg))}" if decode is not None else ""
         self.log(f"{name}(fd {fd}) -> {ret}{out}")
         return ret
 

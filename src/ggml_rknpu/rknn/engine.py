@@ -237,7 +237,7 @@ class RknnNpu:
             self._evict_oldest()
         contexts: list[_Context] = []
         try:
-            for (k0, kc), native in zip(w.k_chunks, w.native_chunks):
+            for (_k0, kc), native in zip(w.k_chunks, w.native_chunks):
                 contexts.append(self._create_context(w, bucket, kc, native))
         except BaseException:
             for c in contexts:

@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
