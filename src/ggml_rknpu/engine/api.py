@@ -4,7 +4,7 @@
     w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
     c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
 
-WHY this shape (ARCHITECTURE.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
+WHY this shape (docs/architecture.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
 the CPU because it converted and uploaded weights on every call; here a weight is converted
 and packed into its native layout once, into a device buffer that stays resident, and each
 (weight, M bucket) gets one compiled program whose register commands are bound to fixed
@@ -38,7 +38,7 @@ the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``devic
 A bucket the compiler refuses (more tasks than one hardware run chains) halves the
 weight's largest bucket, and the call is split along M.
 
-Deviation from CONTRACT E (additive): ``open_engine(device, cores)`` also accepts an
+Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
 already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
 weights.
 """
@@ -347,7 +347,7 @@ class Npu:
         # The device cleans a job's inputs before every submit; the weight was cleaned once in
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
-        # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
+        # the in/out BOs [docs/npu-programming.md §5]; no job writes a weight, so none is needed.
         bound.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(bound.a_buf.range(),),
                         outputs=(bound.c_buf.range(),))
         return bound
@@ -455,7 +455,7 @@ class Npu:
 
 def _npu_mhz(device: NpuDevice) -> float | None:
     """NPU clock for modeled device time: the driver's figure where it reports one, the
-    vendor driver's 1 GHz on the simulator [anchors.md §3.1], None (no model) otherwise
+    vendor driver's 1 GHz on the simulator [docs/anchors.md §3.1], None (no model) otherwise
     (rocket boots at 200 MHz and is often patched to 600: unknown without a query)."""
     freq = device.info().npu_freq_hz
     if freq:
@@ -478,7 +478,7 @@ def open_engine(device: str | NpuDevice | None = None, cores: int = 3) -> Npu:
     return Npu(device, cores)
 
 
-# --- the compiler seam (CONTRACT D) ---------------------------------------------------
+# --- the compiler seam (contract D [docs/decisions.md]) ---------------------------------------------------
 def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str) -> Any:
     from ggml_rknpu.compiler.matmul import compile_matmul
 

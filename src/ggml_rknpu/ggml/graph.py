@@ -1,7 +1,7 @@
 """GRAPH_COMPUTE payload → a plan of prepared steps, built once, replayed per token.
 
 llama.cpp resends the same graph (or a 13-byte GRAPH_RECOMPUTE) every decode step
-[ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
+[docs/ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
 decides where each node runs and asks the op modules for a closure
 (``ops.plan_op``) or builds an NPU matmul step around a staged weight. Replaying a
 plan is a loop over closures: no parsing, no dictionary lookups, no decisions.
@@ -36,7 +36,7 @@ from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZ
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 
-PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
+PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1]
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:

@@ -14,7 +14,7 @@ def _field_max(register: str, field: str) -> int:
 
 
 # --- Cores and CBUF --------------------------------------------------------------------
-N_CORES = 3                     # [TRM 36.1; npu-programming.md §1; VEND core_mask 0x7]
+N_CORES = 3                     # [TRM 36.1; docs/npu-programming.md §1; VEND core_mask 0x7]
 CBUF_BANKS = 12                 # [MESA rkt_ml.h; MTX npu_hw.h; TRM "384KB"; §1]
 CBUF_BANK_BYTES = 32 * 1024     # [§1]
 CBUF_ENTRY_BYTES = 128          # 256 entries x 128 B per bank [§1]
@@ -73,6 +73,6 @@ MAX_DPU_HEIGHT = _field_max("DPU_DATA_CUBE_HEIGHT", "HEIGHT") + 1            # 8
 MAX_CORE_DATAOUT = _field_max("CORE_DATAOUT_SIZE_1", "DATAOUT_CHANNEL") + 1  # 65536
 
 # --- Software limits --------------------------------------------------------------------
-SDK_MAX_K = 10240               # rknn_matmul_api K limit [SDK; §9; rknn-toolkit.md set_io_mem]
+SDK_MAX_K = 10240               # rknn_matmul_api K limit [SDK; §9; docs/rknn-toolkit.md set_io_mem]
 # One kernel's weights must fit one bank: Kp * b <= 32 KiB [§9: MTX check] -> K <= 16384 fp16.
 MAX_KERNEL_BYTES = CBUF_BANK_BYTES

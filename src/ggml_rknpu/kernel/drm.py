@@ -89,7 +89,7 @@ class drm_version(ctypes.Structure):
 
 
 class drm_gem_close(ctypes.Structure):
-    """[drm.h] struct drm_gem_close; rocket closes BOs with it [npu-programming.md §5]."""
+    """[drm.h] struct drm_gem_close; rocket closes BOs with it [docs/npu-programming.md §5]."""
 
     _fields_ = [("handle", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 

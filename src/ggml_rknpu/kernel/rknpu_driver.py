@@ -3,7 +3,7 @@
 Identical on a board (``HostSyscalls``) and in tests (``SimKernel``): it only packs
 structs, calls ``syscalls.ioctl`` and unpacks. The struct generation (0.9.6 vs 0.9.8 submit,
 40- vs 48-byte mem_create) is chosen from the driver version the device reports via
-ACTION GET_DRV_VERSION [npu-programming.md §4].
+ACTION GET_DRV_VERSION [docs/npu-programming.md §4].
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The mainline ``rocket`` DRM accel driver's UAPI [ROCKET include/uapi/drm/rocket_accel.h;
-npu-programming.md §5]. Structs, request numbers; sizes asserted in tests."""
+docs/npu-programming.md §5]. Structs, request numbers; sizes asserted in tests."""
 
 from __future__ import annotations
 

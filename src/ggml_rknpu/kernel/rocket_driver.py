@@ -2,7 +2,7 @@
 
 Identical on a board and in tests; user pointers inside SUBMIT (the job array, each job's
 task array and BO handle arrays) point at ctypes arrays kept alive for the call, exactly
-what the kernel's copy_from_user reads [ROCKET rocket_job.c; npu-programming.md §5].
+what the kernel's copy_from_user reads [ROCKET rocket_job.c; docs/npu-programming.md §5].
 """
 
 from __future__ import annotations

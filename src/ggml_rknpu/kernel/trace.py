@@ -3,7 +3,7 @@
 Because all open/ioctl/mmap/munmap/close calls go through one ``Syscalls`` object, a
 wrapper sees the whole conversation with the kernel - on a board or on the simulator -
 and can print it with the struct fields named (the role tinygrad's ``IOCTL=1`` sniffers
-play [anchors.md §1a]). ``ggml_rknpu.devices.open_device`` wraps its syscalls in this when the
+play [docs/anchors.md §1a]). ``ggml_rknpu.devices.open_device`` wraps its syscalls in this when the
 environment variable ``RKNPU_TRACE`` is set (``1``/``stderr``: standard error; anything
 else: a file path to append to).
 """

@@ -2,7 +2,7 @@
 with the same interface as ``engine.Npu``: ``upload_weight``, ``matmul``, ``counters``,
 ``last_timing``, ``memory_budget``, ``close``.
 
-WHY it is built this way (seed Milestones 9, 10, 16): creating a context and uploading B
+WHY it is built this way (seed Milestones 9, 10, 16 [docs/decisions.md]): creating a context and uploading B
 per call cost ~38 ms against ~1 ms for a resident one, so each (weight, M bucket) gets a
 persistent context whose A, B and C buffers are created and bound once, B filled once.
 The runtime failed beyond ~150 live contexts, so contexts are bounded by an LRU whose limit
@@ -14,7 +14,7 @@ validated on an RK3588 (seed M2, M8). fp16 x int8/int4 (5, 7) failed on RK3588 w
 runtime's "unsupported matmul dtype ... in this platform" (seed M8); they, and every other
 type nobody has shown to work on RK3588, are reported and never attempted.
 
-Layouts and limits [rknn-toolkit.md §4.4, RK3588]: A and C row-major ("normal"), B in the
+Layouts and limits [docs/rknn-toolkit.md §4.4, RK3588]: A and C row-major ("normal"), B in the
 native layout converted once by the runtime's own ``rknn_B_normal_layout_to_native_layout``;
 K padded to 32, N to 16 (fp16) / 32 (int8); K longer than 8192 (where RK3588 segments B) is
 cut into chunks with one context each and the partial results are summed on the host.
@@ -52,7 +52,7 @@ UNSUPPORTED_RK3588 = {
     5: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
     7: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
 }
-N_ALIGN = limits.KERNEL_GROUP        # the runtime's N alignment is the kernel group [rknn-toolkit.md §4.4]
+N_ALIGN = limits.KERNEL_GROUP        # the runtime's N alignment is the kernel group [docs/rknn-toolkit.md §4.4]
 K_ALIGN = limits.K_ALIGN
 K_CHUNK = 8192                       # RK3588 segments B beyond 8192 [§4.4]
 IOVA_DOMAIN_BYTES = limits.ADDRESS_WINDOW_BYTES   # one IOMMU domain is the 4 GB space [§4.3 iommu_domain_id]

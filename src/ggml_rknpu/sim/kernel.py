@@ -2,7 +2,7 @@
 behind the ``Syscalls`` interface.
 
 It receives exactly what the real kernel receives - request numbers and struct bytes -
-and answers the way the real drivers do [npu-programming.md §3-§5; VEND rknpu_job.c,
+and answers the way the real drivers do [docs/npu-programming.md §3-§5; VEND rknpu_job.c,
 rknpu_gem.c; ROCKET rocket_job.c, rocket_gem.c]:
 
 - DRM core: DRM_IOCTL_VERSION (name "rknpu"/"rocket"), GEM_CLOSE; dispatch by nr with
@@ -24,7 +24,7 @@ task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_a
 (vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
 NONBLOCK/fences (not modelled), >4095 tasks per core on drivers before 0.9.8 (would
 overflow TASK_CON; 0.9.8-style drivers re-issue such lists in 4095-task chunks
-[npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
+[docs/npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
 EFAULT), a rocket job that fails validation (mainline drops the per-job error) or hangs
 (mainline PREP_BO returns 0 with stale data; here PREP_BO says ETIMEDOUT).
 ``hw_elapse_time`` is left 0: the simulator has no hardware clock.
@@ -60,7 +60,7 @@ from ggml_rknpu.sim.memory import (
 # the board's other DRM devices (the display is usually card0/renderD128); renderD129 is
 # the usual place of rknpu on RK3588 images - a typical value, not a fixed one.
 VENDOR_NODES = {"/dev/dri": ["card1", "renderD129"]}
-ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [npu-programming.md §5] char major 261
+ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [docs/npu-programming.md §5] char major 261
 
 # register offsets the drivers' programming sequences write (hw/registers.py)
 PC_OPERATION_ENABLE = REGISTERS["PC_OPERATION_ENABLE"].offset
