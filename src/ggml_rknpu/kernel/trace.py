@@ -66,7 +66,7 @@ class TracingSyscalls:
         self.inner, self.log = inner, log
 
     def __getattr__(self, name: str):
-        # simulator extras (stats, iova_budget, dmesg, n_cores...) stay reachable
+        # simulator extras (stats, dmesg, address_space...) stay reachable
         return getattr(self.inner, name)
 
     def open(self, path: str, flags: int = os.O_RDWR) -> int:
