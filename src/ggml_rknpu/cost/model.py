@@ -5,7 +5,7 @@ WHY a separate model: the simulator executes register words for their function o
 long the same words would run on a board is a different question, answered here from the
 published and measured figures in ``docs/anchors.md`` and the seed log. Every constant
 below cites its source; constants marked FIT were chosen so that ``ANCHORS`` (the measured
-figures, in ``cost/anchors.py``) are reproduced, and ``tests/test_cost_model.py`` shows the
+figures, in ``cost/anchors.py``) are reproduced, and ``tests/cost/test_cost_model.py`` shows the
 fit and its tolerance. Every figure this module produces must be printed as *modeled*.
 
 The model, per task (one CNA+CORE+DPU run of a 1x1 convolution):

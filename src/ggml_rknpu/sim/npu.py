@@ -7,7 +7,7 @@ until it completes or stops the way a board would (hang: no interrupt; DMA fault
 status bit 12/13). ``diagnostics(core)`` then says why, naming task, register, rule, value.
 
 This module is the witness half of the project: it decodes words with ``ggml_rknpu.hw``
-only and must never import ``ggml_rknpu.compiler`` (tests/test_sim_independence.py).
+only and must never import ``ggml_rknpu.compiler`` (tests/sim/test_sim_independence.py).
 
 Additive to contract B [docs/decisions.md] (documented deviation): ``trace(core)`` returns the decoded task
 records of the last run (for capture tests), ``executed_tasks(core)`` counts the tasks the
