@@ -2,7 +2,7 @@
 
 WHY: on a board the matmuls run on the NPU, so the server's own host work per node (numpy ops,
 the replay loop, counters) is what stands between it and llama.cpp's C++ ``ggml-rpc-server``
-(ggml-rpc.md §6: the prototype lost ~45 ms per gemma token to ~0.1 ms of Python per node). This
+(docs/ggml-rpc.md §6: the prototype lost ~45 ms per gemma token to ~0.1 ms of Python per node). This
 benchmark measures that figure where it matters, gemma3-270m decode with GRAPH_RECOMPUTE (one
 token per graph, the plan replayed), and prints beside it the C++ server's decode tokens/s on
 the same machine in the same run, so the two are read together.

@@ -9,7 +9,7 @@ sweep runs and says so (its device times are modeled).
 Correctness rules: int8 x int8 -> int32 must equal numpy exactly; fp16 x fp16 -> fp32 must be
 within ``FP16_RTOL * (|A| @ |B|^T) + FP16_ATOL`` of numpy's float64 product of the
 fp16-rounded inputs. Products of fp16 values are exact in fp32 and the sum is accumulated
-in fp32 (rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
+in fp32 (docs/rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
 terms is bounded by ~K * 2^-24 * sum|a_k b_k|, so 1e-3 leaves room for K up to ~16k while a
 single wrong element (a sign, a lost tile) is caught.
 
@@ -84,10 +84,10 @@ def _plain_value(v):
 
 def probe(device: str | None) -> dict:
     """Open the device, read its facts and do a buffer round trip (what ``rknpu probe`` does)."""
-    from ggml_rknpu.kernel.device import NpuDevice
+    from ggml_rknpu.devices import open_device
 
     pattern = (np.arange(4096, dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
-    with NpuDevice.open(device) as dev:
+    with open_device(device) as dev:
         info = _plain(dev.info())
         with dev.alloc(4096) as buf:
             buf.array(np.uint8)[:] = pattern

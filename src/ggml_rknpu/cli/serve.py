@@ -84,16 +84,7 @@ def _open_engine(args: argparse.Namespace):
     import ggml_rknpu
 
     npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
-    return npu, f"NPU engine on {_device_name(npu, args.device)}"
-
-
-def _device_name(npu, requested: str) -> str:
-    """What --device resolved to, e.g. 'rknpu (simulated)' for auto off a board."""
-    dev = getattr(npu, "device", None)
-    kind = getattr(dev, "kind", None)
-    if kind is None:
-        return requested
-    return f"{kind} (simulated)" if getattr(dev, "simulated", False) else kind
+    return npu, f"NPU engine on {npu.describe()}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print_stats()
         if npu is not None:
-            log.info("%s engine counters: %s", args.engine, dict(getattr(npu, "counters", {})))
+            log.info("%s engine counters: %s", args.engine, dict(npu.counters))
             state.close()
             npu.close()
     return 0

@@ -2,7 +2,7 @@
 
 Every task writes the full register set the hardware-validated MTX streams write (104
 body words, same registers, same order) -- never relying on values left from an earlier
-task, which may be stale by ping-pong inheritance [npu-programming.md §2]. All values are
+task, which may be stale by ping-pong inheritance [docs/npu-programming.md §2]. All values are
 built from named fields through ``hw.registers``; no shifts here.
 
 Where a task is a tile of a larger matmul, plane pitches keep the *full* M: CNA

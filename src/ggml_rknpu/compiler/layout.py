@@ -1,6 +1,6 @@
 """Native NPU layouts of A, B and C, packed and unpacked with vectorised numpy.
 
-[npu-programming.md §6; SDK native layouts; MTX feature_data/weight_fp16/weight_int8]:
+[docs/npu-programming.md §6; SDK native layouts; MTX feature_data/weight_fp16/weight_int8]:
 
 * A [M, K]: NC1HWC2 with C2 = 16 / bytes: fp16 ``(Kp/8, M, 8)``, int8 ``(Kp/16, M, 16)``.
 * B, ggml's [N, K] (one row per output): fp16 ``(Np/16, Kc/32, 16, 32)``, int8

@@ -11,12 +11,12 @@ from functools import lru_cache
 
 from ggml_rknpu.compiler.program import Program, build_program
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.compiler.tiling import plan
+from ggml_rknpu.compiler.tiling import tile
 
 
 @lru_cache(maxsize=256)
 def _compile(shape: MatmulShape, cores: int, abi: str) -> Program:
-    return build_program(plan(shape, cores), abi)
+    return build_program(tile(shape, cores), abi)
 
 
 def compile_matmul(M: int, K: int, N: int, *, dtype: str = "fp16", out: str = "fp32",

@@ -1,8 +1,8 @@
 """``Program``: the whole regcmd buffer image of a matmul, its task table and the
-relocations that bind it to buffer addresses without recompiling (CONTRACT D).
+relocations that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
 
 Layout of the regcmd buffer: tasks grouped by core, in execution order; every task
-starts 64-byte aligned (MESA's alignment [npu-programming.md §2]; the vendor blob spaces
+starts 64-byte aligned (MESA's alignment [docs/npu-programming.md §2]; the vendor blob spaces
 its 108-word tasks 0x380 bytes apart too [capture c1024_h1_oc1001]); padding words are 0
 (a NOP [§11]), so a fetch that runs one word past an odd-length task reads a NOP.
 
@@ -13,7 +13,7 @@ through these tails (core_mask + subcore_task [§3, §4]). Rocket runs one task 
 hardware start (TASK_NUMBER=1) and ignores the in-stream pointers [§5], so the very same
 words serve both ABIs; the tails are kept valid anyway.
 
-Deviation from CONTRACT D (additive): ``Program`` also carries ``c_dtype`` (precision the
+Deviation from contract D [docs/decisions.md] (additive): ``Program`` also carries ``c_dtype`` (precision the
 NPU writes C in; fp32 for a K-split fp16 matmul, see layout.partial_dtype), ``abi``,
 ``k_chunks`` and the convenience ``regcmd_bytes`` / ``core_tasks``.
 """

@@ -3,7 +3,7 @@
 Rules, each with its source:
 
 * **K** -- one task takes at most ``MAX_TASK_K = 10240`` channels, the SDK's own matmul
-  K limit [SDK rknn_matmul_api.h; npu-programming.md §9; rknn-toolkit.md]. This also
+  K limit [SDK rknn_matmul_api.h; docs/npu-programming.md §9; docs/rknn-toolkit.md]. This also
   keeps one kernel's weights within one CBUF bank (Kp*b <= 32 KiB [§9, MTX check]) and a
   whole kernel group within 10 of the 12 banks (16*10240*2 = 32*10240*1 = 10 banks; that the
   SDK limit is chosen for this is our *inference*). K is cut into balanced chunks of whole
@@ -12,7 +12,7 @@ Rules, each with its source:
   across tasks [§9]. Chunking depends on (K, dtype) only, so weights are packed once
   whatever M is. How many chunks:
 
-  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [rknn-toolkit.md
+  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [docs/rknn-toolkit.md
     §4.4]) and the 15 hardware-validated MTX single-task streams [golden] do. The model
     would prefer chunks for prefill here too (512x4096x11008); left so, to keep the
     single-task streams the MTX goldens pin down.
@@ -23,7 +23,7 @@ Rules, each with its source:
     ~5 rows of A per task, and every M tile re-streams the weights. Shorter chunks trade that for one more fp32
     partial C per chunk. Cutting K well below the SDK limit is what Rockchip's own
     compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
-    1536/1536/1024; 64x1536x8960 in 2x768 [rknn-toolkit.md §1.6]); the count is our choice
+    1536/1536/1024; 64x1536x8960 in 2x768 [docs/rknn-toolkit.md §1.6]); the count is our choice
     by the cost model, which does not price the host's sum of the partials.
 * **N** -- split across cores first (contiguous kernel-group ranges; no automatic
   intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
@@ -55,7 +55,7 @@ from ggml_rknpu.hw import limits
 MAX_TASK_K = limits.SDK_MAX_K
 MAX_TASK_N = limits.MAX_DPU_CUBE                      # 8192 (13-bit field holds N-1)
 MAX_TASK_M = limits.MAX_FEATURE_GRAINS - 1            # 1022: FEATURE_GRAINS = M_t + 1
-SDK_SPLIT_K = 8192     # the SDK splits B into ceil(K/8192) segments beyond this [rknn-toolkit.md §4.4]
+SDK_SPLIT_K = 8192     # the SDK splits B into ceil(K/8192) segments beyond this [docs/rknn-toolkit.md §4.4]
 MIN_CHUNK_K = 1024     # OUR CHOICE: a shortest chunk whose fp16 kernel group fills one bank
 #                        (16*1024*2 B = 32 KiB); bounds the partial C regions the host sums
 TUNE_M, TUNE_N = 512, 4096   # OUR CHOICE: the reference prefill the chunk count is tuned on
@@ -142,11 +142,11 @@ def _tuned_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
 
 def _reference_seconds(K: int, dtype: str, chunks: tuple[KChunk, ...]) -> float:
     """Modeled time of the reference prefill TUNE_M x K x TUNE_N on one core with these
-    chunks (the priced tasks are exactly what ``_plan`` emits)."""
+    chunks (the priced tasks are exactly what ``_tile`` emits)."""
     from ggml_rknpu.cost.model import TaskWork, Workload, modeled_time
 
     out = "int32" if dtype == "int8" else "fp32"
-    tiling = _plan(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
+    tiling = _tile(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
     works = tuple(TaskWork(t.core, t.m, t.chunk.size, t.n, dtype, limits.BYTES[out]) for t in tiling.tasks)
     return modeled_time(Workload(works)).total_s
 
@@ -176,14 +176,14 @@ def data_banks_for(rows: int, chunk_size: int, in_bytes: int) -> int:
     return ceil_div(rows * chunk_size * in_bytes, limits.CBUF_BANK_BYTES)
 
 
-def plan(shape: MatmulShape, cores: int = 1) -> Tiling:
+def tile(shape: MatmulShape, cores: int = 1) -> Tiling:
     """The task list for ``shape`` on up to ``cores`` cores (pure, deterministic)."""
     if not 1 <= cores <= limits.N_CORES:
         raise ValueError(f"cores must be 1..{limits.N_CORES}, got {cores}")
-    return _plan(shape, cores, k_chunks(shape.K, shape.dtype))
+    return _tile(shape, cores, k_chunks(shape.K, shape.dtype))
 
 
-def _plan(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
+def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
     g = shape.kernel_group
     groups = shape.Np // g
     m_max = max_task_rows(max(c.size for c in chunks), shape)

@@ -1,7 +1,7 @@
 """GRAPH_COMPUTE payload → a plan of prepared steps, built once, replayed per token.
 
 llama.cpp resends the same graph (or a 13-byte GRAPH_RECOMPUTE) every decode step
-[ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
+[docs/ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
 decides where each node runs and asks the op modules for a closure
 (``ops.plan_op``) or builds an NPU matmul step around a staged weight. Replaying a
 plan is a loop over closures: no parsing, no dictionary lookups, no decisions.
@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.ops.convert import bf16_to_f32
@@ -35,7 +36,7 @@ from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZ
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 
-PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
+PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1]
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
@@ -181,7 +182,7 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
 class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
-    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: Any, stats: ServerStats,
+    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  plan_op: Callable[[Any], Callable[[], None]] | None = None) -> None:
         self.buffers = buffers
         self.weights = weights
@@ -283,7 +284,7 @@ class GraphPlanner:
                 else:
                     d_view[...] = c.reshape(d_view.shape)
                     step.counter = npu_counter
-                    timing = getattr(npu, "last_timing", None)
+                    timing = npu.last_timing
                     if timing is not None and timing.device_s is not None:
                         stats.npu_device_seconds += timing.device_s
                         stats.npu_device_label = timing.device_label

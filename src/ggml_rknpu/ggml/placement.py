@@ -27,7 +27,7 @@ from ggml_rknpu.ggml.tensor import RpcTensor
 NPU = "npu"
 HOST = "host"
 
-FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
+FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [docs/ggml-rpc.md §3.3]
 _FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16))
 
 

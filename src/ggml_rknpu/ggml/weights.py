@@ -35,13 +35,14 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import DeviceBuffer
 from ggml_rknpu.ggml.enums import GgmlType
 from ggml_rknpu.ggml.ops.convert import dequantize_rows
+from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
 from ggml_rknpu.ggml.tensor import CheckedTensor
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
@@ -95,7 +96,7 @@ class WeightSlot:
     k: int                           # row length (ne00)
     name: str
     layout: tuple = ()               # (ne, nb) of the tensor: part of the content key
-    handle: Any = None               # engine weight from npu.upload_weight, None = not staged
+    handle: EngineWeight | None = None   # engine weight from npu.upload_weight, None = not staged
     invalidations: int = 0
     volatile: bool = False           # demoted for good: runs on the host
     failed: str | None = None        # why the engine refused it: runs on the host
@@ -128,12 +129,9 @@ class WeightStats:
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
 
 
-def _free_handle(handle: Any, name: str) -> None:
-    free = getattr(handle, "free", None)
-    if free is None:
-        return
+def _free_handle(handle: EngineWeight, name: str) -> None:
     try:
-        free()
+        handle.free()
     except Exception as exc:   # the engine could not release it; nothing here can do better
         log.error("freeing the staged weight '%s' failed: %s", name, exc)
 
@@ -147,13 +145,13 @@ class RetiredWeights:
 
     def __init__(self, stats: WeightStats) -> None:
         self.stats = stats
-        self._lru: OrderedDict[tuple, tuple[Any, int, str]] = OrderedDict()
+        self._lru: OrderedDict[tuple, tuple[EngineWeight, int, str]] = OrderedDict()
 
     @property
     def npu_bytes(self) -> int:
         return self.stats.retired_bytes
 
-    def retire(self, key: tuple, handle: Any, nbytes: int, name: str) -> bool:
+    def retire(self, key: tuple, handle: EngineWeight, nbytes: int, name: str) -> bool:
         """Keep ``handle`` under ``key``; False (caller frees it) if an equal copy is already kept."""
         if key in self._lru:
             return False
@@ -163,7 +161,7 @@ class RetiredWeights:
         self.stats.retired_bytes += nbytes
         return True
 
-    def take(self, key: tuple) -> Any:
+    def take(self, key: tuple) -> EngineWeight | None:
         """The retired copy for ``key``, removed from the LRU, or None."""
         entry = self._lru.pop(key, None)
         if entry is None:
@@ -194,7 +192,7 @@ class RetiredWeights:
 class WeightStore:
     """The slots of one connection (freed with its buffers)."""
 
-    npu: Any
+    npu: MatmulEngine | None
     fmt: str = "fp16"
     progress: bool = True
     stats: WeightStats = field(default_factory=WeightStats)
@@ -220,7 +218,7 @@ class WeightStore:
             self._by_buffer.setdefault(t.buffer.handle, []).append(slot)
         return slot if slot.on_npu else None
 
-    def weight(self, slot: WeightSlot) -> Any:
+    def weight(self, slot: WeightSlot) -> EngineWeight | None:
         """The staged engine weight, staging it first if needed (None: run on the host)."""
         if not slot.on_npu:
             return None
@@ -289,7 +287,7 @@ class WeightStore:
         self._count_staged(slot)
         self.stats.upload_seconds += time.perf_counter() - t0
 
-    def _upload(self, b: np.ndarray) -> Any:
+    def _upload(self, b: np.ndarray) -> EngineWeight:
         """``npu.upload_weight``, freeing retired copies LRU-first while NPU memory is short."""
         while True:
             try:
@@ -312,7 +310,7 @@ class WeightStore:
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
         if retire and key is not None and self.retired is not None:
-            nbytes = getattr(handle, "packed_bytes", slot.nbytes)
+            nbytes = handle.packed_bytes
             if self.retired.retire(key, handle, nbytes, slot.name):
                 return
         _free_handle(handle, slot.name)

@@ -2,7 +2,7 @@
 behind the ``Syscalls`` interface.
 
 It receives exactly what the real kernel receives - request numbers and struct bytes -
-and answers the way the real drivers do [npu-programming.md §3-§5; VEND rknpu_job.c,
+and answers the way the real drivers do [docs/npu-programming.md §3-§5; VEND rknpu_job.c,
 rknpu_gem.c; ROCKET rocket_job.c, rocket_gem.c]:
 
 - DRM core: DRM_IOCTL_VERSION (name "rknpu"/"rocket"), GEM_CLOSE; dispatch by nr with
@@ -24,7 +24,7 @@ task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_a
 (vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
 NONBLOCK/fences (not modelled), >4095 tasks per core on drivers before 0.9.8 (would
 overflow TASK_CON; 0.9.8-style drivers re-issue such lists in 4095-task chunks
-[npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
+[docs/npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
 EFAULT), a rocket job that fails validation (mainline drops the per-job error) or hangs
 (mainline PREP_BO returns 0 with stale data; here PREP_BO says ETIMEDOUT).
 ``hw_elapse_time`` is left 0: the simulator has no hardware clock.
@@ -38,6 +38,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
+from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel import rknpu_abi as rk
 from ggml_rknpu.kernel import rocket_abi as ro
@@ -58,29 +60,27 @@ from ggml_rknpu.sim.memory import (
 # the board's other DRM devices (the display is usually card0/renderD128); renderD129 is
 # the usual place of rknpu on RK3588 images - a typical value, not a fixed one.
 VENDOR_NODES = {"/dev/dri": ["card1", "renderD129"]}
-ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [npu-programming.md §5] char major 261
+ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [docs/npu-programming.md §5] char major 261
 
-# PC register offsets [npu-programming.md §3]
-PC_OPERATION_ENABLE = 0x08
-PC_BASE_ADDRESS = 0x10
-PC_REGISTER_AMOUNTS = 0x14
-PC_INTERRUPT_MASK = 0x20
-PC_INTERRUPT_CLEAR = 0x24
-PC_INTERRUPT_STATUS = 0x28
-PC_INTERRUPT_RAW_STATUS = 0x2C
-PC_TASK_CON = 0x30
-PC_TASK_DMA_BASE_ADDR = 0x34
-PC_TASK_STATUS = 0x3C
-CNA_S_POINTER = 0x1004
-CORE_S_POINTER = 0x3004
+# register offsets the drivers' programming sequences write (hw/registers.py)
+PC_OPERATION_ENABLE = REGISTERS["PC_OPERATION_ENABLE"].offset
+PC_BASE_ADDRESS = REGISTERS["PC_BASE_ADDRESS"].offset
+PC_REGISTER_AMOUNTS = REGISTERS["PC_REGISTER_AMOUNTS"].offset
+PC_INTERRUPT_MASK = REGISTERS["PC_INTERRUPT_MASK"].offset
+PC_INTERRUPT_CLEAR = REGISTERS["PC_INTERRUPT_CLEAR"].offset
+PC_INTERRUPT_STATUS = REGISTERS["PC_INTERRUPT_STATUS"].offset
+PC_INTERRUPT_RAW_STATUS = REGISTERS["PC_INTERRUPT_RAW_STATUS"].offset
+PC_TASK_CON = REGISTERS["PC_TASK_CON"].offset
+PC_TASK_DMA_BASE_ADDR = REGISTERS["PC_TASK_DMA_BASE_ADDR"].offset
+PC_TASK_STATUS = REGISTERS["PC_TASK_STATUS"].offset
+CNA_S_POINTER = REGISTERS["CNA_S_POINTER"].offset
+CORE_S_POINTER = REGISTERS["CORE_S_POINTER"].offset
 S_POINTER_PP = 0xE  # POINTER_PP_EN | EXECUTER_PP_EN | POINTER_PP_MODE [§2, §3]
 S_POINTER_CORE_BIT = 0x10000000  # "0x10000000 * core", reserved in the TRM [§3]
-INT_CLEAR_ALL = 0x1FFFF  # RKNPU_INT_CLEAR / rocket's IRQ clear [§3]
 INT_DMA_READ_ERROR, INT_DMA_WRITE_ERROR = 1 << 12, 1 << 13
 TASK_CON_RESERVED_14, TASK_CON_COUNT_CLEAR, TASK_CON_PP_EN = 1 << 14, 1 << 13, 1 << 12
 
 # Values the ACTION ioctl reports. Sources per value; guesses say so.
-HW_VERSION = 0x46495245  # [§3: mainline boot log 1179210309; ollama issue #5001]
 NPU_FREQ_HZ = 1_000_000_000  # guess: the RKNN runtime's default "take 1000MHz" [capture pw_c256_h14]
 NPU_VOLT_UV = 850_000  # placeholder, NOT a measured RK3588 value: the simulator has no regulator
 DRIVER_DATES = {(0, 9, 6): "20240322"}  # [VEND rknpu_drv.h]; other versions: unknown

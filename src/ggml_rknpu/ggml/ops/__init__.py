@@ -1,4 +1,4 @@
-"""Host ops in numpy, one module per op family (CONTRACT.md §G).
+"""Host ops in numpy, one module per op family (docs/decisions.md contract G).
 
 ``registry`` holds the seam (``OpNode``, ``TensorRef``, ``plan_op``, ``UnsupportedOp``);
 ``convert`` the shared type conversions and ggml's repeat-broadcast; then ``binary``

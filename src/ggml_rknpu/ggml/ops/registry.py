@@ -1,4 +1,4 @@
-"""The seam between the RPC server's graph plans and the host ops (CONTRACT.md §G).
+"""The seam between the RPC server's graph plans and the host ops (docs/decisions.md contract G).
 
 A graph node arrives as an :class:`OpNode` whose tensors are :class:`TensorRef` s: the
 ggml geometry (type, ``ne``, ``nb``) plus a uint8 view of the bytes the tensor spans

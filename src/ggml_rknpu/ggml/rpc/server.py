@@ -1,7 +1,7 @@
 """The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0).
 
 Behaviour copied from the C++ ``ggml-rpc-server`` where the client depends on it
-[ggml-rpc.md §3, P6, P7]:
+[docs/ggml-rpc.md §3, P6, P7]:
 
 * one client at a time, served to completion, then the next (many short connections:
   every device-memory probe is its own connection);
@@ -28,8 +28,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
@@ -40,7 +41,7 @@ from ggml_rknpu.ggml.weights import RetiredWeights, WeightStats, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [CONTRACT A: 32-bit NPU IOVA]
+HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [contract A [docs/decisions.md]: 32-bit NPU IOVA]
 _RECV_CHUNK = 1 << 16
 
 
@@ -129,7 +130,7 @@ class ServerConfig:
 class ServerState:
     """What outlives a connection: the engine, the device budget, the counters."""
 
-    npu: Any
+    npu: MatmulEngine | None
     memory: DeviceMemory
     config: ServerConfig
     stats: ServerStats = field(default_factory=ServerStats)
