@@ -83,7 +83,7 @@ def measure(npu, shape: SimShape, dtype: str, iters: int, rng: np.random.Generat
     w = npu.upload_weight(b, dtype)
     try:
         npu.matmul(a, w)
-        kernel = npu.device.sys
+        kernel = npu.device.syscalls
         busy0 = getattr(kernel, "simulation_seconds", None)
         t0 = time.perf_counter()
         sim_s = _median_s(lambda: npu.matmul(a, w), iters)

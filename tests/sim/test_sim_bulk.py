@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
+from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
 import ggml_rknpu
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
@@ -29,7 +29,7 @@ ABIS = ("sim-rknpu", "sim-rocket")
 
 
 def _model(engine) -> SimNpu:
-    return engine.device.sys._npu_model()
+    return engine.device.syscalls._npu_model()
 
 
 @pytest.fixture(scope="module", params=ABIS)
