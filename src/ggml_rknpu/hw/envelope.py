@@ -247,3 +247,21 @@ def program_k_violations(tasks: list[TaskFields], env: Envelope) -> list[str]:
         return [] if k_total <= env.max_single_k[dtype] else [f"K {k_total} in one chunk > {env.max_single_k[dtype]}"]
     return [f"K chunk {t.chunk_k} at k0={t.k0} is not a multiple of {env.k_chunk_multiple}"
             for t in tasks if t.k0 + t.chunk_k != k_total and t.chunk_k % env.k_chunk_multiple]
+
+
+def walk_chain(words, start_word: int, fetch_words: int) -> list[TaskFields]:
+    """The tasks of one PC chain as the hardware reaches them: fetch ``fetch_words`` from
+    ``start_word``, then follow each tail's PC_BASE_ADDRESS / PC_REGISTER_AMOUNTS until a
+    (0, 0) tail [npu-programming.md §2, §11]. ``words`` must be bound with the regcmd
+    buffer at address 0, so tail addresses are byte offsets into ``words``."""
+    from ggml_rknpu.hw.regcmd import words_for_amount
+
+    tasks: list[TaskFields] = []
+    while True:
+        if len(tasks) > limits.MAX_TASKS_PER_SUBMIT:
+            raise ValueError("chain does not end within 4095 tasks (a tail loop?)")
+        task = decode_task(words[start_word: start_word + fetch_words])
+        tasks.append(task)
+        if task.next_addr == 0:
+            return tasks
+        start_word, fetch_words = task.next_addr // 8, words_for_amount(task.next_amount)
