@@ -18,3 +18,10 @@ def reference_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"reference data not found at {path}")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _private_envelope_record(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu)."""
+    if "RKNPU_ENVELOPE_FILE" not in os.environ:
+        monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path_factory.getbasetemp() / "envelope.json"))

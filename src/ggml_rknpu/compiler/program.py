@@ -16,7 +16,7 @@ words serve both ABIs; the tails are kept valid anyway.
 Chains (``ProgramTask.chain``): a core's tasks are cut into consecutive chains, each run as
 its own submit, so that no vendor PC chain is longer than the envelope allows
 (``max_chain_tasks``: 65 fp16, 1 int8 in the proven envelope) and no rocket job is modeled
-longer than ``max_job_ms`` at rocket's boot clock (mainline kills a job after 500 ms and
+longer than ``max_job_ms`` at ``job_model_mhz``, rocket's boot clock (mainline kills a job after 500 ms and
 leaves its outputs stale [rocket_job.c JOB_TIMEOUT_MS]). The last task of every chain has
 the (0, 0) tail. Submit j runs chain j of every core.
 
@@ -36,7 +36,7 @@ from ggml_rknpu.compiler.layout import a_bytes, b_bytes, c_bytes, partial_dtype
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import KChunk, Tiling
 from ggml_rknpu.hw import limits
-from ggml_rknpu.hw.envelope import PROVEN, ROCKET_BOOT_MHZ, Envelope, by_name
+from ggml_rknpu.hw.envelope import PROVEN, Envelope, by_name
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE, TAIL_WORDS, VALUE_SHIFT, regcmd_word, target_for_offset, task_tail
 from ggml_rknpu.hw.registers import REGISTERS
 
@@ -135,7 +135,7 @@ def _body_template(shape: MatmulShape, tile, c_dtype: str) -> tuple[np.ndarray, 
 def chain_of_tasks(tiling: Tiling, abi: str, envelope: Envelope) -> list[int]:
     """The chain index of every task (module doc): a core's chain ends when the next task
     would make it longer than the envelope's vendor chain, or its rocket job modeled
-    longer than ``max_job_ms`` at ROCKET_BOOT_MHZ."""
+    longer than ``max_job_ms`` at ``job_model_mhz`` (rocket's boot clock by default)."""
     from ggml_rknpu.cost.model import TaskWork, task_seconds
 
     shape = tiling.shape
@@ -145,7 +145,7 @@ def chain_of_tasks(tiling: Tiling, abi: str, envelope: Envelope) -> list[int]:
     chains, core, chain, count, spent = [], None, 0, 0, 0.0
     for tile in tiling.tasks:
         seconds = task_seconds(TaskWork(tile.core, tile.m, tile.chunk.size, tile.n, shape.dtype, out_bytes),
-                               npu_mhz=ROCKET_BOOT_MHZ, cores_in_job=tiling.cores_used)
+                               npu_mhz=envelope.job_model_mhz, cores_in_job=tiling.cores_used)
         if tile.core != core:
             core, chain, count, spent = tile.core, 0, 0, 0.0
         elif count >= max_tasks or spent + seconds > budget_s:

@@ -49,7 +49,8 @@ class Envelope:
     max_chunk_k: dict[str, int]         # DATAIN_CHANNEL of one task, per input dtype
     max_single_k: dict[str, int]        # K up to this runs as one chunk (no split)
     max_task_n: dict[str, int]          # WEIGHT_KERNELS of one task, per input dtype
-    max_job_ms: float                   # modeled ms of one rocket job at ROCKET_BOOT_MHZ
+    max_job_ms: float                   # modeled ms of one rocket job at job_model_mhz
+    job_model_mhz: float = ROCKET_BOOT_MHZ  # the NPU clock rocket jobs are sized at
 
     def __hash__(self) -> int:   # the dict fields are never mutated; envelopes key compile caches
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
@@ -133,6 +134,7 @@ def by_name(name: str | Envelope) -> Envelope:
 
 # --- task fields, decoded from regcmd words ------------------------------------------
 _DTYPE_OF_CNA = {v: k for k, v in limits.CNA_PRECISION.items()}
+_DTYPE_OF_DPU = {v: k for k, v in limits.DPU_PRECISION.items()}
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ class TaskFields:
     feature_grains: int
     data_entries: int
     a_offset: int            # CNA_FEATURE_DATA_ADDR (a buffer offset when bound at 0)
+    c_offset: int            # DPU_DST_BASE_ADDR (likewise)
+    out_dtype: str           # DPU_DATA_FORMAT.OUT_PRECISION
     plane_rows: int          # DPU_DST_SURF_STRIDE: the full M of the matmul
     next_addr: int           # PC_BASE_ADDRESS of the tail (0: last of its chain)
     next_amount: int         # PC_REGISTER_AMOUNTS of the tail
@@ -187,6 +191,7 @@ def decode_task(words) -> TaskFields:
             continue
         values[offset] = value
     precision = _field(values, "CNA_CONV_CON1", "IN_PRECISION")
+    out_precision = _field(values, "DPU_DATA_FORMAT", "OUT_PRECISION")
     return TaskFields(
         dtype=_DTYPE_OF_CNA.get(precision, f"precision{precision}"),
         rows=_field(values, "CNA_DATA_SIZE0", "DATAIN_HEIGHT"),
@@ -199,6 +204,8 @@ def decode_task(words) -> TaskFields:
         feature_grains=_field(values, "CNA_CONV_CON2", "FEATURE_GRAINS"),
         data_entries=_field(values, "CNA_CBUF_CON1", "DATA_ENTRIES"),
         a_offset=_field(values, "CNA_FEATURE_DATA_ADDR", "FEATURE_BASE_ADDR"),
+        c_offset=_field(values, "DPU_DST_BASE_ADDR", "DST_BASE_ADDR"),
+        out_dtype=_DTYPE_OF_DPU.get(out_precision, f"precision{out_precision}"),
         plane_rows=_field(values, "DPU_DST_SURF_STRIDE", "DST_SURF_STRIDE"),
         next_addr=_field(values, "PC_BASE_ADDRESS", "PC_SOURCE_ADDR") << 4,
         next_amount=_field(values, "PC_REGISTER_AMOUNTS", "PC_DATA_AMOUNT"),

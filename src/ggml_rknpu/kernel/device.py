@@ -150,7 +150,8 @@ class _SubmitPlan:
                                "(TASK_CON.TASK_NUMBER is 12 bits): split the job", errno.EINVAL)
             subcore[core + slot] = (len(records), len(tasks))
             for t in tasks:
-                if t.regcmd_addr % 16 or not 0 < t.regcmd_addr < IOVA_WINDOW_BYTES:
+                # IOVA 0 is a real address: mainline rocket gives it to a file's first buffer
+                if t.regcmd_addr % 16 or not 0 <= t.regcmd_addr < IOVA_WINDOW_BYTES:
                     raise NpuError(f"regcmd_addr {t.regcmd_addr:#x} must be a 16-byte aligned 32-bit NPU address",
                                    errno.EINVAL)
                 if t.body_words <= 0:
