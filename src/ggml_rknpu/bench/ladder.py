@@ -8,9 +8,11 @@ possible step past what is known to work, show the result of each step, and stop
 first one that fails, with enough said about how it failed (the symptom table) to tell a
 hang from a dropped task from a wrong tile.
 
-Each rung runs in the envelope the rungs below it proved plus its own widening, and checks
-(from the compiled words) that its program really exercises that widening, so a rung can
-never pass without testing what it claims.
+Each rung compiles its matmuls in the envelope the rungs below it proved plus its own
+widening, checks (from the compiled words) that the program really exercises that
+widening, so a rung can never pass without testing what it claims, and runs the program
+itself through the device (``run_program``: the same Jobs and canaries as the engine, but
+no M buckets, so the golden rung submits exactly the golden single-task streams).
 
 Test hooks: ``RKNPU_SELFTEST_CORRUPT=<rung>`` flips one output element of that rung after
 the NPU returns (symptom "wrong values"); ``RKNPU_SELFTEST_FAULT=<rung>:<stale|timeout>``
@@ -29,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
-from ggml_rknpu.hw.envelope import decode_task, walk_chain
+from ggml_rknpu.hw.envelope import PROVEN, decode_task, walk_chain
 
 CORRUPT_ENV = "RKNPU_SELFTEST_CORRUPT"
 FAULT_ENV = "RKNPU_SELFTEST_FAULT"
@@ -78,6 +80,16 @@ def _chains(program) -> list[list]:
     return [walk_chain(words, t.word_offset, t.body_words + 4) for t in heads.values()]
 
 
+def _job_ms(program) -> float:
+    """Modeled ms of the program's longest job at the clock rocket jobs are sized at."""
+    from ggml_rknpu.cost.model import TaskWork, task_seconds
+    from ggml_rknpu.hw import limits
+
+    out = limits.BYTES[program.c_dtype]
+    return 1e3 * max(sum(task_seconds(TaskWork(0, t.rows, t.chunk_k, t.kernels, t.dtype, out),
+                                      npu_mhz=PROVEN.job_model_mhz) for t in chain) for chain in _chains(program))
+
+
 def _tasks(program) -> list:
     return [decode_task(program.words[t.word_offset: t.word_offset + t.body_words]) for t in program.tasks]
 
@@ -95,9 +107,9 @@ LADDER: tuple[Rung, ...] = (
     Rung("golden", "the hardware-checked MTX single-task shapes, one task each",
          golden_shapes(), lambda p: len(p.tasks) == 1),
     Rung("chain_fp16", "a 65-task fp16 PC chain (the longest vendor chain captured)",
-         ((1, 32, 64 * 8192 + 16, "fp16"),), lambda p: max(map(len, _chains(p))) == 65),
+         ((1, 32, 64 * 8192 + 16, "fp16"),), lambda p: max(map(len, _chains(p))) >= 65),
     Rung("chain_int8", "16-task int8 chains (no multi-task int8 stream has run before)",
-         ((2, 256, 16 * 4096 + 32, "int8"),), lambda p: max(map(len, _chains(p))) == 16),
+         ((2, 256, 16 * 4096 + 32, "int8"),), lambda p: max(map(len, _chains(p))) >= 16),
     Rung("long_k", "K split in chunks of multiples of 256, partials summed on the host",
          ((3, 16384, 64, "fp16"), (3, 8192, 64, "int8")), lambda p: p.k_splits > 1),
     Rung("full_weight_bank", "a kernel group filling all of WEIGHT_BANK (fill 1.0 > 0.73)",
@@ -108,8 +120,9 @@ LADDER: tuple[Rung, ...] = (
          ((64, 256, 64, "fp16"), (64, 256, 64, "int8")), lambda p: p.cores_used == 2, cores=2),
     Rung("three_cores", "one submit on all three cores (core_mask 0x7)",
          ((96, 256, 96, "fp16"), (96, 256, 96, "int8")), lambda p: p.cores_used == 3, cores=3),
-    Rung("long_rocket_job", "a rocket job modeled at 300-450 ms at the 200 MHz boot clock (timeout 500 ms)",
-         ((1024, 4096, 7424, "fp16"),), lambda p: p.n_submits == 1, abi="rocket"),
+    Rung("long_rocket_job", "one rocket job modeled at 338 ms at the 200 MHz boot clock (timeout 500 ms)",
+         ((2048, 2048, 4096, "fp16"),), lambda p: p.n_submits == 1 and _job_ms(p) > PROVEN.max_job_ms,
+         abi="rocket"),
 )
 assert tuple(r.name for r in LADDER) == RUNGS, "the ladder and the envelope record list the same rungs"
 
@@ -126,50 +139,78 @@ def _hooks() -> tuple[str | None, tuple[str, str] | None]:
     return corrupt, parsed
 
 
+def run_program(dev, program, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Run one compiled program on ``dev`` with canary-armed output; C [M, N]. Raises
+    NpuFault when a canary survives (a task did not write)."""
+    from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
+    from ggml_rknpu.engine.api import program_jobs
+    from ggml_rknpu.engine.canary import Canaries
+    from ggml_rknpu.kernel.errors import NpuFault
+
+    dtype = program.shape.dtype
+    bufs = [dev.alloc(max(n, 1)) for n in (program.a_bytes, program.b_bytes, program.c_bytes)]
+    regcmd = dev.alloc(program.regcmd_bytes, purpose="regcmd")
+    try:
+        A, B, C = bufs
+        pack_a(a, dtype, program, out=A.array())
+        pack_b(b, dtype, program, out=B.array())
+        B.sync_to_device()
+        words = program.bind(a=A.dma_addr, b=B.dma_addr, c=C.dma_addr, regcmd=regcmd.dma_addr)
+        regcmd.array(np.uint64)[: words.size] = words
+        canaries = Canaries.for_program(program)
+        canaries.arm(C.array())
+        for job in program_jobs(program, regcmd.dma_addr, dev.n_cores, A, C):
+            dev.submit(job)
+        unwritten = canaries.unwritten(C.array())
+        if unwritten:
+            raise NpuFault(f"{unwritten} output canaries left unwritten: a task did not finish")
+        return unpack_c(C.array(), program, program.shape.M)
+    finally:
+        for buf in (*bufs, regcmd):
+            buf.close()
+
+
 def run_rung(rung: Rung, device: str | None, passed: list[str], *, corrupt: bool = False,
              fault: str | None = None, seed: int = 1234) -> RungResult:
     """One rung in the envelope ``passed`` proved plus its own widening."""
-    import ggml_rknpu
     from ggml_rknpu.bench import matmul as mm
     from ggml_rknpu.bench.selftest import compare, corrupt_one
+    from ggml_rknpu.compiler.matmul import compile_matmul
+    from ggml_rknpu.kernel.device import NpuDevice
     from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
     t0 = time.perf_counter()
-    npu = ggml_rknpu.open(device=device, cores=1)
-    env = envelope_for_rungs([*passed, rung.name], npu.device.kind)
+    dev = NpuDevice.open(device)
+    env = envelope_for_rungs([*passed, rung.name], dev.kind)
     result = RungResult(rung.name, rung.what, "pass", env.name)
     try:
-        if rung.abi and npu.device.kind != rung.abi:
+        if rung.abi and dev.kind != rung.abi:
             result.status, result.detail = "skipped", f"only under the {rung.abi} driver"
             return result
-        npu.close()
-        npu = ggml_rknpu.open(device=device, cores=min(rung.cores, env.max_cores), envelope=env)
         if fault:
-            if not npu.device.simulated:
+            if not dev.simulated:
                 raise ValueError(f"{FAULT_ENV} injects faults in the simulator only")
-            npu.device.sys.inject = fault
+            dev.sys.inject = fault
         rng = np.random.default_rng(seed)
         for M, K, N, dtype in rung.cases:
             a, b = mm.make_operands(mm.Shape("ladder", K, N, "ladder"), M, dtype, rng)
             case = {"M": M, "K": K, "N": N, "dtype": dtype}
             result.cases.append(case)
             try:
-                w = npu.upload_weight(b, dtype=dtype)
-                try:
-                    c = np.array(npu.matmul(a, w))
-                    program = next(iter(w.plans.values())).program
-                finally:
-                    w.free()
+                program = compile_matmul(M, K, N, dtype=dtype, out="int32" if dtype == "int8" else "fp32",
+                                         cores=min(rung.cores, env.max_cores, dev.n_cores), abi=dev.kind,
+                                         envelope=env)
+                case.update(tasks=len(program.tasks), submits=program.n_submits, cores=program.cores_used)
+                if not rung.exercises(program):
+                    return _fail(result, "not exercised", f"{len(program.tasks)} tasks, {program.n_submits} "
+                                                          f"submits, {program.cores_used} cores")
+                c = run_program(dev, program, a, b)
             except NpuTimeout as exc:
                 return _fail(result, "timeout", exc)
             except NpuFault as exc:
                 return _fail(result, "stale" if "canar" in str(exc) else "error", exc)
             except Exception as exc:  # a refused rung is a result; the ladder stops there
                 return _fail(result, "error", exc)
-            case.update(tasks=len(program.tasks), submits=program.n_submits, cores=program.cores_used)
-            if not rung.exercises(program):
-                return _fail(result, "not exercised", f"{len(program.tasks)} tasks, {program.n_submits} submits, "
-                                                      f"{program.cores_used} cores")
             if corrupt:
                 corrupt_one(c)
                 corrupt = False
@@ -179,7 +220,7 @@ def run_rung(rung: Rung, device: str | None, passed: list[str], *, corrupt: bool
                 return _fail(result, "wrong values", f"{n_bad} element(s), first {first}")
         return result
     finally:
-        npu.close()
+        dev.close()
         result.seconds = time.perf_counter() - t0
 
 

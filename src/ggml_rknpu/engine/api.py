@@ -354,8 +354,6 @@ class Npu:
         return plan
 
     def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
-        from ggml_rknpu.kernel.device import HwTask, Job
-
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
         plan = _Plan(program, m, w.buffer.dma_addr, modeled)
@@ -369,20 +367,11 @@ class Npu:
         except BaseException:
             plan.close()
             raise
-        regcmd_buf = plan.regcmd_buf
-        chains: list[list[list[Any]]] = [[[] for _ in range(self.device.n_cores)] for _ in range(program.n_submits)]
-        for task in program.tasks:
-            chains[task.chain][task.core].append(HwTask(
-                regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
-                int_mask=task.int_mask, enable_mask=task.enable_mask))
         # The device cleans a job's inputs before every submit; the weight was cleaned once in
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
-        # C is an input of the first submit too: the CPU wrote its canaries.
-        plan.jobs = tuple(Job(cores=tuple(tuple(t) for t in per_core),
-                              inputs=(plan.a_buf, plan.c_buf) if i == 0 else (), outputs=(plan.c_buf,))
-                          for i, per_core in enumerate(chains))
+        plan.jobs = program_jobs(program, plan.regcmd_buf.dma_addr, self.device.n_cores, plan.a_buf, plan.c_buf)
         plan.canaries = Canaries.for_program(program)
         return plan
 
@@ -530,6 +519,20 @@ def open_engine(device: Any = None, cores: int | None = None, envelope: Envelope
             dev.close()
             raise
     return Npu(device, cores, envelope)
+
+
+def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a_buf: Any, c_buf: Any) -> tuple:
+    """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``): one per
+    chain, in order. A and C are inputs of the first (C holds the CPU's canaries)."""
+    from ggml_rknpu.kernel.device import HwTask, Job
+
+    chains: list[list[list[Any]]] = [[[] for _ in range(n_cores)] for _ in range(program.n_submits)]
+    for task in program.tasks:
+        chains[task.chain][task.core].append(HwTask(
+            regcmd_addr=regcmd_addr + task.word_offset * 8, body_words=task.body_words,
+            int_mask=task.int_mask, enable_mask=task.enable_mask))
+    return tuple(Job(cores=tuple(tuple(t) for t in per_core), inputs=(a_buf, c_buf) if i == 0 else (),
+                     outputs=(c_buf,)) for i, per_core in enumerate(chains))
 
 
 # --- the compiler seam (CONTRACT D) ---------------------------------------------------

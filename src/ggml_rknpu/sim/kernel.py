@@ -224,6 +224,10 @@ class SimKernel:
         self._shared_domain = IommuDomain(*self.iova_window) if abi == "rknpu" else None
         self.mmu = NpuMmu(self._shared_domain)
         self._npu = npu
+        # A one-shot fault for the next submit, for the bring-up ladder's tests: "stale" drops
+        # the last task of the first core's list (or job) silently; "timeout" hangs it
+        # (vendor: ETIMEDOUT; rocket: killed by the job timeout, outputs stale, no error).
+        self.inject: str | None = None
         self._next_core = 0
         self.powered = False
         self._power_refs = 0
@@ -630,10 +634,19 @@ class SimKernel:
         first_core = min(ranges)
         int_status: dict[int, int] = {}
         failures: dict[int, str] = {}
+        inject, self.inject = self.inject, None
+        if inject == "timeout":
+            failures[first_core] = "injected hang (simulator fault hook)"
         for core, (start, number) in ranges.items():
+            if failures:
+                break
             # 0.9.8 re-issues lists longer than max_submit_number in chunks from its IRQ path
             for chunk in range(start, start + number, rk.MAX_SUBMIT_TASKS):
                 count = min(rk.MAX_SUBMIT_TASKS, start + number - chunk)
+                if inject == "stale" and core == first_core and chunk + count == start + number:
+                    count -= 1  # the chain's last task silently dropped (fault hook)
+                    if count == 0:
+                        continue
                 status, failure = self._rk_commit(npu, core, tasks, chunk, count, pp_en, s.task_base_addr)
                 int_status[core] = status
                 if failure:
@@ -735,9 +748,11 @@ class SimKernel:
         parsed = [self._ro_parse_job(f, i, job) for i, job in enumerate(jobs)]
         npu = self._npu_model()
         self.mmu.attach(self._domain(f))  # rocket_job_run: attach the file's domain to the core
+        inject, self.inject = self.inject, None
         for tasks, outs in parsed:
             if tasks:
-                self._ro_run_job(npu, tasks, outs)
+                self._ro_run_job(npu, tasks, outs, inject)
+                inject = None
 
     def _ro_parse_job(self, f: _File, index: int, job: ro.drm_rocket_job) -> tuple[list[tuple[int, int]], list[GemObject]]:
         if job.task_struct_size < ctypes.sizeof(ro.drm_rocket_task):
@@ -760,13 +775,15 @@ class SimKernel:
         outs = handles(job.out_bo_handles, job.out_bo_handle_count, "out_bo_handles")
         return tasks, outs
 
-    def _ro_run_job(self, npu, tasks: list[tuple[int, int]], outs: list[GemObject]) -> None:
+    def _ro_run_job(self, npu, tasks: list[tuple[int, int]], outs: list[GemObject], inject: str | None = None) -> None:
         core = self._next_core  # the scheduler's choice; round robin here
         self._next_core = (self._next_core + 1) % self.n_cores
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
         elapsed_s, timeout_s = 0.0, ROCKET_JOB_TIMEOUT_MS / 1e3
+        if inject == "stale":
+            tasks = tasks[:-1]       # the job's last task silently dropped (fault hook)
         for i, (regcmd, count) in enumerate(tasks):  # rocket_job_hw_submit, one task per hardware run
-            elapsed_s += self._modeled_task_s(regcmd, count)
+            elapsed_s += timeout_s if inject == "timeout" else self._modeled_task_s(regcmd, count)
             if elapsed_s > timeout_s:  # rocket_job_timedout: the task in flight never finishes
                 self._log(f"core {core}: NPU job timed out (task {i} of {len(tasks)}, {elapsed_s * 1e3:.0f} ms "
                           f"modeled at {self.rocket_mhz:g} MHz > JOB_TIMEOUT_MS {ROCKET_JOB_TIMEOUT_MS}); core reset")
