@@ -21,7 +21,8 @@ def reference_dir() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _private_envelope_record(tmp_path_factory, monkeypatch):
-    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu)."""
-    if "RKNPU_ENVELOPE_FILE" not in os.environ:
-        monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path_factory.getbasetemp() / "envelope.json"))
+def _private_envelope_record(tmp_path, monkeypatch):
+    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu), nor
+    another test's: each starts from the proven envelope."""
+    monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path / "envelope.json"))
+    monkeypatch.delenv("RKNPU_ENVELOPE", raising=False)
