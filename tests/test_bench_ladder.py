@@ -14,7 +14,8 @@ from ggml_rknpu.engine import open_engine
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs, load, record_path, save_passed
 from ggml_rknpu.hw.envelope import PROVEN
 
-SMALL_GOLDEN = ((1, 32, 16, "fp16"), (4, 32, 16, "fp16"), (1, 64, 64, "int8"), (544, 544, 4096, "int8"))
+SMALL_GOLDEN = ((1, 32, 16, "fp16", "fp32"), (1, 32, 16, "fp16", "fp16"), (1, 64, 64, "int8", "int32"),
+                (544, 544, 4096, "int8", "int32"))
 
 
 @pytest.fixture
@@ -103,3 +104,17 @@ def test_the_long_rocket_job_rung_passes_on_the_simulated_mainline_driver():
     result = ld.run_rung(rung, "sim-rocket", list(RUNGS[:-1]))
     assert result.status == "pass", (result.symptom, result.detail)
     assert ld.run_rung(rung, "sim-rknpu", list(RUNGS[:-1])).status == "skipped"
+
+
+def test_the_golden_rung_submits_the_golden_streams_word_for_word(reference_dir):
+    from ggml_rknpu.compiler.matmul import compile_matmul
+    from test_compiler_golden import A, B, C, REGCMD, golden_cases, register_map
+
+    rung = next(r for r in ld.LADDER if r.name == "golden")
+    cases = {(c["M"], c["K"], c["N"], c["mode"]): c for c in golden_cases(reference_dir)}
+    assert len(rung.cases) == len(cases) == 15
+    for M, K, N, dtype, out in rung.cases:
+        p = compile_matmul(M, K, N, dtype=dtype, out=out, envelope=envelope_for_rungs(["golden"]))
+        words = p.bind(a=A, b=B, c=C, regcmd=REGCMD)
+        golden = cases[(M, K, N, f"{dtype}_{out}")]
+        assert register_map(words) == register_map(int(w, 16) for w in golden["words"])

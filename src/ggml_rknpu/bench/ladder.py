@@ -54,7 +54,7 @@ SYMPTOMS = {
 class Rung:
     name: str
     what: str
-    cases: tuple[tuple[int, int, int, str], ...]        # (M, K, N, dtype)
+    cases: tuple[tuple, ...]                            # (M, K, N, dtype[, out])
     exercises: Callable[[Any], bool]                    # on the compiled Program
     cores: int = 1
     abi: str | None = None                              # only under this driver
@@ -94,13 +94,14 @@ def _tasks(program) -> list:
     return [decode_task(program.words[t.word_offset: t.word_offset + t.body_words]) for t in program.tasks]
 
 
-def golden_shapes() -> tuple[tuple[int, int, int, str], ...]:
-    """The 15 MTX golden shapes, as (M, K, N, dtype); fp16->fp16 ones run as fp16->fp32 too
-    (the engine's fp16 weights write fp32), which the golden fp16->fp32 shapes cover."""
-    fp16 = [(1, 32, 16), (1, 64, 64), (1, 1024, 1024), (1, 4096, 4096), (4, 32, 16), (384, 384, 4096),
-            (1, 768, 768), (1, 768, 2048), (1, 8192, 8192)]
+def golden_shapes() -> tuple[tuple, ...]:
+    """The 15 MTX golden shapes and modes, as (M, K, N, dtype, out): compiled, they are the
+    golden streams word for word (tests/test_compiler_golden.py)."""
+    fp32 = [(1, 32, 16), (1, 64, 64), (1, 1024, 1024), (1, 4096, 4096), (4, 32, 16), (384, 384, 4096)]
+    fp16 = [(1, 32, 16), (1, 768, 768), (1, 768, 2048), (1, 8192, 8192)]
     int8 = [(1, 32, 32), (1, 64, 64), (1, 1024, 1024), (1, 4096, 4096), (544, 544, 4096)]
-    return tuple((m, k, n, "fp16") for m, k, n in fp16) + tuple((m, k, n, "int8") for m, k, n in int8)
+    return (tuple((m, k, n, "fp16", "fp32") for m, k, n in fp32) + tuple((m, k, n, "fp16", "fp16") for m, k, n in fp16)
+            + tuple((m, k, n, "int8", "int32") for m, k, n in int8))
 
 
 LADDER: tuple[Rung, ...] = (
@@ -192,12 +193,13 @@ def run_rung(rung: Rung, device: str | None, passed: list[str], *, corrupt: bool
                 raise ValueError(f"{FAULT_ENV} injects faults in the simulator only")
             dev.sys.inject = fault
         rng = np.random.default_rng(seed)
-        for M, K, N, dtype in rung.cases:
+        for M, K, N, dtype, *out in rung.cases:
+            out = out[0] if out else ("int32" if dtype == "int8" else "fp32")
             a, b = mm.make_operands(mm.Shape("ladder", K, N, "ladder"), M, dtype, rng)
-            case = {"M": M, "K": K, "N": N, "dtype": dtype}
+            case = {"M": M, "K": K, "N": N, "dtype": dtype, "out": out}
             result.cases.append(case)
             try:
-                program = compile_matmul(M, K, N, dtype=dtype, out="int32" if dtype == "int8" else "fp32",
+                program = compile_matmul(M, K, N, dtype=dtype, out=out,
                                          cores=min(rung.cores, env.max_cores, dev.n_cores), abi=dev.kind,
                                          envelope=env)
                 case.update(tasks=len(program.tasks), submits=program.n_submits, cores=program.cores_used)

@@ -84,7 +84,8 @@ def _open_engine(args: argparse.Namespace):
     import ggml_rknpu
 
     npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
-    return npu, f"NPU engine on {_device_name(npu, args.device)}"
+    return npu, (f"NPU engine on {_device_name(npu, args.device)}, envelope {npu.envelope.describe()} "
+                 "(run `rknpu selftest` to widen it)")
 
 
 def _device_name(npu, requested: str) -> str:
