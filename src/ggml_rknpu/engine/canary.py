@@ -8,8 +8,9 @@ submit, the last output row of every task, in every output plane it writes, is s
 value the NPU cannot produce; after it, any such atom still holding the value means that
 task did not finish, and the call is an NPU fault.
 
-Cost: one 16-byte atom per (task, output plane), written and read with one vectorised
-index each way (decode, M=1, N=4096 fp32: 1024 atoms, 16 KiB), plus the clean of the C
+Cost: the first element of one 16-byte atom per (task, output plane), written and read
+with one vectorised index each way (decode, M=1, N=8960 fp32: 2240 elements; the
+DPU writes whole atoms, so one element stands for its atom), plus the clean of the C
 window the device then does because C is also listed as a job input. Which atoms, read
 from each task's own words (DPU_DST_BASE_ADDR, DATAIN_HEIGHT, WEIGHT_KERNELS,
 DST_SURF_STRIDE, OUT_PRECISION) so it holds whatever the tiling does.
@@ -32,19 +33,17 @@ from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.envelope import decode_task
 
 _ATOM = limits.ATOM_BYTES
-PATTERN = {
-    "int32": np.full(4, -2**31, np.int32).view(np.uint8),
-    "fp32": np.full(4, 0x7FBADBAD, np.uint32).view(np.uint8),
-    "fp16": np.full(8, 0x7DBA, np.uint16).view(np.uint8),
-}
+# canary element, as the unsigned integer of the output element's width
+PATTERN = {"int32": np.uint32(0x8000_0000), "fp32": np.uint32(0x7FBA_DBAD), "fp16": np.uint16(0x7DBA)}
 
 
 @dataclass(frozen=True, eq=False)
 class Canaries:
-    """The output atoms one program's canaries occupy (atom indices into its C buffer)."""
+    """The output elements one program's canaries occupy: the first element of each canary
+    atom, as indices into the C buffer viewed as unsigned integers of the output width."""
 
-    atoms: np.ndarray      # int64 indices of 16-byte atoms
-    pattern: np.ndarray    # 16 bytes
+    elements: np.ndarray   # int64 element indices
+    pattern: np.generic    # np.uint32 or np.uint16
 
     @classmethod
     def for_program(cls, program) -> "Canaries":
@@ -59,15 +58,18 @@ class Canaries:
             atoms.append(first + plane_atoms * np.arange(planes, dtype=np.int64))
         if out not in PATTERN:
             raise ValueError(f"no canary value for output precision {out!r}")
-        return cls(np.concatenate(atoms), PATTERN[out])
+        pattern = PATTERN[out]
+        return cls(np.concatenate(atoms) * (_ATOM // pattern.itemsize), pattern)
 
     def _view(self, c_bytes: np.ndarray) -> np.ndarray:
-        return c_bytes.reshape(-1)[: c_bytes.size // _ATOM * _ATOM].reshape(-1, _ATOM)
+        flat = c_bytes.reshape(-1)
+        width = self.pattern.itemsize
+        return flat[: flat.size // width * width].view(self.pattern.dtype)
 
     def arm(self, c_bytes: np.ndarray) -> None:
         """Write the canaries into the (CPU view of the) C buffer before a submit."""
-        self._view(c_bytes)[self.atoms] = self.pattern
+        self._view(c_bytes)[self.elements] = self.pattern
 
     def unwritten(self, c_bytes: np.ndarray) -> int:
         """How many canary atoms the NPU left untouched (0: every task finished)."""
-        return int((self._view(c_bytes)[self.atoms] == self.pattern).all(axis=1).sum())
+        return int(np.count_nonzero(self._view(c_bytes)[self.elements] == self.pattern))
