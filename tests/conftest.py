@@ -16,3 +16,11 @@ def reference_dir() -> Path:
     path = Path(os.environ.get("RKNPU_REFERENCE_DIR", Path(__file__).resolve().parent / "data" / "oracle"))
     assert path.is_dir(), f"oracle data not found at {path}"
     return path
+
+
+@pytest.fixture(autouse=True)
+def _private_envelope_record(tmp_path, monkeypatch):
+    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu), nor
+    another test's: each starts from the proven envelope."""
+    monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path / "envelope.json"))
+    monkeypatch.delenv("RKNPU_ENVELOPE", raising=False)

@@ -95,8 +95,18 @@ def test_failed_rig_refuses_unless_allowed(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_burst_on_the_simulator_end_to_end(tmp_path):
+def test_burst_reports_the_cores_the_envelope_allowed(tmp_path):
     engine_or_skip()
+    out = tmp_path / "capped"
+    assert run_cli("matmul", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1", "--iters", "1",
+                   "--warmup", "0", "--cores", "3", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
+    rows = json.loads((out / "matmul.json").read_text())["raw"]["rows"]
+    assert rows and all(r["cores"] == 1 and r["cores_requested"] == 3 for r in rows if r["executed"])
+
+
+def test_burst_on_the_simulator_end_to_end(tmp_path, monkeypatch):
+    engine_or_skip()
+    monkeypatch.setenv("RKNPU_ENVELOPE", "extended")   # 3 cores: beyond the proven envelope (1 core)
     out = tmp_path / "burst"
     assert run_cli("matmul", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1,16", "--iters", "2",
                    "--warmup", "0", "--max-sim-macs", str(16 * 256 * 128 - 1), "--out", str(out),

@@ -4,6 +4,7 @@ corruption hook flips one output element after the NPU returns."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tarfile
 from pathlib import Path
@@ -28,6 +29,18 @@ def sim_or_skip():
     from test_bench_matmul import engine_or_skip
 
     engine_or_skip()
+
+
+@pytest.fixture(autouse=True)
+def fast_ladder(monkeypatch):
+    """The bring-up ladder with cheap golden shapes and without the long rocket job (both
+    run in full in tests/bench/test_bench_ladder.py)."""
+    from ggml_rknpu.bench import ladder as ld
+    from test_bench_ladder import SMALL_GOLDEN
+
+    rungs = tuple(dataclasses.replace(r, cases=SMALL_GOLDEN) if r.name == "golden" else r
+                  for r in ld.LADDER if r.name != "long_rocket_job")
+    monkeypatch.setattr(ld, "LADDER", rungs)
 
 
 def test_compare_rules_catch_one_wrong_element():
@@ -64,6 +77,8 @@ def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkey
     assert all(c["max_abs_err"] == 0 for c in cases if c["dtype"] == "int8")
     md = (out / "selftest.md").read_text()
     assert "simulator (device times modeled)" in md and "| max \\|err\\| | mismatches |" in md
+    assert "Bring-up ladder" in md and "three_cores" in md and data["raw"]["envelope"].startswith("proven+ladder")
+    assert all(r["status"] == "pass" for r in data["raw"]["ladder"])
     archives = list(out.glob("rknpu-selftest-*.tar.gz"))
     assert len(archives) == 1
     with tarfile.open(archives[0]) as tar:

@@ -15,7 +15,7 @@ from ggml_rknpu.hw import limits
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 60000), st.sampled_from(["fp16", "int8"]))
 def test_k_chunks_partition_k_within_the_bank_rules(K, dtype):
-    chunks = k_chunks(K, dtype)
+    chunks = k_chunks(K, dtype, "extended")
     Kp = -(-K // 32) * 32
     assert [c.index for c in chunks] == list(range(len(chunks)))
     k0 = 0
@@ -34,7 +34,7 @@ def test_k_chunks_partition_k_within_the_bank_rules(K, dtype):
 
 
 def _gflops(M, K, N, dtype="fp16", out="fp32"):
-    prog = compile_matmul(M, K, N, dtype=dtype, out=out, cores=3)
+    prog = compile_matmul(M, K, N, dtype=dtype, out=out, cores=3, envelope="extended")
     return modeled_time(prog).gflops(2 * M * K * N)
 
 

@@ -99,7 +99,7 @@ def test_programs_compute_the_matmul(M, K, N, mode, cores, seed):
     # integer-valued data: fp16 products and fp32 sums are exact here [§10]
     a = rng.integers(-3, 4, size=(M, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
     b = rng.integers(-3, 4, size=(N, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
-    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores)
+    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores, envelope="extended")
     got = run_program(a, b, prog)
     assert got.shape == (M, N)
     np.testing.assert_array_equal(got.astype(np.float64), reference(a, b, mode))
@@ -111,8 +111,8 @@ def test_k_split_programs_compute_the_matmul(mode):
     M, K, N = 5, 21000, 40                      # 3 K chunks, unaligned K and N, 3 cores
     a = rng.integers(-2, 3, size=(M, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
     b = rng.integers(-2, 3, size=(N, K)).astype(np.int8 if mode[0] == "int8" else np.float16)
-    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=3)
-    assert prog.k_splits == len(k_chunks(K, mode[0])) >= 3
+    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=3, envelope="extended")
+    assert prog.k_splits == len(k_chunks(K, mode[0], "extended")) >= 3
     np.testing.assert_array_equal(run_program(a, b, prog).astype(np.float64), reference(a, b, mode))
 
 
@@ -120,7 +120,7 @@ def test_k_split_programs_compute_the_matmul(mode):
 @given(st.integers(1, 3000), st.integers(1, 12000), st.integers(1, 20000), st.sampled_from(MODES), st.integers(1, 3))
 def test_tails_chain_each_core_and_bind_patches_exactly_the_relocs(M, K, N, mode, cores):
     try:
-        prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores)
+        prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores, envelope="extended")
     except ValueError as e:
         assert "4095" in str(e)
         return

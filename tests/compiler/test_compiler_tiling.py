@@ -21,9 +21,9 @@ shapes = st.tuples(
 )
 
 
-def check_tiling(M, K, N, mode, cores):
+def check_tiling(M, K, N, mode, cores, envelope="extended"):
     shape = MatmulShape(M, K, N, *mode)
-    t = tile(shape, cores)
+    t = tile(shape, cores, envelope)
     b, g = shape.in_bytes, shape.kernel_group
     # K chunks partition [0, Kp) in whole atoms, each within the per-task K limit
     k0 = 0
@@ -83,7 +83,7 @@ def test_tiling_invariants_long_k(M, K, N, mode, cores):
                  st.sampled_from(MODES), st.integers(1, 3)))
 def test_every_field_in_range_and_every_word_known(args):
     M, K, N, mode, cores = args
-    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores)
+    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores, envelope="extended")
     words = prog.bind(a=0x1000, b=0x0100_0000, c=0x4000_0000, regcmd=0x8000_0000)
     for task in prog.tasks:
         for w in words[task.word_offset: task.word_offset + task.body_words]:
@@ -101,16 +101,16 @@ def test_large_shapes_from_the_issue_sweep():
 
 def test_golden_shapes_stay_single_task():
     for M, K, N, dt in [(384, 384, 4096, "fp16"), (544, 544, 4096, "int8"), (1, 8192, 8192, "fp16")]:
-        assert len(tile(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32")).tasks) == 1
+        assert len(tile(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32"), 1, "extended").tasks) == 1
 
 
 def test_k_split_only_beyond_the_sdk_split_point():
     # one chunk up to Kp = 8192 (SDK split point [rknn-toolkit.md §4.4]; MTX golden 1x8192x8192)
-    assert len(k_chunks(8192, "fp16")) == 1
-    assert len(k_chunks(8161, "int8")) == 1
+    assert len(k_chunks(8192, "fp16", "extended")) == 1
+    assert len(k_chunks(8161, "int8", "extended")) == 1
     # beyond it: chunks of 1024..10240 channels, chosen by the modeled reference prefill
     for K, dtype in [(8193, "fp16"), (8960, "fp16"), (10240, "fp16"), (11008, "int8"), (40000, "int8")]:
-        chunks = k_chunks(K, dtype)
+        chunks = k_chunks(K, dtype, "extended")
         assert len(chunks) >= 2
         Kp = -(-K // 32) * 32
         assert len(chunks) <= -(-Kp // MIN_CHUNK_K) and all(c.size <= MAX_TASK_K for c in chunks)
@@ -118,11 +118,11 @@ def test_k_split_only_beyond_the_sdk_split_point():
 
 
 def test_core_split_prefers_n_then_m():
-    t = tile(MatmulShape(1, 64, 48, "fp16", "fp32"), 3)            # 3 kernel groups -> N split
+    t = tile(MatmulShape(1, 64, 48, "fp16", "fp32"), 3, "extended")            # 3 kernel groups -> N split
     assert {(x.core, x.n0, x.n) for x in t.tasks} == {(0, 0, 16), (1, 16, 16), (2, 32, 16)}
-    t = tile(MatmulShape(30, 64, 16, "fp16", "fp32"), 3)           # 1 group -> M split
+    t = tile(MatmulShape(30, 64, 16, "fp16", "fp32"), 3, "extended")           # 1 group -> M split
     assert {(x.core, x.m0, x.m) for x in t.tasks} == {(0, 0, 10), (1, 10, 10), (2, 20, 10)}
-    t = tile(MatmulShape(1, 64, 16, "fp16", "fp32"), 3)            # nothing to split
+    t = tile(MatmulShape(1, 64, 16, "fp16", "fp32"), 3, "extended")            # nothing to split
     assert t.cores_used == 1
 
 

@@ -148,7 +148,7 @@ def test_real_compiled_program_is_priced_within_the_anchor_tolerance(anchor):
     compiler = pytest.importorskip("ggml_rknpu.compiler.matmul")
     out = "fp32" if anchor.dtype == "fp16" else "int32"
     program = compiler.compile_matmul(anchor.M, anchor.K, anchor.N, dtype=anchor.dtype, out=out,
-                                      cores=anchor.cores)
+                                      cores=anchor.cores, envelope="extended")
     work = workload_from_program(program)
     assert {t.core for t in work.tasks} == set(range(anchor.cores))
     assert sum(t.m * t.n for t in work.tasks if t.core == 0) >= anchor.M * anchor.N // anchor.cores

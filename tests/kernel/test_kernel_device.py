@@ -228,8 +228,21 @@ def test_rocket_submit_one_job_per_core_with_tail_counted():
     assert sorted(npu.executed[c] for c in range(3)) == [0, 1, 2]  # two jobs, on two cores
 
 
-def test_rocket_hang_surfaces_at_prep_bo_as_timeout():
+def test_rocket_hang_returns_stale_output_without_an_error_as_mainline_does():
     dev, k, npu = sim_device("rocket", hang=True)
+    regcmd, out = dev.alloc(4096, purpose="regcmd"), dev.alloc(4096)
+    put_regcmd(regcmd, regcmd_words(10))
+    out.array()[:] = 0xAB
+    out.sync_to_device()
+    dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),), outputs=(out,)))   # no error: PREP_BO is 0
+    assert (out.array() == 0xAB).all() and any("job timeout" in line for line in k.dmesg)
+
+
+def test_rocket_hang_surfaces_at_prep_bo_as_timeout_in_loud_mode():
+    k = SimKernel("rocket", rocket_errors="loud")
+    attach(k, hang=True)
+    path = k._device_paths()[-1]
+    dev = NpuDevice(k, k.open(path), path, simulated=True)
     regcmd, out = dev.alloc(4096, purpose="regcmd"), dev.alloc(4096)
     put_regcmd(regcmd, regcmd_words(10))
     with pytest.raises(NpuTimeout, match="PREP_BO"):

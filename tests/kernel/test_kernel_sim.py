@@ -475,8 +475,8 @@ def test_rocket_per_task_sequence_and_dpu_only_completion():
         (0x10, 1), (0x1004, 0xE), (0x3004, 0xE), (0x10, rc.dma_address), (0x14, (14 + 1) // 2 - 1),
         (0x20, 0x300), (0x24, 0x300), (0x30, 0x7001), (0x34, 0), (0x08, 1),
     ]
-    with expect(errno.ETIMEDOUT, "no DPU interrupt", "0x400"):
-        r.prep_bo(out.handle)
+    r.prep_bo(out.handle)  # mainline: the job times out and PREP_BO still returns 0
+    assert any("no DPU interrupt" in line and "0x400" in line for line in k.dmesg)
     npu.raise_bits = 0x100
     r.submit([RocketJobSpec(tasks=((rc.dma_address, 14),) * 2, out_handles=(out.handle,))])
     r.prep_bo(out.handle)  # completed

@@ -4,6 +4,7 @@ SIGUSR1 and at exit; binding elsewhere warns loudly."""
 from __future__ import annotations
 
 import json
+import os
 import logging
 import signal
 import subprocess
@@ -55,3 +56,19 @@ def test_non_loopback_bind_warns(caplog):
         server = RpcServer(state, "0.0.0.0", 0)
     server.listener.close()
     assert any("NO authentication" in r.message for r in caplog.records)
+
+
+def test_serve_start_up_line_names_the_envelope(tmp_path):
+    """A first-time board (no ladder record) serves in the proven envelope, one core, and says so."""
+    env = {**os.environ, "RKNPU_ENVELOPE_FILE": str(tmp_path / "none.json")}
+    env.pop("RKNPU_ENVELOPE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0",
+                             "--device", "sim-rknpu"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env=env)
+    lines: list[str] = []
+    try:
+        line = wait_for_line(proc, r"on 127\.0\.0\.1:\d+.*", lines).group(0)
+        assert "envelope proven: 1 core(s)" in line and "rknpu selftest" in line, line
+    finally:
+        proc.kill()
+        proc.wait(timeout=20)

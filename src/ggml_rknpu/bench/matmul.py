@@ -93,11 +93,15 @@ MATMUL_COLUMNS = [
 
 def modeled_program_time(M: int, K: int, N: int, dtype: str, cores: int, *, dram_mhz: float = 2112,
                          npu_mhz: float = 1000) -> float:
-    """Modeled seconds of the program our compiler emits for this matmul (own submit path)."""
+    """Modeled seconds of the program our compiler emits for this matmul (own submit path)
+    on ``cores`` cores, in the envelope of a board that passed the whole bring-up ladder
+    (the proven envelope alone allows one core; docs/engine.md prices the difference)."""
     from ggml_rknpu.compiler.matmul import compile_matmul
+    from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
 
     out = "int32" if dtype == "int8" else "fp32"
-    program = compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores)
+    program = compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores,
+                             envelope=envelope_for_rungs(list(RUNGS), "rknpu"))
     return modeled_time(program, npu_mhz=npu_mhz, dram_mhz=dram_mhz, profile=OWN_DRIVER).total_s
 
 
@@ -257,6 +261,9 @@ def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, w
             for case in runnable:
                 rows[case] = run_case(npu, case, iters=iters, warmup=warmup, rng=rng, on_board=on_board,
                                       ran_on=ran_on)
+                used = getattr(npu, "cores", cores)   # the engine's envelope may allow fewer
+                if used != cores:
+                    rows[case].update(cores=used, cores_requested=cores)
                 advance(1)
         finally:
             npu.close()

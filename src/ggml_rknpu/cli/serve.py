@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
                         "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
+    p.add_argument("--envelope", default="recorded", choices=("recorded", "proven", "extended"),
+                   help="what the compiler may emit: recorded (default: the proven envelope widened by what "
+                        "this board's `rknpu selftest` ladder passed), proven, or extended (unproven on "
+                        "silicon: at your board's risk)")
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="matmul engine: ours (our register commands) or rknn (Rockchip's closed librknnrt, "
                         "installed by you; found at $LIBRKNNRT_PATH or the usual library directories)")
@@ -83,8 +87,10 @@ def _open_engine(args: argparse.Namespace):
         return None, "host only (no NPU)"
     import ggml_rknpu
 
-    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
-    return npu, f"NPU engine on {npu.describe()}"
+    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device,
+                          envelope=None if args.envelope == "recorded" else args.envelope)
+    return npu, (f"NPU engine on {npu.describe()}, envelope {npu.envelope.describe()} "
+                 "(run `rknpu selftest` to widen it)")
 
 
 def run(args: argparse.Namespace) -> int:

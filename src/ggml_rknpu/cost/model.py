@@ -153,22 +153,32 @@ def modeled_time(program: Any, *, npu_mhz: float = 1000, dram_mhz: float = 2112,
     work = program if isinstance(program, Workload) else workload_from_program(program)
     if not work.tasks:
         raise ValueError("a program without tasks has no modeled time")
-    f_npu = npu_mhz * 1e6
     cores = sorted({t.core for t in work.tasks})
-    per_core_bw = min(CORE_STREAM_BYTES_PER_CYCLE * f_npu, dram_bandwidth(dram_mhz) / len(cores))
-    task_overhead_s = TASK_OVERHEAD_CYCLES / f_npu
     per_core: dict[int, list[float]] = {c: [0.0, 0.0, 0.0, 0.0] for c in cores}  # total, comp, mem, ovh
     for task in work.tasks:
-        compute = task.macs_padded() / MACS_PER_CYCLE_PER_CORE[task.in_dtype] / f_npu
-        memory = task.bytes_moved() / per_core_bw
+        parts = _task_parts(task, npu_mhz, dram_mhz, len(cores))
         acc = per_core[task.core]
-        acc[0] += max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + task_overhead_s
-        acc[1] += compute
-        acc[2] += memory
-        acc[3] += task_overhead_s
+        for i, x in enumerate(parts):
+            acc[i] += x
     total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
     submit_s = profile.per_submit_s * work.submits
     return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
+
+
+def _task_parts(task: TaskWork, npu_mhz: float, dram_mhz: float, cores_in_job: int) -> tuple[float, ...]:
+    """(total, compute, memory, overhead) seconds of one task, as the module doc says."""
+    f_npu = npu_mhz * 1e6
+    per_core_bw = min(CORE_STREAM_BYTES_PER_CYCLE * f_npu, dram_bandwidth(dram_mhz) / cores_in_job)
+    overhead = TASK_OVERHEAD_CYCLES / f_npu
+    compute = task.macs_padded() / MACS_PER_CYCLE_PER_CORE[task.in_dtype] / f_npu
+    memory = task.bytes_moved() / per_core_bw
+    return max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + overhead, compute, memory, overhead
+
+
+def task_seconds(task: TaskWork, *, npu_mhz: float, dram_mhz: float = 2112, cores_in_job: int = 1) -> float:
+    """Modeled seconds one task keeps its core busy (no submit cost): what a driver's job
+    timeout counts, summed over the tasks of a job."""
+    return _task_parts(task, npu_mhz, dram_mhz, cores_in_job)[0]
 
 
 def vendor_style_workload(M: int, K: int, N: int, *, dtype: str = "fp16", out_bytes: int = 4,
@@ -241,7 +251,7 @@ def workload_from_program(program: Any) -> Workload:
             in_dtype=in_dtype,
             out_bytes=_OUT_BYTES[out_dtype],
         ))
-    return Workload(tuple(tasks))
+    return Workload(tuple(tasks), submits=getattr(program, "n_submits", 1))
 
 
 def total_bytes(tasks: Iterable[TaskWork]) -> int:

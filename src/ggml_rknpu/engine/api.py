@@ -38,6 +38,18 @@ the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``devic
 A bucket the compiler refuses (more tasks than one hardware run chains) halves the
 weight's largest bucket, and the call is split along M.
 
+Envelope (``hw.envelope``): programs are compiled inside ``envelope``: by default the
+proven one widened by what this board's ``rknpu selftest`` ladder recorded
+(``engine.envelope_record``), and cores are capped by it (one core until the ladder says
+otherwise). A program the envelope cuts into several chains runs as several submits, in
+order (``Program.n_submits``).
+
+Canaries (``engine.canary``): every call arms C with values the NPU cannot write and
+checks them after the submits; one left means a task never finished (a rocket job killed
+at its 500 ms timeout returns stale output with no error) and the call raises NpuFault
+after a reset, so the caller runs the step on the host: a fault costs time, never a
+wrong result.
+
 Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
 already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
 weights.
@@ -53,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import ModeledTime, modeled_time
+from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -61,8 +74,9 @@ from ggml_rknpu.engine.weights import (
     stage_activation,
     stage_weight,
 )
-from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.hw.envelope import Envelope, by_name
 from ggml_rknpu.kernel.device import NpuDevice
+from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuOutOfMemory, NpuTimeout
 from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 BUCKET_POW2_MAX = 256
@@ -145,7 +159,8 @@ class _BoundProgram:
     a_buf: _ScratchShare | None = None
     c_buf: _ScratchShare | None = None
     regcmd_buf: Any = None
-    job: Job | None = None
+    jobs: tuple[Job, ...] = ()   # one per chain of the program, submitted in order
+    canaries: Canaries | None = None
 
     def write_words(self) -> None:
         """Bind the register commands to the current buffers and make them visible to the NPU;
@@ -155,8 +170,8 @@ class _BoundProgram:
                                   regcmd=self.regcmd_buf.dma_addr)
         self.regcmd_buf.array(np.uint64)[: len(words)] = words
         self.regcmd_buf.sync_to_device(0, words.nbytes)
-        if self.job is not None:
-            self.job = Job(cores=self.job.cores, inputs=(self.a_buf.range(),), outputs=(self.c_buf.range(),))
+        if self.jobs:
+            self.jobs = _with_ranges(self.jobs, self.a_buf.range(), self.c_buf.range())
 
     def close(self) -> None:
         for share in (self.a_buf, self.c_buf):
@@ -198,17 +213,23 @@ class Weight(ResidentWeight):
 class Npu:
     """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
-    def __init__(self, device: NpuDevice, cores: int = 3) -> None:
-        if not 1 <= cores <= device.n_cores:
+    def __init__(self, device: NpuDevice, cores: int | None = None, envelope: Envelope | str | None = None) -> None:
+        if cores is not None and not 1 <= cores <= device.n_cores:
             raise ValueError(f"cores must be in 1..{device.n_cores}, got {cores}")
+        if envelope is None:
+            from ggml_rknpu.engine.envelope_record import recorded_envelope
+
+            envelope = recorded_envelope(device)
+        self.envelope = by_name(envelope)
         self.device = device
-        self.cores = cores
+        # the envelope caps the cores: one until the board's ladder proved more
+        self.cores = min(cores or device.n_cores, self.envelope.max_cores)
         self.abi = device.kind
         self.npu_mhz = _npu_mhz(device)
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits"), 0)
+            "submits", "npu_faults"), 0)
         self.last_timing: Timing | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
@@ -228,7 +249,7 @@ class Npu:
         nbytes = _b_bytes(staged)
         buffer = self._alloc(nbytes, "data", f"weight {N}x{K} {dtype}")
         try:
-            _pack_b(staged, buffer.array(np.uint8))          # straight into the mapped buffer
+            _pack_b(staged, buffer.array(np.uint8), self.envelope)   # straight into the mapped buffer
             buffer.sync_to_device(0, nbytes)
         except BaseException:
             buffer.close()
@@ -314,7 +335,7 @@ class Npu:
             return bound
         self.counters["program_cache_misses"] += 1
         N, K = w.shape
-        program = _compile(m, K, N, w.dtype, out, self.cores, self.abi)
+        program = _compile(m, K, N, w.dtype, out, self.cores, self.abi, self.envelope)
         self.counters["programs_compiled"] += 1
         if program.b_bytes > w.packed_bytes:
             raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
@@ -338,18 +359,13 @@ class Npu:
         except BaseException:
             bound.close()
             raise
-        regcmd_buf = bound.regcmd_buf
-        per_core: list[list[Any]] = [[] for _ in range(self.device.n_cores)]
-        for task in program.tasks:
-            per_core[task.core].append(HwTask(
-                regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
-                int_mask=task.int_mask, enable_mask=task.enable_mask))
         # The device cleans a job's inputs before every submit; the weight was cleaned once in
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [docs/npu-programming.md §5]; no job writes a weight, so none is needed.
-        bound.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(bound.a_buf.range(),),
-                        outputs=(bound.c_buf.range(),))
+        bound.jobs = program_jobs(program, bound.regcmd_buf.dma_addr, self.device.n_cores,
+                                  bound.a_buf.range(), bound.c_buf.range())
+        bound.canaries = Canaries.for_program(program)
         return bound
 
     def _join_scratch(self, bound: _BoundProgram, role: str, nbytes: int, what: str) -> _ScratchShare:
@@ -377,26 +393,46 @@ class Npu:
         return sum(s.buf.capacity for s in self._scratch.values())
 
     def _run(self, bound: _BoundProgram, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
-        assert bound.job is not None and bound.a_buf is not None and bound.c_buf is not None, "not bound yet"
+        assert bound.jobs and bound.canaries is not None and bound.a_buf is not None and bound.c_buf is not None, "not bound yet"
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
         _pack_a(a_rows, bound.program, bound.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        c_bytes = bound.c_buf.array(np.uint8)
+        bound.canaries.arm(c_bytes)
         t1 = time.perf_counter()
-        try:
-            completion = self.device.submit(bound.job)
-        except NpuTimeout as exc:
-            raise NpuTimeout(f"matmul {bound.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
-        self.counters["submits"] += 1
+        hw_ns: int | None = 0
+        for job in bound.jobs:
+            try:
+                completion = self.device.submit(job)
+            except NpuTimeout as exc:
+                raise NpuTimeout(f"matmul {bound.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
+            self.counters["submits"] += 1
+            hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
+        unwritten = bound.canaries.unwritten(c_bytes)
+        if unwritten:
+            self._npu_fault(bound, unwritten)
         t2 = time.perf_counter()
-        c = _unpack_c(bound.c_buf.array(np.uint8), bound.program, rows)
+        c = _unpack_c(c_bytes, bound.program, rows)
         t3 = time.perf_counter()
-        if completion.hw_elapsed_ns is not None and not completion.simulated:
-            dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
+        if hw_ns is not None and not completion.simulated:
+            dev, label = hw_ns * 1e-9, "measured"
         elif bound.modeled is not None:
             dev, label = bound.modeled.total_s, "modeled"
         else:
             dev, label = None, "unknown"
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
+
+    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> None:
+        """Stale output: reset where the driver lets us (rocket resets a core itself after a
+        job timeout) and raise, so the caller runs this step on the host."""
+        self.counters["npu_faults"] += 1
+        try:
+            self.device.reset()
+        except NpuError:
+            pass
+        raise NpuFault(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
+                       f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
+                       "killed at its 500 ms timeout?); the NPU was reset, run this step on the host")
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
@@ -463,26 +499,44 @@ def _npu_mhz(device: NpuDevice) -> float | None:
     return 1000.0 if device.simulated else None
 
 
-def open_engine(device: str | NpuDevice | None = None, cores: int = 3) -> Npu:
+def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> Npu:
     """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
-    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``."""
+    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``. ``cores`` None: as many
+    as the envelope allows; ``envelope`` None: the recorded one (module doc)."""
     if device is None or isinstance(device, str):
         from ggml_rknpu.devices import open_device
 
         dev = open_device(device)
         try:
-            return Npu(dev, cores)
+            return Npu(dev, cores, envelope)
         except BaseException:
             dev.close()
             raise
-    return Npu(device, cores)
+    return Npu(device, cores, envelope)
+
+
+def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
+    """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``): one per
+    chain, in order. A and C are inputs of the first (C holds the CPU's canaries)."""
+    chains: list[list[list[HwTask]]] = [[[] for _ in range(n_cores)] for _ in range(program.n_submits)]
+    for task in program.tasks:
+        chains[task.chain][task.core].append(HwTask(
+            regcmd_addr=regcmd_addr + task.word_offset * 8, body_words=task.body_words,
+            int_mask=task.int_mask, enable_mask=task.enable_mask))
+    return _with_ranges(tuple(Job(cores=tuple(tuple(t) for t in per_core)) for per_core in chains), a, c)
+
+
+def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
+    """``jobs`` naming the scratch ranges ``a`` and ``c`` (again, after a scratch buffer grew)."""
+    return tuple(Job(cores=job.cores, inputs=(a, c) if i == 0 else (), outputs=(c,))
+                 for i, job in enumerate(jobs))
 
 
 # --- the compiler seam (contract D [docs/decisions.md]) ---------------------------------------------------
-def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str) -> Any:
+def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str, envelope: Envelope) -> Any:
     from ggml_rknpu.compiler.matmul import compile_matmul
 
-    return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi)
+    return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi, envelope=envelope)
 
 
 def _b_bytes(staged: StagedWeight) -> int:
@@ -494,10 +548,10 @@ def _b_bytes(staged: StagedWeight) -> int:
     return b_bytes(MatmulShape(1, K, N, staged.dtype, OUT_FOR_WEIGHT[staged.dtype]))
 
 
-def _pack_b(staged: StagedWeight, out: np.ndarray) -> None:
+def _pack_b(staged: StagedWeight, out: np.ndarray, envelope: Envelope) -> None:
     from ggml_rknpu.compiler.layout import pack_b
 
-    pack_b(staged.data, staged.dtype, out=out)
+    pack_b(staged.data, staged.dtype, out=out, envelope=envelope)
 
 
 def _pack_a(a: np.ndarray, program: Any, out: np.ndarray) -> None:

@@ -79,7 +79,8 @@ def check_cores(cores: Cores, n_cores: int,
             raise NpuError(f"core {core} has {len(tasks)} tasks; at most {MAX_TASKS_PER_SUBMIT} per submit "
                            "(TASK_CON.TASK_NUMBER is 12 bits): split the job", errno.EINVAL)
         for t in tasks:
-            if t.regcmd_addr % REGCMD_ALIGN or not 0 < t.regcmd_addr < ADDRESS_WINDOW_BYTES:
+            # IOVA 0 is a real address: mainline rocket gives it to a file's first buffer
+            if t.regcmd_addr % REGCMD_ALIGN or not 0 <= t.regcmd_addr < ADDRESS_WINDOW_BYTES:
                 raise NpuError(f"regcmd_addr {t.regcmd_addr:#x} must be a 16-byte aligned 32-bit NPU address",
                                errno.EINVAL)
             if t.body_words <= 0:
