@@ -82,8 +82,9 @@ def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
 
 @pytest.mark.parametrize("dtype", ("fp16", "int8"))
 def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
-    """M=512 is several M tiles per core on the vendor ABI (one PC run per core): the bulk
-    path merges them; rocket runs one task per PC run, so nothing merges there."""
+    """fp16 M=512 is several M tiles per core on the vendor ABI (one PC run per core): the
+    bulk path merges them. Rocket runs one task per PC run, and the int8 programs of the
+    proven envelope (hw/envelope.py) one task per submit, so nothing merges there."""
     rng = np.random.default_rng(1)
     a = rng.standard_normal((512, 2048)).astype(np.float32)
     if dtype == "int8":
@@ -91,7 +92,7 @@ def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
     b = rng.standard_normal((96, 2048)).astype(np.float32)
     bulk, reference, merged = _both_paths(engine, a, b, dtype, None)
     assert _same_bits(bulk, reference)
-    if engine.device.kind == "rknpu":
+    if engine.device.kind == "rknpu" and dtype == "fp16":
         assert merged > 0
     else:
         assert merged == 0

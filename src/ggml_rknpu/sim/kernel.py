@@ -715,8 +715,7 @@ class SimKernel:
             obj.sync_for_device(0, obj.size)
         else:
             changed = (obj.cpu != synced).reshape(-1, CACHE_LINE).any(axis=1)
-            lines = np.repeat(changed, CACHE_LINE)
-            obj.dram[lines] = obj.cpu[lines]
+            obj.write_back(np.repeat(changed, CACHE_LINE))
         self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
 
     def _modeled_task_s(self, regcmd: int, count: int) -> float:

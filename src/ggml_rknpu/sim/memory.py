@@ -199,6 +199,13 @@ class GemObject:
             self.dram[offset : offset + size] = self.cpu[offset : offset + size]
             self.generation += 1
 
+    def write_back(self, dirty: np.ndarray) -> None:
+        """Copy to dram the bytes ``dirty`` (a bool mask over the object) selects: a partial
+        cache clean. The content token changes only if a byte may have changed."""
+        if self.cached and dirty.any():
+            self.dram[dirty] = self.cpu[dirty]
+            self.generation += 1
+
     def sync_for_cpu(self, offset: int, size: int) -> None:
         if self.cached:
             self.cpu[offset : offset + size] = self.dram[offset : offset + size]
