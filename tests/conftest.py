@@ -18,3 +18,13 @@ def reference_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"reference data not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def host_ggml():
+    """The pinned ggml loaded through ctypes (hostggml.lib); skips where it is not built yet."""
+    from ggml_rknpu.hostggml import lib
+    try:
+        return lib.load()
+    except lib.GgmlLibraryMissing as exc:
+        pytest.skip(str(exc))
