@@ -34,7 +34,12 @@ STRUCTS = (
     ("ggml_type_traits_cpu", "include/ggml-cpu.h", "TypeTraitsCpu"),
     ("ggml_object", "src/ggml.c", "Object"),        # private to ggml.c: only its size is used
 )
-DEFINES = ("GGML_MAX_DIMS", "GGML_MAX_SRC", "GGML_MAX_OP_PARAMS", "GGML_MAX_NAME", "GGML_MAX_N_THREADS")
+DEFINES = ("GGML_MAX_DIMS", "GGML_MAX_SRC", "GGML_MAX_OP_PARAMS", "GGML_MAX_NAME", "GGML_MAX_N_THREADS",
+           "GGML_MROPE_SECTIONS", "GGML_ROPE_TYPE_NORMAL", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_MROPE",
+           "GGML_ROPE_TYPE_VISION", "GGML_ROPE_TYPE_IMROPE")
+# enums whose values travel in op_params (checked by the validator's rules) or in tensor flags
+ENUMS = ("ggml_tensor_flag", "ggml_prec", "ggml_op_hint", "ggml_tri_type", "ggml_op_pool", "ggml_scale_mode",
+         "ggml_sort_order")
 
 _SCALARS = {
     "int64_t": "ctypes.c_int64", "uint64_t": "ctypes.c_uint64", "int32_t": "ctypes.c_int32",
@@ -128,8 +133,9 @@ def render(src: Path) -> str:
     for name, value in defines.items():
         lines.append(f"{name} = {value}")
     ggml_h = (ggml_dir / "include" / "ggml.h").read_text()
-    for name, value in parse_enum(ggml_h, "ggml_tensor_flag").items():
-        lines.append(f"{name} = {value}")
+    for enum in ENUMS:
+        for name, value in parse_enum(ggml_h, enum).items():
+            lines.append(f"{name} = {value}")
     for struct, rel, cls in STRUCTS:
         fields = parse_struct((ggml_dir / rel).read_text(), struct, defines)
         self_ref = any("POINTER(Tensor)" in c for _, c in fields)
