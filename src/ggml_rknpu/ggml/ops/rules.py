@@ -48,8 +48,10 @@ QUANTIZED = frozenset(int(t) for t, (block, _) in TYPE_TRAITS.items() if block >
 # (src0, src1, dst) the binary kernels implement (ggml-cpu/binary-ops.cpp binary_op)
 BINARY_TYPES = frozenset({(F32, F32, F32), (F16, F16, F16), (BF16, BF16, BF16), (BF16, F32, BF16),
                           (BF16, F32, F32), (F16, F32, F16), (F16, F32, F32)})
-# (src0, dst) of the element-wise unary kernels (unary-ops.cpp unary_op; ops.cpp: same type)
-UNARY_TYPES = frozenset({(F32, F32), (F16, F16)})
+# (src0, dst) of the element-wise unary kernels (unary-ops.cpp unary_op and the ops.cpp GELU/SILU
+# family implement f32, f16, bf16 each into its own type; the builders only make that)
+UNARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16)})
+HALF_UNARY_TYPES = frozenset({(F32, F32), (F16, F16)})       # CLAMP, LEAKY_RELU
 # src0 types of GET_ROWS (ops.cpp ggml_compute_forward_get_rows): every quantized type but Q8_K
 GET_ROWS_TYPES = frozenset({F32, F16, BF16, I32} | (QUANTIZED - {int(GgmlType.Q8_K)}))
 # float -> float conversions of the dup kernels (ops.cpp ggml_compute_forward_dup)
@@ -99,7 +101,14 @@ class Rule:
     arity: int                                  # required sources
     check: Callable[[Node], list[Index] | None]
     optional: int = 0                           # optional sources after the required ones
-    strided: frozenset[int] = frozenset()       # sources whose nb0 may differ from the element size
+    # tensors whose nb0 may exceed the element size (src index, DST for the node): kernels that
+    # ignore nb0 stay inside the span anyway (nb0 >= element size is checked for every tensor);
+    # everything else must have nb0 == element size, as the kernels GGML_ASSERT
+    strided: frozenset[int] = frozenset()
+
+
+DST = -1
+ANY = frozenset({DST, *range(abi.GGML_MAX_SRC)})
 
 
 def _dst(n: Node, type_: int, ne: tuple[int, ...], contiguous: bool = True) -> None:
@@ -139,11 +148,9 @@ def binary(n: Node) -> None:
     _like(n)
 
 
-def unary_same(n: Node) -> None:
-    """SQR, SQRT, LOG, SIN, COS, LEAKY_RELU, CLAMP and the UNARY ops: dst = f(src0), same layout rules."""
-    a = n.s(0)
-    _types(n, UNARY_TYPES, 0)
-    need(geo.is_contiguous_1(a) and geo.is_contiguous_1(n.dst), "unary ops need rows contiguous (dims >= 1)")
+def unary_same(n: Node, table: frozenset = UNARY_TYPES) -> None:
+    """SQR, SQRT, LOG, SIN, COS, CLAMP and the UNARY ops: dst = f(src0) row by row (contiguous rows)."""
+    _types(n, table, 0)
     _like(n)
 
 
@@ -166,8 +173,7 @@ def glu(n: Node) -> None:
         need(geo.is_contiguous_1(b) and geo.are_same_shape(a, b) and a.type == b.type,
              "glu src1 must match src0 (shape, type, contiguous rows)")
         _dst(n, a.type, a.ne, contiguous=False)
-    else:
-        need(a.ne[0] % 2 == 0, "glu without src1 splits an even ne0")
+    else:                                       # ggml_glu_impl: ne0 / 2 (an odd last column is unused)
         _dst(n, a.type, (a.ne[0] // 2, *a.ne[1:]), contiguous=False)
 
 
@@ -178,10 +184,16 @@ def scale(n: Node) -> None:
     _like(n, contiguous=True)
 
 
+def leaky_relu(n: Node) -> None:
+    _finite(n.f32(0), "leaky_relu slope")
+    need(geo.is_contiguous_1(n.s(0)) and geo.is_contiguous_1(n.dst), "leaky_relu needs contiguous rows")
+    unary_same(n, HALF_UNARY_TYPES)
+
+
 def clamp(n: Node) -> None:
     _finite(n.f32(0), "clamp min")
     _finite(n.f32(1), "clamp max")
-    unary_same(n)
+    unary_same(n, HALF_UNARY_TYPES)
 
 
 def fill(n: Node) -> None:
@@ -273,8 +285,7 @@ def concat(n: Node) -> None:
     a, b = n.s(0), n.s(1)
     dim = n.i32(0)
     need(0 <= dim < 4, f"concat dim {dim} out of range")
-    _is(a, frozenset({F16, BF16, I16, I8, F32, I32}), "concat src0")
-    need(a.type == b.type, "concat needs equal types")
+    need(a.type == b.type, "concat needs equal types")      # any type: concat_any copies whole blocks
     ne = []
     for d in range(4):
         if d == dim:
@@ -375,8 +386,10 @@ def copy(n: Node) -> None:
         _like(n, contiguous=n.dst.op == GgmlOp.CONT)
     src, dst = a.type, n.dst.type
     if src == dst:
-        if src in QUANTIZED:
-            need(geo.is_contiguous(a) and geo.is_contiguous(n.dst), "quantized copies are contiguous")
+        if src in QUANTIZED:               # dup_bytes: by whole rows, or one contiguous memcpy
+            need((geo.are_same_shape(a, n.dst) and a.nb[0] == geo.type_size(a) and n.dst.nb[0] == geo.type_size(a))
+                 or (geo.is_contiguous(a) and geo.is_contiguous(n.dst)),
+                 "quantized copies go by whole rows of equal shapes, or contiguous")
         return
     if dst in QUANTIZED:
         need(src in FLOAT and a.nb[0] == geo.type_size(a) and geo.is_contiguous(n.dst)
@@ -588,10 +601,10 @@ RULES: dict[int, Rule] = {
     GgmlOp.ADD1: Rule(2, add1),
     GgmlOp.ADD_ID: Rule(3, add_id),
     GgmlOp.SQR: Rule(1, unary_same), GgmlOp.SQRT: Rule(1, unary_same), GgmlOp.LOG: Rule(1, unary_same),
-    GgmlOp.SIN: Rule(1, unary_same), GgmlOp.COS: Rule(1, unary_same), GgmlOp.LEAKY_RELU: Rule(1, unary_same),
+    GgmlOp.SIN: Rule(1, unary_same), GgmlOp.COS: Rule(1, unary_same), GgmlOp.LEAKY_RELU: Rule(1, leaky_relu),
     GgmlOp.UNARY: Rule(1, unary), GgmlOp.GLU: Rule(1, glu, optional=1),
     GgmlOp.SCALE: Rule(1, scale), GgmlOp.CLAMP: Rule(1, clamp), GgmlOp.FILL: Rule(1, fill),
-    GgmlOp.NORM: Rule(1, norm), GgmlOp.RMS_NORM: Rule(1, norm), GgmlOp.L2_NORM: Rule(1, norm),
+    GgmlOp.NORM: Rule(1, norm, strided=ANY), GgmlOp.RMS_NORM: Rule(1, norm, strided=frozenset({DST})), GgmlOp.L2_NORM: Rule(1, norm, strided=ANY),
     GgmlOp.GROUP_NORM: Rule(1, group_norm),
     GgmlOp.SUM: Rule(1, sum_all), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
     GgmlOp.CUMSUM: Rule(1, cumsum), GgmlOp.ARGMAX: Rule(1, argmax), GgmlOp.COUNT_EQUAL: Rule(2, count_equal),
@@ -640,10 +653,11 @@ def check_node(t: RpcTensor, srcs: tuple[RpcTensor | None, ...]) -> list[Index]:
         for i, s in enumerate((t, *srcs)):
             if s is None:
                 continue
-            need(geo.covers_dense(s), f"{'dst' if i == 0 else f'src{i - 1}'} strides {s.nb} overlap its elements")
-            if i == 0 or (i - 1) not in rule.strided:
-                need(geo.is_contiguous_rows(s) or geo.is_empty(s),
-                     f"{'dst' if i == 0 else f'src{i - 1}'} nb0={s.nb[0]} is not the element size")
+            what = "dst" if i == 0 else f"src{i - 1}"
+            need(geo.covers_dense(s) and (s.nb[0] >= geo.type_size(s) or geo.is_empty(s)),
+                 f"{what} strides {s.nb} overlap its elements")
+            if (i - 1) not in rule.strided:
+                need(geo.is_contiguous_rows(s) or geo.is_empty(s), f"{what} nb0={s.nb[0]} is not the element size")
         return rule.check(Node(t, srcs)) or []
     except Refused as exc:
         raise UnsupportedOp(signature(t, srcs), str(exc)) from None
