@@ -1,4 +1,4 @@
-"""The server with the real pieces behind it: OPS's host ops (``ops.plan_op``) and ENG's
+"""The server with the real pieces behind it: the host backend (ggml-cpu through hostggml) and the
 engine on the simulated NPU (``ggml_rknpu.open("sim-rknpu")``), driven over the wire."""
 
 from __future__ import annotations
@@ -14,16 +14,6 @@ from rpc_testkit import T, serve
 
 pytestmark = pytest.mark.timeout(180)
 K, N, M = 64, 48, 5
-
-
-@pytest.fixture(scope="module")
-def real_plan_op():
-    try:
-        from ggml_rknpu.ggml.ops.registry import _planners, plan_op
-        _planners()                                       # every op family importable
-    except ImportError as exc:
-        pytest.skip(f"host ops not available yet: {exc}")
-    return plan_op
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +61,7 @@ def _graph(c, wq: np.ndarray, w_type: int, k: int):
 
 
 @pytest.mark.parametrize("device", ["host", *SIM_DEVICES])
-def test_quantized_matmul_plus_add_with_real_ops(engines, real_plan_op, device):
+def test_quantized_matmul_plus_add_with_real_ops(engines, device):
     npu = engines(device) if device != "host" else None
     rng = np.random.default_rng(0)
     k = 256
@@ -109,7 +99,7 @@ def test_quantized_matmul_plus_add_with_real_ops(engines, real_plan_op, device):
 
 
 @pytest.mark.parametrize("device", SIM_DEVICES)
-def test_sim_engine_weight_invalidation(engines, real_plan_op, device):
+def test_sim_engine_weight_invalidation(engines, device):
     sim_npu = engines(device)
     rng = np.random.default_rng(1)
     w1, w2 = (rng.standard_normal((N, K)).astype(np.float32) for _ in range(2))

@@ -50,14 +50,7 @@ def sim_npu():
     npu.close()
 
 
-@pytest.fixture(scope="module")
-def real_plan_op():
-    from ggml_rknpu.ggml.ops.registry import _planners
-
-    _planners()
-
-
-def test_second_connection_reuses_the_staged_weight(sim_npu, real_plan_op):
+def test_second_connection_reuses_the_staged_weight(sim_npu):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((N, K)).astype(np.float32)
     x1, x2 = (rng.standard_normal((M, K)).astype(np.float32) for _ in range(2))
@@ -74,7 +67,7 @@ def test_second_connection_reuses_the_staged_weight(sim_npu, real_plan_op):
         assert "1 reused, 2 retired, 0 evicted" in st.state.stats.render(ws)
 
 
-def test_one_different_byte_is_converted_again(sim_npu, real_plan_op):
+def test_one_different_byte_is_converted_again(sim_npu):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((N, K)).astype(np.float32)
     w2 = w.copy()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlType
+from ggml_rknpu.ggml.ops.registry import tensor_span
 
 
 class Geometry(Protocol):
@@ -113,18 +114,7 @@ def contiguous_nb(type_: int, ne: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 def span(t: Geometry) -> int:
     """ggml_nbytes: the bytes a tensor reaches from its data pointer (0 if empty)."""
-    if is_empty(t):
-        return 0
-    block, size = block_size(t), type_size(t)
-    if block == 1:
-        total = size
-        for n, b in zip(t.ne, t.nb):
-            total += (n - 1) * b
-        return total
-    total = t.ne[0] * t.nb[0] // block
-    for n, b in zip(t.ne[1:], t.nb[1:]):
-        total += (n - 1) * b
-    return total
+    return tensor_span(t.type, t.ne, t.nb)
 
 
 def covers_dense(t: Geometry) -> bool:

@@ -386,10 +386,14 @@ def copy(n: Node) -> None:
         _like(n, contiguous=n.dst.op == GgmlOp.CONT)
     src, dst = a.type, n.dst.type
     if src == dst:
-        if src in QUANTIZED:               # dup_bytes: by whole rows, or one contiguous memcpy
-            need((geo.are_same_shape(a, n.dst) and a.nb[0] == geo.type_size(a) and n.dst.nb[0] == geo.type_size(a))
-                 or (geo.is_contiguous(a) and geo.is_contiguous(n.dst)),
-                 "quantized copies go by whole rows of equal shapes, or contiguous")
+        if src in QUANTIZED:
+            # dup_bytes copies quantized rows whole (equal shapes, nb0 = block bytes), all at once
+            # (both contiguous) or block by block (a strided dst). Its remaining branch, a contiguous
+            # dst of another shape, sizes rows as ne00 * block bytes: it would write 32x past the
+            # dst (q4_0), so that combination is refused.
+            rows = geo.are_same_shape(a, n.dst) and a.nb[0] == geo.type_size(a) == n.dst.nb[0]
+            need(rows or (geo.is_contiguous(a) and geo.is_contiguous(n.dst)) or not geo.is_contiguous(n.dst),
+                 "quantized copy into a contiguous dst of another shape (ggml-cpu's dup_bytes over-writes)")
         return
     if dst in QUANTIZED:
         need(src in FLOAT and a.nb[0] == geo.type_size(a) and geo.is_contiguous(n.dst)
