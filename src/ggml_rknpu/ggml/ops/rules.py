@@ -62,9 +62,11 @@ ROPE_MODES = frozenset({abi.GGML_ROPE_TYPE_NORMAL, abi.GGML_ROPE_TYPE_NEOX, abi.
 SORT_ORDERS = frozenset({abi.GGML_SORT_ORDER_ASC, abi.GGML_SORT_ORDER_DESC})
 TRI_TYPES = frozenset({abi.GGML_TRI_TYPE_UPPER_DIAG, abi.GGML_TRI_TYPE_UPPER, abi.GGML_TRI_TYPE_LOWER_DIAG,
                        abi.GGML_TRI_TYPE_LOWER})
-# GLU ops whose kernel has an f16 path (the others are f32 only)
-GLU_F16 = frozenset({GgmlGluOp.REGLU, GgmlGluOp.GEGLU, GgmlGluOp.SWIGLU, GgmlGluOp.GEGLU_ERF,
-                     GgmlGluOp.GEGLU_QUICK, GgmlGluOp.SWIGLU_CLAMP})
+# src0 types per GLU op (ops.cpp ggml_compute_forward_<glu>)
+_GLU_ALL = frozenset({F32, F16, BF16})
+GLU_TYPES = {GgmlGluOp.REGLU: _GLU_ALL, GgmlGluOp.GEGLU: _GLU_ALL, GgmlGluOp.SWIGLU: _GLU_ALL,
+             GgmlGluOp.GEGLU_ERF: _GLU_ALL, GgmlGluOp.GEGLU_QUICK: _GLU_ALL,
+             GgmlGluOp.SWIGLU_OAI: frozenset({F32}), GgmlGluOp.SWIGLU_CLAMP: frozenset({F32, F16})}
 
 Index = tuple[int, int]          # (source holding indices, exclusive upper bound)
 
@@ -167,7 +169,7 @@ def glu(n: Node) -> None:
     need(0 <= op < GGML_GLU_OP_COUNT, f"glu op id {op} out of range")
     need(n.i32(1) in (0, 1), "glu 'swapped' must be 0 or 1")
     a, b = n.s(0), n.src[1]
-    _is(a, frozenset({F32, F16}) if op in GLU_F16 else F32, "glu src0")
+    _is(a, GLU_TYPES[GgmlGluOp(op)], "glu src0")
     need(geo.is_contiguous_1(a) and geo.is_contiguous_1(n.dst), "glu needs contiguous rows")
     if b is not None:
         need(geo.is_contiguous_1(b) and geo.are_same_shape(a, b) and a.type == b.type,
