@@ -57,6 +57,8 @@ GET_ROWS_TYPES = frozenset({F32, F16, BF16, I32} | (QUANTIZED - {int(GgmlType.Q8
 # float -> float conversions of the dup kernels (ops.cpp ggml_compute_forward_dup)
 DUP_FLOAT = frozenset({(F16, F16), (F16, BF16), (F16, F32), (BF16, F16), (BF16, BF16), (BF16, F32),
                        (F32, F16), (F32, BF16), (F32, F32), (F32, I32), (I32, F32)})
+# types whose concat kernel follows every stride (concat_f32 / concat_f16 / concat_i8); the rest: concat_any
+CONCAT_STRIDED = frozenset({F32, I32, F16, BF16, I16, I8})
 ROPE_MODES = frozenset({abi.GGML_ROPE_TYPE_NORMAL, abi.GGML_ROPE_TYPE_NEOX, abi.GGML_ROPE_TYPE_MROPE,
                         abi.GGML_ROPE_TYPE_VISION, abi.GGML_ROPE_TYPE_IMROPE})
 SORT_ORDERS = frozenset({abi.GGML_SORT_ORDER_ASC, abi.GGML_SORT_ORDER_DESC})
@@ -139,6 +141,7 @@ def _is(t: RpcTensor, types: frozenset | int, what: str) -> None:
 
 
 def _finite(x: float, what: str) -> None:
+    """For float op_params that size something (ARANGE); the others only change values."""
     need(x == x and abs(x) != float("inf"), f"{what} is not finite")
 
 
@@ -158,9 +161,6 @@ def unary_same(n: Node, table: frozenset = UNARY_TYPES) -> None:
 
 def unary(n: Node) -> None:
     need(0 <= n.i32(0) < GGML_UNARY_OP_COUNT, f"unary op id {n.i32(0)} out of range")
-    if n.i32(0) == GgmlUnaryOp.XIELU:
-        for k in range(1, 5):
-            _finite(n.f32(k), f"xielu parameter {k}")
     unary_same(n)
 
 
@@ -187,15 +187,12 @@ def scale(n: Node) -> None:
 
 
 def leaky_relu(n: Node) -> None:
-    _finite(n.f32(0), "leaky_relu slope")
     need(geo.is_contiguous_1(n.s(0)) and geo.is_contiguous_1(n.dst), "leaky_relu needs contiguous rows")
     unary_same(n, HALF_UNARY_TYPES)
 
 
 def clamp(n: Node) -> None:
-    _finite(n.f32(0), "clamp min")
-    _finite(n.f32(1), "clamp max")
-    unary_same(n, HALF_UNARY_TYPES)
+    unary_same(n, HALF_UNARY_TYPES)     # any bounds (llama.cpp clamps to INFINITY): values, not sizes
 
 
 def fill(n: Node) -> None:
@@ -287,7 +284,9 @@ def concat(n: Node) -> None:
     a, b = n.s(0), n.s(1)
     dim = n.i32(0)
     need(0 <= dim < 4, f"concat dim {dim} out of range")
-    need(a.type == b.type, "concat needs equal types")      # any type: concat_any copies whole blocks
+    need(a.type == b.type, "concat needs equal types")
+    if a.type not in CONCAT_STRIDED:                     # concat_any copies whole rows of blocks
+        need(geo.is_contiguous_rows(a) and geo.is_contiguous_rows(b), "concat of this type needs contiguous rows")
     ne = []
     for d in range(4):
         if d == dim:
@@ -490,8 +489,6 @@ def rope(n: Node) -> None:
     if ff is not None:
         _is(ff, F32, "rope freq factors")
         need(ff.ne[0] >= n_dims // 2, "rope freq factors: one per dimension pair")
-    for k in range(5, 11):
-        _finite(n.f32(k), f"rope parameter {k}")
     _like(n)
 
 
@@ -588,7 +585,6 @@ def gated_linear_attn(n: Node) -> None:
     k, v, q, g, state = (n.s(i) for i in range(5))
     S, H, T = k.ne[0], k.ne[1], k.ne[2]
     need(all(t.ne[:3] == (S, H, T) for t in (v, q, g)), "gla shapes")
-    _finite(n.f32(0), "gla scale")
     _wkv_common(n, (k, v, q, g), state)
 
 
@@ -614,7 +610,7 @@ RULES: dict[int, Rule] = {
     GgmlOp.GROUP_NORM: Rule(1, group_norm),
     GgmlOp.SUM: Rule(1, sum_all), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
     GgmlOp.CUMSUM: Rule(1, cumsum), GgmlOp.ARGMAX: Rule(1, argmax), GgmlOp.COUNT_EQUAL: Rule(2, count_equal),
-    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat), GgmlOp.PAD: Rule(1, pad),
+    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad),
     GgmlOp.TRI: Rule(1, tri), GgmlOp.DIAG_MASK_INF: Rule(1, diag_mask), GgmlOp.DIAG_MASK_ZERO: Rule(1, diag_mask),
     GgmlOp.ARANGE: Rule(0, arange), GgmlOp.TIMESTEP_EMBEDDING: Rule(1, timestep_embedding),
     GgmlOp.GET_ROWS: Rule(2, get_rows), GgmlOp.SET_ROWS: Rule(3, set_rows),
