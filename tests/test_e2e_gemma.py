@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.llama]
 DATA = Path(__file__).parent / "data"
 KLD_CTX = 128
 KLD_CHUNKS = 2
-KLD_LIMIT_FP16 = 0.01   # issue 4: mean KLD for the fp16 weight format
+KLD_LIMIT_FP16 = 0.005  # issue 9: host ops are ggml-cpu itself, so only the NPU fp16 matmuls differ from CPU
 # gemma-3-270m here is the base model (no chat template in the GGUF; llama-server falls back to
 # chatml), so the question comes with two worked turns; on the CPU it answers "...is Paris."
 CHAT = [

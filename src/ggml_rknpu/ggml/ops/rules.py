@@ -383,8 +383,11 @@ def copy(n: Node) -> None:
     if n.dst.op == GgmlOp.CPY:
         _view_of(n, n.s(1))
         need(geo.nelements(a) == geo.nelements(n.dst), "cpy needs equal element counts")
+    elif n.dst.op == GgmlOp.CONT:                  # ggml_cont_4d: a new contiguous shape, same elements
+        need(n.dst.type == a.type and geo.nelements(a) == geo.nelements(n.dst) and geo.is_contiguous(n.dst),
+             "cont makes a contiguous tensor of src0's type and element count")
     else:
-        _like(n, contiguous=n.dst.op == GgmlOp.CONT)
+        _like(n)
     src, dst = a.type, n.dst.type
     if src == dst:
         if src in QUANTIZED:
