@@ -41,24 +41,26 @@ def default_threads() -> int:
 
 
 class Threads:
-    """ggml-cpu's thread count and, for more than one, a threadpool made once per server.
+    """ggml-cpu's thread count and its threadpool, made once per server.
 
-    poll = 0: idle workers sleep on a condition variable between graphs instead of spinning,
-    so they never starve the NPU driver or the client of a core."""
+    Always a threadpool, even for one thread: with none, every ``ggml_graph_compute`` builds
+    and frees a disposable one (a few allocations per segment, hundreds of segments per
+    token). ``poll = 0``: idle workers sleep on a condition variable between graphs instead of
+    spinning; the pinned build runs its workers on OpenMP, whose threads are told to sleep too
+    (``OMP_WAIT_POLICY=PASSIVE``, set before libgomp loads, ``hostggml.lib``), so they never
+    starve the NPU driver or the client of a core."""
 
     def __init__(self, g: Ggml, n_threads: int) -> None:
         if n_threads < 1:
             raise ValueError(f"host threads must be >= 1, not {n_threads}")
         self.n = n_threads
         self._g = g
-        self.pool: int | None = None
-        if n_threads > 1:
-            params = abi.ThreadpoolParams()
-            g.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
-            params.poll = 0
-            self.pool = g.ggml_threadpool_new(ctypes.byref(params))
-            if not self.pool:
-                raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
+        params = abi.ThreadpoolParams()
+        g.ggml_threadpool_params_init(ctypes.byref(params), n_threads)
+        params.poll = 0
+        self.pool: int | None = g.ggml_threadpool_new(ctypes.byref(params))
+        if not self.pool:
+            raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
 
     def close(self) -> None:
         if self.pool:

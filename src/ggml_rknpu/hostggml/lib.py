@@ -100,6 +100,9 @@ class Ggml:
             if not path.is_file():
                 raise GgmlLibraryMissing(f"{path} not found: run scripts/build-llama-cpp")
         self.lib_dir = lib_dir
+        # OpenMP workers (the pinned build's threading) sleep between graphs instead of spinning;
+        # libgomp reads this once, when libggml-cpu pulls it in. A user's own setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.base = ctypes.CDLL(str(base.resolve()), mode=ctypes.RTLD_GLOBAL)
         self.cpu = ctypes.CDLL(str(cpu.resolve()), mode=ctypes.RTLD_GLOBAL)
         for lib, table in ((self.base, _BASE_FUNCS), (self.cpu, _CPU_FUNCS)):
