@@ -613,7 +613,7 @@ RULES: dict[int, Rule] = {
     GgmlOp.GROUP_NORM: Rule(1, group_norm),
     GgmlOp.SUM: Rule(1, sum_all), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
     GgmlOp.CUMSUM: Rule(1, cumsum), GgmlOp.ARGMAX: Rule(1, argmax), GgmlOp.COUNT_EQUAL: Rule(2, count_equal),
-    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad),
+    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad, strided=frozenset({0})),
     GgmlOp.TRI: Rule(1, tri), GgmlOp.DIAG_MASK_INF: Rule(1, diag_mask), GgmlOp.DIAG_MASK_ZERO: Rule(1, diag_mask),
     GgmlOp.ARANGE: Rule(0, arange), GgmlOp.TIMESTEP_EMBEDDING: Rule(1, timestep_embedding),
     GgmlOp.GET_ROWS: Rule(2, get_rows), GgmlOp.SET_ROWS: Rule(3, set_rows),
