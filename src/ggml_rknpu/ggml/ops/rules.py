@@ -611,7 +611,7 @@ RULES: dict[int, Rule] = {
     GgmlOp.SCALE: Rule(1, scale), GgmlOp.CLAMP: Rule(1, clamp), GgmlOp.FILL: Rule(1, fill),
     GgmlOp.NORM: Rule(1, norm, strided=ANY), GgmlOp.RMS_NORM: Rule(1, norm, strided=frozenset({DST})), GgmlOp.L2_NORM: Rule(1, norm, strided=ANY),
     GgmlOp.GROUP_NORM: Rule(1, group_norm),
-    GgmlOp.SUM: Rule(1, sum_all), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
+    GgmlOp.SUM: Rule(1, sum_all, strided=frozenset({0})), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
     GgmlOp.CUMSUM: Rule(1, cumsum), GgmlOp.ARGMAX: Rule(1, argmax), GgmlOp.COUNT_EQUAL: Rule(2, count_equal),
     GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad, strided=frozenset({0})),
     GgmlOp.TRI: Rule(1, tri), GgmlOp.DIAG_MASK_INF: Rule(1, diag_mask), GgmlOp.DIAG_MASK_ZERO: Rule(1, diag_mask),
