@@ -495,6 +495,33 @@ def rope(n: Node) -> None:
     _like(n)
 
 
+# --- convolution helpers -------------------------------------------------------------------------
+def _conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
+    """ggml_calc_conv_output_size, with C's truncating division."""
+    num = ins + 2 * p - d * (ks - 1) - 1
+    return int(num / s) + 1 if num >= 0 else -((-num) // s) + 1
+
+
+def im2col(n: Node) -> None:
+    a, b = n.s(0), n.s(1)                       # a: the kernel (shape only), b: the input
+    s0, s1, p0, p1, d0, d1, is_2d = (n.i32(k) for k in range(7))
+    need(is_2d in (0, 1), "im2col is_2D must be 0 or 1")
+    # strides divide (0 would be SIGFPE); padding and dilation only move reads the kernel bounds-checks
+    need(s0 >= 1 and (s1 >= 1 or not is_2d), "im2col strides must be >= 1")
+    need((n.dst.type, b.type) in {(F32, F32), (F16, F16), (F16, F32)}, "im2col types have no kernel")
+    if is_2d:
+        need(a.ne[2] == b.ne[2], "im2col channels differ")
+        need(b.nb[1] == b.ne[0] * geo.type_size(b), "im2col reads each channel as one contiguous image")
+    else:
+        need(b.ne[1] == a.ne[1] and b.ne[3] == 1, "im2col 1-D shapes")
+    oh = _conv_out(b.ne[1], a.ne[1], s1, p1, d1) if is_2d else 0
+    ow = _conv_out(b.ne[0], a.ne[0], s0, p0, d0)
+    need(ow > 0 and (not is_2d or oh > 0), "im2col input too small for the kernel")
+    ne = (a.ne[2] * a.ne[1] * a.ne[0] if is_2d else a.ne[1] * a.ne[0], ow, oh if is_2d else b.ne[2],
+          b.ne[3] if is_2d else 1)
+    _dst(n, n.dst.type, ne)
+
+
 # --- sort, select -------------------------------------------------------------------------------
 def argsort(n: Node) -> None:
     a = n.s(0)
@@ -622,6 +649,7 @@ RULES: dict[int, Rule] = {
     GgmlOp.MUL_MAT: Rule(2, mul_mat), GgmlOp.MUL_MAT_ID: Rule(3, mul_mat_id),
     GgmlOp.FLASH_ATTN_EXT: Rule(3, flash_attn_ext, optional=2),
     GgmlOp.SOFT_MAX: Rule(1, soft_max, optional=2), GgmlOp.ROPE: Rule(2, rope, optional=1),
+    GgmlOp.IM2COL: Rule(2, im2col, strided=frozenset({0})),
     GgmlOp.ARGSORT: Rule(1, argsort), GgmlOp.TOP_K: Rule(1, top_k),
     GgmlOp.SSM_CONV: Rule(2, ssm_conv), GgmlOp.SSM_SCAN: Rule(7, ssm_scan),
     GgmlOp.GATED_DELTA_NET: Rule(6, gated_delta_net),
