@@ -344,6 +344,20 @@ def timestep_embedding(n: Node) -> None:
     _dst(n, F32, (dim + dim % 2, a.ne[0], 1, 1))
 
 
+def roll(n: Node) -> None:
+    a = n.s(0)
+    _is(a, F32, "roll src0")
+    need(all(abs(n.i32(d)) < a.ne[d] for d in range(4)), "roll shifts must be smaller than the dims")
+    _like(n)                                  # ggml_wrap_index wraps once: |shift| < ne is what keeps it inside
+
+
+def diag(n: Node) -> None:
+    a = n.s(0)
+    _is(a, F32, "diag src0")
+    need(a.ne[1] == 1, "diag takes a row vector")
+    _dst(n, F32, (a.ne[0], a.ne[0], a.ne[2], a.ne[3]), contiguous=False)
+
+
 # --- rows, copies -------------------------------------------------------------------------------
 def get_rows(n: Node) -> list[Index]:
     a, b = n.s(0), n.s(1)
@@ -650,6 +664,7 @@ RULES: dict[int, Rule] = {
     GgmlOp.FLASH_ATTN_EXT: Rule(3, flash_attn_ext, optional=2),
     GgmlOp.SOFT_MAX: Rule(1, soft_max, optional=2), GgmlOp.ROPE: Rule(2, rope, optional=1),
     GgmlOp.IM2COL: Rule(2, im2col, strided=frozenset({0})),
+    GgmlOp.ROLL: Rule(1, roll), GgmlOp.DIAG: Rule(1, diag),
     GgmlOp.ARGSORT: Rule(1, argsort), GgmlOp.TOP_K: Rule(1, top_k),
     GgmlOp.SSM_CONV: Rule(2, ssm_conv), GgmlOp.SSM_SCAN: Rule(7, ssm_scan),
     GgmlOp.GATED_DELTA_NET: Rule(6, gated_delta_net),
