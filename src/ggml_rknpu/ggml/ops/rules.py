@@ -641,30 +641,35 @@ def solve_tri(n: Node) -> None:
     _dst(n, F32, b.ne)
 
 
+_SRC0, _SRC1, _SRC01 = frozenset({0}), frozenset({1}), frozenset({0, 1})
 RULES: dict[int, Rule] = {
-    GgmlOp.ADD: Rule(2, binary, strided=frozenset({1})), GgmlOp.SUB: Rule(2, binary, strided=frozenset({1})),
-    GgmlOp.MUL: Rule(2, binary, strided=frozenset({1})), GgmlOp.DIV: Rule(2, binary, strided=frozenset({1})),
-    GgmlOp.ADD1: Rule(2, add1),
-    GgmlOp.ADD_ID: Rule(3, add_id),
+    # element-wise
+    GgmlOp.ADD: Rule(2, binary, strided=_SRC1), GgmlOp.SUB: Rule(2, binary, strided=_SRC1),
+    GgmlOp.MUL: Rule(2, binary, strided=_SRC1), GgmlOp.DIV: Rule(2, binary, strided=_SRC1),
+    GgmlOp.ADD1: Rule(2, add1), GgmlOp.ADD_ID: Rule(3, add_id),
     GgmlOp.SQR: Rule(1, unary_same), GgmlOp.SQRT: Rule(1, unary_same), GgmlOp.LOG: Rule(1, unary_same),
     GgmlOp.SIN: Rule(1, unary_same), GgmlOp.COS: Rule(1, unary_same), GgmlOp.LEAKY_RELU: Rule(1, leaky_relu),
     GgmlOp.UNARY: Rule(1, unary), GgmlOp.GLU: Rule(1, glu, optional=1),
     GgmlOp.SCALE: Rule(1, scale), GgmlOp.CLAMP: Rule(1, clamp), GgmlOp.FILL: Rule(1, fill),
-    GgmlOp.NORM: Rule(1, norm, strided=ANY), GgmlOp.RMS_NORM: Rule(1, norm, strided=frozenset({DST})), GgmlOp.L2_NORM: Rule(1, norm, strided=ANY),
-    GgmlOp.GROUP_NORM: Rule(1, group_norm),
-    GgmlOp.SUM: Rule(1, sum_all, strided=frozenset({0})), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
+    # norms, reductions, shapes
+    GgmlOp.NORM: Rule(1, norm, strided=ANY), GgmlOp.L2_NORM: Rule(1, norm, strided=ANY),
+    GgmlOp.RMS_NORM: Rule(1, norm, strided=frozenset({DST})), GgmlOp.GROUP_NORM: Rule(1, group_norm),
+    GgmlOp.SUM: Rule(1, sum_all, strided=_SRC0), GgmlOp.SUM_ROWS: Rule(1, sum_rows), GgmlOp.MEAN: Rule(1, mean),
     GgmlOp.CUMSUM: Rule(1, cumsum), GgmlOp.ARGMAX: Rule(1, argmax), GgmlOp.COUNT_EQUAL: Rule(2, count_equal),
-    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad, strided=frozenset({0})),
+    GgmlOp.REPEAT: Rule(1, repeat), GgmlOp.CONCAT: Rule(2, concat, strided=ANY), GgmlOp.PAD: Rule(1, pad, strided=_SRC0),
     GgmlOp.TRI: Rule(1, tri), GgmlOp.DIAG_MASK_INF: Rule(1, diag_mask), GgmlOp.DIAG_MASK_ZERO: Rule(1, diag_mask),
     GgmlOp.ARANGE: Rule(0, arange), GgmlOp.TIMESTEP_EMBEDDING: Rule(1, timestep_embedding),
+    GgmlOp.ROLL: Rule(1, roll), GgmlOp.DIAG: Rule(1, diag),
+    # rows, copies
     GgmlOp.GET_ROWS: Rule(2, get_rows), GgmlOp.SET_ROWS: Rule(3, set_rows),
-    GgmlOp.CPY: Rule(2, copy, strided=frozenset({0, 1})), GgmlOp.DUP: Rule(1, copy, strided=frozenset({0})),
-    GgmlOp.CONT: Rule(1, copy, strided=frozenset({0})),
+    GgmlOp.CPY: Rule(2, copy, strided=_SRC01), GgmlOp.DUP: Rule(1, copy, strided=_SRC0),
+    GgmlOp.CONT: Rule(1, copy, strided=_SRC0),
+    # matmul, attention, convolution
     GgmlOp.MUL_MAT: Rule(2, mul_mat), GgmlOp.MUL_MAT_ID: Rule(3, mul_mat_id),
     GgmlOp.FLASH_ATTN_EXT: Rule(3, flash_attn_ext, optional=2),
     GgmlOp.SOFT_MAX: Rule(1, soft_max, optional=2), GgmlOp.ROPE: Rule(2, rope, optional=1),
-    GgmlOp.IM2COL: Rule(2, im2col, strided=frozenset({0})),
-    GgmlOp.ROLL: Rule(1, roll), GgmlOp.DIAG: Rule(1, diag),
+    GgmlOp.IM2COL: Rule(2, im2col, strided=_SRC0),
+    # sort, select; recurrent and state-space
     GgmlOp.ARGSORT: Rule(1, argsort), GgmlOp.TOP_K: Rule(1, top_k),
     GgmlOp.SSM_CONV: Rule(2, ssm_conv), GgmlOp.SSM_SCAN: Rule(7, ssm_scan),
     GgmlOp.GATED_DELTA_NET: Rule(6, gated_delta_net),
