@@ -233,10 +233,6 @@ def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None
             "-t", "1", "-c", "256", "--no-display-prompt", "--seed", "1", "--ignore-eos"]
     if rpc:
         args = ["--rpc", rpc, *args, "-ngl", "99"]
-    else:
-        # the CPU backend's AMX repacked kernels (q8_0, q4_0) die with SIGILL on this VM: its CPU
-        # flags advertise AMX, the hypervisor does not grant it; the plain kernels are the reference
-        args.append("--no-repack")
     args += list(extra)
     for _ in range(attempts):
         proc = run_tool("llama-completion", args, timeout=timeout)
