@@ -24,3 +24,13 @@ def _private_envelope_record(tmp_path, monkeypatch):
     another test's: each starts from the proven envelope."""
     monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path / "envelope.json"))
     monkeypatch.delenv("RKNPU_ENVELOPE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def host_ggml():
+    """The pinned ggml loaded through ctypes (hostggml.lib); skips where it is not built yet."""
+    from ggml_rknpu.hostggml import lib
+    try:
+        return lib.load()
+    except lib.GgmlLibraryMissing as exc:
+        pytest.skip(str(exc))

@@ -20,39 +20,38 @@ from support.e2e_support import Server, cpp_server, parse_backend_ops, rknpu_ser
 
 pytestmark = [pytest.mark.llama]
 
-# Destination types the host ops can quantize to (gguf's quantizers plus the server's own
-# Q1_0/Q2_0/Q8_0 codecs); writes into other quantized types (K-quants, IQ) are not implemented.
-_QUANTIZABLE = "(f32|f16|bf16|q1_0|q2_0|q4_0|q4_1|q5_0|q5_1|q8_0|tq1_0|tq2_0|mxfp4)"
-
-# op -> -p filter for the full run (None: every case of the op)
+# op -> -p filter for the full pytest run (None: every case of the op). The whole suite, every op
+# of --list-ops with a fresh server each, is tests/e2e/backend_ops_table.py (scripts/test-backend-ops-full).
 FULL_OPS: dict[str, str | None] = {
-    "MUL_MAT": None,
+    "MUL_MAT": None, "MUL_MAT_ID": None,
     "ADD": None, "MUL": None, "SCALE": None, "RMS_NORM": None, "NORM": None,
-    "GET_ROWS": None,
-    # writes into a quantized tensor (e.g. a q8_0 KV cache) need a quantizer: gguf's set
-    "SET_ROWS": rf"type_dst={_QUANTIZABLE},",
-    "CPY": rf"type_dst={_QUANTIZABLE},",
+    "GET_ROWS": None, "SET_ROWS": None, "CPY": None,
     "CONT": None, "DUP": None, "ROPE": None, "SOFT_MAX": None,
-    "FLASH_ATTN_EXT": None,
+    "FLASH_ATTN_EXT": None, "ARGSORT": None, "TOP_K": None, "SSM_CONV": None, "SSM_SCAN": None,
+    "GATED_DELTA_NET": None,
     "SWIGLU": None, "GEGLU": None, "REGLU": None, "SILU": None, "GELU": None,
 }
 
 # op -> -p filter for CI. Ops whose full list runs in seconds run it whole; the long lists
-# (FLASH_ATTN_EXT ~6 min, ROPE, GET_ROWS, MUL_MAT, ADD, CONT ~0.5-1.5 min each on this box) run
+# (FLASH_ATTN_EXT ~6 min, ROPE, GET_ROWS, MUL_MAT, MUL_MAT_ID, ADD, CONT ~0.5-2 min each on this box) run
 # the types and modes the llama, qwen2, qwen3 and gemma3 graphs use (ggml-rpc.md §5.2): weight
 # types of the models, the non-weight f16/f32 KQ/KQV shapes (broadcast, permuted), NORMAL and
-# NEOX rope with and without YaRN and freq factors, f16 KV flash attention with GQA and softcap.
-_CHEAP_FULL = ("MUL", "SCALE", "RMS_NORM", "NORM", "SET_ROWS", "CPY", "DUP", "SOFT_MAX",
-               "SWIGLU", "GEGLU", "REGLU", "SILU", "GELU")
+# NEOX rope with and without YaRN and freq factors, f16 KV flash attention with GQA and softcap;
+# MoE expert matmuls (MUL_MAT_ID), and writes into K-quant and IQ KV caches (CPY, SET_ROWS).
+_CHEAP_FULL = ("MUL", "SCALE", "RMS_NORM", "NORM", "DUP", "SOFT_MAX", "ARGSORT", "TOP_K", "SSM_CONV",
+               "SSM_SCAN", "GATED_DELTA_NET", "SWIGLU", "GEGLU", "REGLU", "SILU", "GELU")
 CI_CASES: dict[str, str | None] = {
     "MUL_MAT": r"^type_a=(f16|f32|q8_0|q4_0|q4_K|q5_0|q6_K),type_b=f32,m=16,n=(1|9),k=256,bs=\[(1,1|2,3)\],"
                r"nr=\[1,1\],per=\[0,(1,2,3|2,1,3)\]",
+    "MUL_MAT_ID": r"^type_a=(f16|q4_0|q4_K|iq4_nl),type_b=f32,n_mats=(4|8),n_used=(1|2|4),b=(0|1),m=512,n=(1|32),k=256",
     "ADD": r"^type=f32,ne=\[(10|16),",
     "CONT": r"^type=(f32|f16),ne=\[10,10,10,1\]",
     "GET_ROWS": r"^type=(f32|f16|q8_0|q4_K|q6_K),n=256,m=5,r=4,be1=1,be2=1,v=0",
     "ROPE": r"^type=f32,ne_a=\[(128,32|64,8),2,1\],n_dims=(128|64),mode=(0|2),n_ctx=512,fs=1\.0+,ef=(0\.0+|0\.7465)",
     "FLASH_ATTN_EXT": r"^hsk=(64|128),hsv=(64|128),nh=4,nr23=\[(1|4),1\],kv=113,nb=(1|3),mask=1,sinks=0,"
                       r"max_bias=0\.0+,logit_softcap=(0|10)\.0+,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]",
+    "CPY": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q6_K|iq4_nl|iq4_xs|mxfp4),",
+    "SET_ROWS": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q5_K|iq4_nl|iq4_xs),",
     **{op: FULL_OPS[op] for op in _CHEAP_FULL},
 }
 
@@ -117,12 +116,12 @@ def test_parse_backend_ops_counts_and_failures() -> None:
 
 @pytest.mark.timeout(300)
 def test_unsupported_op_leaves_server_serving(server: Server) -> None:
-    """An op outside the served models' set (SSM_SCAN, Mamba): the server logs its signature and
-    closes that client's connection (the client aborts, as ggml RPC has no error reply), and the
-    next client is served."""
-    refused = run_backend_ops(server.endpoint, "SSM_SCAN", None, timeout=240)
+    """An op no validator rule admits yet (POOL_2D): the server logs its signature and closes that
+    client's connection (the client aborts, as ggml RPC has no error reply), and the next client
+    is served."""
+    refused = run_backend_ops(server.endpoint, "POOL_2D", None, timeout=240)
     assert refused.total == 0 and refused.returncode != 0, refused.output[-2000:]
-    assert "unsupported op SSM_SCAN(" in server.log(), server.log()
+    assert "unsupported op POOL_2D(" in server.log(), server.log()
     assert server.alive()
     after = run_backend_ops(server.endpoint, "SCALE", FULL_OPS["SCALE"], timeout=240)
     assert after.total > 0 and after.passed == after.total, after.summary()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.e2e_support import completion, rknpu_server, tool_or_skip
-from support.gguf_models import ARCHES, write_tiny_gguf
+from support.gguf_models import ARCHES, MORE_ARCHES, write_tiny_gguf
 
 pytestmark = [pytest.mark.llama]
 PROMPT = "The capital of France is"
@@ -70,3 +70,28 @@ def test_two_servers_split_same_tokens_as_one(tmp_path: Path, models: dict[str, 
     split = [a.weight_uploads(), b.weight_uploads()]
     assert min(split) > 0 and sum(split) >= TINY_MATMUL_WEIGHTS, f"staged per server: {split}"
     assert text == one_text, f"split {text!r} != one server {one_text!r}"
+
+
+# the ops that prove each architecture's own path ran on the server
+ARCH_OPS = {"qwen3moe": ("MUL_MAT_ID", "ARGSORT"), "mamba": ("SSM_CONV", "SSM_SCAN"),
+            "jamba": ("SSM_SCAN", "MUL_MAT_ID", "SOFT_MAX")}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", MORE_ARCHES)
+def test_moe_ssm_hybrid_greedy_tokens_equal_cpu(tmp_path: Path, arch: str) -> None:
+    """A MoE (qwen3moe), an SSM (mamba) and a hybrid (jamba: mamba + attention + MoE layers) with
+    fp16 weights: the same greedy text through --rpc as CPU-only, their own ops run by the server."""
+    tool_or_skip("llama-completion")
+    model = write_tiny_gguf(tmp_path / f"tiny-{arch}-f16.gguf", arch, "f16")
+    cpu_text, cpu = completion(model, PROMPT, n_predict=N_PREDICT)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
+        text, proc = completion(model, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=800)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+        assert server.alive(), server.log()
+    for op in ARCH_OPS[arch]:
+        assert server.nodes(op) > 0, (op, server.stats()["per_op"])
+    assert server.weight_uploads() > 0, server.log()
+    assert cpu_text.strip(), cpu.stderr[-2000:]
+    assert text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n--- server ---\n{server.log()}"

@@ -18,13 +18,8 @@ ALLOWED = {
     "compiler": {"compiler", "hw", "cost"},
 }
 # Cycles that exist and have an owner; the test fails when one disappears too, so the
-# list cannot outlive the cycle. ggml/ops: the registry imports every op module lazily
-# and they import the registry's OpNode/Closure (issue 9 is rewriting ggml/ops).
-KNOWN_CYCLES = [
-    frozenset({"ggml.ops.registry", "ggml.ops.attention", "ggml.ops.binary", "ggml.ops.convert", "ggml.ops.copy",
-               "ggml.ops.glu", "ggml.ops.matmul", "ggml.ops.norm", "ggml.ops.rope", "ggml.ops.rows",
-               "ggml.ops.scale", "ggml.ops.shape", "ggml.ops.softmax", "ggml.ops.unary"}),
-]
+# list cannot outlive the cycle. None today.
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def _module_name(path: Path) -> str:

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.wire import Cmd
-from support.rpc_testkit import FakeNpu, PlannerLog, ServerClosed, ServerThread, T, graph_payload
+from support.rpc_testkit import FakeNpu, ServerClosed, ServerThread, T, graph_payload
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def srv():
-    st_ = ServerThread(npu=FakeNpu(), planner=PlannerLog(), stall_timeout_s=0.5)
+    st_ = ServerThread(npu=FakeNpu(), stall_timeout_s=0.5)
     yield st_
     st_.stop()
 

@@ -1,8 +1,8 @@
-"""Test helpers for the RPC server: a wire-level Python client, a server in a thread,
-a fake NPU engine (CONTRACT E shape) and a tiny host planner for ADD / MUL_MAT.
+"""Test helpers for the RPC server: a wire-level Python client, a server in a thread and
+a fake NPU engine (CONTRACT E shape).
 
-The fake engine and planner exist so protocol, planning and residency tests do not
-depend on the simulator's speed or on every host-op module being present.
+The fake engine exists so protocol, planning and residency tests do not depend on the
+simulator's speed; host ops are the real ggml-cpu (hostggml).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Iterator
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import DeviceMemory
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlType
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState
 from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.hostggml.abi import GGML_TENSOR_FLAG_COMPUTE
 
 F32 = int(GgmlType.F32)
 GIB = 1 << 30
@@ -79,27 +80,6 @@ class FakeNpu:
         pass
 
 
-# --- a tiny host planner (f32 contiguous ADD and MUL_MAT) ------------------------------------
-class PlannerLog:
-    def __init__(self) -> None:
-        self.planned: list[str] = []
-
-    def __call__(self, node):
-        self.planned.append(GgmlOp(node.op).name)
-        dst = node.dst.as_array()
-        if node.op == GgmlOp.ADD:
-            a, b = node.srcs[0].as_array(), node.srcs[1].as_array()
-            return lambda: np.add(a, b, out=dst)
-        if node.op == GgmlOp.MUL_MAT:
-            w, x = node.srcs[0].as_array(), node.srcs[1].as_array()
-
-            def run() -> None:
-                dst[...] = x.astype(np.float32) @ np.swapaxes(w.astype(np.float32), -1, -2)
-            return run
-        from ggml_rknpu.ggml.ops.registry import UnsupportedOp
-        raise UnsupportedOp(f"{GgmlOp(node.op).name}(test planner)")
-
-
 # --- tensors and graphs ------------------------------------------------------------------------
 _ids = iter(range(0x1000, 1 << 40, 0x10))
 
@@ -117,12 +97,14 @@ class T:
     src: tuple[int, ...] = ()
     view_src: int = 0
     view_offs: int = 0
-    flags: int = 0
+    flags: int | None = None         # default: what ggml_build_forward_expand gives a node (COMPUTE)
     op_params: tuple[int, ...] = ()
     name: str = ""
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self) -> None:
+        if self.flags is None:
+            self.flags = GGML_TENSOR_FLAG_COMPUTE if self.op else 0
         if self.nb is None:
             from ggml_rknpu.ggml.enums import TYPE_TRAITS
             block, size = TYPE_TRAITS[GgmlType(self.type)]
@@ -273,14 +255,13 @@ class RpcClient:
 
 # --- server in a thread -------------------------------------------------------------------------
 class ServerThread:
-    def __init__(self, npu=None, planner=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
+    def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
-                                                     weight_reuse=weight_reuse),
-                                 plan_op=planner)
+                                                     weight_reuse=weight_reuse))
         self.server = RpcServer(self.state, "127.0.0.1", 0)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)

@@ -4,8 +4,10 @@ The protocol never says which buffers hold weights, so the graph planner propose
 candidates (the src0 of a MUL_MAT that is a leaf: not computed by the graph, not a
 view, not a graph input, never written by any graph node) and this store turns each
 into a ``WeightSlot``: the bytes ``[start, end)`` of one buffer, converted from the
-ggml type with ``gguf.quants.dequantize`` and handed to ``npu.upload_weight`` in the
-server's weight format (``fp16`` = the accuracy reference, or ``int8``).
+ggml type by ggml's own dequantizer (``type_traits.to_float`` of the pinned build, at C
+speed, so every type ggml has can be staged: K-quants, IQ, MXFP4, NVFP4, Q1_0, ...) and
+handed to ``npu.upload_weight`` in the server's weight format (``fp16`` = the accuracy
+reference, or ``int8``).
 
 Any later write to those bytes (SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR,
 MEMSET_TENSOR, BUFFER_CLEAR, or a graph node whose output overlaps them) calls
@@ -41,20 +43,20 @@ import numpy as np
 
 from ggml_rknpu.ggml.buffers import DeviceBuffer
 from ggml_rknpu.ggml.enums import GgmlType
-from ggml_rknpu.ggml.ops.convert import dequantize_rows
 from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
 from ggml_rknpu.ggml.tensor import CheckedTensor
+from ggml_rknpu.hostggml import lib as hostggml
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-# The ggml types the server converts into NPU weights (issue 4 item 3); gguf-py
-# dequantizes each of them. Anything else runs on the host.
-WEIGHT_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GgmlType.F32, GgmlType.F16, GgmlType.BF16,
-    GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q8_0,
-    GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K,
-))
+def _weight_types() -> frozenset[int]:
+    """The ggml types the server converts into NPU weights: F32 and every type ggml can
+    dequantize (its ``to_float`` exists in the loaded build). Anything else runs on the host."""
+    g = hostggml.load()
+    return frozenset({int(GgmlType.F32)} | {int(t) for t in GgmlType if g.to_float(t) is not None})
+
+
 WEIGHT_FORMATS = ("fp16", "int8")
 VOLATILE_AFTER = 2
 PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
@@ -63,24 +65,22 @@ PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
 CONVERT_ROWS = 8192      # rows per conversion chunk: bounds the temporaries of a 262k-row output head
 
 
-def _dequantize_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
-    if type_id == GgmlType.F16:
-        return np.ascontiguousarray(rows).view(np.float16)
-    if type_id == GgmlType.F32:
-        return np.ascontiguousarray(rows).view(np.float32)
-    return dequantize_rows(rows, type_id)
-
-
 def to_float_rows(raw: np.ndarray, type_id: int, n_rows: int, k: int) -> np.ndarray:
     """ggml bytes of a contiguous [n_rows, k] tensor -> float32 [n_rows, k].
 
-    The host ops' decoders (``ops.convert.dequantize_rows``; F16 and F32 as views),
-    converted in row chunks into one preallocated array."""
-    rows = raw.reshape(n_rows, -1)
+    ggml's own ``to_float`` of the type (F32 is a view), converted in row chunks straight
+    into one preallocated array."""
     out = np.empty((n_rows, k), dtype=np.float32)
+    if type_id == GgmlType.F32:
+        out[...] = np.ascontiguousarray(raw).view(np.float32).reshape(n_rows, k)
+        return out
+    to_float = hostggml.load().to_float(type_id)
+    if to_float is None:
+        raise ValueError(f"ggml has no dequantizer for type {type_id}")
+    rows = np.ascontiguousarray(raw).reshape(n_rows, -1)
     for r0 in range(0, n_rows, CONVERT_ROWS):
         r1 = min(n_rows, r0 + CONVERT_ROWS)
-        out[r0:r1] = _dequantize_rows(rows[r0:r1], type_id).reshape(r1 - r0, k)
+        to_float(rows[r0:r1].ctypes.data, out[r0:r1].ctypes.data, (r1 - r0) * k)
     return out
 
 
@@ -199,6 +199,7 @@ class WeightStore:
     retired: RetiredWeights | None = None   # None: no reuse across connections
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
+    types: frozenset[int] = field(default_factory=_weight_types)
 
     def __post_init__(self) -> None:
         if self.fmt not in WEIGHT_FORMATS:
@@ -207,7 +208,7 @@ class WeightStore:
     def slot_for(self, t: CheckedTensor) -> WeightSlot | None:
         """The slot for a candidate weight, or None if it cannot be an NPU weight."""
         r = t.rpc
-        if self.npu is None or t.buffer is None or r.type not in WEIGHT_TYPES:
+        if self.npu is None or t.buffer is None or r.type not in self.types:
             return None
         key = (t.buffer.handle, t.start, t.end, r.type, r.ne[0], r.ne[1])
         slot = self._slots.get(key)
