@@ -266,6 +266,7 @@ class GraphPlanner:
         The step's counter follows where the work actually ran (NPU or the host fallback)."""
         npu, weights, stats = self.npu, self.weights, self.stats
         npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
+        by_m = stats.npu_matmuls_by_m
         a_view = ref(t.src[1]).as_array()
         a_type = ref(t.src[1]).type
         d_view = ref(t.id).as_array()
@@ -283,6 +284,7 @@ class GraphPlanner:
                 else:
                     d_view[...] = c.reshape(d_view.shape)
                     step.counter = npu_counter
+                    by_m[a.shape[0]] = by_m.get(a.shape[0], 0) + 1
                     timing = getattr(npu, "last_timing", None)
                     if timing is not None and timing.device_s is not None:
                         stats.npu_device_seconds += timing.device_s
