@@ -1,0 +1,99 @@
+"""``llama-server --rpc`` through ``rknpu serve`` (simulated NPU) in the regime with several rows
+per weight pass: speculative decoding with a draft model, and ``-np 4`` parallel slots.
+
+What must hold (issue 13): at temperature 0 a speculative answer is the same text as the plain
+answer, and the target's verification batches (M = 2..n_draft+1) ran as NPU matmuls; four
+concurrent chats through the device each get the same answer as the CPU-only llama-server with
+the same settings, and the slots' tokens were batched into NPU matmuls with M > 1.
+
+Models: tiny random llama GGUFs (tests/gguf_models.py). The draft is the target's first layer
+only (same seed, so the same embeddings, head and layer 0): it agrees with the target often but
+not always, so both accepted and rejected drafts happen. The draft runs on the client's CPU
+(``-devd none``) so every matmul the server counts is the target's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+
+from e2e_support import llama_server, rknpu_server, tool_or_skip
+from gguf_models import TinyConfig, write_tiny_gguf
+
+pytestmark = [pytest.mark.llama]
+N_DRAFT = 3
+MAX_TOKENS = 16
+NO_WARMUP = ("--no-warmup",)   # the warm-up decodes 2 tokens, which would look like a 2-row batch
+CHATS = ("The capital of France is", "Paris is the city of", "It was the capital of the",
+         "France and Paris are")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tool_or_skip("llama-server")
+    root = tmp_path_factory.mktemp("tiny-spec")
+    target = write_tiny_gguf(root / "tiny-llama-f16.gguf", "llama", "f16")
+    draft = write_tiny_gguf(root / "tiny-llama-1layer-f16.gguf", "llama", "f16", config=TinyConfig(n_layer=1))
+    return target, draft
+
+
+def chat(server, content: str) -> dict:
+    return server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": content}], "temperature": 0.0, "max_tokens": MAX_TOKENS,
+        "seed": 1, "ignore_eos": True})
+
+
+def answer(reply: dict) -> str:
+    return reply["choices"][0]["message"]["content"]
+
+
+def rows_by_m(stats: dict) -> dict[int, int]:
+    return {int(m): n for m, n in stats.get("npu_matmuls_by_m", {}).items()}
+
+
+@pytest.mark.timeout(900)
+def test_speculative_answer_equals_plain_and_verifies_on_the_npu(tmp_path: Path, tiny: tuple[Path, Path]) -> None:
+    target, draft = tiny
+    spec = ("-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(N_DRAFT),
+            "-devd", "none", "-ngld", "0")
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
+        with llama_server(tmp_path, target, rpc=server.endpoint, extra=NO_WARMUP) as plain_client:
+            plain = chat(plain_client, CHATS[0])
+        with llama_server(tmp_path, target, rpc=server.endpoint, extra=(*NO_WARMUP, *spec)) as spec_client:
+            speculative = chat(spec_client, CHATS[0])
+            log = spec_client.log()
+        assert server.alive(), server.log()
+    by_m = rows_by_m(server.stats())
+    timings = speculative["timings"]
+    assert timings.get("draft_n", 0) > 0, f"no draft tokens: {timings}\n{log}"
+    assert answer(plain).strip(), plain
+    assert answer(speculative) == answer(plain), f"speculative {answer(speculative)!r} != plain {answer(plain)!r}"
+    # the prompts are longer than a verification batch, and the plain run decodes with M = 1,
+    # so matmuls with 2 <= M <= N_DRAFT + 1 rows can only be the target verifying drafts
+    assert timings["prompt_n"] > N_DRAFT + 1
+    verification = {m: n for m, n in by_m.items() if 2 <= m <= N_DRAFT + 1}
+    assert verification, f"no verification batch on the NPU: {by_m}"
+    assert by_m.get(1, 0) > 0
+
+
+@pytest.mark.timeout(900)
+def test_four_parallel_chats_equal_the_cpu_server(tmp_path: Path, tiny: tuple[Path, Path]) -> None:
+    target, _ = tiny
+    slots = (*NO_WARMUP, "-np", "4", "-c", "2048")
+
+    def ask_all(server) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(len(CHATS)) as pool:
+            return [answer(r) for r in pool.map(lambda c: chat(server, c), CHATS)]
+
+    with llama_server(tmp_path, target, rpc=None, extra=slots) as cpu:
+        cpu_answers = ask_all(cpu)
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
+        with llama_server(tmp_path, target, rpc=server.endpoint, extra=slots) as npu_client:
+            npu_answers = ask_all(npu_client)
+    by_m = rows_by_m(server.stats())
+    assert all(a.strip() for a in cpu_answers), cpu_answers
+    assert npu_answers == cpu_answers
+    batched = {m: n for m, n in by_m.items() if 2 <= m <= len(CHATS)}
+    assert batched, f"no multi-slot decode step on the NPU: {by_m}"
