@@ -48,3 +48,32 @@ def test_alternating_batch_sizes_are_planned_once_and_counted_by_m():
             assert stats.as_dict()["npu_matmuls_by_m"] == {1: 4, 2: 2, 4: 3}
             assert "NPU matmuls by rows M: M=1 4, M=2 2, M=4 3" in stats.render()
 
+
+
+def test_partial_offload_splits_times_batch_sizes_fit_the_plan_cache():
+    """-ot partial offload sends ~90 graph splits per step [ggml-rpc.md §5.1]; a speculative
+    session sends each split at every batch size it alternates between (here 1..4 rows). The
+    second round must replay every plan: no split may be re-planned."""
+    splits, sizes = 90, (1, 2, 3, 4)
+    for st in serve(npu=FakeNpu(), planner=PlannerLog()):
+        with st.client() as c:
+            wh, wb = c.alloc_base(1 << 16)
+            ch, cb = c.alloc_base(1 << 20)
+            w = T(ne=(K, N, 1, 1), buffer=wh, data=wb, name="blk.0.ffn_up.weight")
+            c.set_array(w, np.ones((N, K), np.float32))
+            graphs = []
+            for split in range(splits):
+                for m in sizes:
+                    x = T(ne=(K, m, 1, 1), buffer=ch, data=cb + split * 8192, name=f"x{split}")
+                    out = T(ne=(N, m, 1, 1), buffer=ch, data=cb + split * 8192 + 4096, op=MUL_MAT,
+                            src=(w.id, x.id), name=f"up{split}")
+                    graphs.append((x, out))
+                c.set_array(x, np.ones((max(sizes), K), np.float32))   # covers the smaller batches too
+            for _round in range(2):
+                for x, out in graphs:
+                    c.graph_compute([out], [w, x, out])
+            x, out = graphs[-1]
+            assert (c.get_array(out) == K).all()               # a reply: the server has run every graph
+            stats = st.state.stats
+            assert stats.plans_built == splits * len(sizes)
+            assert stats.plan_cache_hits == splits * len(sizes)

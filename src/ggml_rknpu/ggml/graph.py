@@ -35,7 +35,11 @@ from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZ
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 
-PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
+PLANS_PER_DEVICE = 1024
+# identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1], and
+# speculative decoding / parallel slots send each split at every batch size they alternate
+# between (1..n_draft+1): 90 x 4 already overflowed 256 and re-planned every split every step.
+# 1024 is also upstream's graph cache size in RPC protocol 8 (ARCHITECTURE.md).
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
