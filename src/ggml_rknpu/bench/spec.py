@@ -415,8 +415,9 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
             f"draft model: gemma-3-270m's first {len(DRAFT_LAYERS)} of 18 layers (early exit, written by this "
             "command); "
             f"n-gram mode: ngram-simple with --spec-ngram-simple-size-m {NGRAM_SIZE_M} (verification M <= 16)",
-            "effective tok/s prices every target step at the mode's largest M and the draft at one pass per drafted "
-            "token plus one per step (conservative); host ops and RPC time are not included",
+            "effective tok/s prices min(steps, drafted) target steps at the mode's largest M, the rest at M=1, and "
+            "the draft at one pass per drafted token plus one per step (conservative); host ops and RPC time are "
+            "not included",
             f"draft pass priced as {draft.name if draft else 'none (no draft preset for this target)'} "
             f"{args.dtype} on the NPU at M=1",
         ]
@@ -428,8 +429,11 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
         if rkllm:
             notes.append(f"RKLLM {args.preset} w8a8: {rkllm} tok/s, published single-stream decode "
                          "(airockchip/rknn-llm benchmark.md)")
+    xs = [r["M"] for r in regime]
+    series = [rp.Series("NPU matmuls (modeled)", xs, [r["tok_s_modeled"] for r in regime])]
+    if rkllm:
+        series.append(rp.Series(f"RKLLM single stream {rkllm} tok/s (measured, published)", xs, [rkllm] * len(xs)))
     plot = rp.Plot("tok_s_vs_m.png", f"{target.name} {args.dtype}: tokens/s vs rows per step", "M rows per step",
-                   "tokens/s", [rp.Series("NPU matmuls (modeled)", [r["M"] for r in regime],
-                                          [r["tok_s_modeled"] for r in regime])], log_x=True)
+                   "tokens/s", series, log_x=True)
     return rp.Report("spec", f"Speculative decoding and parallel slots: {target.name}", rig.to_dict(), meta=meta,
                      tables=tables, plots=[plot], raw=raw, notes=notes)
