@@ -121,14 +121,14 @@ def gemma() -> Path:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("mode", ["ngram-simple", "draft-simple"])
 def test_gemma3_speculative_answer_through_the_npu_equals_plain(tmp_path: Path, gemma: Path, mode: str) -> None:
-    from ggml_rknpu.bench.spec import NO_REPACK, layer_skip_draft
+    from ggml_rknpu.bench.spec import layer_skip_draft
 
     if mode == "draft-simple":
         draft = layer_skip_draft(gemma, tmp_path / "gemma-layer-skip.gguf")
         spec = ("--spec-type", mode, "-md", str(draft), "-devd", "none", "-ngld", "0")
     else:
         spec = ("--spec-type", mode, "--spec-ngram-simple-size-m", "15")
-    common = (*NO_WARMUP, *NO_REPACK)
+    common = NO_WARMUP
     body = {"messages": [{"role": "user", "content": GEMMA_CHAT}], "temperature": 0.0, "max_tokens": 24, "seed": 1}
     with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
         with llama_server(tmp_path, gemma, rpc=server.endpoint, extra=common) as client:

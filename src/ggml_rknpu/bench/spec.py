@@ -51,10 +51,6 @@ from ggml_rknpu.bench.rig import RigReport
 DEFAULT_MS = (1, 2, 4, 8, 16, 32)
 RKLLM_TOK_S = {"qwen2.5-1.5b": 16.7}   # w8a8 decode on RK3588 [anchors.md A4: airockchip/rknn-llm benchmark.md]
 DRAFT_N_MAX = 3                        # llama.cpp's default draft length (common.h, speculative.draft.n_max)
-NO_REPACK = ("--no-repack",)
-# x86 hosts that advertise AMX but fault on its tile instructions (seen here: SIGILL at tilezero
-# in ggml-cpu's AMX q8_0 kernel on a Firecracker VM) crash with repacked weights; acceptance
-# does not depend on which CPU kernel computes the matmuls.
 NGRAM_SIZE_M = 15                      # OUR CHOICE: verification rows <= 16, one M_ATOM (cost/model.py)
 
 
@@ -217,8 +213,7 @@ class LlamaServerProcess:
 
         self.port = launch.free_port()
         self.argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
-                     "--port", str(self.port), "-t", "1", "-c", str(ctx), "-np", "1", "-ngl", "0",
-                     *NO_REPACK, *extra]
+                     "--port", str(self.port), "-t", "1", "-c", str(ctx), "-np", "1", "-ngl", "0", *extra]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
