@@ -207,6 +207,16 @@ class Weight(ResidentWeight):
         return f"Weight(N={self.shape[0]}, K={self.shape[1]}, {self.dtype}, {state})"
 
 
+class FusedWeight(Weight):
+    """Sibling weights concatenated by rows into one resident weight (``Npu.upload_fused_weight``);
+    ``splits[i]`` = (n0, n1), sibling i's output columns."""
+
+    splits: tuple[tuple[int, int], ...] = ()
+
+    def __repr__(self) -> str:
+        return "Fused" + super().__repr__()[:-1] + f", siblings N={[n1 - n0 for n0, n1 in self.splits]})"
+
+
 class Npu:
     """The engine over one ``NpuDevice``; see the module docstring."""
 
@@ -220,17 +230,44 @@ class Npu:
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits"), 0)
+            "submits", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
         self.last_timing: Timing | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
+        self._steps: set[Any] = set()                           # live Steps (engine.fusion)
         self._closed = False
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
         """Convert ``b`` [N, K] to ``dtype`` ("fp16" | "int8"), pack it into the native
         layout and stage it once in NPU memory; it stays there until ``free()``."""
+        return self._upload(b, dtype, Weight)
+
+    def upload_fused_weight(self, parts: "list[np.ndarray]", dtype: str = "fp16") -> "FusedWeight":
+        """Sibling weights [N_i, K] (Q/K/V, gate/up: the same input) as one resident weight
+        [sum N_i, K]; ``splits`` gives each sibling's output columns, and ``step([fused])``
+        returns one result per sibling. See ``engine.fusion``."""
+        from ggml_rknpu.engine.fusion import concat_rows
+
+        b, splits = concat_rows(parts)
+        fused = self._upload(b, dtype, FusedWeight)
+        fused.splits = splits
+        self.counters["fused_weights_uploaded"] += 1
+        return fused
+
+    def step(self, weights: "list[Weight]", m: int = 1, *, out: str | None = None) -> Any:
+        """A decode step planned once: ``weights`` (one plain or fused weight, or several
+        sharing K and dtype, chained in one submit) applied to one activation of up to ``m``
+        rows. ``step.run(a)`` -> one array per output. See ``engine.fusion.Step``."""
+        from ggml_rknpu.engine.fusion import Step
+
+        self._check_open()
+        step = Step(self, list(weights), m, out)
+        self._steps.add(step)
+        return step
+
+    def _upload(self, b: np.ndarray, dtype: str, cls: type) -> Any:
         self._check_open()
         staged = stage_weight(b, dtype)
         N, K = staged.shape
@@ -242,7 +279,7 @@ class Npu:
         except BaseException:
             buffer.close()
             raise
-        weight = Weight(self, staged.without_data(), buffer, nbytes)
+        weight = cls(self, staged.without_data(), buffer, nbytes)
         self._weights.append(weight)
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes
@@ -254,10 +291,7 @@ class Npu:
         float16 with ``out="fp16"``); int8 weight and int8 ``a``: int32, exact; int8 weight
         and float ``a``: ``a`` quantised per row, float32 out."""
         self._check_open()
-        if not isinstance(w, Weight) or w._npu is not self:
-            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
-        if w.freed:
-            raise ValueError(f"{w!r} was freed; upload it again")
+        self._check_weight(w)
         check_matrix(a, "a")
         N, K = w.shape
         if a.shape[1] != K:
@@ -293,6 +327,12 @@ class Npu:
         self.last_timing = Timing(*totals, device_s=device_s, device_label=label, submits=submits)
         return final
 
+    def _check_weight(self, w: Any) -> None:
+        if not isinstance(w, Weight) or w._npu is not self:
+            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
+        if w.freed:
+            raise ValueError(f"{w!r} was freed; upload it again")
+
     def _out_dtype(self, w: Weight, out: str | None) -> str:
         if out is None:
             return OUT_FOR_WEIGHT[w.dtype]
@@ -321,16 +361,21 @@ class Npu:
             self._lru.move_to_end((id(w), m, out))
             return plan
         self.counters["program_cache_misses"] += 1
+        plan = self._bind(self._program_for(w, m, out), m, w)
+        w.plans[(m, out)] = plan
+        self._lru[(id(w), m, out)] = w
+        return plan
+
+    def _program_for(self, w: Weight, m: int, out: str) -> Any:
+        """The compiled program of ``w`` at M bucket ``m`` (compiler-cached), checked against
+        the weight's packed layout."""
         N, K = w.shape
         program = _compile(m, K, N, w.dtype, out, self.cores, self.abi)
         self.counters["programs_compiled"] += 1
         if program.b_bytes > w.packed_bytes:
             raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
                            f"weight was packed into {w.packed_bytes}; the B layout must not depend on M")
-        plan = self._bind(program, m, w)
-        w.plans[(m, out)] = plan
-        self._lru[(id(w), m, out)] = w
-        return plan
+        return program
 
     def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
         from ggml_rknpu.kernel.device import HwTask, Job
@@ -435,6 +480,9 @@ class Npu:
         return True
 
     def _forget(self, w: Weight) -> None:
+        for step in [s for s in self._steps if w in s.weights]:
+            step.close()
+            self._steps.discard(step)
         for key in [k for k, weight in self._lru.items() if weight is w]:
             del self._lru[key]
         self._weights.remove(w)
