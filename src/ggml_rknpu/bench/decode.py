@@ -223,6 +223,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         raise ValueError(f"--ms takes decode row counts 1..16, got {args.ms!r}")
     rows: list[dict] = []
     host_cache: dict[tuple, float] = {}
+    host_rows: list[dict] = []
     npu = None
     if args.host_reps > 0:
         import ggml_rknpu
@@ -246,6 +247,10 @@ def run(args, rig, console: Console) -> rp.Report | None:
                                     key = (step.K, step.Ns, step.fused, m, dtype)
                                     if key not in host_cache:
                                         host_cache[key] = measure_host_step(npu, step, m, dtype, args.host_reps, rng)
+                                        host_rows.append({
+                                            "step": "+".join(step.names) + (" (fused)" if step.fused else ""),
+                                            "weights": dtype, "M": m, "K": step.K, "N": "+".join(map(str, step.Ns)),
+                                            "host_us_measured": host_cache[key] * 1e6})
                                     host += host_cache[key] * step.count
                                 row["host_us_per_step_measured"] = host / row["submits_per_token"] * 1e6
                                 row["host_ms_per_step_measured"] = host * 1e3
@@ -272,6 +277,14 @@ def run(args, rig, console: Console) -> rp.Report | None:
             "M sequences by one token. Host figures measured on this host (not the board): the engine's lean "
             "path around each submit, simulator execution excluded. Published figures: single-stream, on boards.")
     table = rp.Table("Decode per step: modeled NPU time, measured host time, published figures", columns, rows, note)
+    tables = [table]
+    if host_rows:
+        tables.append(rp.Table("Host time per NPU step (measured on this host, not the board)", [
+            rp.Column("step", "step"), rp.Column("weights", "weights"), rp.Column("M", "M"), rp.Column("K", "K"),
+            rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True)], host_rows,
+            note=f"median of {args.host_reps} runs of engine.fusion.Step on the simulator: writing A and reading C "
+                 "through the step's views, int8 scales included; the submit call (and the simulation inside "
+                 "it) excluded; float32 activations"))
     fused_rows = [r for r in rows if r["plan"] == "fused"]
     plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per step (fused plan)", "M (sequences per step)",
                    "tokens/s", rp.series_by(fused_rows, "weights", "M", "tok_s_modeled", "{0} {1}")
@@ -288,7 +301,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
              "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
-                     tables=[table], plots=[plot], raw={"rows": rows}, notes=notes)
+                     tables=tables, plots=[plot], raw={"rows": rows, "host_steps": host_rows}, notes=notes)
 
 
 def _host_line() -> str:
