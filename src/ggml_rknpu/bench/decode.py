@@ -39,6 +39,7 @@ from ggml_rknpu.bench import report as rp
 from ggml_rknpu.cost.model import OWN_DRIVER, dram_bandwidth, modeled_time
 
 MS = (1, 2, 4, 8, 16)
+HOST_ALONE_REPS = 100    # rehearsals are cheap (no submit): enough for a stable median
 NPU_MHZ, DRAM_MHZ = 1000, 2112      # vendor driver NPU clock, max DRAM clock [docs/engine.md, anchors]
 
 
@@ -147,9 +148,12 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
     }
 
 
-def measure_host_step(npu, step: NpuStep, m: int, dtype: str, reps: int, rng: np.random.Generator) -> float:
-    """Median host seconds of the lean path around one submit of ``step`` (write A + read C)
-    on this host, the submit itself excluded."""
+def measure_host_step(npu, step: NpuStep, m: int, dtype: str, reps: int,
+                      rng: np.random.Generator) -> tuple[float, float]:
+    """Median host seconds of the lean path around one submit of ``step`` on this host,
+    the submit itself excluded: (alone: ``Step.rehearse``, A written and C read with no
+    submit between; after a simulated submit: the same phases of ``Step.run``, whose
+    simulation has just evicted the CPU caches)."""
     parts = [rng.standard_normal((n, step.K), dtype=np.float32) * 0.05 for n in step.Ns]
     if step.fused:
         weights = [npu.upload_fused_weight(parts, dtype=dtype)]
@@ -160,12 +164,13 @@ def measure_host_step(npu, step: NpuStep, m: int, dtype: str, reps: int, rng: np
         planned = npu.step(weights, m=m)
         a = rng.standard_normal((m, step.K), dtype=np.float32)
         planned.run(a)                       # warm-up: compile, bind, first touch
-        samples = []
+        after_submit = []
         for _ in range(reps):
             planned.run(a)
             pack_s, _submit_s, unpack_s = planned.timing
-            samples.append(pack_s + unpack_s)
-        return statistics.median(samples)
+            after_submit.append(pack_s + unpack_s)
+        alone = [planned.rehearse(a) for _ in range(max(reps, HOST_ALONE_REPS))]
+        return statistics.median(alone), statistics.median(after_submit)
     finally:
         for w in weights:
             w.free()
@@ -250,8 +255,9 @@ def run(args, rig, console: Console) -> rp.Report | None:
                                         host_rows.append({
                                             "step": "+".join(step.names) + (" (fused)" if step.fused else ""),
                                             "weights": dtype, "M": m, "K": step.K, "N": "+".join(map(str, step.Ns)),
-                                            "host_us_measured": host_cache[key] * 1e6})
-                                    host += host_cache[key] * step.count
+                                            "host_us_measured": host_cache[key][0] * 1e6,
+                                            "host_after_submit_us_measured": host_cache[key][1] * 1e6})
+                                    host += host_cache[key][0] * step.count
                                 row["host_us_per_step_measured"] = host / row["submits_per_token"] * 1e6
                                 row["host_ms_per_step_measured"] = host * 1e3
                             rows.append(row)
@@ -281,10 +287,13 @@ def run(args, rig, console: Console) -> rp.Report | None:
     if host_rows:
         tables.append(rp.Table("Host time per NPU step (measured on this host, not the board)", [
             rp.Column("step", "step"), rp.Column("weights", "weights"), rp.Column("M", "M"), rp.Column("K", "K"),
-            rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True)], host_rows,
-            note=f"median of {args.host_reps} runs of engine.fusion.Step on the simulator: writing A and reading C "
-                 "through the step's views, int8 scales included; the submit call (and the simulation inside "
-                 "it) excluded; float32 activations"))
+            rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True),
+            rp.Column("host_after_submit_us_measured", "host µs after a simulated submit", "{:.1f}", figure=True)],
+            host_rows,
+            note=f"engine.fusion.Step with float32 activations: writing A and reading C through the step's views, "
+                 f"int8 scales included, the submit excluded. 'host µs': median of {HOST_ALONE_REPS} "
+                 f"Step.rehearse calls (no submit between); 'after a simulated submit': median of "
+                 f"{args.host_reps} Step.run calls, each right after the simulator ran the step (cold CPU caches)"))
     fused_rows = [r for r in rows if r["plan"] == "fused"]
     plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per step (fused plan)", "M (sequences per step)",
                    "tokens/s", rp.series_by(fused_rows, "weights", "M", "tok_s_modeled", "{0} {1}")

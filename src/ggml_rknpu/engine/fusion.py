@@ -153,6 +153,19 @@ class Step:
             self.modeled = plan.modeled
         return self._ports
 
+    def rehearse(self, a: np.ndarray) -> float:
+        """The host side of ``run`` alone (A written, C read through the views, scales
+        applied) without submitting: seconds on this host. For benchmarks of the host path
+        apart from the device (a simulator's execution also evicts the CPU caches)."""
+        if self.closed:
+            raise ValueError("this step was closed (one of its weights was freed); plan it again")
+        t0 = time.perf_counter()
+        a_port, r_ports, _job = self._chain.ports() if self._chain else self._single()
+        act_scales = a_port.write(a)
+        for port, result in zip(r_ports, self._results):
+            port.read(result, a.shape[0], act_scales)
+        return time.perf_counter() - t0
+
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         from ggml_rknpu.kernel.errors import NpuTimeout
 
