@@ -218,3 +218,14 @@ def test_rehearse_is_the_host_side_of_run_without_a_submit(npu):
     for got, w in zip(step._views, want):
         np.testing.assert_array_equal(got[:1], w)
     fused.free()
+
+
+@pytest.mark.parametrize("K", (100, 9000))
+def test_fp16_output_step_matches_matmul(npu, K):
+    rng = np.random.default_rng(K)
+    w = npu.upload_weight(_parts(rng, K, (40,))[0])
+    a = rng.standard_normal((2, K)).astype(np.float32)
+    got = npu.step([w], m=2, out="fp16").run(a)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, npu.matmul(a, w, out="fp16"))
+    w.free()
