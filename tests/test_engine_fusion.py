@@ -229,3 +229,16 @@ def test_fp16_output_step_matches_matmul(npu, K):
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, npu.matmul(a, w, out="fp16"))
     w.free()
+
+
+@pytest.mark.parametrize("a_int8", (False, True))
+@pytest.mark.parametrize("K,N,rows", [(160, 64, 5), (9000, 96, 16), (200, 40, 3)])
+def test_multirow_int8_reads_match_matmul(npu, a_int8, K, N, rows):
+    """Many rows: the atom-wise transpose out of C (N whole atoms) and the general one
+    (N = 40: not), float-quantised weight scales with and without activation scales."""
+    rng = np.random.default_rng(K + N)
+    w = npu.upload_weight(rng.standard_normal((N, K)).astype(np.float32), dtype="int8")
+    a = (rng.integers(-128, 128, (rows, K), dtype=np.int8) if a_int8
+         else rng.standard_normal((rows, K)).astype(np.float32))
+    np.testing.assert_array_equal(npu.step([w], m=rows).run(a)[0], npu.matmul(a, w))
+    w.free()

@@ -30,6 +30,8 @@ from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.engine.weights import FP16_MAX, INT8_QMAX
 from ggml_rknpu.hw import limits
 
+_ATOM = np.dtype("V16")   # one 16-byte C atom [npu-programming.md §6], moved as a whole
+
 
 class ActivationPort:
     """Writes [rows <= M, K] activations into one program's A region."""
@@ -151,27 +153,47 @@ class ResultPort:
         # M = 1 without a K split: C is N contiguous values, the whole read one copy
         self._native_m1 = (self._vals.reshape(-1)[: s.N].reshape(1, s.N)
                            if s.M == 1 and self.k_splits == 1 else None)
+        # M > 1: a C atom (C2 values, 16 bytes) moves as one 16-byte item, so the transpose
+        # out of (Np/C2, M, C2) is a 2-D copy of atoms; possible when the result has the
+        # partials' item size and N is whole atoms
+        self._atom_copy = (s.N % self.c2 == 0 and np.dtype(NUMPY_DTYPE[self.pdt]).itemsize == self.out_dtype.itemsize)
+        self._sum_atoms = self._sum.reshape(-1).view(_ATOM).reshape(s.Np // self.c2, s.M) if self._sum is not None else None
+        self._atoms = raw[:nbytes].view(_ATOM).reshape(self.k_splits, s.Np // self.c2, s.M)
 
     def read(self, out: np.ndarray, rows: int, act_scales: np.ndarray | None) -> np.ndarray:
         """Rows ``[:rows]`` of the result into ``out`` [>= rows, N] (its dtype: float32 when
-        scales apply, else the program's output type); returns ``out[:rows]``."""
-        if self._native_m1 is not None:
-            native = self._native_m1
-        elif self._sum is None:
-            native = self._native(self._vals[0], rows)
-        else:
-            # int32 partials of int8 x int8 cannot overflow int32 per chunk; their sum is
-            # taken in int32 as unpack_c's int64 sum cast back to int32 would be (exact
-            # while |C| < 2^31, which K * 127 * 127 keeps for K <= 133k).
-            native = self._native(np.sum(self._vals, axis=0, out=self._sum), rows)
+        scales apply, else the program's output type); returns ``out[:rows]``.
+
+        One pass from C into ``out`` (the transpose out of the native layout, the cast and
+        the activation scale together: ``c.astype(float32) * a_scale`` computed in float32,
+        as ``dequantize_output`` does), then one pass for the weight scales."""
+        s = self.shape
         dest = out[:rows]
-        np.copyto(dest, native, casting="unsafe")
-        if act_scales is not None:
+        if self._native_m1 is not None:
+            src, dst = self._native_m1, dest
+        elif self._atom_copy and dest.flags.c_contiguous:
+            if self._sum is None:
+                atoms = self._atoms[0]
+            else:
+                # int32 partials summed in int32 equal unpack_c's int64 sum cast back to
+                # int32 (both wrap mod 2^32; exact while |C| < 2^31)
+                np.sum(self._vals, axis=0, out=self._sum)
+                atoms = self._sum_atoms
+            np.copyto(dest.reshape(-1).view(_ATOM).reshape(rows, s.N // self.c2), atoms[: s.N // self.c2, :rows].T)
+            dst = dest
+            # int32 bits are converted in place below; float bits already are the result
+            src = dest.view(np.int32) if self.pdt == "int32" and dest.dtype != np.int32 else None
+        else:
+            total = self._vals[0] if self._sum is None else np.sum(self._vals, axis=0, out=self._sum)
+            src = total[:, :rows].transpose(1, 0, 2).reshape(rows, s.Np)[:, : s.N]
+            dst = dest
+        if src is not None:
+            if act_scales is not None:
+                np.multiply(src, act_scales[:rows, None], out=dst, dtype=np.float32, casting="unsafe")
+            else:
+                np.copyto(dst, src, casting="unsafe")
+        elif act_scales is not None:
             dest *= act_scales[:rows, None]
         if self.weight_scales is not None:
             dest *= self.weight_scales[None, :]
         return dest
-
-    def _native(self, total: np.ndarray, rows: int) -> np.ndarray:
-        s = self.shape
-        return total[:, :rows].transpose(1, 0, 2).reshape(rows, s.Np)[:, : s.N]
