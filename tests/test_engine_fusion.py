@@ -242,3 +242,38 @@ def test_multirow_int8_reads_match_matmul(npu, a_int8, K, N, rows):
          else rng.standard_normal((rows, K)).astype(np.float32))
     np.testing.assert_array_equal(npu.step([w], m=rows).run(a)[0], npu.matmul(a, w))
     w.free()
+
+
+@pytest.mark.parametrize("K,N,rows", [(100, 48, 1), (256, 160, 3), (9000, 40, 2), (64, 1000, 16)])
+def test_lean_matmul_equals_the_general_path(npu, K, N, rows):
+    """``Npu.matmul`` takes the lean path for float activations; int8 activations against an
+    fp16 weight still take the general one (stage_activation, pack_a, unpack_c). The same
+    values both ways give the same bits."""
+    rng = np.random.default_rng(K * N)
+    w = npu.upload_weight(_parts(rng, K, (N,))[0])
+    a8 = rng.integers(-128, 128, (rows, K), dtype=np.int8)
+    general = npu.matmul(a8, w)
+    lean = npu.matmul(a8.astype(np.float32), w)
+    np.testing.assert_array_equal(lean, general)
+    np.testing.assert_array_equal(npu.matmul(a8.astype(np.float32), w, out="fp16"),
+                                  npu.matmul(a8, w, out="fp16"))
+    w.free()
+
+
+@pytest.mark.parametrize("K,N,rows", [(100, 48, 1), (9000, 40, 2), (64, 1000, 16)])
+def test_lean_int8_matmul_equals_the_quantised_reference(npu, K, N, rows):
+    from ggml_rknpu.engine.weights import quantize_rows_int8
+
+    rng = np.random.default_rng(K + N)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    a = rng.standard_normal((rows, K)).astype(np.float32)
+    w = npu.upload_weight(b, dtype="int8")
+    qa, sa = quantize_rows_int8(a, "a")
+    qb, sb = quantize_rows_int8(b, "b")
+    want = (qa.astype(np.int32) @ qb.astype(np.int32).T).astype(np.float32)
+    want *= sa[:, None]
+    want *= sb[None, :]
+    np.testing.assert_array_equal(npu.matmul(a, w), want)
+    np.testing.assert_array_equal(npu.matmul(qa, w), (qa.astype(np.int32) @ qb.astype(np.int32).T)
+                                  .astype(np.float32) * sb[None, :])
+    w.free()

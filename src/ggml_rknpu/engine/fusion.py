@@ -134,24 +134,15 @@ class Step:
         self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
         self._chain = _Chain(npu, self) if len(self.weights) > 1 else None
-        self._single_plan: Any = None
-        self._bound_to: tuple[Any, Any] | None = None
         self.modeled = self._chain.modeled if self._chain else None
 
     # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
     def _single(self) -> tuple[ActivationPort, list[ResultPort], Any]:
         w = self.weights[0]
         plan = self.npu._plan(w, self.m, self.out)
-        bound = (plan.a_buf.scratch.buf, plan.c_buf.scratch.buf)
-        if plan is not self._single_plan or bound != self._bound_to:
-            a_port = ActivationPort(plan.program.shape, quantize=self.dtype == "int8")
-            a_port.bind(plan.a_buf.array(np.uint8))
-            r_port = ResultPort(plan.program, w.scales, self._result_dtype)
-            r_port.bind(plan.c_buf.array(np.uint8))
-            self._ports = (a_port, [r_port], plan.job)
-            self._single_plan, self._bound_to = plan, bound
-            self.modeled = plan.modeled
-        return self._ports
+        a_port, c_port = self.npu._ports(plan, w, self.out)
+        self.modeled = plan.modeled
+        return a_port, [c_port], plan.job
 
     def rehearse(self, a: np.ndarray) -> float:
         """The host side of ``run`` alone (A written, C read through the views, scales
@@ -202,8 +193,10 @@ class Step:
         return results
 
     def close(self) -> None:
+        """Release the step (a chained step's private buffers); idempotent."""
         if not self.closed:
             self.closed = True
+            self.npu._steps.discard(self)
             if self._chain:
                 self._chain.close()
 

@@ -197,3 +197,14 @@ class ResultPort:
         if self.weight_scales is not None:
             dest *= self.weight_scales[None, :]
         return dest
+
+
+def bind_ports(program, a_raw: np.ndarray, c_raw: np.ndarray, weight_scales: np.ndarray | None,
+               out: str) -> tuple[ActivationPort, ResultPort]:
+    """A program's two ports, bound to the mapped bytes of its A and C regions. ``out``:
+    the matmul's output type ("fp32", "fp16", "int32")."""
+    a_port = ActivationPort(program.shape, quantize=program.shape.dtype == "int8")
+    a_port.bind(a_raw)
+    c_port = ResultPort(program, weight_scales, np.float16 if out == "fp16" else np.float32)
+    c_port.bind(c_raw)
+    return a_port, c_port
