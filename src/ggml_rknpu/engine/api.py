@@ -348,11 +348,7 @@ class Npu:
         a_port, c_port = self._ports(plan, w, out)
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
-        try:
-            completion = self.device.submit(plan.job)
-        except NpuTimeout as exc:
-            raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
-        self.counters["submits"] += 1
+        completion = self._submit_job(plan.job, f"matmul {plan.program.shape}")
         t2 = time.perf_counter()
         if out == "fp16":
             dtype: Any = np.float16
@@ -367,6 +363,16 @@ class Npu:
         self.counters["matmuls"] += 1
         self.last_timing = Timing(t1 - t0, t2 - t1, t3 - t2, device_s=dev, device_label=label, submits=1)
         return result
+
+    def _submit_job(self, job: Any, what: str) -> Any:
+        """Every submit of the engine goes through here (matmul, lean matmul, decode steps):
+        the completion, a timeout named after ``what``, the ``submits`` counter."""
+        try:
+            completion = self.device.submit(job)
+        except NpuTimeout as exc:
+            raise NpuTimeout(f"{what} timed out on the NPU: {exc}", exc.errno) from exc
+        self.counters["submits"] += 1
+        return completion
 
     def _ports(self, plan: _Plan, w: Weight, out: str) -> Any:
         """The plan's host-path ports, (re)bound when a shared scratch buffer was replaced."""
@@ -488,11 +494,7 @@ class Npu:
         rows = a_rows.shape[0]
         _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
         t1 = time.perf_counter()
-        try:
-            completion = self.device.submit(plan.job)
-        except NpuTimeout as exc:
-            raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
-        self.counters["submits"] += 1
+        completion = self._submit_job(plan.job, f"matmul {plan.program.shape}")
         t2 = time.perf_counter()
         c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
         t3 = time.perf_counter()

@@ -158,18 +158,13 @@ class Step:
         return time.perf_counter() - t0
 
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-        from ggml_rknpu.kernel.errors import NpuTimeout
-
         if self.closed:
             raise ValueError("this step was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
         a_port, r_ports, job = self._chain.ports() if self._chain else self._single()
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
-        try:
-            self.npu.device.submit(job)
-        except NpuTimeout as exc:
-            raise NpuTimeout(f"decode step {self!r} timed out on the NPU: {exc}", exc.errno) from exc
+        self.npu._submit_job(job, f"decode step {self!r}")
         t2 = time.perf_counter()
         rows = a.shape[0]
         for port, result in zip(r_ports, self._results):
@@ -185,7 +180,6 @@ class Step:
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
         c = self.npu.counters
-        c["submits"] += 1
         c["matmuls"] += len(self.weights)
         c["step_runs"] += 1
         if self._chain:
