@@ -27,6 +27,12 @@ offering the ``Buffer`` members ``NpuDevice.submit`` uses).
 Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
 ``SimNpu``, the same submit path a board takes.
 
+Host path: a call that fits one program (float activations, or int8 on an int8 weight)
+writes A and reads C through views made once per plan (``engine.hostpath``); others take
+the general path (``stage_activation``, ``pack_a``, ``unpack_c``), with the same bits.
+Decode steps (``Npu.step``, ``Npu.upload_fused_weight``; ``engine.fusion``) replay a
+planned submit for one weight, a fused weight, or sibling programs chained in one submit.
+
 M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
 ``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
 in a bucket are zero and their outputs discarded.
