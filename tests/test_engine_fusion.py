@@ -277,3 +277,25 @@ def test_lean_int8_matmul_equals_the_quantised_reference(npu, K, N, rows):
     np.testing.assert_array_equal(npu.matmul(qa, w), (qa.astype(np.int32) @ qb.astype(np.int32).T)
                                   .astype(np.float32) * sb[None, :])
     w.free()
+
+
+@pytest.mark.parametrize("peak", (1e-45, 3e-43, 1e-40, 1e-30))
+def test_tiny_activations_quantise_like_the_general_path(npu, peak):
+    """Rows whose scale underflows (peak / 127 = 0) or is subnormal: same q and scales as
+    quantize_rows_int8, so the same result."""
+    from ggml_rknpu.engine.hostpath import ActivationPort
+    from ggml_rknpu.engine.weights import quantize_rows_int8
+    from ggml_rknpu.compiler.shape import MatmulShape
+
+    rng = np.random.default_rng(8)
+    for rows in (1, 3):
+        x = (rng.uniform(-1, 1, (rows, 64)) * peak).astype(np.float32)
+        x[0, 0] = np.float32(peak)
+        port = ActivationPort(MatmulShape(rows, 64, 32, "int8", "int32"), quantize=True)
+        raw = np.zeros(64 * rows, np.uint8)
+        port.bind(raw)
+        scales = port.write(x)
+        q, want_scales = quantize_rows_int8(x, "x")
+        np.testing.assert_array_equal(scales, want_scales)
+        got = raw.view(np.int8).reshape(4, rows, 16).transpose(1, 0, 2).reshape(rows, 64)
+        np.testing.assert_array_equal(got, q)

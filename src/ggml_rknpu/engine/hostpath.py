@@ -30,6 +30,7 @@ from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.engine.weights import FP16_MAX, INT8_QMAX
 from ggml_rknpu.hw import limits
 
+_FP32_TINY = np.float32(np.finfo(np.float32).tiny)   # smallest normal float32
 _ATOM = np.dtype("V16")   # one 16-byte C atom [npu-programming.md §6], moved as a whole
 
 
@@ -91,23 +92,27 @@ class ActivationPort:
 
     def _quantize_into(self, x: np.ndarray, tmp: np.ndarray, rows: int) -> np.ndarray:
         """Per-row symmetric int8, the arithmetic of ``quantize_rows_int8``: scale =
-        peak / 127 (1 for an all-zero row), q = rint(x / scale). No clip is needed:
-        |x| <= peak, so |x / fl(peak / 127)| <= 127 (1 + 2^-23) and rounds to <= 127."""
+        peak / 127 (1 where that is 0), q = rint(x / scale). No clip is needed for a normal
+        scale: |x| <= peak, so |x / fl(peak / 127)| <= 127 (1 + 2^-23) and rounds to <= 127."""
         scales = self.scales[:rows]
         if rows == 1:
             peak = tmp.max()
             if not np.isfinite(peak):
                 raise ValueError("activation has NaN/inf values")
-            scales[0] = peak / np.float32(INT8_QMAX) if peak > 0 else np.float32(1.0)
+            scale = peak / np.float32(INT8_QMAX)
+            scales[0] = scale if scale > 0 else np.float32(1.0)
             np.divide(x, scales[0], out=tmp)
         else:
             peak = tmp.max(axis=1)
             if not np.isfinite(peak).all():
                 raise ValueError("activation has NaN/inf values")
             np.divide(peak, np.float32(INT8_QMAX), out=scales)
-            scales[peak <= 0] = 1.0
+            scales[scales <= 0] = 1.0
             np.divide(x, scales[:, None], out=tmp)
         np.rint(tmp, out=tmp)
+        if scales.min() < _FP32_TINY:
+            # a subnormal scale has fewer significant bits: the bound above fails, clip
+            np.clip(tmp, -INT8_QMAX, INT8_QMAX, out=tmp)
         self._place(tmp, rows)
         return scales
 

@@ -104,7 +104,9 @@ def quantize_rows_int8(x: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray
     if not finite.all():
         raise ValueError(f"{what} contains {int((~finite).sum())} NaN/inf values")
     peak = np.abs(xf).max(axis=1)
-    scale = np.where(peak > 0, peak / INT8_QMAX, np.float32(1.0)).astype(np.float32)
+    scale = (peak / INT8_QMAX).astype(np.float32)
+    # an all-zero row, or one so tiny that peak / 127 underflows to 0, gets scale 1 (q = 0)
+    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     q = np.rint(xf / scale[:, None])
     np.clip(q, -INT8_QMAX, INT8_QMAX, out=q)
     return q.astype(np.int8), scale
