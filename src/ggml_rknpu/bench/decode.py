@@ -114,29 +114,49 @@ def decode_steps(model: ModelShape, fused: bool = True) -> list[NpuStep]:
     return steps
 
 
-def step_programs(step: NpuStep, m: int, dtype: str, cores: int, abi: str = "rknpu") -> list:
-    """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket)."""
+def laddered_envelope():
+    """The envelope of a board that passed the whole bring-up ladder (what
+    ``bench matmul --modeled`` prices too); the proven envelope alone allows one core."""
+    from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
+
+    return envelope_for_rungs(list(RUNGS), "rknpu")
+
+
+def _envelope(name):
+    from ggml_rknpu.hw.envelope import by_name
+
+    return laddered_envelope() if name in (None, "laddered") else by_name(name)
+
+
+def step_programs(step: NpuStep, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
+    """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket) in
+    ``envelope`` (default: the fully laddered board's)."""
     from ggml_rknpu.engine.api import OUT_FOR_WEIGHT, _compile, m_bucket
 
+    env = _envelope(envelope)
     out = OUT_FOR_WEIGHT[dtype]
     Ns = (sum(step.Ns),) if step.fused else step.Ns
-    return [_compile(m_bucket(m), step.K, n, dtype, out, cores, abi) for n in Ns]
+    return [_compile(m_bucket(m), step.K, n, dtype, out, min(cores, env.max_cores), abi, env) for n in Ns]
 
 
-def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int) -> float:
+def step_workload_for(step: NpuStep, m: int, dtype: str, cores: int, envelope=None):
     from ggml_rknpu.engine.fusion import step_workload
 
-    return modeled_time(step_workload(step_programs(step, m, dtype, cores)),
+    return step_workload(step_programs(step, m, dtype, cores, envelope=envelope))
+
+
+def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int, envelope=None) -> float:
+    return modeled_time(step_workload_for(step, m, dtype, cores, envelope),
                         npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
 
-def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True) -> dict:
+def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
     """Modeled NPU figures of one decode step of ``m`` sequences."""
     b = 1 if dtype == "int8" else 2
     steps = decode_steps(model, fused)
-    seconds = sum(modeled_step_s(s, m, dtype, cores) * s.count for s in steps)
+    seconds = sum(modeled_step_s(s, m, dtype, cores, envelope) * s.count for s in steps)
     weight_bytes = sum(step.K * n * b * step.count for step in steps for n in step.Ns)
-    submits = sum(s.count for s in steps)
+    submits = sum(step_workload_for(s, m, dtype, cores, envelope).submits * s.count for s in steps)
     return {
         "model": model.name, "weights": dtype, "M": m, "plan": "fused" if fused else "unfused",
         "submits_per_token": submits, "submits_per_layer": (submits - 1) / model.layers,
@@ -203,6 +223,9 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per step (default 1,2,4,8,16)")
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3), help="NPU cores the programs use (default 3)")
     p.add_argument("--host-reps", type=int, default=5, help="timed runs per step for the host figure (0: skip)")
+    p.add_argument("--envelope", default="laddered", choices=("laddered", "proven", "extended"),
+                   help="envelope the programs are compiled in (default laddered: a board that passed the whole "
+                        "bring-up ladder; proven: what hardware-run streams cover, 1 core)")
 
 
 def _models(names: list[str]) -> list[ModelShape]:
@@ -233,7 +256,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
     if args.host_reps > 0:
         import ggml_rknpu
 
-        npu = ggml_rknpu.open(device=args.device or "sim-rknpu", cores=args.cores)
+        npu = ggml_rknpu.open(device=args.device or "sim-rknpu", cores=args.cores,
+                              envelope=_envelope(args.envelope))
     rng = np.random.default_rng(0)
     n_cases = len(models) * len(dtypes) * (len(ms) + 1)
     try:
@@ -242,7 +266,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
                 for dtype in dtypes:
                     for fused, m_list in ((False, [1]), (True, ms)):
                         for m in m_list:
-                            row = forecast(model, dtype, m, args.cores, fused)
+                            row = forecast(model, dtype, m, args.cores, fused, args.envelope)
                             anchor = ANCHORS.get((model.name, dtype))
                             row["anchor_tok_s"] = f"{anchor[0]:g}" if anchor and m == 1 else "-"
                             row["anchor_source"] = anchor[1] if anchor and m == 1 else ""
@@ -303,7 +327,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
                    log_x=True)
     host = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
     meta = {"cores": args.cores, "npu_mhz": NPU_MHZ, "dram_mhz": DRAM_MHZ, "submit_profile": OWN_DRIVER.name,
-            "envelope": "the compiler's default tiling (3-core plans as compiled here)",
+            "envelope": f"{args.envelope} ({_envelope(args.envelope).name}, at most "
+                        f"{_envelope(args.envelope).max_cores} core(s))",
             "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host}
     notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
              "the output head; unfused = one submit per matmul",

@@ -60,9 +60,11 @@ def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[in
 
 
 def step_workload(programs: Sequence[Any]) -> Workload:
-    """What the cost model prices for one submit running ``programs`` (chained when more
-    than one): every task of every member, one submit."""
-    return Workload(tuple(t for p in programs for t in workload_from_program(p).tasks), submits=1)
+    """What the cost model prices for one step running ``programs``: every task of every
+    member; one submit when chained (members of one chain each), else the one program's
+    submits (an envelope may cut it into several chains)."""
+    submits = 1 if len(programs) > 1 else workload_from_program(programs[0]).submits
+    return Workload(tuple(t for p in programs for t in workload_from_program(p).tasks), submits=submits)
 
 
 class FusedWeights:
@@ -139,10 +141,10 @@ class Step:
     # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
     def _single(self) -> tuple[ActivationPort, list[ResultPort], Any]:
         w = self.weights[0]
-        plan = self.npu._plan(w, self.m, self.out)
-        a_port, c_port = self.npu._ports(plan, w, self.out)
-        self.modeled = plan.modeled
-        return a_port, [c_port], plan.job
+        bound = self.npu._bound_program(w, self.m, self.out)
+        a_port, c_port = self.npu._ports(bound, w, self.out)
+        self.modeled = bound.modeled
+        return a_port, [c_port], bound
 
     def rehearse(self, a: np.ndarray) -> float:
         """The host side of ``run`` alone (A written, C read through the views, scales
@@ -161,10 +163,13 @@ class Step:
         if self.closed:
             raise ValueError("this step was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
-        a_port, r_ports, job = self._chain.ports() if self._chain else self._single()
+        a_port, r_ports, target = self._chain.ports() if self._chain else self._single()
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
-        self.npu._submit_job(job, f"decode step {self!r}")
+        if self._chain:
+            self.npu._submit_job(target, f"decode step {self!r}")
+        else:   # the engine's bound program: its chains in order, canaries checked
+            self.npu._submit_bound(target, target.c_buf.array(np.uint8))
         t2 = time.perf_counter()
         rows = a.shape[0]
         for port, result in zip(r_ports, self._results):
@@ -199,15 +204,32 @@ class Step:
         return f"Step(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
 
 
+def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
+    """Chained members must each be one chain, and the chained image must stay inside the
+    engine's envelope (``hw.envelope``: tasks per vendor PC chain); else ValueError."""
+    if any(p.n_submits > 1 for p in programs):
+        raise ValueError("a member program already needs several chains in this envelope; "
+                         "run the siblings as a fused weight or as separate steps")
+    per_core: dict[int, int] = {}
+    for p in programs:
+        for t in p.tasks:
+            per_core[t.core] = per_core.get(t.core, 0) + 1
+    limit = npu.envelope.max_chain_tasks[programs[0].shape.dtype]
+    if npu.abi == "rknpu" and max(per_core.values()) > limit:
+        raise ValueError(f"chaining these programs puts {max(per_core.values())} tasks in one PC chain, more "
+                         f"than the {npu.envelope.name} envelope's {limit}; use a fused weight or separate steps")
+
+
 class _Chain:
     """Private A, C and regcmd buffers of a chained step (fixed for its life)."""
 
     def __init__(self, npu: Any, step: Step) -> None:
-        from ggml_rknpu.kernel.device import HwTask, Job
+        from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
         self.npu = npu
         programs = [npu._program_for(w, step.m, step.out) for w in step.weights]
         self.programs = programs
+        _check_chainable(programs, npu)
         self.modeled = (None if npu.npu_mhz is None
                         else modeled_time(step_workload(programs), npu_mhz=npu.npu_mhz))
         what = repr(step)
@@ -234,7 +256,10 @@ class _Chain:
                               int_mask=t.int_mask, enable_mask=t.enable_mask) for t in tasks)
                  for tasks in per_core]
         cores += [()] * (npu.device.n_cores - len(cores))
-        self.job = Job(cores=tuple(cores), inputs=(self.a,), outputs=(self.c,))
+        a_range = BufferRange(self.a, 0, self.a.size)
+        c_range = BufferRange(self.c, 0, self.c.size)
+        # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote it last
+        self.job = Job(cores=tuple(cores), inputs=(a_range, c_range), outputs=(c_range,))
         a_port = ActivationPort(programs[0].shape, quantize=step.dtype == "int8")
         a_port.bind(self.a.array(np.uint8))
         c_raw = self.c.array(np.uint8)
