@@ -119,7 +119,7 @@ class ActivationPort:
     def _place(self, src: np.ndarray, rows: int) -> None:
         """``src`` [rows, K] into the native A layout, casting to the program's type; the
         K padding and the rows beyond ``rows`` are zeroed (the buffer is shared)."""
-        if self._flat is not None:
+        if self._flat_k is not None and self._flat_pad is not None:
             self._flat_k[...] = src[0]
             if self._padded:
                 self._flat_pad[...] = 0
@@ -174,6 +174,7 @@ class ResultPort:
         as ``dequantize_output`` does), then one pass for the weight scales."""
         s = self.shape
         dest = out[:rows]
+        src: np.ndarray | None
         if self._native_m1 is not None:
             src, dst = self._native_m1, dest
         elif self._atom_copy and dest.flags.c_contiguous:
