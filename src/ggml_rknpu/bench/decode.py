@@ -64,7 +64,7 @@ class ModelShape:
 
 
 def _hf(repo: str) -> str:
-    return f"huggingface.co/{repo}/blob/main/config.json"
+    return f"huggingface.co/{repo} (its config)"
 
 
 # hidden_size, intermediate_size, num_hidden_layers, num_attention_heads x head_dim,
@@ -78,12 +78,12 @@ PRESETS: dict[str, ModelShape] = {m.name: m for m in (
 )}
 
 # Published board figures, decode tokens/s on RK3588 (docs/decode.md cites them).
-SOURCES = {
-    "RKLLM w8a8": "github.com/airockchip/rknn-llm benchmark.md (RKLLM w8a8, RK3588, max clocks)",
-    "qwen3.c fp16": "github.com/allbilly/qwen3.c fp16/ROOFLINE.md (open FP16 regcmd engine, vendor driver, "
-                    "1 GHz; stock RKLLM FP16 19.18 tok/s in the same write-up)",
-    "librknnrt Q8_0": "github.com/invisiofficial/rk-llama.cpp ggml/src/ggml-rknpu2/README.md (librknnrt matmul "
-                      "backend, Gemma3-1B Q8_0 tg; the 4xA76 CPU alone: 19.5)",
+SOURCES = {   # the public sources are listed in docs/anchors.md and docs/decode.md
+    "RKLLM w8a8": "docs/anchors.md A4: airockchip/rknn-llm's benchmark table (RKLLM w8a8, RK3588, max clocks)",
+    "qwen3.c fp16": "docs/anchors.md A6: allbilly/qwen3.c's FP16 roofline notes (open FP16 regcmd engine, vendor "
+                    "driver, 1 GHz; stock RKLLM FP16 19.18 tok/s in the same write-up)",
+    "librknnrt Q8_0": "docs/decode.md: invisiofficial/rk-llama.cpp's ggml-rknpu2 notes (librknnrt matmul backend, "
+                      "Gemma3-1B Q8_0 tg; the 4xA76 CPU alone 19.5, docs/anchors.md A9)",
 }
 ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
     ("Qwen2.5-1.5B", "int8"): (16.69, "RKLLM w8a8"),

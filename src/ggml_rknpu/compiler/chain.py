@@ -8,7 +8,7 @@ How: the members' bound words are laid out one after another in one regcmd buffe
 core, each member's tasks are already chained through their 4-word tails
 (``program.py``); the last task of a member on a core gets a tail pointing at the first
 task of the next member that uses that core, so the PC walks every member's tasks on that
-core in order [npu-programming.md §2, §3: PC_BASE_ADDRESS / PC_REGISTER_AMOUNTS of the
+core in order [docs/npu-programming.md §2, §3: PC_BASE_ADDRESS / PC_REGISTER_AMOUNTS of the
 tail fetch the next task]. The vendor driver then gets TASK_NUMBER = all of the core's
 tasks; rocket gets one job per core listing them all and ignores the tails [§5], so the
 same words serve both ABIs.

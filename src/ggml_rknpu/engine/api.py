@@ -283,7 +283,7 @@ class Npu:
         from ggml_rknpu.engine.fusion import Step
 
         self._check_open()
-        step = Step(self, list(weights), m, out)
+        step = Step(self, list(weights), m_bucket(m), out)
         self._steps.add(step)
         return step
 

@@ -108,8 +108,7 @@ class Step:
     keep them), or pass ``outs`` to receive the results in your own arrays."""
 
     def __init__(self, npu: Any, weights: Sequence[Any], m: int, out: str | None) -> None:
-        from ggml_rknpu.engine.api import m_bucket
-
+        """``m``: the engine's M bucket for the rows this step takes (``api.m_bucket``)."""
         if not weights:
             raise ValueError("a step needs at least one weight")
         for w in weights:
@@ -121,7 +120,7 @@ class Step:
         self.weights = tuple(weights)
         self.K = weights[0].shape[1]
         self.dtype = weights[0].dtype
-        self.m = m_bucket(m)
+        self.m = m
         self.out = npu._out_dtype(weights[0], out)
         self.closed = False
         scaled = self.dtype == "int8"

@@ -10,7 +10,7 @@ numpy's small reductions:
 * ``ActivationPort.write``: float rows -> the mapped A buffer. fp16: one casting copy into
   the ``(Kp/8, M, 8)`` view (a flat copy when M = 1) and a zeroing of the K padding (the A
   buffer is shared by programs of other K, so its padding may hold their bytes; padding
-  channels must be zero [npu-programming.md §6, §10]). int8: per-row symmetric quantisation
+  channels must be zero [docs/npu-programming.md §6, §10]). int8: per-row symmetric quantisation
   into a preallocated float scratch, then one casting copy; the same arithmetic as
   ``engine.weights.quantize_rows_int8`` so results are bit-identical to ``Npu.matmul``.
 * ``ResultPort.read``: the ``(k_splits, Np/C2, M, C2)`` C view -> caller rows: partial sums
@@ -31,7 +31,7 @@ from ggml_rknpu.engine.weights import FP16_MAX, INT8_QMAX
 from ggml_rknpu.hw import limits
 
 _FP32_TINY = np.float32(np.finfo(np.float32).tiny)   # smallest normal float32
-_ATOM = np.dtype("V16")   # one 16-byte C atom [npu-programming.md §6], moved as a whole
+_ATOM = np.dtype("V16")   # one 16-byte C atom [docs/npu-programming.md §6], moved as a whole
 
 
 class ActivationPort:
