@@ -80,6 +80,43 @@ class FakeNpu:
         pass
 
 
+class FakeStep:
+    """``SteppingFakeNpu.step``: the members' matmuls, one ``submits`` count per run."""
+
+    def __init__(self, engine: "SteppingFakeNpu", weights: list[FakeWeight], m: int) -> None:
+        self.engine, self.weights, self.m, self.closed = engine, weights, m, False
+
+    def run(self, a: np.ndarray, outs=None) -> list[np.ndarray]:
+        assert not self.closed and not any(w.freed for w in self.weights), "run of a stale step"
+        assert a.shape[0] <= self.m
+        if self.engine.fail_step:
+            raise RuntimeError("injected fault in a chained submit")
+        self.engine.counters["submits"] = self.engine.counters.get("submits", 0) + 1
+        results = [a.astype(np.float32) @ w.b.T for w in self.weights]
+        for dst, r in zip(outs, results):
+            dst[...] = r
+        return results
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class SteppingFakeNpu(FakeNpu):
+    """A FakeNpu that also plans grouped steps (``engine.contract.SteppingEngine``)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.steps_built = 0
+        self.fail_step = False
+        self.refuse_steps = False
+
+    def step(self, weights: list[FakeWeight], m: int = 1, *, out: str | None = None) -> FakeStep:
+        if self.refuse_steps:
+            raise ValueError("too many tasks for one chain (injected)")
+        self.steps_built += 1
+        return FakeStep(self, list(weights), m)
+
+
 # --- tensors and graphs ------------------------------------------------------------------------
 _ids = iter(range(0x1000, 1 << 40, 0x10))
 
@@ -256,12 +293,13 @@ class RpcClient:
 # --- server in a thread -------------------------------------------------------------------------
 class ServerThread:
     def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
-                 cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True) -> None:
+                 cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
+                 group_matmuls: bool = True) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
-                                                     weight_reuse=weight_reuse))
+                                                     weight_reuse=weight_reuse, group_matmuls=group_matmuls))
         self.server = RpcServer(self.state, "127.0.0.1", 0)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weight-reuse", action="store_true",
                    help="free a client's staged weights when it leaves instead of keeping them (keyed by "
                         "content) for the next client; see docs/server.md")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="one NPU submit per matmul: do not chain the matmuls that read one activation "
+                        "(Q/K/V, gate/up) into one submit (for comparison; the results are the same)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
-                          threads=args.threads)
+                          threads=args.threads, group_matmuls=not args.no_fuse)
     from ggml_rknpu.hostggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:

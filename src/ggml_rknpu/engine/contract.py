@@ -64,3 +64,29 @@ class MatmulEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class EngineStep(Protocol):
+    """A decode step planned once by ``SteppingEngine.step``: several resident weights that
+    read one activation, run as one submit. ``closed`` once one of its weights is freed."""
+
+    closed: bool
+
+    def run(self, a: np.ndarray, outs: Any = None) -> list[np.ndarray]:
+        """``a`` [M, K] (M up to the planned rows) -> one [M, N_i] result per weight, written
+        into ``outs`` (one float32 array per weight) when given."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SteppingEngine(MatmulEngine, Protocol):
+    """An engine that can run sibling matmuls as one submit (``engine.Npu``; the vendor
+    runtime cannot)."""
+
+    def step(self, weights: list[Any], m: int = 1, *, out: str | None = None) -> EngineStep: ...
+
+
+def stepping(engine: MatmulEngine | None) -> SteppingEngine | None:
+    """``engine`` if it can plan grouped steps, else None: the one capability check."""
+    return engine if engine is not None and callable(getattr(engine, "step", None)) else None  # type: ignore[return-value]

@@ -25,6 +25,7 @@ so they can never be mistaken for a weight.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.engine.contract import EngineStep, MatmulEngine, stepping
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
@@ -43,6 +44,8 @@ from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbac
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 from ggml_rknpu.hostggml.compute import HostCompute, HostContext, Threads
 from ggml_rknpu.hostggml.lib import Ggml
+
+log = logging.getLogger(__name__)
 
 PLANS_PER_DEVICE = 1024
 # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1], and
@@ -110,6 +113,7 @@ class NpuStep:
     host: HostSegment | None
     nbytes: int              # activations in + out (the weight is resident)
     npu_counter: OpCounter
+    a_id: int = 0            # the activation tensor's id (NpuSteps reading one id may be grouped)
 
     def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
         handle = weights.weight(self.slot)
@@ -121,12 +125,7 @@ class NpuStep:
                 weights.matmul_failed(self.slot, exc)
             else:
                 self.out[...] = c.reshape(self.out.shape)
-                counter = self.npu_counter
-                counter.seconds += time.perf_counter() - t0
-                counter.ops += 1
-                counter.bytes += self.nbytes
-                rows = c.shape[0]
-                stats.npu_matmuls_by_m[rows] = stats.npu_matmuls_by_m.get(rows, 0) + 1
+                _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0)
                 timing = npu.last_timing
                 if timing is not None and timing.device_s is not None:
                     stats.npu_device_seconds += timing.device_s
@@ -138,6 +137,138 @@ class NpuStep:
         self.host.run(stats)
 
 
+def _count_npu(stats: ServerStats, members: tuple[NpuStep, ...], rows: int, seconds: float) -> None:
+    """Counters of NPU MUL_MATs that ran (one call for a group: its seconds are shared)."""
+    for member in members:
+        counter = member.npu_counter
+        counter.ops += 1
+        counter.bytes += member.nbytes
+    members[0].npu_counter.seconds += seconds
+    stats.npu_matmuls_by_m[rows] = stats.npu_matmuls_by_m.get(rows, 0) + len(members)
+
+
+GROUP_MAX_ROWS = 16
+# grouped steps are the decode path (M = 1..16: one token, speculative drafts, a few
+# slots), where a submit per matmul is a large share of the token. Prefill matmuls stream
+# their weight for many rows per submit and their programs may need several chains, which
+# a chained step cannot hold: they stay one NpuStep each.
+
+
+@dataclass(eq=False)
+class NpuGroup:
+    """Consecutive NpuSteps reading one activation (Q/K/V after the attention norm,
+    gate/up after the FFN norm): one engine step, i.e. one submit, per replay.
+
+    The engine step chains the members' own resident weights (no extra NPU memory, results
+    identical to the members run one by one). It is built from the handles the weight store
+    holds now and rebuilt whenever one of them changed (a write over a member's bytes
+    unstages it, the next run stages a new copy) or the engine closed it. A member that is
+    not resident, an engine that refuses the step, or a fault in it: the members run one
+    by one (their own fallbacks) for that replay."""
+
+    members: tuple[NpuStep, ...]
+    rows: int                          # activation rows M (fixed by the graph)
+    outs: tuple[np.ndarray, ...]       # each member's dst as float32 [M, N], views in its buffer
+    step: Any = None                   # the engine step (None: not built or dropped)
+    handles: tuple[Any, ...] = ()      # the weights the step was built from
+    refused: bool = False              # the engine cannot plan this group: members one by one
+
+    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        handles = tuple(weights.weight(m.slot) for m in self.members)
+        if self.refused or any(h is None for h in handles):
+            self._one_by_one(stats, npu, weights)
+            return
+        t0 = time.perf_counter()
+        step = self._current_step(npu, handles)
+        if step is None:
+            self._one_by_one(stats, npu, weights)
+            return
+        first = self.members[0]
+        try:
+            run_step(step, _as_f32_rows(first.a, first.a_type, first.slot.k), self.outs)
+        except Exception as exc:  # a fault in the chained submit: drop the step, retry one by one
+            log.warning("grouped NPU step %s failed (%s: %s); its matmuls run one by one this time",
+                        self.names(), type(exc).__name__, exc)
+            self.drop()
+            self._one_by_one(stats, npu, weights)
+            return
+        _count_npu(stats, self.members, self.rows, time.perf_counter() - t0)
+        stats.npu_grouped_runs += 1
+
+    def _current_step(self, npu: MatmulEngine, handles: tuple[Any, ...]) -> Any:
+        """The engine step for ``handles``, (re)built when they or the step went stale."""
+        stale = self.step is None or self.step.closed or len(handles) != len(self.handles) or any(
+            h is not old for h, old in zip(handles, self.handles))
+        if stale:
+            self.drop()
+            engine = stepping(npu)
+            try:
+                if engine is None:
+                    raise ValueError(f"{npu.describe()} plans no grouped steps")
+                self.step = engine.step(list(handles), self.rows)
+            except Exception as exc:  # envelope limits, NPU memory for the chained buffers
+                log.info("NPU matmuls %s stay one submit each: %s: %s", self.names(), type(exc).__name__, exc)
+                self.refused = True
+                return None
+            self.handles = handles
+        return self.step
+
+    def _one_by_one(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        for member in self.members:
+            member.run(stats, npu, weights)
+
+    def names(self) -> str:
+        return "+".join(f"'{m.slot.name}'" for m in self.members)
+
+    def drop(self) -> None:
+        """Release the engine step (its chained buffers); the next run builds a new one."""
+        if self.step is not None:
+            self.step.close()
+        self.step, self.handles = None, ()
+
+
+def run_step(step: EngineStep, a: np.ndarray, outs: tuple[np.ndarray, ...]) -> None:
+    """The grouped step's one NPU call (kept alone so that fault recovery can wrap it)."""
+    step.run(a, outs=outs)
+
+
+def group_npu_steps(steps: list[HostSegment | NpuStep]) -> list[HostSegment | NpuStep | NpuGroup]:
+    """Runs of consecutive NpuSteps that read the same activation tensor become NpuGroups.
+
+    Same src1 tensor means same view, type and K; one weight store means one weight
+    format. Members must write float32 destinations that are plain [M, N] views."""
+    out: list[HostSegment | NpuStep | NpuGroup] = []
+    i = 0
+    while i < len(steps):
+        step = steps[i]
+        j = i + 1
+        if type(step) is NpuStep:
+            while j < len(steps) and type(nxt := steps[j]) is NpuStep and nxt.a_id == step.a_id:
+                j += 1
+        run = steps[i:j]
+        group = _group(run) if len(run) > 1 else None
+        if group is None:
+            out += run
+        else:
+            out.append(group)
+        i = j
+    return out
+
+
+def _group(run: list[Any]) -> NpuGroup | None:
+    first = run[0]
+    rows = first.a.size // first.slot.k
+    if not 1 <= rows <= GROUP_MAX_ROWS:
+        return None
+    outs = []
+    for member in run:
+        if member.out.dtype != np.float32 or not member.out.flags.c_contiguous \
+                or member.out.size != rows * member.slot.n:
+            return None
+        outs.append(member.out.reshape(rows, member.slot.n))   # a view: contiguous
+    return NpuGroup(tuple(run), rows, tuple(outs))
+
+
 @dataclass(eq=False)
 class GraphPlan:
     """A received graph, ready to replay: host segments and NPU steps in the client's order.
@@ -147,7 +278,7 @@ class GraphPlan:
 
     dev: int
     digest: bytes
-    steps: list[HostSegment | NpuStep]
+    steps: list[HostSegment | NpuStep | NpuGroup]
     host: HostContext
     npu: MatmulEngine | None
     weights: WeightStore
@@ -169,6 +300,9 @@ class GraphPlan:
         stats.view_nodes += self.n_views
 
     def close(self) -> None:
+        for step in self.steps:
+            if type(step) is NpuGroup:
+                step.drop()
         self.steps = []
         self.host.close()
 
@@ -278,8 +412,9 @@ class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
-                 host: Ggml, threads: Threads) -> None:
+                 host: Ggml, threads: Threads, group: bool = True) -> None:
         self.buffers = buffers
+        self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
         self.npu = npu
         self.stats = stats
@@ -336,6 +471,7 @@ class GraphPlanner:
                                         "ggml-cpu does not support this combination")
             steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
             host.finish()
+            planned = group_npu_steps(steps) if self.group else list(steps)
         except BaseException:
             host.close()
             raise
@@ -343,7 +479,8 @@ class GraphPlanner:
         self.stats.plans_built += 1
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
-        return GraphPlan(g.dev, digest, steps, host, self.npu, self.weights, len(g.node_ids), views)
+        self.stats.npu_groups_planned += sum(1 for s in planned if type(s) is NpuGroup)
+        return GraphPlan(g.dev, digest, planned, host, self.npu, self.weights, len(g.node_ids), views)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
@@ -373,7 +510,7 @@ class GraphPlanner:
         return NpuStep(slot=slot, a=a.ref().as_array(), a_type=g.tensors[t.src[1]].type,
                        out=checked[t.id].ref().as_array(), host=segment,
                        nbytes=self._span(t, checked) - slot.nbytes,
-                       npu_counter=self.stats.counter("MUL_MAT", NPU))
+                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1])
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:

@@ -97,6 +97,8 @@ class ServerStats:
     npu_device_seconds: float = 0.0   # the engine's own device-time figure for NPU matmuls
     npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
     npu_matmuls_by_m: dict[int, int] = field(default_factory=dict)  # NPU MUL_MATs by rows M (batch, spec, slots)
+    npu_groups_planned: int = 0       # NpuGroups in the plans built (sibling matmuls as one submit)
+    npu_grouped_runs: int = 0         # replays of a group that ran as one engine step
     bytes_out: int = 0
 
     def counter(self, op: str, engine: str) -> OpCounter:
@@ -130,8 +132,9 @@ class ServerStats:
         inside = self.host_seconds + sum(c.seconds for (_, engine), c in self.per_op.items() if engine != HOST)
         return (self.execute_seconds - inside) / nodes * 1e6 if nodes else None
 
-    def as_dict(self, weights=None) -> dict:
-        """Machine-readable counters (``--stats-json``), for benchmarks and reports."""
+    def as_dict(self, weights=None, engine: dict[str, int] | None = None) -> dict:
+        """Machine-readable counters (``--stats-json``), for benchmarks and reports; ``engine``:
+        the engine's own counters (``submits``, ``step_runs``, ``chained_submits``, ...)."""
         per_op = [{"op": op, "engine": engine, "nodes": c.ops, "bytes": c.bytes, "host_seconds": c.seconds}
                   for (op, engine), c in self.per_op.items() if c.ops]
         out = {k: v for k, v in vars(self).items() if k not in ("per_op", "commands")}
@@ -139,6 +142,8 @@ class ServerStats:
                    replay_overhead_us_per_node=self.replay_overhead_us_per_node())
         if weights is not None:
             out["weights"] = dict(vars(weights))
+        if engine is not None:
+            out["engine"] = dict(engine)
         return out
 
     def render(self, weights=None) -> str:

@@ -127,6 +127,7 @@ class ServerConfig:
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
     threads: int | None = None        # ggml-cpu host threads (None: hostggml.compute.default_threads())
+    group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (graph.NpuGroup)
 
 
 @dataclass
@@ -161,7 +162,8 @@ class ServerState:
             return
         try:
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.stats.as_dict(self.weight_stats), indent=1))
+            tmp.write_text(json.dumps(self.stats.as_dict(
+                self.weight_stats, getattr(self.npu, "counters", None)), indent=1))
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write --stats-json %s: %s", path, exc)
@@ -188,7 +190,8 @@ class Session:
                                    state.retired)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
-        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads)
+        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
+                                    group=state.config.group_matmuls)
         self.hello = False
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
