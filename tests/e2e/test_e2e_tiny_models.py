@@ -95,3 +95,31 @@ def test_moe_ssm_hybrid_greedy_tokens_equal_cpu(tmp_path: Path, arch: str) -> No
     assert server.weight_uploads() > 0, server.log()
     assert cpu_text.strip(), cpu.stderr[-2000:]
     assert text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n--- server ---\n{server.log()}"
+
+
+def _decode_submits(tmp_path: Path, model: Path, extra: tuple[str, ...]) -> tuple[float, str, dict]:
+    """NPU submits per decoded token: two servers (stats written at their exit) decode 4 and
+    12 tokens of the same prompt; the difference is 8 decode steps (prefill and warm-up cancel)."""
+    submits, text, stats = [], "", {}
+    for n in (4, 12):
+        with rknpu_server(tmp_path, extra=("--weights", "fp16", *extra), name=f"submits-{n}") as server:
+            text, proc = completion(model, PROMPT, n_predict=n, rpc=server.endpoint, timeout=800, attempts=1)
+            assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+        stats = server.stats()
+        submits.append(stats["engine"]["submits"])
+    return (submits[1] - submits[0]) / 8, text, stats
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_runs_at_most_four_submits_per_layer(tmp_path: Path, models: dict[str, Path], arch: str) -> None:
+    """Q/K/V and gate/up each one chained submit: 4 per layer (QKV, O, gate+up, down) + the
+    output head per decoded token; ``--no-fuse`` (one per matmul, 7 per layer) decodes the same text."""
+    per_token, text, stats = _decode_submits(tmp_path, models[arch], ())
+    assert per_token == 4 * 2 + 1, (per_token, stats["engine"])
+    assert stats["npu_grouped_runs"] > 0 and stats["engine"]["chained_submits"] > 0
+    ungrouped, text_unfused, stats = _decode_submits(tmp_path, models[arch], ("--no-fuse",))
+    assert ungrouped == TINY_MATMUL_WEIGHTS and stats["npu_groups_planned"] == 0, stats["engine"]
+    cpu_text, cpu = completion(models[arch], PROMPT, n_predict=12)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    assert text == text_unfused == cpu_text

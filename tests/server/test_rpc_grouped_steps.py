@@ -22,9 +22,13 @@ def f32(buffer, data, *ne, **kw) -> T:
 
 
 class AttentionGraph:
-    """a = x + x (host); q, k, v = W_q a, W_k a, W_v a (one group); o = W_o q (alone: reads q)."""
+    """a = x + x (host); q, k, v = W_q a, W_k a, W_v a (one group); o = W_o q (alone: reads q).
 
-    def __init__(self, c, seed: int = 0) -> None:
+    ``llama_order``: the order and memory reuse of llama.cpp's attention: q, r = q + q
+    (host, ROPE's place), then v written over q's bytes (free once r read them), then k;
+    o = W_o r. Grouping moves v and k up to q and delivers v's result at its own place."""
+
+    def __init__(self, c, seed: int = 0, llama_order: bool = False) -> None:
         self.c = c
         wh, wb = c.alloc_base(1 << 16)
         ch, cb = c.alloc_base(1 << 16)
@@ -43,10 +47,18 @@ class AttentionGraph:
                               src=(self.wt[name].id, self.a.id), name=name)
                     for i, name in enumerate(("q", "k", "v"))}
         self.out["o"] = f32(ch, cb + 2048 * 4, K, M, op=MUL_MAT, src=(self.wt["o"].id, self.out["q"].id), name="o")
+        self.order = [self.a, *self.out.values()]
+        if llama_order:
+            q = self.out["q"]
+            r = f32(ch, cb + 2048 * 5, NQ, M, op=ADD, src=(q.id, q.id), name="r")
+            self.out["v"] = f32(ch, q.data, NK, M, op=MUL_MAT, src=(self.wt["v"].id, self.a.id), name="v")
+            self.out["o"] = f32(ch, cb + 2048 * 4, K, M, op=MUL_MAT, src=(self.wt["o"].id, r.id), name="o")
+            self.out["r"] = r
+            self.order = [self.a, q, r, self.out["v"], self.out["k"], self.out["o"]]
         c.set_array(self.x, np.random.default_rng(seed + 1).standard_normal((M, K)).astype(np.float32))
 
     def nodes(self) -> list[T]:
-        return [self.a, *self.out.values()]
+        return self.order
 
     def compute(self) -> dict[str, np.ndarray]:
         self.c.graph_compute(self.nodes(), [self.x, *self.wt.values(), *self.nodes()])
@@ -60,11 +72,11 @@ class AttentionGraph:
         return {name: self.c.get_array(t).reshape(M, -1) for name, t in self.out.items()}
 
 
-def run_graph(npu, group: bool, writes=()) -> tuple[list[dict[str, np.ndarray]], dict]:
+def run_graph(npu, group: bool, writes=(), llama_order: bool = False) -> tuple[list[dict[str, np.ndarray]], dict]:
     """Two graph runs (the second after ``writes``: (member, new weight)), results and stats."""
     for st in serve(npu=npu, group_matmuls=group):
         with st.client() as c:
-            g = AttentionGraph(c)
+            g = AttentionGraph(c, llama_order=llama_order)
             first = g.compute()
             for name, arr in writes:
                 c.set_array(g.wt[name], arr)
@@ -90,6 +102,22 @@ def test_siblings_run_as_one_step_with_the_results_of_one_submit_each():
     assert ungrouped_npu.steps_built == 0 and ungrouped_npu.matmuls == 8 and stats["npu_groups_planned"] == 0
     for a, b in zip(grouped, ungrouped):
         same(a, b)
+
+
+@pytest.mark.parametrize("trouble", [None, "fault", "refused"])
+def test_llama_order_siblings_are_gathered_and_a_reused_dst_is_written_at_its_place(trouble):
+    npu = SteppingFakeNpu()
+    npu.fail_step = trouble == "fault"
+    npu.refuse_steps = trouble == "refused"
+    grouped, stats = run_graph(npu, group=True, llama_order=True)
+    reference, ref_stats = run_graph(SteppingFakeNpu(), group=False, llama_order=True)
+    for a, b in zip(grouped, reference):
+        same(a, b)
+    if trouble is None:
+        assert stats["npu_groups_planned"] == 1 and stats["npu_grouped_runs"] == 2
+        assert npu.counters["submits"] == 2 and npu.matmuls == 2                # q+v+k as one; o alone
+    else:
+        assert stats["npu_grouped_runs"] == 0 and npu.matmuls == 8
 
 
 def test_a_write_to_one_member_rebuilds_the_step():

@@ -114,6 +114,7 @@ class NpuStep:
     nbytes: int              # activations in + out (the weight is resident)
     npu_counter: OpCounter
     a_id: int = 0            # the activation tensor's id (NpuSteps reading one id may be grouped)
+    node: int = 0            # the MUL_MAT's tensor id
 
     def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
         handle = weights.weight(self.slot)
@@ -172,8 +173,11 @@ class NpuGroup:
     step: Any = None                   # the engine step (None: not built or dropped)
     handles: tuple[Any, ...] = ()      # the weights the step was built from
     refused: bool = False              # the engine cannot plan this group: members one by one
+    deferred: frozenset[int] = frozenset()   # members whose result a Delivery writes later
+    ran: bool = False                  # this replay ran as one step (the Deliveries copy its results)
 
     def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        self.ran = False
         handles = tuple(weights.weight(m.slot) for m in self.members)
         if self.refused or any(h is None for h in handles):
             self._one_by_one(stats, npu, weights)
@@ -194,6 +198,7 @@ class NpuGroup:
             return
         _count_npu(stats, self.members, self.rows, time.perf_counter() - t0)
         stats.npu_grouped_runs += 1
+        self.ran = True
 
     def _current_step(self, npu: MatmulEngine, handles: tuple[Any, ...]) -> Any:
         """The engine step for ``handles``, (re)built when they or the step went stale."""
@@ -214,8 +219,10 @@ class NpuGroup:
         return self.step
 
     def _one_by_one(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        """The members that run here (a deferred one runs at its Delivery)."""
         for member in self.members:
-            member.run(stats, npu, weights)
+            if member.node not in self.deferred:
+                member.run(stats, npu, weights)
 
     def names(self) -> str:
         return "+".join(f"'{m.slot.name}'" for m in self.members)
@@ -232,12 +239,33 @@ def run_step(step: EngineStep, a: np.ndarray, outs: tuple[np.ndarray, ...]) -> N
     step.run(a, outs=outs)
 
 
-def group_npu_steps(steps: list[HostSegment | NpuStep]) -> list[HostSegment | NpuStep | NpuGroup]:
+@dataclass(eq=False)
+class Delivery:
+    """Where a grouped member that was moved up used to be: its result is written here
+    (copied from the group's run, or the member runs here when the group did not)."""
+
+    node: int                          # the member's tensor id
+    member: NpuStep | None = None
+    group: NpuGroup | None = None
+    kept: np.ndarray | None = None     # the group's result for this member
+    dst: np.ndarray | None = None      # the member's dst as [M, N]
+
+    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        if self.group is not None and self.group.ran:
+            np.copyto(self.dst, self.kept)
+        else:
+            self.member.run(stats, npu, weights)
+
+
+def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostSegment | NpuStep | NpuGroup | Delivery]:
     """Runs of consecutive NpuSteps that read the same activation tensor become NpuGroups.
 
     Same src1 tensor means same view, type and K; one weight store means one weight
-    format. Members must write float32 destinations that are plain [M, N] views."""
-    out: list[HostSegment | NpuStep | NpuGroup] = []
+    format. Members must write float32 destinations that are plain [M, N] views. A member
+    with a Delivery (moved up by ``_gather_siblings``) writes its result there; if it ends
+    up in no group it runs there, not where it was moved."""
+    deliveries = {d.node: d for d in steps if type(d) is Delivery}
+    out: list[HostSegment | NpuStep | NpuGroup | Delivery] = []
     i = 0
     while i < len(steps):
         step = steps[i]
@@ -246,16 +274,20 @@ def group_npu_steps(steps: list[HostSegment | NpuStep]) -> list[HostSegment | Np
             while j < len(steps) and type(nxt := steps[j]) is NpuStep and nxt.a_id == step.a_id:
                 j += 1
         run = steps[i:j]
-        group = _group(run) if len(run) > 1 else None
-        if group is None:
-            out += run
-        else:
+        group = _group(run, deliveries) if len(run) > 1 else None
+        if group is not None:
             out.append(group)
+        else:
+            for member in run:
+                if type(member) is NpuStep and member.node in deliveries:
+                    deliveries[member.node].member = member      # runs at its own place
+                else:
+                    out.append(member)
         i = j
     return out
 
 
-def _group(run: list[Any]) -> NpuGroup | None:
+def _group(run: list[Any], deliveries: dict[int, Delivery]) -> NpuGroup | None:
     first = run[0]
     rows = first.a.size // first.slot.k
     if not 1 <= rows <= GROUP_MAX_ROWS:
@@ -266,7 +298,16 @@ def _group(run: list[Any]) -> NpuGroup | None:
                 or member.out.size != rows * member.slot.n:
             return None
         outs.append(member.out.reshape(rows, member.slot.n))   # a view: contiguous
-    return NpuGroup(tuple(run), rows, tuple(outs))
+    group = NpuGroup(tuple(run), rows, tuple(outs))
+    kept = list(outs)
+    for index, member in enumerate(run):
+        d = deliveries.get(member.node)
+        if d is not None:
+            d.member, d.group, d.dst = member, group, outs[index]
+            d.kept = kept[index] = np.empty_like(outs[index])
+    group.outs = tuple(kept)
+    group.deferred = frozenset(d.node for d in deliveries.values() if d.group is group)
+    return group
 
 
 @dataclass(eq=False)
@@ -278,7 +319,7 @@ class GraphPlan:
 
     dev: int
     digest: bytes
-    steps: list[HostSegment | NpuStep | NpuGroup]
+    steps: list[HostSegment | NpuStep | NpuGroup | Delivery]
     host: HostContext
     npu: MatmulEngine | None
     weights: WeightStore
@@ -408,6 +449,67 @@ def _view_chain(g: ParsedGraph, tid: int) -> list[int]:
     return chain
 
 
+def _touches(t: RpcTensor, checked: dict[int, CheckedTensor]) -> tuple[list[CheckedTensor], list[CheckedTensor]]:
+    """(bytes a node writes, bytes it reads), as checked ranges."""
+    reads = [checked[s] for s in t.src if s and checked[s].buffer is not None]
+    dst = checked[t.id]
+    return ([dst] if dst.buffer is not None else []), reads
+
+
+def _overlap(a: list[CheckedTensor], b: list[CheckedTensor]) -> bool:
+    return any(x.buffer is y.buffer and x.start < y.end and y.start < x.end for x in a for y in b)
+
+
+def _movable(moved: RpcTensor, over: list[RpcTensor], checked: dict[int, CheckedTensor]) -> tuple[bool, bool]:
+    """(``moved`` may run before the nodes ``over``, its result must then still be written
+    at its own place). It may when none of them writes bytes it reads. If one of them
+    reads or writes its destination's bytes (the client's allocator reuses memory by the
+    original order: V's dst is often Q's, freed once ROPE(Q) read it), the result is
+    kept aside and delivered where the node was."""
+    mw, mr = _touches(moved, checked)
+    deliver = False
+    for node in over:
+        ow, orr = _touches(node, checked)
+        if _overlap(ow, mr):
+            return False, False
+        deliver = deliver or _overlap(mw, ow + orr)
+    return True, deliver
+
+
+def _gather_siblings(computing: list[int], g: ParsedGraph, slots: dict[int, WeightSlot | None],
+                     checked: dict[int, CheckedTensor]) -> list[int]:
+    """Node order with each NPU MUL_MAT moved up next to the previous NPU MUL_MAT reading the
+    same activation (llama.cpp's attention builds Q, ROPE(Q), then K and V: this makes
+    Q/K/V consecutive, one group). A moved node whose destination the passed nodes use
+    leaves a marker, ``-id``, at its own place: its result is written there.
+
+    An NPU MUL_MAT reads only a leaf weight and its activation, computed before the
+    earlier sibling, so the move is safe once no passed node writes bytes it reads."""
+    order: list[int] = []
+    after_last: dict[int, int] = {}          # activation id -> index just after its last NPU reader
+    for nid in computing:
+        t = g.tensors[nid]
+        if slots.get(nid) is None:
+            order.append(nid)
+            continue
+        act = t.src[1]
+        at = after_last.get(act)
+        ok, deliver = (False, False) if at is None else _movable(
+            t, [g.tensors[abs(o)] for o in order[at:]], checked)
+        if not ok or at is None or at == len(order):
+            order.append(nid)
+            after_last[act] = len(order)
+            continue
+        order.insert(at, nid)
+        for key, index in after_last.items():
+            if index >= at:
+                after_last[key] = index + 1
+        after_last[act] = at + 1
+        if deliver:
+            order.append(-nid)
+    return order
+
+
 class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
@@ -440,14 +542,15 @@ class GraphPlanner:
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
+        order = _gather_siblings(computing, g, slots, checked) if self.group else computing
 
         # segments: maximal runs of host nodes; a node whose indices are computed in the
         # current run starts a new one (its indices are checked before that run computes)
         runs: list[list[int]] = []
         current: list[int] = []
         computed: set[int] = set()
-        for nid in computing:
-            if slots.get(nid) is not None:
+        for nid in order:
+            if nid < 0 or slots.get(nid) is not None:       # an NPU step or a delivery marker
                 runs += [current, [nid]] if current else [[nid]]
                 current, computed = [], set()
                 continue
@@ -471,7 +574,7 @@ class GraphPlanner:
                                         "ggml-cpu does not support this combination")
             steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
             host.finish()
-            planned = group_npu_steps(steps) if self.group else list(steps)
+            planned = group_npu_steps(steps) if self.group else steps
         except BaseException:
             host.close()
             raise
@@ -500,7 +603,9 @@ class GraphPlanner:
 
     def _step(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
               host: HostContext, indices: dict[int, list[tuple[int, int]]],
-              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool]) -> HostSegment | NpuStep:
+              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool]) -> HostSegment | NpuStep | Delivery:
+        if run[0] < 0:
+            return Delivery(-run[0])
         slot = slots.get(run[0])
         if slot is None:
             return self._segment(run, g, checked, ptrs, host, indices)
@@ -510,7 +615,7 @@ class GraphPlanner:
         return NpuStep(slot=slot, a=a.ref().as_array(), a_type=g.tensors[t.src[1]].type,
                        out=checked[t.id].ref().as_array(), host=segment,
                        nbytes=self._span(t, checked) - slot.nbytes,
-                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1])
+                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:
