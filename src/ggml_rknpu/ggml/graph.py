@@ -8,7 +8,8 @@ weight), and turns the graph into real ggml tensors in one no-alloc context
 (``hostggml.compute``: ``data`` in the server's buffers, views as views, flags as sent).
 The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
 ``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
-call each). Replaying a plan is a loop over those steps: no parsing, no decisions.
+call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
+:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"). Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
 
