@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weight-reuse", action="store_true",
                    help="free a client's staged weights when it leaves instead of keeping them (keyed by "
                         "content) for the next client; see docs/server.md")
+    p.add_argument("--sim-faults", default=None, metavar="SPEC",
+                   help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
+                        "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -73,18 +76,42 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _open_engine(args: argparse.Namespace):
-    """(engine or None for --device host, how to name it in the start-up line)."""
+    """(engine or None for --device host, how to name it in the start-up line, the
+    ``FaultInjector`` under --sim-faults or None)."""
     if args.engine == "rknn":
         from ggml_rknpu.rknn.opener import open_rknn
 
         npu, setup = open_rknn(args.device, max_contexts=args.rknn_contexts)
-        return npu, f"{setup.describe()}, at most {args.rknn_contexts} contexts"
+        return npu, f"{setup.describe()}, at most {args.rknn_contexts} contexts", None
     if args.device == "host":
-        return None, "host only (no NPU)"
+        return None, "host only (no NPU)", None
     import ggml_rknpu
 
+    if args.sim_faults is not None:
+        return _open_faulty_engine(args)
     npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
-    return npu, f"NPU engine on {_device_name(npu, args.device)}"
+    return npu, f"NPU engine on {_device_name(npu, args.device)}", None
+
+
+def _open_faulty_engine(args: argparse.Namespace):
+    """The engine on the simulator behind ``sim.faults.FaultInjector`` (refused on a board)."""
+    import ggml_rknpu
+    from ggml_rknpu.kernel.device import NpuDevice
+    from ggml_rknpu.sim.faults import FaultSpec, open_faulty_device
+
+    spec = FaultSpec.parse(args.sim_faults)
+    kind = args.device.removeprefix("sim-")
+    if args.device == "auto":
+        with NpuDevice.open(None) as probe:
+            if not probe.simulated:
+                raise ValueError(f"--sim-faults injects faults into the NPU simulator only and --device auto found "
+                                 f"a real NPU ({probe.kind} at {probe.path}); refused (use --device sim-rknpu)")
+            kind = probe.kind
+    elif not args.device.startswith("sim-"):
+        raise ValueError(f"--sim-faults injects faults into the NPU simulator only; refused on a real device "
+                         f"(--device {args.device}); use --device sim-rknpu or sim-rocket")
+    device, injector = open_faulty_device(kind, spec)
+    return ggml_rknpu.open(device=device), f"NPU engine on {kind} (simulated), injected faults: {spec.describe()}", injector
 
 
 def _device_name(npu, requested: str) -> str:
@@ -108,11 +135,14 @@ def run(args: argparse.Namespace) -> int:
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
         return 2
+    if args.sim_faults is not None and (args.engine == "rknn" or args.device == "host"):
+        log.error("--sim-faults needs our engine on the NPU simulator (not --engine rknn or --device host)")
+        return 2
     if args.engine == "rknn" and args.device == "host":
         log.error("--engine rknn and --device host contradict each other (host runs no engine)")
         return 2
     try:
-        npu, engine = _open_engine(args)
+        npu, engine, injector = _open_engine(args)
     except Exception as exc:
         log.error("cannot open the %s engine for --device %s: %s (use --device host to serve without it)",
                   args.engine, args.device, exc)
@@ -121,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse)
-    state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
+    state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config,
+                        faults=injector)
     try:
         server = RpcServer(state, args.host, args.port)
     except OSError as exc:
@@ -131,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     def print_stats(*_: object) -> None:
-        sys.stderr.write(state.stats.render(state.weight_stats))
+        sys.stderr.write(state.render_stats())
         sys.stderr.flush()
         state.write_stats_json()
 

@@ -47,6 +47,7 @@ weights.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import ModeledTime, modeled_time
+from ggml_rknpu.engine import stale_output
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -220,7 +222,7 @@ class Npu:
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits"), 0)
+            "submits", "resets"), 0)
         self.last_timing: Timing | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
@@ -389,12 +391,14 @@ class Npu:
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
         _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        stale_output.arm(plan.c_buf, plan.program)
         t1 = time.perf_counter()
         try:
             completion = self.device.submit(plan.job)
         except NpuTimeout as exc:
             raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
         self.counters["submits"] += 1
+        stale_output.check(plan.c_buf, plan.program)
         t2 = time.perf_counter()
         c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
         t3 = time.perf_counter()
@@ -439,6 +443,23 @@ class Npu:
             del self._lru[key]
         self._weights.remove(w)
         self.counters["weights_freed"] += 1
+
+    # -- faults ----------------------------------------------------------------------
+    def reset(self) -> list[Weight]:
+        """Reset the NPU after a faulted job; the weights whose NPU copy the reset destroyed.
+
+        Vendor: ACT_RESET (a core that stopped responding needs it). Rocket has no reset
+        ioctl and resets a timed-out core itself. Neither reset frees GEM objects (the soft
+        reset is of the NPU's blocks, the buffers belong to the open file), so the list is
+        empty with both drivers; a caller still re-stages whatever it names."""
+        self._check_open()
+        try:
+            self.device.reset()
+        except NpuError as exc:
+            if exc.errno != errno.EOPNOTSUPP:   # rocket: the driver already reset the core
+                raise
+        self.counters["resets"] += 1
+        return [w for w in self._weights if w.buffer.closed]
 
     # -- lifecycle -------------------------------------------------------------------
     def _check_open(self) -> None:

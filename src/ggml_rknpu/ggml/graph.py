@@ -31,6 +31,7 @@ from ggml_rknpu.ggml.ops.convert import bf16_to_f32
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpNode, op_name
 from ggml_rknpu.ggml.ops.registry import plan_op as host_plan_op
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
+from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
@@ -182,12 +183,14 @@ class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: Any, stats: ServerStats,
-                 plan_op: Callable[[Any], Callable[[], None]] | None = None) -> None:
+                 plan_op: Callable[[Any], Callable[[], None]] | None = None,
+                 recovery: NpuRecovery | None = None) -> None:
         self.buffers = buffers
         self.weights = weights
         self.npu = npu
         self.stats = stats
         self.plan_op = plan_op or host_plan_op
+        self.recovery = recovery or NpuRecovery(npu, weights, RecoveryStats())
 
     def build(self, payload: bytes | memoryview, digest: bytes) -> Plan:
         t0 = time.perf_counter()
@@ -261,10 +264,11 @@ class GraphPlanner:
 
     def _npu_matmul(self, t: RpcTensor, slot: WeightSlot, ref: Callable[[int], Any],
                     host_plan: Callable[[], Callable[[], None]], step: Step) -> Callable[[], None]:
-        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted.
+        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted
+        or the NPU faulted twice (``NpuRecovery``).
 
         The step's counter follows where the work actually ran (NPU or the host fallback)."""
-        npu, weights, stats = self.npu, self.weights, self.stats
+        npu, recovery, stats = self.npu, self.recovery, self.stats
         npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
         a_view = ref(t.src[1]).as_array()
         a_type = ref(t.src[1]).type
@@ -273,21 +277,15 @@ class GraphPlanner:
         fallback: list[Callable[[], None]] = []
 
         def run() -> None:
-            handle = weights.weight(slot)
-            if handle is not None:
-                a = _as_f32_rows(a_view, a_type, k)
-                try:
-                    c = npu.matmul(a, handle)
-                except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
-                    weights.matmul_failed(slot, exc)
-                else:
-                    d_view[...] = c.reshape(d_view.shape)
-                    step.counter = npu_counter
-                    timing = getattr(npu, "last_timing", None)
-                    if timing is not None and timing.device_s is not None:
-                        stats.npu_device_seconds += timing.device_s
-                        stats.npu_device_label = timing.device_label
-                    return
+            c = recovery.matmul(slot, lambda: _as_f32_rows(a_view, a_type, k))   # faults: ggml/recovery.py
+            if c is not None:
+                d_view[...] = c.reshape(d_view.shape)
+                step.counter = npu_counter
+                timing = getattr(npu, "last_timing", None)
+                if timing is not None and timing.device_s is not None:
+                    stats.npu_device_seconds += timing.device_s
+                    stats.npu_device_label = timing.device_label
+                return
             step.counter = host_counter
             if not fallback:
                 fallback.append(host_plan())

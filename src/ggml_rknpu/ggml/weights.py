@@ -35,7 +35,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -237,10 +237,27 @@ class WeightStore:
         if isinstance(exc, NpuOutOfMemory) and self.retired is not None and self.retired.evict_one():
             log.info("NPU out of memory in a matmul with '%s': evicted a retired weight", slot.name)
             return
-        slot.failed = f"{type(exc).__name__}: {exc}"
+        self.demote(slot, f"{type(exc).__name__}: {exc}")
+
+    def demote(self, slot: WeightSlot, reason: str) -> None:
+        """Host path for good for this weight (``reason`` is logged and kept); NPU copy freed."""
+        slot.failed = reason
         self.stats.failures += 1
-        log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
+        log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, reason)
         self._unstage(slot)
+
+    def restage(self, lost: Callable[[Any], bool]) -> int:
+        """Forget the staged copies ``lost(handle)`` names (an NPU reset destroyed them); the
+        next use stages them again. Returns how many."""
+        n = 0
+        for slots in self._by_buffer.values():
+            for slot in slots:
+                if slot.handle is not None and lost(slot.handle):
+                    slot.handle = None
+                    self.stats.staged -= 1
+                    self.stats.staged_bytes -= slot.nbytes
+                    n += 1
+        return n
 
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""

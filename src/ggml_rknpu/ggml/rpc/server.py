@@ -33,6 +33,7 @@ from typing import Any, Callable
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
+from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
@@ -136,6 +137,8 @@ class ServerState:
     weight_stats: WeightStats = field(default_factory=WeightStats)
     plan_op: Callable | None = None
     retired: RetiredWeights | None = None
+    recovery: RecoveryStats = field(default_factory=RecoveryStats)
+    faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
@@ -147,13 +150,27 @@ class ServerState:
         if self.retired is not None:
             self.retired.clear()
 
+    def stats_dict(self) -> dict:
+        """Every counter, machine-readable (``--stats-json``)."""
+        out = self.stats.as_dict(self.weight_stats)
+        out["recovery"] = self.recovery.as_dict()
+        if self.faults is not None:
+            out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
+        return out
+
+    def render_stats(self) -> str:
+        lines = [self.stats.render(self.weight_stats), self.recovery.render()]
+        if self.faults is not None:
+            lines.append(f"faults injected (--sim-faults): {self.faults.counts} in {self.faults.submits} submits")
+        return "\n".join(lines) + "\n"
+
     def write_stats_json(self) -> None:
         path = self.config.stats_json
         if path is None:
             return
         try:
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.stats.as_dict(self.weight_stats), indent=1))
+            tmp.write_text(json.dumps(self.stats_dict(), indent=1))
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write --stats-json %s: %s", path, exc)
@@ -180,7 +197,8 @@ class Session:
                                    state.retired)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
-        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.plan_op)
+        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.plan_op,
+                                    NpuRecovery(state.npu, self.weights, state.recovery))
         self.hello = False
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
@@ -509,7 +527,7 @@ class RpcServer:
                 if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
                     runs_reported = self.state.stats.graph_runs
                     if self.state.config.stats_each_client:
-                        log.info("\n%s", self.state.stats.render(self.state.weight_stats))
+                        log.info("\n%s", self.state.render_stats())
                     self.state.write_stats_json()
         finally:
             self.listener.close()

@@ -1,0 +1,97 @@
+"""--sim-faults: the SPEC grammar, each fault kind as the engine sees it through the real
+submit path on both simulated drivers, determinism, and stale output caught by the canary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggml_rknpu
+from ggml_rknpu.engine.stale_output import StaleOutput
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
+from ggml_rknpu.sim.faults import FaultSpec, FaultSpecError, open_faulty_device
+
+pytestmark = pytest.mark.timeout(120)
+N, K = 48, 96
+
+
+def test_spec_parses_rates_schedule_and_seed():
+    spec = FaultSpec.parse("timeout:0.02, stale@5,core@9 ,dma:0.5,seed=7")
+    assert spec.rates == (("timeout", 0.02), ("dma", 0.5))
+    assert spec.schedule == ((5, "stale"), (9, "core"))
+    assert spec.seed == 7
+    assert "stale at submit 5" in spec.describe()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("hang:0.1", "unknown fault kind"), ("timeout:2", "0..1"), ("timeout@0", "numbered from 1"),
+    ("stale@3,dma@3", "scheduled twice"), ("timeout:0.6,dma:0.6", "add up"), ("timeout", "KIND:RATE"),
+])
+def test_bad_specs_are_refused_with_the_grammar(text, words):
+    with pytest.raises(FaultSpecError, match=words):
+        FaultSpec.parse(text)
+
+
+def _engine(kind: str, spec: str):
+    device, injector = open_faulty_device(kind, spec)
+    npu = ggml_rknpu.open(device=device)
+    b = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    return npu, injector, npu.upload_weight(b), b
+
+
+def _calls(npu, w, b, n: int, seed: int = 1) -> list[str]:
+    """n matmuls with fresh activations: 'ok', or the exception's class name (a wrong result fails)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a = rng.standard_normal((2, K)).astype(np.float32)
+        try:
+            c = npu.matmul(a, w)
+        except (NpuTimeout, NpuFault, StaleOutput) as exc:
+            out.append(type(exc).__name__)
+            continue
+        np.testing.assert_allclose(c, a @ b.astype(np.float16).astype(np.float32).T, rtol=2e-2, atol=2e-2)
+        out.append("ok")
+    return out
+
+
+@pytest.mark.parametrize("abi", ["rknpu", "rocket"])
+def test_one_shot_faults_fail_one_submit(abi):
+    for spec, error in (("dma@2", "NpuFault" if abi == "rknpu" else "NpuTimeout"), ("stale@2", "StaleOutput")):
+        npu, injector, w, b = _engine(abi, spec)
+        with npu:
+            assert _calls(npu, w, b, 3) == ["ok", error, "ok"], spec
+            assert injector.counts[spec[:-2]] == 1 and injector.submits == 3
+
+
+def test_vendor_hang_and_dead_core_last_until_reset():
+    for spec in ("timeout@2", "core@2"):
+        npu, injector, w, b = _engine("rknpu", spec)
+        with npu:
+            assert _calls(npu, w, b, 3) == ["ok", "NpuTimeout", "NpuTimeout"], spec
+            assert npu.reset() == [] and injector.resets == 1
+            assert _calls(npu, w, b, 2) == ["ok", "ok"], spec
+
+
+def test_rocket_resets_a_hung_core_itself():
+    npu, injector, w, b = _engine("rocket", "core@1")
+    with npu:
+        assert _calls(npu, w, b, 2) == ["NpuTimeout", "ok"]
+        assert npu.reset() == []          # no reset ioctl on rocket: nothing to do, no error
+
+
+def test_rates_are_deterministic_for_a_seed():
+    runs = []
+    for seed in (3, 3, 4):
+        npu, injector, w, b = _engine("rknpu", f"dma:0.3,stale:0.3,seed={seed}")
+        with npu:
+            runs.append((_calls(npu, w, b, 12), dict(injector.counts)))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert runs[0][1]["dma"] and runs[0][1]["stale"]
+
+
+def test_no_spec_injects_nothing():
+    npu, injector, w, b = _engine("rknpu", "")
+    with npu:
+        assert _calls(npu, w, b, 3) == ["ok"] * 3
+        assert sum(injector.counts.values()) == 0
