@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weight-reuse", action="store_true",
                    help="free a client's staged weights when it leaves instead of keeping them (keyed by "
                         "content) for the next client; see docs/server.md")
+    p.add_argument("--npu-memory", type=int, default=None, metavar="MIB",
+                   help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
+                        "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
     p.add_argument("--sim-faults", default=None, metavar="SPEC",
                    help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
                         "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
@@ -147,6 +150,15 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot open the %s engine for --device %s: %s (use --device host to serve without it)",
                   args.engine, args.device, exc)
         return 1
+    if args.npu_memory is not None:
+        if args.npu_memory < 1 or npu is None or not hasattr(npu, "memory_cap"):
+            log.error("--npu-memory needs a positive MiB figure and our engine on an NPU (not --device host or "
+                      "--engine rknn)")
+            if npu is not None:
+                npu.close()
+            return 2
+        npu.memory_cap = args.npu_memory << 20
+        engine += f", NPU memory capped at {args.npu_memory} MiB"
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,

@@ -224,6 +224,9 @@ class Npu:
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
             "submits", "resets"), 0)
         self.last_timing: Timing | None = None
+        # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
+        # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
+        self.memory_cap: int | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
@@ -412,22 +415,32 @@ class Npu:
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
-        """(free, total) bytes of NPU address space."""
+        """(free, total) bytes of NPU address space (the device's; ``memory_cap`` aside)."""
         return self.device.iova_budget()
 
+    def memory_used(self) -> int:
+        """NPU bytes in use: weights, programs, scratch (what ``memory_cap`` bounds)."""
+        free, total = self.device.iova_budget()
+        return total - free
+
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        """Allocate, evicting least-recently-used programs when NPU memory runs out."""
+        """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out."""
         while True:
             try:
+                if self.memory_cap is not None and self.memory_used() + _pages(size) > self.memory_cap:
+                    raise NpuOutOfMemory(f"{size} more bytes would exceed the NPU memory cap of "
+                                         f"{self.memory_cap} bytes", errno.ENOMEM)
                 buf = self.device.alloc(max(size, 1), purpose=purpose)
                 break
             except NpuOutOfMemory as exc:
                 if not self._evict_one():
                     free, total = self.device.iova_budget()
+                    if self.memory_cap is not None:
+                        free, total = max(0, self.memory_cap - self.memory_used()), self.memory_cap
                     raise NpuOutOfMemory(
                         f"out of NPU memory allocating {size} bytes for {what} "
-                        f"({free} of {total} bytes free, no cached program left to evict); "
-                        "free weights you no longer need", exc.errno) from exc
+                        f"({free} of {total} bytes free{' under the cap' if self.memory_cap else ''}, no cached "
+                        "program left to evict); free weights you no longer need", exc.errno) from exc
         return buf
 
     def _evict_one(self) -> bool:
@@ -480,6 +493,13 @@ class Npu:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pages(size: int) -> int:
+    """What an allocation of ``size`` bytes takes: whole pages [kernel.device.PAGE]."""
+    from ggml_rknpu.kernel.device import PAGE
+
+    return -(-max(size, 1) // PAGE) * PAGE
 
 
 def _npu_mhz(device: Any) -> float | None:

@@ -156,12 +156,21 @@ class ServerState:
         out["recovery"] = self.recovery.as_dict()
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
+        if hasattr(self.npu, "memory_used"):
+            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap}
         return out
 
     def render_stats(self) -> str:
         lines = [self.stats.render(self.weight_stats), self.recovery.render()]
         if self.faults is not None:
             lines.append(f"faults injected (--sim-faults): {self.faults.counts} in {self.faults.submits} submits")
+        w = self.weight_stats
+        lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
+                     f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
+        if hasattr(self.npu, "memory_used"):
+            cap = self.npu.memory_cap
+            lines.append(f"NPU memory used: {self.npu.memory_used() / 2**20:.1f} MiB"
+                         + (f" of a {cap / 2**20:.0f} MiB cap" if cap is not None else ""))
         return "\n".join(lines) + "\n"
 
     def write_stats_json(self) -> None:
