@@ -95,3 +95,19 @@ def test_no_spec_injects_nothing():
     with npu:
         assert _calls(npu, w, b, 3) == ["ok"] * 3
         assert sum(injector.counts.values()) == 0
+
+
+@pytest.mark.parametrize("argv, code, words", [
+    (["--device", "rknpu", "--sim-faults", "stale:0.1"], 1, "refused on a real device"),
+    (["--device", "sim-rknpu", "--sim-faults", "hang:0.1"], 1, "unknown fault kind"),
+    (["--device", "host", "--sim-faults", "stale:0.1"], 2, "needs our engine on the NPU simulator"),
+])
+def test_serve_refuses_sim_faults_off_the_simulator(argv, code, words, caplog):
+    import argparse
+
+    from ggml_rknpu.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.run(parser.parse_args(["--port", "0", *argv])) == code
+    assert words in caplog.text

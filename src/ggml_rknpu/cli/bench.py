@@ -92,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rpc_overhead.add_arguments(sub.add_parser(
         "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
         _common)
+    from ggml_rknpu.bench import soak
+    soak.add_arguments(sub.add_parser(
+        "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
+        _common)
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -339,9 +343,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_sustained(args, rig, console)
     else:
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import rpc_overhead
+        from ggml_rknpu.bench import rpc_overhead, soak
 
-        bench = model_bench if args.bench == "model" else rpc_overhead
+        bench = {"model": model_bench, "rpc-overhead": rpc_overhead, "soak": soak}[args.bench]
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -1,0 +1,92 @@
+"""Faults cost time, never a token: unmodified ``llama-completion --rpc`` against ``rknpu serve
+--sim-faults`` gives exactly the text of the fault-free run, for each kind of fault injected at a
+rate that hits several matmuls per token, and the server's counters show every fault seen and
+recovered from.
+
+Observed vs injected: every injected fault makes exactly one NPU attempt fail (a hang or a
+dead core persists until the reset the recovery does before its retry), so the recovery's
+count per kind equals the injector's - a stale output that went unnoticed would show as a
+missing "stale" count (and, most likely, different text).
+
+CI: a tiny random llama (15 matmul weights, ~15 matmuls a token) for each kind. ``slow``: the
+real gemma-3-270m (~0.5 token/s on the simulator) with all kinds at once, 4 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e_support import completion, rknpu_server, tool_or_skip
+from ggml_rknpu.ggml import models
+from gguf_models import write_tiny_gguf
+
+pytestmark = [pytest.mark.llama]
+PROMPT = "The capital of France is"
+N_PREDICT = 8
+OBSERVED_AS = {"timeout": "timeout", "core": "timeout", "dma": "dma", "stale": "stale"}
+RATE = 0.2            # per submit: ~3 faulted matmuls a token on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tool_or_skip("llama-completion")
+    return write_tiny_gguf(tmp_path_factory.mktemp("faults") / "tiny-llama-f16.gguf", "llama", "f16")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    with rknpu_server(tmp_path_factory.mktemp("ref")) as server:
+        text, proc = completion(tiny, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=600)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    assert text.strip()
+    return text
+
+
+def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout: float) -> tuple[str, dict]:
+    with rknpu_server(tmp_path, extra=("--sim-faults", spec)) as server:
+        text, proc = completion(model, PROMPT, n_predict=n_predict, rpc=server.endpoint, timeout=timeout)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+        assert server.alive(), server.log()
+        stats = server.stats()
+    return text, stats
+
+
+def _check_counters(stats: dict) -> None:
+    injected, recovery = stats["faults_injected"], stats["recovery"]
+    observed = dict.fromkeys(recovery["faults"], 0)
+    for kind, n in injected.items():
+        if kind in OBSERVED_AS:
+            observed[OBSERVED_AS[kind]] += n
+    assert recovery["faults"] == observed, (injected, recovery)
+    assert recovery["resets"] == sum(observed.values()) > 0
+    assert recovery["demoted"] == 0
+    assert recovery["retried_ok"] + recovery["host_fallbacks"] == recovery["retries"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", sorted(OBSERVED_AS))
+def test_each_fault_kind_leaves_the_text_unchanged(tmp_path: Path, tiny: Path, reference: str, kind: str) -> None:
+    text, stats = _faulted_run(tmp_path, tiny, f"{kind}:{RATE},seed=1", N_PREDICT, 600)
+    injected = stats["faults_injected"]
+    assert injected[kind] >= 2 * N_PREDICT, injected             # several per token
+    _check_counters(stats)
+    assert text == reference, f"with {kind} faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gemma3_text_is_unchanged_by_every_kind_of_fault(tmp_path: Path) -> None:
+    tool_or_skip("llama-completion")
+    try:
+        gemma = models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    with rknpu_server(tmp_path, name="fault-free") as server:
+        reference, proc = completion(gemma, PROMPT, n_predict=4, rpc=server.endpoint, timeout=3000)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    text, stats = _faulted_run(tmp_path, gemma, "timeout:0.005,dma:0.005,stale:0.005,core:0.005,seed=2", 4, 3000)
+    assert sum(v for k, v in stats["faults_injected"].items() if k in OBSERVED_AS) >= 8
+    _check_counters(stats)
+    assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
