@@ -49,8 +49,7 @@ def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout
         text, proc = completion(model, PROMPT, n_predict=n_predict, rpc=server.endpoint, timeout=timeout)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         assert server.alive(), server.log()
-        stats = server.stats()
-    return text, stats
+    return text, server.stats()           # written at exit: every counter of the run
 
 
 def _check_counters(stats: dict) -> None:

@@ -15,7 +15,7 @@ canary). On a fault the step
    caller's host fallback) - the graph completes with the right result.
 
 The next step tries the NPU again. A weight is demoted to the host for good only after
-``DEMOTE_AFTER`` faulted attempts in a row with no success between them (the log says
+``DEMOTE_AFTER`` (8) faulted attempts in a row with no success between them (the log says
 so and why): random faults hit every weight alike and must not strip the NPU of its
 model, a weight whose program faults every time must not cost a reset per token forever.
 
@@ -38,7 +38,10 @@ from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-DEMOTE_AFTER = 4      # faulted NPU attempts in a row on one weight (two steps that failed twice)
+# Faulted NPU attempts in a row on one weight (four steps that each failed twice). At 4, random
+# faults at 0.2 per submit demoted a weight of a tiny model within 8 tokens (tests/test_e2e_faults.py);
+# 0.2^8 makes that negligible while a weight that always faults costs four steps' resets.
+DEMOTE_AFTER = 8
 FAULT_KINDS = ((StaleOutput, "stale"), (NpuTimeout, "timeout"), (NpuFault, "dma"))
 
 
