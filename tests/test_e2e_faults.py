@@ -54,6 +54,7 @@ def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout
 
 def _check_counters(stats: dict) -> None:
     injected, recovery = stats["faults_injected"], stats["recovery"]
+    print(f"injected {injected}; recovery {recovery}")    # pytest -s shows the figures
     observed = dict.fromkeys(recovery["faults"], 0)
     for kind, n in injected.items():
         if kind in OBSERVED_AS:
