@@ -114,7 +114,8 @@ def _open_faulty_engine(args: argparse.Namespace):
         raise ValueError(f"--sim-faults injects faults into the NPU simulator only; refused on a real device "
                          f"(--device {args.device}); use --device sim-rknpu or sim-rocket")
     device, injector = open_faulty_device(kind, spec)
-    return ggml_rknpu.open(device=device), f"NPU engine on {kind} (simulated), injected faults: {spec.describe()}", injector
+    described = f"NPU engine on {kind} (simulated), injected faults: {spec.describe()}"
+    return ggml_rknpu.open(device=device), described, injector
 
 
 def _device_name(npu, requested: str) -> str:

@@ -140,7 +140,8 @@ class FaultInjector:
         if nr == self._nr["submit"]:
             return self._submit(fd, request, arg)
         if self.abi == "rknpu" and nr == self._nr["action"]:
-            if rk.rknpu_action.from_buffer_copy(bytes(arg[:ctypes.sizeof(rk.rknpu_action)])).flags == rk.Action.ACT_RESET:
+            action = rk.rknpu_action.from_buffer_copy(bytes(arg[:ctypes.sizeof(rk.rknpu_action)]))
+            if action.flags == rk.Action.ACT_RESET:
                 self.resets += 1
                 self.hung = False
                 self.dead_cores.clear()
