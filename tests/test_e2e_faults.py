@@ -102,3 +102,18 @@ def test_gemma3_text_is_unchanged_by_every_kind_of_fault(tmp_path: Path) -> None
     assert all(stats["faults_injected"][kind] >= 1 for kind in OBSERVED_AS), stats["faults_injected"]
     _check_counters(stats)
     assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.timeout(900)
+def test_npu_memory_cap_below_the_model_keeps_the_text(tmp_path: Path, tiny: Path, reference: str) -> None:
+    """--npu-memory 1 (MiB) for a model of ~2.5 MiB staged: some weights on the NPU, the rest on
+    the host from their ggml bytes; same text, NPU memory within the cap."""
+    with rknpu_server(tmp_path, extra=("--npu-memory", "1")) as server:
+        text, proc = completion(tiny, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=600)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    stats = server.stats()
+    w, mem = stats["weights"], stats["npu_memory"]
+    print(f"weights {w}; npu memory {mem}")
+    assert mem["cap_bytes"] == 1 << 20 and 0 < mem["used_bytes"] <= mem["cap_bytes"]
+    assert w["peak_staged"] >= 1 and w["failures"] >= 1            # some resident, some refused by the cap
+    assert text == reference, f"capped {text!r} != uncapped {reference!r}"
