@@ -4,11 +4,12 @@ The graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else; 
 module holds the whole policy, so the host data plane can change without touching it.
 
 A *fault* is what a board's NPU does to a correct job: a timeout (hang, or a core that
-stopped responding), a DMA fault, or output it never wrote (``StaleOutput``: the engine's
-canary). On a fault the step
+stopped responding), a DMA fault, or output it never wrote (``engine.canary.StaleOutput``,
+an ``NpuFault``: a canary survived the submits). On a fault the step
 
-1. resets the NPU (``npu.reset()``: vendor ACT_RESET; rocket resets the core itself) and
-   re-stages every weight the reset destroyed (neither driver frees buffers on reset, so
+1. resets the NPU (``npu.reset()``: vendor ACT_RESET; rocket resets the core itself; the
+   engine has already reset once before raising ``StaleOutput``, the second is one more
+   ioctl on a rare path, kept so every fault takes the same steps) and re-stages every weight the reset destroyed (neither driver frees buffers on reset, so
    this is for an engine that reports some),
 2. retries once on the NPU with the same activations,
 3. if that faults too, computes this step on the host from the weight's ggml bytes (the
@@ -28,18 +29,19 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from ggml_rknpu.engine.stale_output import StaleOutput
+from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
 # Faulted NPU attempts in a row on one weight (four steps that each failed twice). At 4, random
-# faults at 0.2 per submit demoted a weight of a tiny model within 8 tokens (tests/test_e2e_faults.py);
+# faults at 0.2 per submit demoted a weight of a tiny model within 8 tokens (tests/e2e/test_e2e_faults.py);
 # 0.2^8 makes that negligible while a weight that always faults costs four steps' resets.
 DEMOTE_AFTER = 8
 FAULT_KINDS = ((StaleOutput, "stale"), (NpuTimeout, "timeout"), (NpuFault, "dma"))
@@ -77,7 +79,7 @@ class RecoveryStats:
 class NpuRecovery:
     """The fault policy for one connection's NPU matmul steps (stats shared server-wide)."""
 
-    def __init__(self, npu: Any, weights: WeightStore, stats: RecoveryStats) -> None:
+    def __init__(self, npu: MatmulEngine | None, weights: WeightStore, stats: RecoveryStats) -> None:
         self.npu = npu
         self.weights = weights
         self.stats = stats
@@ -86,7 +88,7 @@ class NpuRecovery:
     def matmul(self, slot: WeightSlot, rows: Callable[[], np.ndarray]) -> np.ndarray | None:
         """``rows() @ W^T`` on the NPU, or None: the caller runs this step on the host."""
         handle = self.weights.weight(slot)
-        if handle is None:
+        if handle is None or self.npu is None:
             return None
         a = rows()
         for attempt in range(2):

@@ -14,18 +14,23 @@ SPEC: comma-separated items, all optional::
 
 Kinds (what the caller sees; vendor rknpu ABI / mainline rocket ABI):
 
-- ``timeout``: the NPU hangs. SUBMIT fails with ETIMEDOUT (rocket: PREP_BO of the job's
-  outputs does) and the NPU *stays* hung - every later submit times out - until ACT_RESET.
-  The vendor driver soft-resets after a timeout by itself [npu-programming.md §3]; a hang
-  that outlives that reset is the modelled worst case (a modelling choice, not a board
-  observation).
+- ``timeout``: the NPU hangs. SUBMIT fails with ETIMEDOUT and the NPU *stays* hung -
+  every later submit times out - until ACT_RESET. The vendor driver soft-resets after a
+  timeout by itself [docs/npu-programming.md §3]; a hang that outlives that reset is the
+  modelled worst case (a modelling choice, not a board observation).
 - ``dma``: an NPU DMA fault (a board reports an IOMMU page fault and a job timeout):
   SUBMIT fails with EFAULT once; the driver's own reset recovers the NPU.
 - ``stale``: the job "completes" (SUBMIT returns 0, task_counter = task_number) but never
-  ran, so C holds whatever was there before. Nothing reports it: the caller must detect it.
+  ran, so C holds whatever was there before - the canaries the engine armed in it
+  (``engine.canary``). Nothing else reports it.
 - ``core``: one core of the job stops responding: every submit that uses it times out until
   ACT_RESET; jobs on other cores still run. Rocket has no reset ioctl and resets a timed
-  out core itself [npu-programming.md §5], so there it lasts one job.
+  out core itself [docs/npu-programming.md §5], so there it lasts one job.
+
+On rocket every kind ends the way ``sim/kernel.py`` ends a failed job: with the kernel's
+``rocket_errors="mainline"`` (the default, what drivers/accel/rocket does) PREP_BO of the
+job's outputs returns 0 and they hold their old bytes (the engine's canaries catch it:
+``engine.canary.StaleOutput``); with ``"loud"`` PREP_BO fails with ETIMEDOUT.
 
 A faulted job never runs, so its outputs are not written (as on a board when the job did
 not finish). ``counts`` says how many faults of each kind were injected and ``resets``
@@ -149,7 +154,7 @@ class FaultInjector:
             handle = ro.drm_rocket_prep_bo.from_buffer_copy(bytes(arg[:ctypes.sizeof(ro.drm_rocket_prep_bo)])).handle
             why = self._failed_outputs.pop(handle, None)
             self.inner.ioctl(fd, request, arg)
-            if why is not None:
+            if why is not None and self.inner.rocket_errors == "loud":
                 raise OSError(errno.ETIMEDOUT, f"PREP_BO: the job writing this BO failed: {why}")
             return 0
         return self.inner.ioctl(fd, request, arg)
@@ -224,18 +229,11 @@ class FaultInjector:
         return 0
 
 
-def open_faulty_device(kind: str, spec: FaultSpec | str) -> tuple[Any, FaultInjector]:
-    """(``NpuDevice`` on the simulated ``kind`` ("rknpu" | "rocket") kernel behind a
-    ``FaultInjector``, that injector)."""
-    from ggml_rknpu.kernel.device import NpuDevice
-    from ggml_rknpu.kernel.trace import from_environment
+def inject_faults(kind: str, spec: FaultSpec | str, **kernel_options: Any) -> FaultInjector:
+    """A ``FaultInjector`` per ``spec`` around a fresh simulated ``kind`` ("rknpu" | "rocket")
+    kernel (``kernel_options``: ``SimKernel``'s). Open a device on it through the opener,
+    ``devices.open_device(f"sim-{kind}", syscalls=injector)``: the device only ever sees
+    ``Syscalls``."""
     from ggml_rknpu.sim.kernel import SimKernel
 
-    if isinstance(spec, str):
-        spec = FaultSpec.parse(spec)
-    kernel = SimKernel(kind)
-    injector = FaultInjector(kernel, spec)
-    directory = "/dev/dri" if kind == "rknpu" else "/dev/accel"
-    path = f"{directory}/{kernel.listdir(directory)[-1]}"
-    sys = from_environment(injector)
-    return NpuDevice(sys, sys.open(path), path, kind, simulated=True), injector
+    return FaultInjector(SimKernel(kind, **kernel_options), FaultSpec.parse(spec) if isinstance(spec, str) else spec)
