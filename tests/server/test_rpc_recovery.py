@@ -157,3 +157,18 @@ def test_simulated_faults_through_the_server_lose_nothing(spec):
     assert sum(r.faults.values()) >= 1 and r.resets == sum(r.faults.values())
     assert injector.resets == r.resets + engine_resets and engine_resets == r.faults["stale"]
     assert r.demoted == 0
+
+
+def test_simulated_rocket_faults_end_stale_and_lose_nothing():
+    """Mainline rocket ends every faulted job silently (PREP_BO returns 0): the canaries see
+    each one as stale output, and the step is retried like any fault."""
+    injector = inject_faults("rocket", "timeout@2,dma@4,core@6")
+    npu = ggml_rknpu.open(device=open_device("sim-rocket", syscalls=injector))
+    try:
+        state = _run(npu, steps=4)
+    finally:
+        npu.close()
+    r = state.recovery
+    assert sum(injector.counts.values()) == 3
+    assert r.faults == {"stale": 3, "timeout": 0, "dma": 0} and r.resets == 3
+    assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0
