@@ -96,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
         _common)
+    from ggml_rknpu.bench import spec
+    spec.add_arguments(sub.add_parser(
+        "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
+        _common)
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -343,9 +347,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_sustained(args, rig, console)
     else:
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import rpc_overhead, soak
+        from ggml_rknpu.bench import rpc_overhead, soak, spec
 
-        bench = {"model": model_bench, "rpc-overhead": rpc_overhead, "soak": soak}[args.bench]
+        bench = {"model": model_bench, "spec": spec, "soak": soak}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
