@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_arguments(sub.add_parser(
         "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
         _common)
+    from ggml_rknpu.bench import sim as sim_bench
+    sim_bench.add_arguments(sub.add_parser(
+        "sim", help="simulated matmul through the public API vs numpy on this host (simulator speed)"))
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -332,6 +335,10 @@ def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.bench == "sim":   # host-only: times the simulator, no rig to check
+        from ggml_rknpu.bench import sim as sim_bench
+
+        return sim_bench.run(args, console)
     try:
         rig = rig_gate(args, console)
     except FileNotFoundError as exc:
