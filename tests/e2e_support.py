@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.ggml import launch, llamacpp
-from ggml_rknpu.ggml.launch import free_port, one_thread_env
+from ggml_rknpu.toolchain import launch, llamacpp
+from ggml_rknpu.toolchain.launch import free_port, one_thread_env
 
 def tool_or_skip(name: str) -> Path:
     """Path of a pinned llama.cpp tool; skips the test when scripts/build-llama-cpp has not run."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e_support import completion, llama_server, rknpu_server, run_tool, tool_or_skip
-from ggml_rknpu.ggml import models
+from ggml_rknpu.toolchain import models
 
 pytestmark = [pytest.mark.llama]
 DATA = Path(__file__).parent / "data"

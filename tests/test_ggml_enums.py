@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_rknpu.ggml import enums, gen_enums, llamacpp
+from ggml_rknpu.ggml import enums, gen_enums
+from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 
 

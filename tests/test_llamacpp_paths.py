@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 
 
 def test_empty_cache_says_to_run_the_build_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

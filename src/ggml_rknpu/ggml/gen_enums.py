@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 
 OUTPUT = Path(__file__).with_name("enums.py")
 
