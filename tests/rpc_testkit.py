@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import DeviceMemory
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState
 from ggml_rknpu.ggml.rpc.wire import Cmd
@@ -109,12 +109,14 @@ class T:
     src: tuple[int, ...] = ()
     view_src: int = 0
     view_offs: int = 0
-    flags: int = 0
+    flags: int | None = None          # None: COMPUTE on every op, as ggml_build_forward_expand sets it
     op_params: tuple[int, ...] = ()
     name: str = ""
     id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self) -> None:
+        if self.flags is None:
+            self.flags = GgmlTensorFlag.COMPUTE if self.op != 0 else 0
         if self.nb is None:
             from ggml_rknpu.ggml.enums import TYPE_TRAITS
             block, size = TYPE_TRAITS[GgmlType(self.type)]

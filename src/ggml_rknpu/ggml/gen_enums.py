@@ -25,12 +25,14 @@ from ggml_rknpu.toolchain import llamacpp
 
 OUTPUT = Path(__file__).with_name("enums.py")
 
-# C enum name -> (Python class, member prefix, count member, ctypes name function or None)
+# C enum name -> (Python class, member prefix, count member or None, ctypes name function or None)
 _ENUMS = (
     ("ggml_type", "GgmlType", "GGML_TYPE_", "GGML_TYPE_COUNT", None),
     ("ggml_op", "GgmlOp", "GGML_OP_", "GGML_OP_COUNT", "ggml_op_name"),
     ("ggml_unary_op", "GgmlUnaryOp", "GGML_UNARY_OP_", "GGML_UNARY_OP_COUNT", "ggml_unary_op_name"),
     ("ggml_glu_op", "GgmlGluOp", "GGML_GLU_OP_", "GGML_GLU_OP_COUNT", "ggml_glu_op_name"),
+    # rpc_tensor.flags: COMPUTE marks the nodes a backend must run (ggml_build_forward_select)
+    ("ggml_tensor_flag", "GgmlTensorFlag", "GGML_TENSOR_FLAG_", None, None),
 )
 
 
@@ -149,12 +151,13 @@ def generate(source: Path | None = None, library: Path | None = None) -> str:
     all_members: dict[str, dict[str, int]] = {}
     for c_name, py_name, prefix, count_name, name_fn in _ENUMS:
         members = parse_enum(ggml_h, c_name)
-        if count_name not in members:
+        if count_name is not None and count_name not in members:
             raise GenerationError(f"{count_name} missing from enum {c_name}")
         if name_fn:
             _check_names(lib, name_fn, prefix, members)
         all_members[py_name] = members
-        lines.append(f"{count_name} = {members[count_name]}")
+        if count_name is not None:
+            lines.append(f"{count_name} = {members[count_name]}")
     for c_name, py_name, prefix, count_name, _ in _ENUMS:
         lines += ["", "", f"class {py_name}(IntEnum):", f'    """enum {c_name} (ggml.h)."""', ""]
         for name, value in all_members[py_name].items():

@@ -13,6 +13,12 @@ tensor ids, every src / view_src id known, nodes only read nodes that come earli
 (which also rules out cycles), view chains acyclic and consistent with their
 parent's address, every tensor's bytes inside its buffer. Bytes written by a node
 are recorded per buffer so they can never be mistaken for a weight.
+
+Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
+only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view. The
+client's ``ggml_build_forward_select`` puts every alternative branch into the graph and flags only
+the chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held),
+so running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import BufferTable
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.ggml.ops.convert import bf16_to_f32
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpNode, op_name
 from ggml_rknpu.ggml.ops.registry import plan_op as host_plan_op
@@ -43,6 +49,11 @@ def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
     if type_id == GgmlType.BF16:
         return bf16_to_f32(view).reshape(-1, k)
     return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
+
+
+def computes(t: RpcTensor) -> bool:
+    """Whether the backend runs this node: an op that is not a view, flagged COMPUTE by the client."""
+    return t.op not in VIEW_OPS and bool(t.flags & GgmlTensorFlag.COMPUTE)
 
 
 def _unset() -> None:
@@ -169,7 +180,7 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
     """Every tensor a computing node reads or writes must have its bytes on this server."""
     for nid in g.node_ids:
         t = g.tensors[nid]
-        if t.op in VIEW_OPS:
+        if not computes(t):
             continue
         for tid in (nid, *t.src):
             if tid and not checked[tid].usable:
@@ -201,7 +212,7 @@ class GraphPlanner:
         for nid in g.node_ids:                       # bytes written by nodes are never weights
             t = g.tensors[nid]
             c = checked[nid]
-            if t.op not in VIEW_OPS and c.buffer is not None and c.end > c.start:
+            if computes(t) and c.buffer is not None and c.end > c.start:
                 c.buffer.graph_written.add(c.start, c.end)
                 self.weights.mark_graph_written(c.buffer, c.start, c.end)
 
@@ -220,6 +231,8 @@ class GraphPlanner:
             t = g.tensors[nid]
             if t.op in VIEW_OPS:
                 n_views += 1
+                continue
+            if not computes(t):                              # a branch the client did not select
                 continue
             span = sum(checked[s].end - checked[s].start for s in t.src if s) + checked[nid].end - checked[nid].start
             slot = self._weight_slot(t, g, position, checked) if t.op == GgmlOp.MUL_MAT else None
