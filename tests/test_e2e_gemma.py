@@ -18,6 +18,7 @@ import pytest
 
 from e2e_support import completion, llama_server, rknpu_server, run_tool, tool_or_skip
 from ggml_rknpu.toolchain import models
+from ggml_rknpu.toolchain.llamacpp import CLIENTS
 
 pytestmark = [pytest.mark.llama]
 DATA = Path(__file__).parent / "data"
@@ -55,6 +56,27 @@ def test_completion_is_coherent(tmp_path: Path, gemma: Path, fa: str, attention_
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
     assert "Paris" in text, f"{text!r}\n{proc.stderr[-2000:]}"
     assert server.nodes(attention_op) > 0 and server.weight_uploads() > 100, server.stats()
+
+
+GREEDY_TOKENS = 16
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_greedy_text_equals_the_clients_cpu_run(tmp_path: Path, gemma: Path, client: str) -> None:
+    """Issue 16: b11434's gemma3 graph selects its input embedding among branches
+    (ggml_build_forward_select); the unselected mixed-batch SET_ROWS must not run."""
+    tool_or_skip("llama-completion", client)
+    prompt = "The capital of France is"
+    cpu_text, cpu = completion(gemma, prompt, n_predict=GREEDY_TOKENS, client=client, timeout=600)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
+        text, proc = completion(gemma, prompt, n_predict=GREEDY_TOKENS, rpc=server.endpoint, client=client,
+                                timeout=1700)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    print(f"\n{client}: CPU {cpu_text!r}\n{client}: RPC {text!r}")
+    assert server.weight_uploads() > 100, server.stats()
+    assert cpu_text.strip() and text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n{server.log()}"
 
 
 @pytest.mark.timeout(1800)

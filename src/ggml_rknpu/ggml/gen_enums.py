@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import difflib
 import re
 import sys
 from pathlib import Path
@@ -181,18 +182,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if enums.py is not up to date")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--client", help="with --check: another client build (scripts/build-llama-cpp) whose "
+                        "enums and RPC protocol must equal the committed ones")
+    parser.add_argument("--source", type=Path, help="llama.cpp source tree (default: the pinned one)")
+    parser.add_argument("--library", type=Path, help="its built libggml-base.so (default: the pinned one)")
     args = parser.parse_args(argv)
     try:
-        text = generate()
-    except (llamacpp.LlamaCppNotBuilt, GenerationError) as exc:
+        text = generate(args.source, args.library)
+    except (llamacpp.LlamaCppNotBuilt, GenerationError, OSError) as exc:
         print(f"gen-ggml-enums: {exc}", file=sys.stderr)
         return 1
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
+        if current == text:
+            return 0
+        if args.client:
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "server (enums.py)",
+                                        f"client {args.client}", lineterm="", n=0)
+            print(f"gen-ggml-enums: client {args.client} ({args.source}) has other ggml enums or RPC protocol "
+                  f"than the server:\n" + "\n".join(list(diff)[:40]), file=sys.stderr)
+        else:
             print(f"gen-ggml-enums: {args.output} is out of date; run scripts/gen-ggml-enums", file=sys.stderr)
-            return 1
-        return 0
+        return 1
     args.output.write_text(text)
     print(f"wrote {args.output}")
     return 0
