@@ -135,7 +135,9 @@ USE_A_7X_CLIENT = (f"use a llama.cpp client built with RPC protocol {PROTO_VERSI
 # Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [anchors.md: llama.cpp RPC]
 PROTO8_COMMANDS = {18: "SET_TENSOR_2D", 19: "GET_TENSOR_2D", 20: "COMM_INIT", 21: "COMM_ALLREDUCE", 22: "COMM_FREE"}
 PROTO8_GRAPH_RECOMPUTE_SIZE = 12   # dev u32 + graph uid u64
-PROTO_BEFORE7_HELLO_SIZE = 0       # HELLO before conn_caps (protocol 3.x)
+# Before conn_caps the HELLO request had no payload (the 7.0.0 C++ server answers such a request
+# with "HELLO request size mismatch ... client needs upgrade to protocol v7.x").
+PROTO_BEFORE7_HELLO_SIZE = 0
 
 
 def other_major(found: str) -> ProtocolError:
