@@ -227,11 +227,6 @@ def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeo
 # incomplete run is repeated rather than compared.
 _COMPLETE_MARK = "graphs reused ="
 
-# CPU-only runs: no weight repacking (-nr). The CPU then computes from plain buffers with the
-# kernels ggml-rpc-server uses, and stays off ggml-cpu's AMX path, whose tile instructions die
-# with SIGILL on this box (Q8_0/Q4_K weights, both clients: `tilezero` in tinygemm_kernel_amx).
-CPU_ONLY_FLAGS = ("-nr",)
-
 
 def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
                extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 5,
@@ -240,7 +235,8 @@ def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None
     offloaded to the ``rpc`` servers). The text is returned without the tool's closing blank line."""
     args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-no-cnv",
             "-t", "1", "-c", "256", "--no-display-prompt", "--seed", "1", "--ignore-eos"]
-    args = ["--rpc", rpc, *args, "-ngl", "99"] if rpc else [*args, *CPU_ONLY_FLAGS]
+    if rpc:
+        args = ["--rpc", rpc, *args, "-ngl", "99"]
     args += list(extra)
     for _ in range(attempts):
         proc = run_tool("llama-completion", args, timeout=timeout, client=client)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import CPU_ONLY_FLAGS, completion, llama_server, rknpu_server, run_tool, tool_or_skip
+from e2e_support import completion, llama_server, rknpu_server, run_tool, tool_or_skip
 from ggml_rknpu.toolchain import llamacpp, models
 from ggml_rknpu.toolchain.llamacpp import CLIENTS, PINNED
 
@@ -101,7 +101,10 @@ def test_greedy_text_is_the_same_through_every_client(gemma_rpc_texts: dict[str,
 @pytest.mark.parametrize("client", CLIENTS)
 def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str], gemma: Path, client: str) -> None:
     tool_or_skip("llama-completion", client)
-    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client, timeout=600)
+    # -nr: no weight repacking, so the CPU-only run uses the kernels ggml-rpc-server uses (plain
+    # CPU buffers); it also avoids ggml-cpu's AMX path, which dies with SIGILL on this box.
+    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client, extra=("-nr",),
+                               timeout=600)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     text = gemma_rpc_texts[client]
     print(f"\n{client}: CPU {cpu_text!r}\n{client}: RPC {text!r}")
@@ -124,7 +127,8 @@ def test_chat_completions_via_llama_server(tmp_path: Path, gemma: Path) -> None:
 def _perplexity(model: Path, extra: list[str], rpc: str | None, timeout: float) -> str:
     args = ["-m", str(model), "-f", str(DATA / "kld-text.txt"), "-c", str(KLD_CTX), "-b", str(KLD_CTX),
             "--chunks", str(KLD_CHUNKS), "-t", "1", *extra]
-    args = ["--rpc", rpc, *args, "-ngl", "99"] if rpc else [*args, *CPU_ONLY_FLAGS]
+    if rpc:
+        args = ["--rpc", rpc, *args, "-ngl", "99"]
     for _ in range(3):   # the tools' async logger can lose the tail at exit (see e2e_support)
         proc = run_tool("llama-perplexity", args, timeout=timeout)
         assert proc.returncode == 0, proc.stderr[-4000:]
