@@ -101,10 +101,7 @@ def test_greedy_text_is_the_same_through_every_client(gemma_rpc_texts: dict[str,
 @pytest.mark.parametrize("client", CLIENTS)
 def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str], gemma: Path, client: str) -> None:
     tool_or_skip("llama-completion", client)
-    # -nr: no weight repacking, so the CPU-only run uses the kernels ggml-rpc-server uses (plain
-    # CPU buffers); it also avoids ggml-cpu's AMX path, which dies with SIGILL on this box.
-    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client, extra=("-nr",),
-                               timeout=600)
+    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client, timeout=600)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     text = gemma_rpc_texts[client]
     print(f"\n{client}: CPU {cpu_text!r}\n{client}: RPC {text!r}")
