@@ -1,5 +1,5 @@
-"""Shared fixtures. Tests that read the reference data in ``../shared`` use
-``reference_dir`` and are skipped (not failed) where it is absent."""
+"""Shared fixtures. ``reference_dir`` is the oracle data the golden, capture and decoded
+tests compare against (``tests/data/oracle``, see its README)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,29 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
-    """``../shared/reference`` (or ``$RKNPU_REFERENCE_DIR``); skips the test when absent."""
-    path = Path(os.environ.get("RKNPU_REFERENCE_DIR", REPO_ROOT.parent / "shared" / "reference"))
-    if not path.is_dir():
-        pytest.skip(f"reference data not found at {path}")
+    """``tests/data/oracle`` (or ``$RKNPU_REFERENCE_DIR``). Never skips: the data is in the repository."""
+    path = Path(os.environ.get("RKNPU_REFERENCE_DIR", Path(__file__).resolve().parent / "data" / "oracle"))
+    assert path.is_dir(), f"oracle data not found at {path}"
     return path
+
+
+@pytest.fixture(autouse=True)
+def _private_envelope_record(tmp_path, monkeypatch):
+    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu), nor
+    another test's: each starts from the proven envelope."""
+    monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path / "envelope.json"))
+    monkeypatch.delenv("RKNPU_ENVELOPE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def host_ggml():
+    """The pinned ggml loaded through ctypes (hostggml.lib); skips where it is not built yet."""
+    from ggml_rknpu.hostggml import lib
+    try:
+        return lib.load()
+    except lib.GgmlLibraryMissing as exc:
+        pytest.skip(str(exc))

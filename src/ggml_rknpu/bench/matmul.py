@@ -3,7 +3,7 @@ fp16 and int8, 1 and 3 cores; burst and sustained; plus modeled figures beside t
 
 WHY these modes (the seed log's lessons):
   * burst (a few calls) vs sustained (per-second windows for a duration): a 30-call burst
-    measured cold clocks and flipped the ranking of CPU, GPU and NPU (seed log, Milestone 12);
+    measured cold clocks and flipped the ranking of CPU, GPU and NPU (seed log, Milestone 12 [docs/decisions.md]);
   * a per-call breakdown (pack A, submit, unpack C on the host; device time from the
     driver's ``hw_elapse_time`` on a board, from the cost model elsewhere), because the
     seed's per-call overheads, not the MAC array, decided its results (Milestones 9-10, 16);
@@ -53,9 +53,9 @@ SEED_SHAPES = (
     Shape("seed lm_head 2048x32000", 2048, 32000, "seed log, Milestone 7 (K=2048, N=32000)"),
 )
 MODEL_SHAPES = (
-    Shape("qwen2.5-1.5b q/o 1536x1536", 1536, 1536, "rknn-toolkit.md §4 (1x1536x1536)"),
-    Shape("qwen2.5-1.5b ffn up 1536x8960", 1536, 8960, "rknn-toolkit.md §4 (64x1536x8960)"),
-    Shape("qwen2.5-1.5b ffn down 8960x1536", 8960, 1536, "rknn-toolkit.md §4 (1x8960x1536)"),
+    Shape("qwen2.5-1.5b q/o 1536x1536", 1536, 1536, "docs/rknn-toolkit.md §4 (1x1536x1536)"),
+    Shape("qwen2.5-1.5b ffn up 1536x8960", 1536, 8960, "docs/rknn-toolkit.md §4 (64x1536x8960)"),
+    Shape("qwen2.5-1.5b ffn down 8960x1536", 8960, 1536, "docs/rknn-toolkit.md §4 (1x8960x1536)"),
     Shape("qwen lm_head 1536x151936", 1536, 151936, "issue 3 sweep (N=151936, Qwen vocabulary)"),
     Shape("llama-7b ffn 4096x11008", 4096, 11008, "issue 3 sweep (K=4096, N=11008)"),
 )
@@ -93,15 +93,19 @@ MATMUL_COLUMNS = [
 
 def modeled_program_time(M: int, K: int, N: int, dtype: str, cores: int, *, dram_mhz: float = 2112,
                          npu_mhz: float = 1000) -> float:
-    """Modeled seconds of the program our compiler emits for this matmul (own submit path)."""
+    """Modeled seconds of the program our compiler emits for this matmul (own submit path)
+    on ``cores`` cores, in the envelope of a board that passed the whole bring-up ladder
+    (the proven envelope alone allows one core; docs/engine.md prices the difference)."""
     from ggml_rknpu.compiler.matmul import compile_matmul
+    from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
 
     out = "int32" if dtype == "int8" else "fp32"
-    program = compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores)
+    program = compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores,
+                             envelope=envelope_for_rungs(list(RUNGS), "rknpu"))
     return modeled_time(program, npu_mhz=npu_mhz, dram_mhz=dram_mhz, profile=OWN_DRIVER).total_s
 
 
-THROTTLED_DRAM_MHZ = 528   # the DMC governor's parked step [seed log Milestone 15; anchors.md §3.2]
+THROTTLED_DRAM_MHZ = 528   # the DMC governor's parked step [seed log Milestone 15; docs/anchors.md §3.2]
 
 
 def modeled_engine_time(engine: str, M: int, K: int, N: int, dtype: str, cores: int) -> float:
@@ -257,6 +261,9 @@ def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, w
             for case in runnable:
                 rows[case] = run_case(npu, case, iters=iters, warmup=warmup, rng=rng, on_board=on_board,
                                       ran_on=ran_on)
+                used = getattr(npu, "cores", cores)   # the engine's envelope may allow fewer
+                if used != cores:
+                    rows[case].update(cores=used, cores_requested=cores)
                 advance(1)
         finally:
             npu.close()

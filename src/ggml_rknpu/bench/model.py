@@ -1,7 +1,7 @@
 """Real-model benchmark: ``llama-bench`` on one GGUF, CPU-only and through ``rknpu serve``.
 
 WHY: every microbenchmark in the seed log flattered the accelerator; only the real-model
-``llama-bench`` settled anything (seed log, Milestone 13). Fair fights need (seed log,
+``llama-bench`` settled anything (seed log, Milestone 13 [docs/decisions.md]). Fair fights need (seed log,
 Milestones 15-16):
   * the same binary (the pinned llama.cpp build), the same GGUF and the same arguments on
     both sides; the NPU side only adds ``-ngl 99 --rpc <server>``;
@@ -37,7 +37,7 @@ from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport
 from ggml_rknpu.toolchain import launch
 
-BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; anchors.md §3.4]
+BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; docs/anchors.md §3.4]
 BIG_CORE_THREADS = 4
 SIDES = ("CPU", "NPU (rknpu serve)")
 # A short public-domain-style text for a smoke KL figure; pass --kl-text for a real corpus.

@@ -1,7 +1,7 @@
 """Is this board fit to be benchmarked? Read its clocks, governors, temperatures and NPU driver.
 
 WHY: the seed log's most expensive mistake was a benchmark taken with the DRAM parked at
-528 MHz of 2112 (seed log, retraction + Milestone 15): every decode figure was wrong and
+528 MHz of 2112 (seed log, retraction + Milestone 15 [docs/decisions.md]): every decode figure was wrong and
 the CPU-vs-NPU ranking inverted. Burst numbers taken before the clocks ramp lie too
 (seed log, Milestone 12). So every benchmark runs these checks first and stamps the result
 into its report, and a FAIL refuses to benchmark unless overridden.
@@ -11,20 +11,20 @@ tree can be diagnosed offline and tested (tests/fixtures/rigs/). Nothing here wr
 sysfs: each finding carries the command that fixes it, for the user to run.
 
 Sources of paths and thresholds (each check also carries its own ``source``):
-  * DMC devfreq ``/sys/class/devfreq/dmc``: seed log Milestone 15; anchors.md §3.2
+  * DMC devfreq ``/sys/class/devfreq/dmc``: seed log Milestone 15; docs/anchors.md §3.2
     pitfalls (geerlingguy/sbc-reviews#2: DMC governor drops DRAM to 528 MHz of 2112;
     rknn-llm#532: bootloaders without DMC DVFS).
   * cpufreq policies: seed log Milestone 15 ("dmc + cpufreq governors -> performance"),
-    anchors.md §2 (rknn-llm#27, #29: governor/frequency pinning), §3.1 (4xA76 up to
+    docs/anchors.md §2 (rknn-llm#27, #29: governor/frequency pinning), §3.1 (4xA76 up to
     2.4 GHz + 4xA55 at 1.8 GHz); big cores = cpus 4-7 (seed log Milestone 16,
     ``taskset -c 4-7``).
   * NPU devfreq ``/sys/class/devfreq/fdab0000.npu``: the node name is the RK3588 NPU's
     MMIO base (our brief; TRM NPU chapter base 0xfdab0000); 1 GHz under the vendor driver
-    (seed log "Target interface"; anchors.md §3.1), mainline rocket boots at 200 MHz
-    (anchors.md §3.1).
+    (seed log "Target interface"; docs/anchors.md §3.1), mainline rocket boots at 200 MHz
+    (docs/anchors.md §3.1).
   * thermal: the kernel's own trip points (``trip_point_*``) when exposed; otherwise
     fallback thresholds that are GUESSES (marked below).
-  * driver: anchors.md §2 "Kernel driver versions" (runtime coupled to rknpu 0.9.6-0.9.8)
+  * driver: docs/anchors.md §2 "Kernel driver versions" (runtime coupled to rknpu 0.9.6-0.9.8)
     and the §4 gotcha that ``hw_elapse_time`` exists from rknpu 0.9.8 on.
 """
 
@@ -53,11 +53,11 @@ RKNPU_DEBUGFS_VERSION = "/sys/kernel/debug/rknpu/version"
 ROCKET_MODULE = "/sys/module/rocket"
 ROCKET_DRIVER = "/sys/bus/platform/drivers/rocket"
 
-DRAM_MAX_MHZ_RK3588 = 2112          # [anchors.md A3; seed log Milestone 15]
-NPU_VENDOR_MHZ = 1000               # [seed log "Target interface"; anchors.md §3.1]
-NPU_ROCKET_BOOT_MHZ = 200           # [anchors.md §3.1]
-RKNPU_HW_ELAPSE_VERSION = (0, 9, 8)  # [anchors.md §4 gotchas: 0.9.6 -> 0.9.8 submit layout]
-RKNPU_OLDEST_SUPPORTED = (0, 9, 6)  # [anchors.md §2: runtime coupled to 0.9.6-0.9.8]
+DRAM_MAX_MHZ_RK3588 = 2112          # [docs/anchors.md A3; seed log Milestone 15]
+NPU_VENDOR_MHZ = 1000               # [seed log "Target interface"; docs/anchors.md §3.1]
+NPU_ROCKET_BOOT_MHZ = 200           # [docs/anchors.md §3.1]
+RKNPU_HW_ELAPSE_VERSION = (0, 9, 8)  # [docs/anchors.md §4 gotchas: 0.9.6 -> 0.9.8 submit layout]
+RKNPU_OLDEST_SUPPORTED = (0, 9, 6)  # [docs/anchors.md §2: runtime coupled to 0.9.6-0.9.8]
 # Arm MIDR_EL1 part numbers (Arm Cortex-A55/A76 TRMs; general knowledge, not in reference/).
 CPU_PARTS = {0xD05: "Cortex-A55", 0xD0B: "Cortex-A76"}
 # Thermal fallbacks when a zone exposes no passive trip point: GUESSES, not sourced.
@@ -244,14 +244,14 @@ def _version(text: str | None) -> tuple[int, ...] | None:
 
 
 def check_dram(fs: Sysfs) -> Check:
-    src = "seed log Milestone 15; anchors.md §3.2 pitfalls (sbc-reviews#2, rknn-llm#532)"
+    src = "seed log Milestone 15; docs/anchors.md §3.2 pitfalls (sbc-reviews#2, rknn-llm#532)"
     dmc = read_devfreq(fs, DMC_DIR)
     if dmc is None:
         return Check("dram", WARN, "no /sys/class/devfreq/dmc",
                      "DRAM clock cannot be verified: no DMC devfreq (bootloader without DMC DVFS, or a "
                      "mainline kernel); decode figures depend on it directly",
                      "check the boot blob runs DRAM at 2112 MHz (e.g. rk3588_ddr_lp4_2112MHz) and compare "
-                     "with the published figures in anchors.md §3", src)
+                     "with the published figures in docs/anchors.md §3", src)
     cur, top, gov = dmc["cur_mhz"], dmc["max_mhz"], dmc["governor"]
     top_avail = max(dmc["available_mhz"] or [top or 0])
     top = max(top or 0, top_avail) or None
@@ -268,12 +268,12 @@ def check_dram(fs: Sysfs) -> Check:
     if top < DRAM_MAX_MHZ_RK3588 * 0.98:
         return Check("dram", WARN, value,
                      f"DRAM max {top:.0f} MHz is below RK3588's {DRAM_MAX_MHZ_RK3588} MHz: compare only with "
-                     "figures taken at the same DRAM clock", "", src + "; anchors.md A3")
+                     "figures taken at the same DRAM clock", "", src + "; docs/anchors.md A3")
     return Check("dram", PASS, value, "DRAM pinned at its maximum", "", src)
 
 
 def check_cpus(fs: Sysfs) -> list[Check]:
-    src = "seed log Milestones 15-16; anchors.md §2 (rknn-llm#27, #29), §3.1"
+    src = "seed log Milestones 15-16; docs/anchors.md §2 (rknn-llm#27, #29), §3.1"
     policies = read_cpufreq(fs)
     if not policies:
         return [Check("cpufreq", WARN, "no cpufreq policies",
@@ -318,14 +318,14 @@ def _fmt_cpus(cpus: list[int]) -> str:
 
 
 def check_npu_clock(fs: Sysfs, rocket: bool) -> Check:
-    src = "seed log 'Target interface' (1 GHz); anchors.md §3.1 (vendor 1 GHz, rocket boots at 200 MHz)"
+    src = "seed log 'Target interface' (1 GHz); docs/anchors.md §3.1 (vendor 1 GHz, rocket boots at 200 MHz)"
     npu = read_devfreq(fs, NPU_DEVFREQ_DIR)
     if npu is None:
         reason = "NPU clock cannot be read (no fdab0000.npu devfreq)"
         if rocket:
             reason += f"; mainline rocket boots the NPU at {NPU_ROCKET_BOOT_MHZ} MHz unless patched"
         return Check("npu clock", WARN, "no devfreq node", reason,
-                     "compare with figures taken at a known NPU clock (anchors.md A8: rocket at 600 MHz)", src)
+                     "compare with figures taken at a known NPU clock (docs/anchors.md A8: rocket at 600 MHz)", src)
     cur, top, gov = npu["cur_mhz"], npu["max_mhz"], npu["governor"]
     value = f"{cur or 0:.0f} of {top or 0:.0f} MHz, governor {gov}"
     if cur is None:
@@ -366,7 +366,7 @@ def check_thermal(fs: Sysfs) -> Check:
 
 def check_driver(fs: Sysfs) -> tuple[Check, bool]:
     """The NPU kernel driver; returns (check, rocket_present)."""
-    src = "anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170), §4 gotchas (hw_elapse_time from 0.9.8)"
+    src = "docs/anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170), §4 gotchas (hw_elapse_time from 0.9.8)"
     kernel = fs.read(OSRELEASE) or "unknown kernel"
     rocket = fs.exists(ROCKET_MODULE) or fs.exists(ROCKET_DRIVER)
     debugfs = fs.read(RKNPU_DEBUGFS_VERSION)
@@ -395,7 +395,7 @@ def check_driver(fs: Sysfs) -> tuple[Check, bool]:
     if rocket:
         return Check("npu driver", WARN, f"rocket (mainline, kernel {kernel})",
                      "mainline rocket driver: no hw_elapse_time, so device time is modeled; the NPU boots at "
-                     f"{NPU_ROCKET_BOOT_MHZ} MHz unless the clock is patched (anchors.md A8)",
+                     f"{NPU_ROCKET_BOOT_MHZ} MHz unless the clock is patched (docs/anchors.md A8)",
                      "for measured device time use a vendor kernel with rknpu 0.9.8", src), rocket
     return Check("npu driver", FAIL, f"none (kernel {kernel})", "no NPU driver loaded (neither rknpu nor rocket)",
                  "boot a vendor kernel with rknpu, or mainline >= 6.18 with CONFIG_DRM_ACCEL_ROCKET "
@@ -403,7 +403,7 @@ def check_driver(fs: Sysfs) -> tuple[Check, bool]:
 
 
 NPU_NODES = ("/dev/dri/renderD129", "/dev/accel/accel0")   # vendor render node, rocket accel node
-# [seed log "Target interface" (renderD129); npu-programming.md §5 / rocket uAPI (accel0)]
+# [seed log "Target interface" (renderD129); docs/npu-programming.md §5 / rocket uAPI (accel0)]
 
 
 def npu_users(fs: Sysfs) -> tuple[list[str], int]:
@@ -423,7 +423,7 @@ def npu_users(fs: Sysfs) -> tuple[list[str], int]:
 
 
 def check_npu_users(fs: Sysfs) -> Check:
-    src = "anchors.md §4 gotchas (rk-llama.cpp README, igou-io PR #869: concurrent NPU processes panic the kernel)"
+    src = "docs/anchors.md §4 gotchas (rk-llama.cpp README, igou-io PR #869: concurrent NPU processes panic the kernel)"
     users, unreadable = npu_users(fs)
     skipped = f" ({unreadable} processes' fds unreadable: run as root to see all)" if unreadable else ""
     if users:

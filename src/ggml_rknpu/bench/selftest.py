@@ -1,5 +1,11 @@
-"""The board owner's kit: probe, check-rig, a correctness sweep against numpy, a timing sweep,
-and one archive (JSON + Markdown) to attach to an issue.
+"""The board owner's kit: probe, check-rig, the bring-up ladder (bench/ladder.py), a
+correctness sweep against numpy, a timing sweep, and one archive (JSON + Markdown) to attach
+to an issue.
+
+The ladder runs first, rung by rung from the safest (the golden streams) to the riskiest
+(three cores, a long rocket job); it stops at the first failure and records the rungs this
+board and driver passed (engine.envelope_record), which is the envelope the engine, the
+sweeps below and ``rknpu serve`` then plan in. If a rung fails, the sweeps do not run.
 
 WHY: nobody on this project has the board; the first person who runs it on silicon must be
 able to say in one command whether our register programs compute the right numbers there,
@@ -9,13 +15,14 @@ sweep runs and says so (its device times are modeled).
 Correctness rules: int8 x int8 -> int32 must equal numpy exactly; fp16 x fp16 -> fp32 must be
 within ``FP16_RTOL * (|A| @ |B|^T) + FP16_ATOL`` of numpy's float64 product of the
 fp16-rounded inputs. Products of fp16 values are exact in fp32 and the sum is accumulated
-in fp32 (rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
+in fp32 (docs/rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
 terms is bounded by ~K * 2^-24 * sum|a_k b_k|, so 1e-3 leaves room for K up to ~16k while a
 single wrong element (a sign, a lost tile) is caught.
 
-Test hook: ``RKNPU_SELFTEST_CORRUPT=1`` (or ``corrupt=True``) flips one output element of the
-first case after the NPU returns, so the sweep must fail loudly; it proves the comparison
-can fail.
+Test hooks: ``RKNPU_SELFTEST_CORRUPT=1`` (or ``corrupt=True``) flips one output element of the
+first sweep case after the NPU returns, so the sweep must fail loudly; it proves the
+comparison can fail. ``RKNPU_SELFTEST_CORRUPT=<rung>`` and ``RKNPU_SELFTEST_FAULT=<rung>:
+<stale|timeout>`` do the same for a ladder rung (bench/ladder.py).
 """
 
 from __future__ import annotations
@@ -33,9 +40,8 @@ import numpy as np
 from ggml_rknpu.bench import matmul as mm
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport, check_rig
+from ggml_rknpu.bench.verdict import FP16_ATOL, FP16_RTOL, compare, corrupt_one  # noqa: F401 (st.compare)
 
-FP16_RTOL = 1e-3
-FP16_ATOL = 1e-6
 CORRUPT_ENV = "RKNPU_SELFTEST_CORRUPT"
 
 # (M, K, N): GEMV, unaligned K and N, several M tiles, a K beyond one task's budget on a board.
@@ -70,6 +76,9 @@ class SelftestResult:
     timing: list[dict] = field(default_factory=list)
     corrupted: bool = False
     failures: list[str] = field(default_factory=list)
+    ladder: list = field(default_factory=list)          # bench.ladder.RungResult
+    envelope: str = "proven"
+    envelope_record: str = ""
 
 
 def _plain(obj) -> dict:
@@ -84,10 +93,10 @@ def _plain_value(v):
 
 def probe(device: str | None) -> dict:
     """Open the device, read its facts and do a buffer round trip (what ``rknpu probe`` does)."""
-    from ggml_rknpu.kernel.device import NpuDevice
+    from ggml_rknpu.devices import open_device
 
     pattern = (np.arange(4096, dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
-    with NpuDevice.open(device) as dev:
+    with open_device(device) as dev:
         info = _plain(dev.info())
         with dev.alloc(4096) as buf:
             buf.array(np.uint8)[:] = pattern
@@ -97,38 +106,6 @@ def probe(device: str | None) -> dict:
             dma = buf.dma_addr
         return {"kind": dev.kind, "simulated": bool(dev.simulated), "n_cores": dev.n_cores, "info": info,
                 "buffer_round_trip": round_trip, "dma_addr": hex(dma), "iova_budget": list(dev.iova_budget())}
-
-
-def reference(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "int8":
-        return a.astype(np.int64) @ b.astype(np.int64).T
-    return a.astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64).T
-
-
-def compare(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: str) -> tuple[bool, float, int, dict | None]:
-    """(ok, max abs error, mismatch count, first mismatch) under the module's rules."""
-    ref = reference(a, b, dtype)
-    if c.shape != ref.shape:
-        return False, float("inf"), ref.size, {"shape": list(c.shape), "expected_shape": list(ref.shape)}
-    err = np.abs(c.astype(np.float64) - ref.astype(np.float64))
-    if dtype == "int8":
-        bad = err != 0
-    else:
-        bound = FP16_RTOL * (np.abs(a.astype(np.float16).astype(np.float64))
-                             @ np.abs(b.astype(np.float16).astype(np.float64)).T) + FP16_ATOL
-        bad = ~(err <= bound)
-    n_bad = int(bad.sum())
-    first = None
-    if n_bad:
-        i, j = map(int, np.argwhere(bad)[0])
-        first = {"row": i, "col": j, "got": float(c[i, j]), "expected": float(ref[i, j])}
-    return n_bad == 0, float(err.max()) if err.size else 0.0, n_bad, first
-
-
-def corrupt_one(c: np.ndarray) -> None:
-    """The test hook: change one output element by at least 1 (caught by both rules)."""
-    i, j = c.shape[0] // 2, c.shape[1] // 2
-    c[i, j] = -c[i, j] - 1
 
 
 def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt: bool,
@@ -151,7 +128,7 @@ def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt
                         finally:
                             w.free()
                     except Exception as exc:  # a failing case is a result, the sweep goes on
-                        results.append(CaseResult(M, K, N, dtype, cores, False, float("inf"), M * N,
+                        results.append(CaseResult(M, K, N, dtype, npu.cores, False, float("inf"), M * N,
                                                   error=f"{type(exc).__name__}: {exc}"))
                         advance(1)
                         continue
@@ -160,7 +137,7 @@ def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt
                         corrupt_pending = False
                     ok, max_err, n_bad, first = compare(c, a, b, dtype)
                     timing = mm.read_timing(npu.last_timing)
-                    results.append(CaseResult(M, K, N, dtype, cores, ok, max_err, n_bad, first,
+                    results.append(CaseResult(M, K, N, dtype, npu.cores, ok, max_err, n_bad, first,
                                               (timing["device_s"] or 0) * 1e3 or None, timing["device_basis"]))
                     advance(1)
         finally:
@@ -169,8 +146,11 @@ def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt
 
 
 def run_selftest(device: str | None = None, *, rig_root: str = "/", corrupt: bool | None = None,
-                 console=None, shapes=None, timing_shapes=None, iters: int = 3) -> SelftestResult:
-    corrupt = (os.environ.get(CORRUPT_ENV, "") not in ("", "0")) if corrupt is None else corrupt
+                 console=None, shapes=None, timing_shapes=None, iters: int = 3,
+                 ladder_rungs: tuple[str, ...] | None = None) -> SelftestResult:
+    from ggml_rknpu.bench import ladder as ld
+
+    corrupt = (os.environ.get(CORRUPT_ENV, "") in ("1", "true", "yes")) if corrupt is None else corrupt
     probe_info = probe(device)
     simulated = probe_info["simulated"]
     rig = check_rig(rig_root)
@@ -183,16 +163,26 @@ def run_selftest(device: str | None = None, *, rig_root: str = "/", corrupt: boo
     total = len(shapes) * len(dtypes) * len(cores_list) + len(timing_cases)
     import ggml_rknpu
 
-    with rp.progress(console, "selftest", total) as advance:
-        cases = correctness_sweep(device, shapes, dtypes, cores_list, corrupt=corrupt, advance=advance)
-        timing = mm.burst(lambda cores: ggml_rknpu.open(device=device, cores=cores), timing_cases, iters=iters,
-                          warmup=1, on_board=not simulated, max_sim_macs=2 ** 22, advance=advance)
-    failures = [f"{c.dtype} M={c.M} K={c.K} N={c.N} cores={c.cores}: "
-                + (c.error or f"{c.mismatches} mismatching element(s), first {c.first_mismatch}")
-                for c in cases if not c.ok]
+    n_rungs = len(ld.LADDER) if ladder_rungs is None else len(ladder_rungs)
+    cases, timing = [], []
+    with rp.progress(console, "selftest", total + n_rungs) as advance:
+        ladder = ld.run_ladder(device, ladder_rungs, advance=advance)
+        key, record_file = ld.record(device, ladder)
+        failures = [f"ladder rung {r.name}: {r.symptom}: {r.detail}" for r in ladder if r.status == "FAIL"]
+        if not failures:   # the sweeps run in the envelope the ladder just recorded
+            cases = correctness_sweep(device, shapes, dtypes, cores_list, corrupt=corrupt, advance=advance)
+            timing = mm.burst(lambda cores: ggml_rknpu.open(device=device, cores=cores), timing_cases,
+                              iters=iters, warmup=1, on_board=not simulated, max_sim_macs=2 ** 22, advance=advance)
+    failures += [f"{c.dtype} M={c.M} K={c.K} N={c.N} cores={c.cores}: "
+                 + (c.error or f"{c.mismatches} mismatching element(s), first {c.first_mismatch}")
+                 for c in cases if not c.ok]
     if not probe_info["buffer_round_trip"]:
         failures.insert(0, "probe: buffer round trip returned different bytes")
-    return SelftestResult(not failures, simulated, probe_info, rig, cases, timing, corrupt, failures)
+    from ggml_rknpu.engine.envelope_record import envelope_for_rungs
+
+    envelope = envelope_for_rungs(ld.passed_rungs(ladder), probe_info["kind"]).describe()
+    return SelftestResult(not failures, simulated, probe_info, rig, cases, timing, corrupt, failures, ladder,
+                          envelope, f"{record_file} [{key}]")
 
 
 def build_report(result: SelftestResult) -> rp.Report:
@@ -207,7 +197,10 @@ def build_report(result: SelftestResult) -> rp.Report:
     columns = [c for c in columns if not c.figure or any(r.get(c.key) is not None for r in rows)]
     timing_cols = [c for c in mm.MATMUL_COLUMNS if not c.figure or any(r.get(c.key) is not None
                                                                        for r in result.timing)]
-    notes = [f"ran on the {where}", f"correctness: int8 exact; fp16 within {FP16_RTOL} x (|A|@|B|^T) + {FP16_ATOL}"]
+    from ggml_rknpu.bench import ladder as ld
+
+    notes = [f"ran on the {where}", f"correctness: int8 exact; fp16 within {FP16_RTOL} x (|A|@|B|^T) + {FP16_ATOL}",
+             f"envelope recorded for this board and driver: {result.envelope} (in {result.envelope_record})"]
     if result.corrupted:
         notes.append(f"{CORRUPT_ENV} hook active: one output element was flipped after the NPU returned")
     notes += [f"FAIL: {f}" for f in result.failures]
@@ -218,10 +211,18 @@ def build_report(result: SelftestResult) -> rp.Report:
               "host": mm.host_description(), "version": _version()},
         tables=[rp.Table("Probe", [rp.Column("k", "fact"), rp.Column("v", "value")],
                          [{"k": k, "v": v} for k, v in _flat(result.probe).items()]),
+                rp.Table("Bring-up ladder (safest first; stops at the first failure)",
+                         [rp.Column("rung", "rung"), rp.Column("status", "status"), rp.Column("what", "what"),
+                          rp.Column("symptom", "symptom"), rp.Column("detail", "detail"),
+                          rp.Column("seconds", "s", "{:.2f}")], ld.as_rows(result.ladder)),
+                rp.Table("Symptoms", [rp.Column("symptom", "symptom"), rp.Column("meaning", "what it means")],
+                         [{"symptom": k, "meaning": v} for k, v in ld.SYMPTOMS.items()]),
                 rp.Table("Correctness vs numpy", columns, rows),
                 rp.Table("Timing sweep (median per call)", timing_cols, result.timing)],
         raw={"probe": result.probe, "cases": [asdict(c) for c in result.cases], "timing": result.timing,
-             "failures": result.failures, "corrupted": result.corrupted},
+             "failures": result.failures, "corrupted": result.corrupted,
+             "ladder": [asdict(r) for r in result.ladder], "envelope": result.envelope,
+             "envelope_record": result.envelope_record},
         notes=notes)
 
 

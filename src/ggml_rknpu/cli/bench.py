@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = sub.add_parser("matmul", help="GEMV/GEMM burst benchmark per shape, dtype, cores")
     _common(m, "bench-out/matmul")
     m.add_argument("--modeled", action="store_true",
-                   help="no device: modeled GFLOP/s for the seed's Milestone 7/8 shapes beside its measured figures")
+                   help="no device: modeled GFLOP/s for the seed's Milestone 7/8 [docs/decisions.md] shapes beside its measured figures")
     m.add_argument("--engines", type=_engines, default=["ours"],
                    help="comma list: ours (our register commands), rknn (Rockchip's librknnrt via $LIBRKNNRT_PATH "
                         "or the usual directories; --device does not apply to it). Default ours")

@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from ggml_rknpu.kernel.device import DEVICE_CHOICES, DeviceInfo, NpuDevice
+from ggml_rknpu.devices import DEVICE_CHOICES, open_device
+from ggml_rknpu.kernel.device import DeviceInfo, NpuDevice
 from ggml_rknpu.kernel.errors import NpuError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_NO_DEVICE, EXIT_DRIVER_ERROR = 0, 1, 2, 3
@@ -101,7 +102,7 @@ def _print_tables(facts: list[tuple[str, str]], trip: dict | None, error: str | 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        dev = NpuDevice.open(args.device)
+        dev = open_device(args.device)
     except NpuError as exc:
         return _report(args, EXIT_NO_DEVICE, None, None, None, str(exc))
     with dev:

@@ -1,10 +1,14 @@
 """Validate this project on the board (or the simulator) and write one archive to share.
 
-Runs: probe (open the NPU, facts, a buffer round trip), check-rig, a sweep of matmul shapes
-in fp16 and int8 on 1 and all cores compared against numpy (int8 exact, fp16 within a
-documented tolerance), a timing sweep, then writes selftest.json + selftest.md and a
-tar.gz of both into --out. Exit code 0 on PASS, 1 on FAIL.
-Set RKNPU_SELFTEST_CORRUPT=1 to flip one output element and see it fail.
+Runs: probe (open the NPU, facts, a buffer round trip), check-rig, the bring-up ladder
+(safest rung first; stops at the first failure; records what this board and driver
+passed in ~/.config/ggml-rknpu/envelope.json, which widens the envelope the engine and
+``rknpu serve`` plan in), then a sweep of matmul shapes in fp16 and int8 on 1 and all the
+cores the ladder allowed, compared against numpy (int8 exact, fp16 within a documented
+tolerance), a timing sweep, then writes selftest.json + selftest.md and a tar.gz of both
+into --out. Exit code 0 on PASS, 1 on FAIL.
+Set RKNPU_SELFTEST_CORRUPT=1 to flip one output element and see it fail
+(RKNPU_SELFTEST_CORRUPT=<rung> for a ladder rung).
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ def run(args: argparse.Namespace) -> int:
     report.print(console)
     archive = write_archive(report, args.out)
     where = "simulator: device times are modeled" if result.simulated else "board"
+    envelope = f"envelope now: {result.envelope}\nrecorded in: {result.envelope_record}"
     if result.passed:
-        console.print(Panel(f"PASS ({len(result.cases)} cases, {where})\narchive: {archive}", title="selftest",
-                            border_style="green"))
+        console.print(Panel(f"PASS ({len(result.ladder)} rungs, {len(result.cases)} cases, {where})\n{envelope}\n"
+                            f"archive: {archive}", title="selftest", border_style="green"))
         return 0
     body = "\n".join(result.failures[:20])
-    console.print(Panel(f"{len(result.failures)} failure(s) ({where}):\n{body}\narchive: {archive}",
+    console.print(Panel(f"{len(result.failures)} failure(s) ({where}):\n{body}\n{envelope}\narchive: {archive}",
                         title="selftest FAIL", border_style="bold red"))
     return 1

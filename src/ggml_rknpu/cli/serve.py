@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
                         "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
+    p.add_argument("--envelope", default="recorded", choices=("recorded", "proven", "extended"),
+                   help="what the compiler may emit: recorded (default: the proven envelope widened by what "
+                        "this board's `rknpu selftest` ladder passed), proven, or extended (unproven on "
+                        "silicon: at your board's risk)")
     p.add_argument("--engine", default="ours", choices=ENGINES,
                    help="matmul engine: ours (our register commands) or rknn (Rockchip's closed librknnrt, "
                         "installed by you; found at $LIBRKNNRT_PATH or the usual library directories)")
@@ -43,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--cache", type=Path, default=None, metavar="DIR",
                    help="tensor cache directory for SET_TENSOR_HASH (like ggml-rpc-server -c)")
     p.add_argument("-t", "--threads", type=int, default=None,
-                   help="BLAS threads for host ops (sets OPENBLAS_NUM_THREADS/OMP_NUM_THREADS; 1 on a shared box)")
+                   help="host threads: ggml-cpu's threadpool for the host ops and the BLAS pool (default: "
+                        "the cores but one, at most 4 -- the four Cortex-A76 of an RK3588, 1 on a 2-core box)")
     p.add_argument("--stats", action="store_true",
                    help="print the placement counters after every client that ran graphs")
     p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
@@ -83,17 +88,10 @@ def _open_engine(args: argparse.Namespace):
         return None, "host only (no NPU)"
     import ggml_rknpu
 
-    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device)
-    return npu, f"NPU engine on {_device_name(npu, args.device)}"
-
-
-def _device_name(npu, requested: str) -> str:
-    """What --device resolved to, e.g. 'rknpu (simulated)' for auto off a board."""
-    dev = getattr(npu, "device", None)
-    kind = getattr(dev, "kind", None)
-    if kind is None:
-        return requested
-    return f"{kind} (simulated)" if getattr(dev, "simulated", False) else kind
+    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device,
+                          envelope=None if args.envelope == "recorded" else args.envelope)
+    return npu, (f"NPU engine on {npu.describe()}, envelope {npu.envelope.describe()} "
+                 "(run `rknpu selftest` to widen it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,12 +118,25 @@ def run(args: argparse.Namespace) -> int:
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
-                          stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse)
-    state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
+                          stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
+                          threads=args.threads)
+    from ggml_rknpu.hostggml.lib import GgmlAbiError, GgmlLibraryMissing
+
+    if args.threads is not None and args.threads < 1:
+        log.error("--threads must be at least 1, got %d", args.threads)
+        return 2
+    try:
+        state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
+    except (GgmlAbiError, GgmlLibraryMissing) as exc:
+        log.error("cannot start the host backend (ggml-cpu): %s", exc)
+        if npu is not None:
+            npu.close()
+        return 1
     try:
         server = RpcServer(state, args.host, args.port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        state.close()
         if npu is not None:
             npu.close()
         return 1
@@ -141,16 +152,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     free, total = state.memory.report()
-    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free",
-             args.host, server.port, engine, args.weights, free / 2**20, total / 2**20)
+    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free, "
+             "host ops on ggml-cpu with %d thread(s)",
+             args.host, server.port, engine, args.weights, free / 2**20, total / 2**20, state.threads.n)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         print_stats()
+        state.close()
         if npu is not None:
-            log.info("%s engine counters: %s", args.engine, dict(getattr(npu, "counters", {})))
-            state.close()
+            log.info("%s engine counters: %s", args.engine, dict(npu.counters))
             npu.close()
     return 0

@@ -2,7 +2,7 @@
 
 Every task writes the full register set the hardware-validated MTX streams write (104
 body words, same registers, same order) -- never relying on values left from an earlier
-task, which may be stale by ping-pong inheritance [npu-programming.md §2]. All values are
+task, which may be stale by ping-pong inheritance [docs/npu-programming.md §2]. All values are
 built from named fields through ``hw.registers``; no shifts here.
 
 Where a task is a tile of a larger matmul, plane pitches keep the *full* M: CNA
@@ -29,7 +29,7 @@ Deliberate choices where the golden streams give no single answer:
 from __future__ import annotations
 
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.compiler.tiling import TaskTile
+from ggml_rknpu.compiler.tiling import FEATURE_GRAINS_EXTRA, TaskTile
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS
 
@@ -46,7 +46,6 @@ PP_POINTER = R["DPU_S_POINTER"].encode(POINTER_PP_EN=1, EXECUTER_PP_EN=1, POINTE
 BURST_LEN = 15               # DMA_CON0 / FEATURE_MODE_CFG burst length [§7]
 OUTPUT_MODE_MEMORY = 2       # DPU FEATURE_MODE_CFG.OUTPUT_MODE: to memory [§7]
 LINE_STRIDE_PER_W = 4        # LINE_STRIDE = 4*W [§7 field notes]
-FEATURE_GRAINS_EXTRA = 1     # FEATURE_GRAINS = M + 1 [§7, MTX]
 DATA_ENTRY_BYTES = 64        # DATA_ENTRIES = ceil(W*Kc*b / 64) [§7; MESA and AB agree]
 _LUT_REGISTERS = tuple(        # DPU 0x4100..0x412C, all written 0 [§2, §7]
     sorted((n for n in REGISTERS if n.startswith("DPU_LUT_")), key=lambda n: REGISTERS[n].offset)

@@ -1,6 +1,6 @@
 """Native NPU layouts of A, B and C, packed and unpacked with vectorised numpy.
 
-[npu-programming.md §6; SDK native layouts; MTX feature_data/weight_fp16/weight_int8]:
+[docs/npu-programming.md §6; SDK native layouts; MTX feature_data/weight_fp16/weight_int8]:
 
 * A [M, K]: NC1HWC2 with C2 = 16 / bytes: fp16 ``(Kp/8, M, 8)``, int8 ``(Kp/16, M, 16)``.
 * B, ggml's [N, K] (one row per output): fp16 ``(Np/16, Kc/32, 16, 32)``, int8
@@ -20,6 +20,7 @@ import numpy as np
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import k_chunks
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.envelope import PROVEN, Envelope
 
 NUMPY_DTYPE = {"fp16": np.float16, "fp32": np.float32, "int8": np.int8, "int32": np.int32}
 
@@ -110,10 +111,12 @@ def pack_a(a: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray 
     return dest_bytes
 
 
-def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray | None = None) -> np.ndarray:
+def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarray | None = None,
+           envelope: Envelope | str = PROVEN) -> np.ndarray:
     """B in ggml's [N, K] layout -> native bytes (uint8, ``b_bytes``), chunk by chunk
-    ``(Np/g, Kc/32, g, 32)``. Independent of M. ``out`` (uint8, >= ``b_bytes``) is
-    written in place, e.g. straight into a mapped device buffer."""
+    ``(Np/g, Kc/32, g, 32)``: a Program's own K chunks, else those of ``envelope``.
+    Independent of M. ``out`` (uint8, >= ``b_bytes``) is written in place, e.g. straight
+    into a mapped device buffer."""
     x = _as_input(b_nk, dtype, "B")
     shape = _shape_of(program_or_shape, dtype, None, x.shape[1], x.shape[0])
     if x.shape != (shape.N, shape.K):
@@ -122,7 +125,7 @@ def pack_b(b_nk: np.ndarray, dtype: str, program_or_shape=None, *, out: np.ndarr
     nbytes = b_bytes(shape)
     dest_bytes = _dest_bytes(out, nbytes)
     dest = dest_bytes.view(x.dtype)
-    for chunk in k_chunks(shape.K, dtype):
+    for chunk in getattr(program_or_shape, "k_chunks", ()) or k_chunks(shape.K, dtype, envelope):
         padded = np.zeros((shape.Np, chunk.size), dtype=x.dtype)
         real = x[:, chunk.k0: chunk.k0 + chunk.size]
         padded[: shape.N, : real.shape[1]] = real

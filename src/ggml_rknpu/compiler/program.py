@@ -1,8 +1,8 @@
 """``Program``: the whole regcmd buffer image of a matmul, its task table and the
-relocations that bind it to buffer addresses without recompiling (CONTRACT D).
+relocations that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
 
 Layout of the regcmd buffer: tasks grouped by core, in execution order; every task
-starts 64-byte aligned (MESA's alignment [npu-programming.md §2]; the vendor blob spaces
+starts 64-byte aligned (MESA's alignment [docs/npu-programming.md §2]; the vendor blob spaces
 its 108-word tasks 0x380 bytes apart too [capture c1024_h1_oc1001]); padding words are 0
 (a NOP [§11]), so a fetch that runs one word past an odd-length task reads a NOP.
 
@@ -13,7 +13,14 @@ through these tails (core_mask + subcore_task [§3, §4]). Rocket runs one task 
 hardware start (TASK_NUMBER=1) and ignores the in-stream pointers [§5], so the very same
 words serve both ABIs; the tails are kept valid anyway.
 
-Deviation from CONTRACT D (additive): ``Program`` also carries ``c_dtype`` (precision the
+Chains (``ProgramTask.chain``): a core's tasks are cut into consecutive chains, each run as
+its own submit, so that no vendor PC chain is longer than the envelope allows
+(``max_chain_tasks``: 65 fp16, 1 int8 in the proven envelope) and no rocket job is modeled
+longer than ``max_job_ms`` at ``job_model_mhz``, rocket's boot clock (mainline kills a job after 500 ms and
+leaves its outputs stale [rocket_job.c JOB_TIMEOUT_MS]). The last task of every chain has
+the (0, 0) tail. Submit j runs chain j of every core.
+
+Deviation from contract D [docs/decisions.md] (additive): ``Program`` also carries ``c_dtype`` (precision the
 NPU writes C in; fp32 for a K-split fp16 matmul, see layout.partial_dtype), ``abi``,
 ``k_chunks`` and the convenience ``regcmd_bytes`` / ``core_tasks``.
 """
@@ -29,6 +36,7 @@ from ggml_rknpu.compiler.layout import a_bytes, b_bytes, c_bytes, partial_dtype
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import KChunk, Tiling
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.envelope import PROVEN, Envelope, by_name
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE, TAIL_WORDS, VALUE_SHIFT, regcmd_word, target_for_offset, task_tail
 from ggml_rknpu.hw.registers import REGISTERS
 
@@ -52,6 +60,7 @@ class ProgramTask:
     body_words: int      # excluding the 4-word tail (vendor regcfg_amount)
     enable_mask: int
     int_mask: int
+    chain: int = 0       # which submit of the program runs this task (module doc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +96,11 @@ class Program:
     def core_tasks(self, core: int) -> tuple[ProgramTask, ...]:
         return tuple(t for t in self.tasks if t.core == core)
 
+    @property
+    def n_submits(self) -> int:
+        """Submits one run of the program takes: one per chain index (module doc)."""
+        return 1 + max((t.chain for t in self.tasks), default=0)
+
     def bind(self, *, a: int, b: int, c: int, regcmd: int) -> np.ndarray:
         """Copy of ``words`` with every address field set to base + offset (vectorised).
         Raises ValueError for a misaligned base or a buffer reaching past 32 bits."""
@@ -118,9 +132,35 @@ def _body_template(shape: MatmulShape, tile, c_dtype: str) -> tuple[np.ndarray, 
     return words, positions
 
 
-def build_program(tiling: Tiling, abi: str = "rknpu") -> Program:
+def chain_of_tasks(tiling: Tiling, abi: str, envelope: Envelope) -> list[int]:
+    """The chain index of every task (module doc): a core's chain ends when the next task
+    would make it longer than the envelope's vendor chain, or its rocket job modeled
+    longer than ``max_job_ms`` at ``job_model_mhz`` (rocket's boot clock by default)."""
+    from ggml_rknpu.cost.model import TaskWork, task_seconds
+
+    shape = tiling.shape
+    out_bytes = limits.BYTES[partial_dtype(shape, tiling.k_splits)]
+    max_tasks = envelope.max_chain_tasks[shape.dtype] if abi == "rknpu" else limits.MAX_TASKS_PER_SUBMIT
+    budget_s = envelope.max_job_ms / 1e3 if abi == "rocket" else float("inf")
+    chains, core, chain, count, spent = [], None, 0, 0, 0.0
+    for tile in tiling.tasks:
+        seconds = task_seconds(TaskWork(tile.core, tile.m, tile.chunk.size, tile.n, shape.dtype, out_bytes),
+                               npu_mhz=envelope.job_model_mhz, cores_in_job=tiling.cores_used)
+        if tile.core != core:
+            core, chain, count, spent = tile.core, 0, 0, 0.0
+        elif count >= max_tasks or spent + seconds > budget_s:
+            chain, count, spent = chain + 1, 0, 0.0
+        chains.append(chain)
+        count += 1
+        spent += seconds
+    return chains
+
+
+def build_program(tiling: Tiling, abi: str = "rknpu", envelope: Envelope | str = PROVEN) -> Program:
     if abi not in ABIS:
         raise ValueError(f"abi must be one of {ABIS}, got {abi!r}")
+    envelope = by_name(envelope)
+    chains = chain_of_tasks(tiling, abi, envelope)
     shape = tiling.shape
     c_dtype = partial_dtype(shape, tiling.k_splits)
     sizes = {"A": a_bytes(shape), "B": b_bytes(shape), "C": c_bytes(shape, tiling.k_splits)}
@@ -156,16 +196,16 @@ def build_program(tiling: Tiling, abi: str = "rknpu") -> Program:
     for i, (tile, body, start, body_relocs) in enumerate(zip(tiling.tasks, bodies, starts, task_relocs)):
         words[start: start + len(body)] = body
         relocs.extend(Reloc(start + p, role, offset) for p, role, offset in body_relocs)
-        is_last_of_core = i + 1 == n or tiling.tasks[i + 1].core != tile.core
+        is_last_of_chain = i + 1 == n or tiling.tasks[i + 1].core != tile.core or chains[i + 1] != chains[i]
         tail_at = start + len(body)
-        if is_last_of_core:
+        if is_last_of_chain:
             tail = task_tail(0, 0, MATMUL_ENABLE)
         else:
             next_bytes = starts[i + 1] * 8
             tail = task_tail(next_bytes, len(bodies[i + 1]), MATMUL_ENABLE)
             relocs.append(Reloc(tail_at, "REGCMD", next_bytes))
         words[tail_at: tail_at + TAIL_WORDS] = np.array(tail, dtype=np.uint64)
-        tasks.append(ProgramTask(tile.core, start, len(body), int(MATMUL_ENABLE), limits.INT_MASK_DPU))
+        tasks.append(ProgramTask(tile.core, start, len(body), int(MATMUL_ENABLE), limits.INT_MASK_DPU, chains[i]))
 
     words.setflags(write=False)
     return Program(

@@ -2,7 +2,7 @@
 compiler module derives from it.
 
 C[M, N] = A[M, K] . B[K, N] runs as a 1x1 convolution: A is a feature map H=M, W=1, C=K;
-B is N kernels of 1x1xK; C is a feature map H=M, W=1, C=N [npu-programming.md §6].
+B is N kernels of 1x1xK; C is a feature map H=M, W=1, C=N [docs/npu-programming.md §6].
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ggml_rknpu.hw import limits
 
 # (input precision, output precision) pairs the compiler emits; all three are the
-# hardware-validated MTX modes [golden/README.md; npu-programming.md §7, §12].
+# hardware-validated MTX modes [tests/data/oracle/README.md; docs/npu-programming.md §7, §12].
 SUPPORTED_MODES: frozenset[tuple[str, str]] = frozenset(
     {("fp16", "fp32"), ("fp16", "fp16"), ("int8", "int32")}
 )

@@ -3,7 +3,7 @@
 Rules, each with its source:
 
 * **K** -- one task takes at most ``MAX_TASK_K = 10240`` channels, the SDK's own matmul
-  K limit [SDK rknn_matmul_api.h; npu-programming.md §9; rknn-toolkit.md]. This also
+  K limit [SDK rknn_matmul_api.h; docs/npu-programming.md §9; docs/rknn-toolkit.md]. This also
   keeps one kernel's weights within one CBUF bank (Kp*b <= 32 KiB [§9, MTX check]) and a
   whole kernel group within 10 of the 12 banks (16*10240*2 = 32*10240*1 = 10 banks; that the
   SDK limit is chosen for this is our *inference*). K is cut into balanced chunks of whole
@@ -12,7 +12,7 @@ Rules, each with its source:
   across tasks [§9]. Chunking depends on (K, dtype) only, so weights are packed once
   whatever M is. How many chunks:
 
-  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [rknn-toolkit.md
+  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [docs/rknn-toolkit.md
     §4.4]) and the 15 hardware-validated MTX single-task streams [golden] do. The model
     would prefer chunks for prefill here too (512x4096x11008); left so, to keep the
     single-task streams the MTX goldens pin down.
@@ -23,7 +23,7 @@ Rules, each with its source:
     ~5 rows of A per task, and every M tile re-streams the weights. Shorter chunks trade that for one more fp32
     partial C per chunk. Cutting K well below the SDK limit is what Rockchip's own
     compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
-    1536/1536/1024; 64x1536x8960 in 2x768 [rknn-toolkit.md §1.6]); the count is our choice
+    1536/1536/1024; 64x1536x8960 in 2x768 [docs/rknn-toolkit.md §1.6]); the count is our choice
     by the cost model, which does not price the host's sum of the partials.
 * **N** -- split across cores first (contiguous kernel-group ranges; no automatic
   intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
@@ -42,6 +42,14 @@ Rules, each with its source:
 * **Cores** -- N ranges when N has at least one kernel group per core, else M ranges.
 * <= 4095 tasks per core (PC TASK_NUMBER, 12 bits [§3, §9]); more is an error telling the
   caller to split the call.
+
+**Envelope** (``hw.envelope``): every rule above is bounded by the envelope the plan is
+made in -- ``PROVEN`` by default (what hardware-run streams cover: one core, rows <= 544,
+a kernel group at most 8/11 of WEIGHT_BANK, data banks sized by 64-byte entries, split K
+chunks of multiples of 256, K <= 8192 fp16 / 4096 int8 and N <= 8192 / 4096 per task),
+``EXTENDED`` (the field widths, today's former default) on request. Cores beyond the
+envelope's are not used (the plan runs on fewer). The K chunking depends on (K, dtype,
+envelope), so a weight is packed for the envelope its engine plans in.
 """
 
 from __future__ import annotations
@@ -51,11 +59,13 @@ from functools import lru_cache
 
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.envelope import PROVEN, Envelope, by_name
 
 MAX_TASK_K = limits.SDK_MAX_K
 MAX_TASK_N = limits.MAX_DPU_CUBE                      # 8192 (13-bit field holds N-1)
 MAX_TASK_M = limits.MAX_FEATURE_GRAINS - 1            # 1022: FEATURE_GRAINS = M_t + 1
-SDK_SPLIT_K = 8192     # the SDK splits B into ceil(K/8192) segments beyond this [rknn-toolkit.md §4.4]
+SDK_SPLIT_K = 8192     # the SDK splits B into ceil(K/8192) segments beyond this [docs/rknn-toolkit.md §4.4]
+FEATURE_GRAINS_EXTRA = 1   # FEATURE_GRAINS = M_t + 1 [§7, MTX]; emit.py writes it
 MIN_CHUNK_K = 1024     # OUR CHOICE: a shortest chunk whose fp16 kernel group fills one bank
 #                        (16*1024*2 B = 32 KiB); bounds the partial C regions the host sums
 TUNE_M, TUNE_N = 512, 4096   # OUR CHOICE: the reference prefill the chunk count is tuned on
@@ -106,47 +116,50 @@ class Tiling:
         return len(self.chunks)
 
 
-def k_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
-    """Balanced chunks of whole 32-channel atoms, each <= MAX_TASK_K, counted as the module
-    doc says. Depends only on (K, dtype) so the native B layout of a weight does not depend
-    on M."""
+def k_chunks(K: int, dtype: str, envelope: Envelope | str = PROVEN) -> tuple[KChunk, ...]:
+    """Balanced chunks of whole 32-channel atoms (whole ``k_chunk_multiple`` units when K
+    is split), each within the envelope's per-task K, counted as the module doc says.
+    Depends only on (K, dtype, envelope) so the native B layout of a weight does not
+    depend on M."""
     if dtype not in limits.KERNEL_GROUP:
         raise ValueError(f"unsupported matmul input dtype {dtype!r}; supported: {sorted(limits.KERNEL_GROUP)}")
     if not isinstance(K, int) or isinstance(K, bool) or K < 1:
         raise ValueError(f"matmul K must be a positive int, got {K!r}")
-    return _tuned_chunks(K, dtype)
+    return _tuned_chunks(K, dtype, by_name(envelope))
 
 
-def _balanced_chunks(K: int, parts: int) -> tuple[KChunk, ...]:
-    """K in about ``parts`` balanced runs of whole 32-channel atoms (fewer when the atoms
-    run out: every chunk is non-empty)."""
-    atoms = ceil_div(K, limits.K_ALIGN)
-    per = ceil_div(atoms, parts)
-    return tuple(KChunk(i, a0 * limits.K_ALIGN, min(per, atoms - a0) * limits.K_ALIGN)
-                 for i, a0 in enumerate(range(0, atoms, per)))
+def _balanced_chunks(K: int, parts: int, unit: int = limits.K_ALIGN) -> tuple[KChunk, ...]:
+    """K in about ``parts`` balanced runs of whole ``unit``-channel blocks (fewer when the
+    blocks run out: every chunk is non-empty); the last chunk ends at Kp (a multiple of 32)."""
+    Kp = ceil_div(K, limits.K_ALIGN) * limits.K_ALIGN
+    per = ceil_div(ceil_div(Kp, unit), parts) * unit
+    return tuple(KChunk(i, k0, min(per, Kp - k0)) for i, k0 in enumerate(range(0, Kp, per)))
 
 
 @lru_cache(maxsize=512)
-def _tuned_chunks(K: int, dtype: str) -> tuple[KChunk, ...]:
+def _tuned_chunks(K: int, dtype: str, envelope: Envelope) -> tuple[KChunk, ...]:
     Kp = ceil_div(K, limits.K_ALIGN) * limits.K_ALIGN
-    fewest = ceil_div(Kp, MAX_TASK_K)
-    if Kp <= SDK_SPLIT_K:
-        return _balanced_chunks(K, fewest)
+    if Kp <= envelope.max_single_k[dtype]:
+        return _balanced_chunks(K, 1)
+    unit = envelope.k_chunk_multiple
+    longest = envelope.max_chunk_k[dtype] // unit * unit
+    fewest = ceil_div(Kp, longest)
     most = max(fewest, ceil_div(Kp, MIN_CHUNK_K))
-    seconds = {chunks: _reference_seconds(K, dtype, chunks)
-               for chunks in {_balanced_chunks(K, parts) for parts in range(fewest, most + 1)}}
+    candidates = {_balanced_chunks(K, parts, unit) for parts in range(fewest, most + 1)}
+    candidates = {c for c in candidates if max(ch.size for ch in c) <= envelope.max_chunk_k[dtype]}
+    seconds = {chunks: _reference_seconds(K, dtype, chunks, envelope) for chunks in candidates}
     best = min(seconds.values())
     near_best = [chunks for chunks, t in seconds.items() if t <= best * (1 + CHUNK_SLACK)]
     return min(near_best, key=lambda chunks: (len(chunks), seconds[chunks]))
 
 
-def _reference_seconds(K: int, dtype: str, chunks: tuple[KChunk, ...]) -> float:
+def _reference_seconds(K: int, dtype: str, chunks: tuple[KChunk, ...], envelope: Envelope) -> float:
     """Modeled time of the reference prefill TUNE_M x K x TUNE_N on one core with these
-    chunks (the priced tasks are exactly what ``_plan`` emits)."""
+    chunks (the priced tasks are exactly what ``_tile`` emits)."""
     from ggml_rknpu.cost.model import TaskWork, Workload, modeled_time
 
     out = "int32" if dtype == "int8" else "fp32"
-    tiling = _plan(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks)
+    tiling = _tile(MatmulShape(TUNE_M, K, TUNE_N, dtype, out), 1, chunks, envelope)
     works = tuple(TaskWork(t.core, t.m, t.chunk.size, t.n, dtype, limits.BYTES[out]) for t in tiling.tasks)
     return modeled_time(Workload(works)).total_s
 
@@ -162,31 +175,37 @@ def _split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def max_task_rows(chunk_size: int, shape: MatmulShape) -> int:
-    """Largest M_t whose input fits the data banks left after one kernel group [module doc]."""
+def max_task_rows(chunk_size: int, shape: MatmulShape, envelope: Envelope = PROVEN) -> int:
+    """Largest M_t whose input fits the data banks left after one kernel group, the group
+    filling at most the envelope's share of its banks, rows sized by its entry rule, and
+    FEATURE_GRAINS = M_t + 1 within its bound [module doc]."""
     b = shape.in_bytes
-    group_banks = ceil_div(shape.kernel_group * chunk_size * b, limits.CBUF_BANK_BYTES)
+    group_banks = envelope.weight_banks_for(shape.kernel_group * chunk_size * b)
     data_banks = min(limits.MAX_DATA_BANKS, limits.CBUF_BANKS - group_banks)
-    rows = data_banks * limits.CBUF_BANK_BYTES // (chunk_size * b)
-    return min(rows, MAX_TASK_M)
+    rows = data_banks * limits.CBUF_BANK_BYTES // envelope.row_bytes(chunk_size, b)
+    return min(rows, MAX_TASK_M, envelope.max_feature_grains - FEATURE_GRAINS_EXTRA)
 
 
-def data_banks_for(rows: int, chunk_size: int, in_bytes: int) -> int:
-    """DATA_BANK = ceil(H*W*Kc*b / 32 KiB) [§7 CBUF_CON0]."""
-    return ceil_div(rows * chunk_size * in_bytes, limits.CBUF_BANK_BYTES)
+def data_banks_for(rows: int, chunk_size: int, in_bytes: int, envelope: Envelope = PROVEN) -> int:
+    """DATA_BANK = ceil(H*W*row bytes / 32 KiB) [§7 CBUF_CON0], a row sized by the
+    envelope's entry rule (bytes in EXTENDED, whole 64-byte entries in PROVEN)."""
+    return ceil_div(rows * envelope.row_bytes(chunk_size, in_bytes), limits.CBUF_BANK_BYTES)
 
 
-def plan(shape: MatmulShape, cores: int = 1) -> Tiling:
-    """The task list for ``shape`` on up to ``cores`` cores (pure, deterministic)."""
+def tile(shape: MatmulShape, cores: int = 1, envelope: Envelope | str = PROVEN) -> Tiling:
+    """The task list for ``shape`` on up to ``cores`` cores, no more than the envelope
+    allows (pure, deterministic)."""
     if not 1 <= cores <= limits.N_CORES:
         raise ValueError(f"cores must be 1..{limits.N_CORES}, got {cores}")
-    return _plan(shape, cores, k_chunks(shape.K, shape.dtype))
+    envelope = by_name(envelope)
+    return _tile(shape, min(cores, envelope.max_cores), k_chunks(shape.K, shape.dtype, envelope), envelope)
 
 
-def _plan(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
+def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...], envelope: Envelope) -> Tiling:
     g = shape.kernel_group
     groups = shape.Np // g
-    m_max = max_task_rows(max(c.size for c in chunks), shape)
+    m_max = max_task_rows(max(c.size for c in chunks), shape, envelope)
+    max_n = min(MAX_TASK_N, envelope.max_task_n[shape.dtype])
 
     if groups >= cores:
         core_ranges = [((0, shape.M), (s * g, n * g)) for s, n in _split(groups, cores)]
@@ -201,11 +220,11 @@ def _plan(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...]) -> Tiling:
 
     tasks: list[TaskTile] = []
     for core, ((cm0, cm), (cn0, cn)) in enumerate(core_ranges):
-        n_tiles = _split(cn // g, ceil_div(cn, MAX_TASK_N))
+        n_tiles = _split(cn // g, ceil_div(cn, max_n))
         m_tiles = _split(cm, ceil_div(cm, m_max))
         core_tasks = [
             TaskTile(core, cm0 + m0, m, cn0 + n0 * g, n * g, chunk,
-                     data_banks_for(m, chunk.size, shape.in_bytes))
+                     data_banks_for(m, chunk.size, shape.in_bytes, envelope))
             for chunk in chunks
             for n0, n in n_tiles
             for m0, m in m_tiles

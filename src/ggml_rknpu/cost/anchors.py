@@ -1,17 +1,17 @@
 """Measured matmul throughputs on RK3588 boards that the cost model is calibrated on.
 
-Copied from ``reference/anchors.md`` and the seed log (the product never reads the
+Copied from ``docs/anchors.md`` and the seed log (the product never reads the
 reference files at run time). These are other people's *measured* figures; what our model says about the
 same shapes is *modeled*.
 
-Reading of the seed's figures (Milestones 7 and 8, via ``rknn_matmul_api``):
+Reading of the seed's figures (Milestones 7 and 8 [docs/decisions.md], via ``rknn_matmul_api``):
 * one core: the runtime's default core mask (AUTO) runs a matmul on one core, and the int8
   M=512 figure (1391 GOP/s) lies below one core's 2048 GOP/s peak;
 * N=2048 for the M=256/512 rows and for Milestone 8 is inferred from the same [2048x2048]
   weight used in Milestones 9-11 (the table itself states only K=2048);
 * DRAM clock: Milestone 15 says Milestones 7/10/13/14 ran with DRAM parked at 528 MHz, but
   the GEMV rows stream 8.1-10.9 GB/s, above the 8.45 GB/s nominal at 528 MHz, and equal to
-  one core's 10.9 GB/s stream at full DRAM clock [anchors.md §3.2]. We therefore read these
+  one core's 10.9 GB/s stream at full DRAM clock [docs/anchors.md §3.2]. We therefore read these
   rows as taken at 2112 MHz (the DMC governor ramps under load) and say so.
 """
 
@@ -53,7 +53,7 @@ ANCHORS: tuple[Anchor, ...] = (
     Anchor("int8 GEMV", 1, 2048, 2048, "int8", 1, 12.6, RKNN_RUNTIME, _M8),
     Anchor("int8 GEMM", 512, 2048, 2048, "int8", 1, 1391, RKNN_RUNTIME, _M8),
     Anchor("best fp16 GEMM, 3 cores", 64, 1024, 3 * 8192, "fp16", 3, 1739, OWN_DRIVER,
-           "anchors.md A7 (allbilly/qwen3.c own regcmd kernels, submit interval only)"),
+           "docs/anchors.md A7 (allbilly/qwen3.c own regcmd kernels, submit interval only)"),
 )
 
 ANCHOR_TOLERANCE = 0.30

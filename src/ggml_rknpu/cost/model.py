@@ -3,21 +3,21 @@ measured one.
 
 WHY a separate model: the simulator executes register words for their function only; how
 long the same words would run on a board is a different question, answered here from the
-published and measured figures in ``reference/anchors.md`` and the seed log. Every constant
+published and measured figures in ``docs/anchors.md`` and the seed log. Every constant
 below cites its source; constants marked FIT were chosen so that ``ANCHORS`` (the measured
-figures, in ``cost/anchors.py``) are reproduced, and ``tests/test_cost_model.py`` shows the
+figures, in ``cost/anchors.py``) are reproduced, and ``tests/cost/test_cost_model.py`` shows the
 fit and its tolerance. Every figure this module produces must be printed as *modeled*.
 
 The model, per task (one CNA+CORE+DPU run of a 1x1 convolution):
 
 * compute = ceil(m / 16) * 16 * Kp * Np / MAC-per-cycle / f_npu. The MAC array works on
   16 output pixels per weight load, so M is padded to 16 per task (Rockchip's own compiler
-  cost model gives M=1 exactly 1/16 of the MAC rate [rknn-toolkit.md §1.7]); K is padded
-  to 32 and N to the kernel group [npu-programming.md §6, §7].
+  cost model gives M=1 exactly 1/16 of the MAC rate [docs/rknn-toolkit.md §1.7]); K is padded
+  to 32 and N to the kernel group [docs/npu-programming.md §6, §7].
 * memory = (weights + A + C bytes of the task) / per-core bandwidth, where the per-core
   bandwidth is the smaller of one core's DMA stream and an equal share of the DRAM stream
   among the cores the job uses. Weights are re-streamed by every task (total weights exceed
-  CBUF and stream through it [npu-programming.md §7 "CBUF banks"]).
+  CBUF and stream through it [docs/npu-programming.md §7 "CBUF banks"]).
 * task time = max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + TASK_OVERHEAD.
 * a core's time is the sum of its tasks; a job's time is the slowest core plus the
   per-submit overhead of the submit path (``SubmitProfile``).
@@ -29,21 +29,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ggml_rknpu.hw import limits
+
 # --- hardware rates -------------------------------------------------------------------
 MACS_PER_CYCLE_PER_CORE = {"fp16": 512, "int8": 1024}
-# [anchors.md A1 / §3.1: 1024 INT8 MAC/cycle/core; TRM NPU chapter; rknn-toolkit.md §1.7:
+# [docs/anchors.md A1 / §3.1: 1024 INT8 MAC/cycle/core; TRM NPU chapter; docs/rknn-toolkit.md §1.7:
 #  Rockchip's compiler cost model implies 512 fp16 and 1024 int8 MAC/cycle]
-IN_BYTES = {"fp16": 2, "int8": 1}
-KERNEL_GROUP = {"fp16": 16, "int8": 32}  # N padding [npu-programming.md §6 B layouts]
-K_ALIGN = 32  # [npu-programming.md §6: K padded to 32]
-M_ATOM = 16  # M padded to 16 per task [rknn-toolkit.md §1.7: M=1 runs at 1/16 of the MAC rate]
+IN_BYTES = {d: limits.BYTES[d] for d in ("fp16", "int8")}
+KERNEL_GROUP = limits.KERNEL_GROUP  # N padding [docs/npu-programming.md §6 B layouts]
+K_ALIGN = limits.K_ALIGN  # [docs/npu-programming.md §6: K padded to 32]
+M_ATOM = 16  # M padded to 16 per task [docs/rknn-toolkit.md §1.7: M=1 runs at 1/16 of the MAC rate]
 
-DRAM_BYTES_PER_TRANSFER = 8  # 4 x 16-bit LPDDR4x channels [anchors.md A3]
-DRAM_TRANSFERS_PER_CLOCK = 2  # double data rate: 2112 MHz -> 33.8 GB/s nominal [anchors.md A3]
+DRAM_BYTES_PER_TRANSFER = 8  # 4 x 16-bit LPDDR4x channels [docs/anchors.md A3]
+DRAM_TRANSFERS_PER_CLOCK = 2  # double data rate: 2112 MHz -> 33.8 GB/s nominal [docs/anchors.md A3]
 NPU_DRAM_EFFICIENCY = 30.9 / 33.792
-# [anchors.md A3/§3.2: NPU fp16 GEMV weight stream on 3 cores 30.9 GB/s of 33.8 nominal]
+# [docs/anchors.md A3/§3.2: NPU fp16 GEMV weight stream on 3 cores 30.9 GB/s of 33.8 nominal]
 CORE_STREAM_BYTES_PER_CYCLE = 10.9
-# [anchors.md §3.2: NPU fp16 GEMV weight stream on 1 core 10.9 GB/s at the 1 GHz NPU clock
+# [docs/anchors.md §3.2: NPU fp16 GEMV weight stream on 1 core 10.9 GB/s at the 1 GHz NPU clock
 #  (allbilly/qwen3.c)]. GUESS: a core's DMA rate scales with the NPU clock.
 
 # --- fitted and derived overheads -----------------------------------------------------
@@ -68,14 +70,14 @@ class SubmitProfile:
 OWN_DRIVER = SubmitProfile(
     "own-regcmd",
     79e-6,
-    "derived from anchors.md A6/§3.5 (allbilly/qwen3.c): Qwen3-0.6B fp16 decode 20.85 tok/s "
+    "derived from docs/anchors.md A6/§3.5 (allbilly/qwen3.c): Qwen3-0.6B fp16 decode 20.85 tok/s "
     "= 48.0 ms/token at 80.3% of a 30.9 GB/s stream (38.5 ms of streaming); the other "
     "9.4 ms over 119 submits/token is 79 us per submit (host work included: an upper bound)",
 )
 RKNN_RUNTIME = SubmitProfile(
     "librknnrt rknn_matmul_run",
     250e-6,
-    "FIT: intercept of the seed's Milestone 7 GEMV times (M=1, K=2048, N=2048/5504/32000 at "
+    "FIT: intercept of the seed's Milestone 7 [docs/decisions.md] GEMV times (M=1, K=2048, N=2048/5504/32000 at "
     "1.04/2.50/12.0 ms) against weight bytes; one call of the closed runtime",
 )
 
@@ -144,29 +146,39 @@ def modeled_time(program: Any, *, npu_mhz: float = 1000, dram_mhz: float = 2112,
                  profile: SubmitProfile = OWN_DRIVER) -> ModeledTime:
     """Modeled time of a ``compiler.Program`` (decoded from its register words) or of a
     ``Workload``. ``npu_mhz``: NPU clock (1000 under the vendor driver, 200/600 under rocket
-    [anchors.md §3.1]); ``dram_mhz``: DRAM clock (2112 max, 528 when the DMC governor parks it
-    [anchors.md §3.2 pitfalls])."""
+    [docs/anchors.md §3.1]); ``dram_mhz``: DRAM clock (2112 max, 528 when the DMC governor parks it
+    [docs/anchors.md §3.2 pitfalls])."""
     if npu_mhz <= 0 or dram_mhz <= 0:
         raise ValueError(f"clocks must be positive (npu_mhz={npu_mhz}, dram_mhz={dram_mhz})")
     work = program if isinstance(program, Workload) else workload_from_program(program)
     if not work.tasks:
         raise ValueError("a program without tasks has no modeled time")
-    f_npu = npu_mhz * 1e6
     cores = sorted({t.core for t in work.tasks})
-    per_core_bw = min(CORE_STREAM_BYTES_PER_CYCLE * f_npu, dram_bandwidth(dram_mhz) / len(cores))
-    task_overhead_s = TASK_OVERHEAD_CYCLES / f_npu
     per_core: dict[int, list[float]] = {c: [0.0, 0.0, 0.0, 0.0] for c in cores}  # total, comp, mem, ovh
     for task in work.tasks:
-        compute = task.macs_padded() / MACS_PER_CYCLE_PER_CORE[task.in_dtype] / f_npu
-        memory = task.bytes_moved() / per_core_bw
+        parts = _task_parts(task, npu_mhz, dram_mhz, len(cores))
         acc = per_core[task.core]
-        acc[0] += max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + task_overhead_s
-        acc[1] += compute
-        acc[2] += memory
-        acc[3] += task_overhead_s
+        for i, x in enumerate(parts):
+            acc[i] += x
     total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
     submit_s = profile.per_submit_s * work.submits
     return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
+
+
+def _task_parts(task: TaskWork, npu_mhz: float, dram_mhz: float, cores_in_job: int) -> tuple[float, ...]:
+    """(total, compute, memory, overhead) seconds of one task, as the module doc says."""
+    f_npu = npu_mhz * 1e6
+    per_core_bw = min(CORE_STREAM_BYTES_PER_CYCLE * f_npu, dram_bandwidth(dram_mhz) / cores_in_job)
+    overhead = TASK_OVERHEAD_CYCLES / f_npu
+    compute = task.macs_padded() / MACS_PER_CYCLE_PER_CORE[task.in_dtype] / f_npu
+    memory = task.bytes_moved() / per_core_bw
+    return max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + overhead, compute, memory, overhead
+
+
+def task_seconds(task: TaskWork, *, npu_mhz: float, dram_mhz: float = 2112, cores_in_job: int = 1) -> float:
+    """Modeled seconds one task keeps its core busy (no submit cost): what a driver's job
+    timeout counts, summed over the tasks of a job."""
+    return _task_parts(task, npu_mhz, dram_mhz, cores_in_job)[0]
 
 
 def vendor_style_workload(M: int, K: int, N: int, *, dtype: str = "fp16", out_bytes: int = 4,
@@ -174,9 +186,9 @@ def vendor_style_workload(M: int, K: int, N: int, *, dtype: str = "fp16", out_by
     """The tasks a run of ``M x K x N`` is split into by the documented rules, for shapes
     measured on other software stacks (the anchors) and before a real Program exists:
     N split evenly over ``cores``; per core, N tiles of <= 8176 kernels (DPU channel fields
-    are 13 bits; [AB] splits N=8192 as 8144+48 [npu-programming.md §9]); M tiles whose
-    input fits 11 of the 12 CBUF banks [npu-programming.md §9]; K segments of <= 8192
-    (RK3588 splits B at 8192 [rknn-toolkit.md §4.4])."""
+    are 13 bits; [AB] splits N=8192 as 8144+48 [docs/npu-programming.md §9]); M tiles whose
+    input fits 11 of the 12 CBUF banks [docs/npu-programming.md §9]; K segments of <= 8192
+    (RK3588 splits B at 8192 [docs/rknn-toolkit.md §4.4])."""
     if min(M, K, N) < 1 or not 1 <= cores <= 3:
         raise ValueError(f"bad shape or cores: M={M} K={K} N={N} cores={cores}")
     b = IN_BYTES[dtype]
@@ -239,7 +251,7 @@ def workload_from_program(program: Any) -> Workload:
             in_dtype=in_dtype,
             out_bytes=_OUT_BYTES[out_dtype],
         ))
-    return Workload(tuple(tasks))
+    return Workload(tuple(tasks), submits=getattr(program, "n_submits", 1))
 
 
 def total_bytes(tasks: Iterable[TaskWork]) -> int:

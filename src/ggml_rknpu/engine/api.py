@@ -1,10 +1,10 @@
-"""The public matmul engine: resident weights, programs planned once and replayed.
+"""The public matmul engine: resident weights, programs compiled and bound once, then replayed.
 
     npu = ggml_rknpu.open()                       # or open(device="sim-rocket", cores=3)
     w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
     c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
 
-WHY this shape (ARCHITECTURE.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
+WHY this shape (docs/architecture.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
 the CPU because it converted and uploaded weights on every call; here a weight is converted
 and packed into its native layout once, into a device buffer that stays resident, and each
 (weight, M bucket) gets one compiled program whose register commands are bound to fixed
@@ -19,10 +19,8 @@ prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must 
 new one is allocated first, every program using it is re-bound (``Program.bind``) and the
 old one freed, so regcmd words always point at live buffers; a shared buffer is freed
 with the last program using it (eviction, ``Weight.free``). Regcmd buffers stay per
-program. A job lists a ``_Window`` (the first bytes of a shared buffer that its program
-uses) rather than the ``Buffer``, so a submit cleans/invalidates what that program uses,
-not the whole shared buffer (deviation: ``Job.inputs/outputs`` get a duck-typed view
-offering the ``Buffer`` members ``NpuDevice.submit`` uses).
+program. A job lists the range of a shared buffer its program uses (``BufferRange``), so
+a submit cleans/invalidates what that program uses, not the whole shared buffer.
 
 Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
 ``SimNpu``, the same submit path a board takes.
@@ -40,7 +38,19 @@ the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``devic
 A bucket the compiler refuses (more tasks than one hardware run chains) halves the
 weight's largest bucket, and the call is split along M.
 
-Deviation from CONTRACT E (additive): ``open_engine(device, cores)`` also accepts an
+Envelope (``hw.envelope``): programs are compiled inside ``envelope``: by default the
+proven one widened by what this board's ``rknpu selftest`` ladder recorded
+(``engine.envelope_record``), and cores are capped by it (one core until the ladder says
+otherwise). A program the envelope cuts into several chains runs as several submits, in
+order (``Program.n_submits``).
+
+Canaries (``engine.canary``): every call arms C with values the NPU cannot write and
+checks them after the submits; one left means a task never finished (a rocket job killed
+at its 500 ms timeout returns stale output with no error) and the call raises NpuFault
+after a reset, so the caller runs the step on the host: a fault costs time, never a
+wrong result.
+
+Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
 already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
 weights.
 """
@@ -55,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import ModeledTime, modeled_time
+from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -63,7 +74,10 @@ from ggml_rknpu.engine.weights import (
     stage_activation,
     stage_weight,
 )
-from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.hw.envelope import Envelope, by_name
+from ggml_rknpu.kernel.device import NpuDevice
+from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 BUCKET_POW2_MAX = 256
 MAX_PROGRAM_M = 2048
@@ -97,43 +111,30 @@ class Timing:
 
 
 class _Scratch:
-    """One shared A or C buffer of an M bucket and the plans bound to it."""
+    """One shared A or C buffer of an M bucket and the bound programs using it."""
 
     def __init__(self, pool: dict[tuple[str, int], "_Scratch"], key: tuple[str, int], buf: Any) -> None:
         self.pool, self.key, self.buf = pool, key, buf
-        self.users: set[_Plan] = set()
+        self.users: set[_BoundProgram] = set()
         pool[key] = self
 
-    def leave(self, plan: "_Plan") -> None:
-        """``plan`` no longer uses this buffer; the last user frees it."""
-        self.users.discard(plan)
+    def leave(self, bound: "_BoundProgram") -> None:
+        """``bound`` no longer uses this buffer; the last user frees it."""
+        self.users.discard(bound)
         if not self.users and self.pool.get(self.key) is self:
             del self.pool[self.key]
             self.buf.close()
 
 
-class _Window:
-    """The first ``size`` bytes of a shared scratch buffer, as a job's input or output.
-    ``NpuDevice.submit`` checks, cleans and invalidates through it, so a call syncs what
-    its program uses, not the whole shared buffer. It follows the scratch buffer when that
-    is replaced by a larger one."""
+class _ScratchShare:
+    """The first ``size`` bytes of a shared scratch buffer that one program uses. It follows
+    the scratch buffer when that is replaced by a larger one; ``range()`` is what the
+    program's job reads or writes, so a submit syncs that, not the whole shared buffer."""
 
     __slots__ = ("scratch", "size")
 
     def __init__(self, scratch: _Scratch, size: int) -> None:
         self.scratch, self.size = scratch, size
-
-    @property
-    def closed(self) -> bool:
-        return self.scratch.buf.closed
-
-    @property
-    def device(self) -> Any:
-        return self.scratch.buf.device
-
-    @property
-    def handle(self) -> int:
-        return self.scratch.buf.handle
 
     @property
     def dma_addr(self) -> int:
@@ -142,38 +143,40 @@ class _Window:
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         return self.scratch.buf.array(dtype)[: self.size // np.dtype(dtype).itemsize]
 
-    def sync_to_device(self, offset: int = 0, size: int | None = None) -> None:
-        self.scratch.buf.sync_to_device(offset, self.size - offset if size is None else size)
-
-    def sync_from_device(self, offset: int = 0, size: int | None = None) -> None:
-        self.scratch.buf.sync_from_device(offset, self.size - offset if size is None else size)
+    def range(self) -> BufferRange:
+        return BufferRange(self.scratch.buf, 0, self.size)
 
 
 @dataclass(eq=False)
-class _Plan:
-    """A compiled program bound to windows of its bucket's shared A and C buffers, its own
+class _BoundProgram:
+    """A compiled program bound to shares of its bucket's shared A and C buffers, its own
     regcmd buffer and the weight's B."""
 
     program: Any
     m: int
     b_addr: int
     modeled: ModeledTime | None
-    a_buf: _Window | None = None
-    c_buf: _Window | None = None
+    a_buf: _ScratchShare | None = None
+    c_buf: _ScratchShare | None = None
     regcmd_buf: Any = None
-    job: Any = None
+    jobs: tuple[Job, ...] = ()   # one per chain of the program, submitted in order
+    canaries: Canaries | None = None
 
     def write_words(self) -> None:
-        """Bind the register commands to the current buffers and make them visible to the NPU."""
+        """Bind the register commands to the current buffers and make them visible to the NPU;
+        the job follows (its ranges name the current scratch buffers)."""
+        assert self.a_buf is not None and self.c_buf is not None, "bound before joining its scratch buffers"
         words = self.program.bind(a=self.a_buf.dma_addr, b=self.b_addr, c=self.c_buf.dma_addr,
                                   regcmd=self.regcmd_buf.dma_addr)
         self.regcmd_buf.array(np.uint64)[: len(words)] = words
         self.regcmd_buf.sync_to_device(0, words.nbytes)
+        if self.jobs:
+            self.jobs = _with_ranges(self.jobs, self.a_buf.range(), self.c_buf.range())
 
     def close(self) -> None:
-        for window in (self.a_buf, self.c_buf):
-            if window is not None:
-                window.scratch.leave(self)
+        for share in (self.a_buf, self.c_buf):
+            if share is not None:
+                share.scratch.leave(self)
         if self.regcmd_buf is not None:
             self.regcmd_buf.close()
 
@@ -186,7 +189,7 @@ class Weight(ResidentWeight):
         self.staged = staged
         self.buffer = buffer
         self.packed_bytes = packed_bytes
-        self.plans: dict[tuple[int, str], _Plan] = {}
+        self.programs: dict[tuple[int, str], _BoundProgram] = {}
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
         self.freed = False
@@ -196,36 +199,45 @@ class Weight(ResidentWeight):
         if self.freed:
             return
         self._npu._forget(self)
-        for plan in self.plans.values():
-            plan.close()
-        self.plans.clear()
+        for bound in self.programs.values():
+            bound.close()
+        self.programs.clear()
         self.buffer.close()
         self.freed = True
 
     def __repr__(self) -> str:
-        state = "freed" if self.freed else f"{len(self.plans)} programs"
+        state = "freed" if self.freed else f"{len(self.programs)} programs"
         return f"Weight(N={self.shape[0]}, K={self.shape[1]}, {self.dtype}, {state})"
 
 
 class Npu:
-    """The engine over one ``NpuDevice``; see the module docstring."""
+    """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
-    def __init__(self, device: Any, cores: int = 3) -> None:
-        if not 1 <= cores <= device.n_cores:
+    def __init__(self, device: NpuDevice, cores: int | None = None, envelope: Envelope | str | None = None) -> None:
+        if cores is not None and not 1 <= cores <= device.n_cores:
             raise ValueError(f"cores must be in 1..{device.n_cores}, got {cores}")
+        if envelope is None:
+            from ggml_rknpu.engine.envelope_record import recorded_envelope
+
+            envelope = recorded_envelope(device)
+        self.envelope = by_name(envelope)
         self.device = device
-        self.cores = cores
+        # the envelope caps the cores: one until the board's ladder proved more
+        self.cores = min(cores or device.n_cores, self.envelope.max_cores)
         self.abi = device.kind
         self.npu_mhz = _npu_mhz(device)
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits"), 0)
+            "submits", "npu_faults"), 0)
         self.last_timing: Timing | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
         self._closed = False
+
+    def describe(self) -> str:
+        return f"{self.device.kind} (simulated)" if self.device.simulated else self.device.kind
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
@@ -237,7 +249,7 @@ class Npu:
         nbytes = _b_bytes(staged)
         buffer = self._alloc(nbytes, "data", f"weight {N}x{K} {dtype}")
         try:
-            _pack_b(staged, buffer.array(np.uint8))          # straight into the mapped buffer
+            _pack_b(staged, buffer.array(np.uint8), self.envelope)   # straight into the mapped buffer
             buffer.sync_to_device(0, nbytes)
         except BaseException:
             buffer.close()
@@ -275,10 +287,10 @@ class Npu:
         m0 = 0
         while m0 < M:
             rows = min(w.max_program_m, M - m0)
-            plan = self._plan_or_shrink(w, rows, out)
-            if plan is None:
+            bound = self._bound_or_shrink(w, rows, out)
+            if bound is None:
                 continue
-            part, times, dev, label = self._run(plan, act.data[m0: m0 + rows])
+            part, times, dev, label = self._run(bound, act.data[m0: m0 + rows])
             result[m0: m0 + rows] = part
             totals = [t + x for t, x in zip(totals, times)]
             labels.add(label)
@@ -290,7 +302,8 @@ class Npu:
         totals[2] += time.perf_counter() - t0
         self.counters["matmuls"] += 1
         label = labels.pop() if len(labels) == 1 else "unknown"
-        self.last_timing = Timing(*totals, device_s=device_s, device_label=label, submits=submits)
+        self.last_timing = Timing(pack_s=totals[0], submit_s=totals[1], unpack_s=totals[2], device_s=device_s,
+                                  device_label=label, submits=submits)
         return final
 
     def _out_dtype(self, w: Weight, out: str | None) -> str:
@@ -301,12 +314,12 @@ class Npu:
             raise ValueError(f"out={out!r} is not available for a {w.dtype} weight; use one of {allowed}")
         return out
 
-    def _plan_or_shrink(self, w: Weight, rows: int, out: str) -> _Plan | None:
-        """The plan for ``rows``; None after lowering ``w.max_program_m`` when the compiler
+    def _bound_or_shrink(self, w: Weight, rows: int, out: str) -> _BoundProgram | None:
+        """The bound program for ``rows``; None after lowering ``w.max_program_m`` when the compiler
         refuses the bucket (too many tasks for one hardware run: split along M)."""
         bucket = m_bucket(rows)
         try:
-            return self._plan(w, bucket, out)
+            return self._bound_program(w, bucket, out)
         except ValueError as exc:
             if bucket == 1:
                 raise
@@ -314,58 +327,52 @@ class Npu:
             w.compile_errors.append(str(exc))
             return None
 
-    def _plan(self, w: Weight, m: int, out: str) -> _Plan:
-        plan = w.plans.get((m, out))
-        if plan is not None:
+    def _bound_program(self, w: Weight, m: int, out: str) -> _BoundProgram:
+        bound = w.programs.get((m, out))
+        if bound is not None:
             self.counters["program_cache_hits"] += 1
             self._lru.move_to_end((id(w), m, out))
-            return plan
+            return bound
         self.counters["program_cache_misses"] += 1
         N, K = w.shape
-        program = _compile(m, K, N, w.dtype, out, self.cores, self.abi)
+        program = _compile(m, K, N, w.dtype, out, self.cores, self.abi, self.envelope)
         self.counters["programs_compiled"] += 1
         if program.b_bytes > w.packed_bytes:
             raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
                            f"weight was packed into {w.packed_bytes}; the B layout must not depend on M")
-        plan = self._bind(program, m, w)
-        w.plans[(m, out)] = plan
+        bound = self._bind(program, m, w)
+        w.programs[(m, out)] = bound
         self._lru[(id(w), m, out)] = w
-        return plan
+        return bound
 
-    def _bind(self, program: Any, m: int, w: Weight) -> _Plan:
-        from ggml_rknpu.kernel.device import HwTask, Job
-
+    def _bind(self, program: Any, m: int, w: Weight) -> _BoundProgram:
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
-        plan = _Plan(program, m, w.buffer.dma_addr, modeled)
+        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled)
         try:
-            # Each step may evict other programs; the plan already counts as a user of the
+            # Each step may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
-            plan.a_buf = self._join_scratch(plan, "A", program.a_bytes, what)
-            plan.c_buf = self._join_scratch(plan, "C", program.c_bytes, what)
-            plan.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
-            plan.write_words()
+            bound.a_buf = self._join_scratch(bound, "A", program.a_bytes, what)
+            bound.c_buf = self._join_scratch(bound, "C", program.c_bytes, what)
+            bound.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
+            bound.write_words()
         except BaseException:
-            plan.close()
+            bound.close()
             raise
-        regcmd_buf = plan.regcmd_buf
-        per_core: list[list[Any]] = [[] for _ in range(self.device.n_cores)]
-        for task in program.tasks:
-            per_core[task.core].append(HwTask(
-                regcmd_addr=regcmd_buf.dma_addr + task.word_offset * 8, body_words=task.body_words,
-                int_mask=task.int_mask, enable_mask=task.enable_mask))
         # The device cleans a job's inputs before every submit; the weight was cleaned once in
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
-        # the in/out BOs [npu-programming.md §5]; no job writes a weight, so none is needed.
-        plan.job = Job(cores=tuple(tuple(t) for t in per_core), inputs=(plan.a_buf,), outputs=(plan.c_buf,))
-        return plan
+        # the in/out BOs [docs/npu-programming.md §5]; no job writes a weight, so none is needed.
+        bound.jobs = program_jobs(program, bound.regcmd_buf.dma_addr, self.device.n_cores,
+                                  bound.a_buf.range(), bound.c_buf.range())
+        bound.canaries = Canaries.for_program(program)
+        return bound
 
-    def _join_scratch(self, plan: _Plan, role: str, nbytes: int, what: str) -> _Window:
-        """A window of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
+    def _join_scratch(self, bound: _BoundProgram, role: str, nbytes: int, what: str) -> _ScratchShare:
+        """A share of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
         the larger buffer is allocated first, the programs on the old one re-bound to it,
         then the old one freed (so no program ever points at freed memory)."""
-        key = (role, plan.m)
+        key = (role, bound.m)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.buf.size < nbytes:
             buf = self._alloc(nbytes, "data", what)
@@ -378,33 +385,54 @@ class Npu:
                     user.write_words()
                 old.close()
                 self.counters["scratch_grown"] += 1
-        scratch.users.add(plan)
-        return _Window(scratch, nbytes)
+        scratch.users.add(bound)
+        return _ScratchShare(scratch, nbytes)
 
     def scratch_bytes(self) -> int:
         """NPU bytes held by the shared A and C buffers."""
         return sum(s.buf.capacity for s in self._scratch.values())
 
-    def _run(self, plan: _Plan, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
+    def _run(self, bound: _BoundProgram, a_rows: np.ndarray) -> tuple[np.ndarray, list[float], float | None, str]:
+        assert bound.jobs and bound.canaries is not None and bound.a_buf is not None and bound.c_buf is not None, "not bound yet"
         t0 = time.perf_counter()
         rows = a_rows.shape[0]
-        _pack_a(a_rows, plan.program, plan.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        _pack_a(a_rows, bound.program, bound.a_buf.array(np.uint8))   # missing bucket rows are zeroed
+        c_bytes = bound.c_buf.array(np.uint8)
+        bound.canaries.arm(c_bytes)
         t1 = time.perf_counter()
-        try:
-            completion = self.device.submit(plan.job)
-        except NpuTimeout as exc:
-            raise NpuTimeout(f"matmul {plan.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
-        self.counters["submits"] += 1
+        hw_ns: int | None = 0
+        for job in bound.jobs:
+            try:
+                completion = self.device.submit(job)
+            except NpuTimeout as exc:
+                raise NpuTimeout(f"matmul {bound.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
+            self.counters["submits"] += 1
+            hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
+        unwritten = bound.canaries.unwritten(c_bytes)
+        if unwritten:
+            self._npu_fault(bound, unwritten)
         t2 = time.perf_counter()
-        c = _unpack_c(plan.c_buf.array(np.uint8), plan.program, rows)
+        c = _unpack_c(c_bytes, bound.program, rows)
         t3 = time.perf_counter()
-        if completion.hw_elapsed_ns is not None and not completion.simulated:
-            dev, label = completion.hw_elapsed_ns * 1e-9, "measured"
-        elif plan.modeled is not None:
-            dev, label = plan.modeled.total_s, "modeled"
+        if hw_ns is not None and not completion.simulated:
+            dev, label = hw_ns * 1e-9, "measured"
+        elif bound.modeled is not None:
+            dev, label = bound.modeled.total_s, "modeled"
         else:
             dev, label = None, "unknown"
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
+
+    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> None:
+        """Stale output: reset where the driver lets us (rocket resets a core itself after a
+        job timeout) and raise, so the caller runs this step on the host."""
+        self.counters["npu_faults"] += 1
+        try:
+            self.device.reset()
+        except NpuError:
+            pass
+        raise NpuFault(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
+                       f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
+                       "killed at its 500 ms timeout?); the NPU was reset, run this step on the host")
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
@@ -430,7 +458,7 @@ class Npu:
         if not self._lru:
             return False
         (_wid, m, out), weight = self._lru.popitem(last=False)
-        weight.plans.pop((m, out)).close()
+        weight.programs.pop((m, out)).close()
         self.counters["programs_evicted"] += 1
         return True
 
@@ -461,36 +489,54 @@ class Npu:
         self.close()
 
 
-def _npu_mhz(device: Any) -> float | None:
+def _npu_mhz(device: NpuDevice) -> float | None:
     """NPU clock for modeled device time: the driver's figure where it reports one, the
-    vendor driver's 1 GHz on the simulator [anchors.md §3.1], None (no model) otherwise
+    vendor driver's 1 GHz on the simulator [docs/anchors.md §3.1], None (no model) otherwise
     (rocket boots at 200 MHz and is often patched to 600: unknown without a query)."""
-    freq = device.info().npu_freq_hz if hasattr(device, "info") else None
+    freq = device.info().npu_freq_hz
     if freq:
         return freq / 1e6
     return 1000.0 if device.simulated else None
 
 
-def open_engine(device: Any = None, cores: int = 3) -> Npu:
+def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> Npu:
     """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
-    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``."""
+    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``. ``cores`` None: as many
+    as the envelope allows; ``envelope`` None: the recorded one (module doc)."""
     if device is None or isinstance(device, str):
-        from ggml_rknpu.kernel.device import NpuDevice
+        from ggml_rknpu.devices import open_device
 
-        dev = NpuDevice.open(device)
+        dev = open_device(device)
         try:
-            return Npu(dev, cores)
+            return Npu(dev, cores, envelope)
         except BaseException:
             dev.close()
             raise
-    return Npu(device, cores)
+    return Npu(device, cores, envelope)
 
 
-# --- the compiler seam (CONTRACT D) ---------------------------------------------------
-def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str) -> Any:
+def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
+    """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``): one per
+    chain, in order. A and C are inputs of the first (C holds the CPU's canaries)."""
+    chains: list[list[list[HwTask]]] = [[[] for _ in range(n_cores)] for _ in range(program.n_submits)]
+    for task in program.tasks:
+        chains[task.chain][task.core].append(HwTask(
+            regcmd_addr=regcmd_addr + task.word_offset * 8, body_words=task.body_words,
+            int_mask=task.int_mask, enable_mask=task.enable_mask))
+    return _with_ranges(tuple(Job(cores=tuple(tuple(t) for t in per_core)) for per_core in chains), a, c)
+
+
+def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
+    """``jobs`` naming the scratch ranges ``a`` and ``c`` (again, after a scratch buffer grew)."""
+    return tuple(Job(cores=job.cores, inputs=(a, c) if i == 0 else (), outputs=(c,))
+                 for i, job in enumerate(jobs))
+
+
+# --- the compiler seam (contract D [docs/decisions.md]) ---------------------------------------------------
+def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str, envelope: Envelope) -> Any:
     from ggml_rknpu.compiler.matmul import compile_matmul
 
-    return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi)
+    return compile_matmul(m, k, n, dtype=dtype, out=out, cores=cores, abi=abi, envelope=envelope)
 
 
 def _b_bytes(staged: StagedWeight) -> int:
@@ -502,10 +548,10 @@ def _b_bytes(staged: StagedWeight) -> int:
     return b_bytes(MatmulShape(1, K, N, staged.dtype, OUT_FOR_WEIGHT[staged.dtype]))
 
 
-def _pack_b(staged: StagedWeight, out: np.ndarray) -> None:
+def _pack_b(staged: StagedWeight, out: np.ndarray, envelope: Envelope) -> None:
     from ggml_rknpu.compiler.layout import pack_b
 
-    pack_b(staged.data, staged.dtype, out=out)
+    pack_b(staged.data, staged.dtype, out=out, envelope=envelope)
 
 
 def _pack_a(a: np.ndarray, program: Any, out: np.ndarray) -> None:

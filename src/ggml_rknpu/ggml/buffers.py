@@ -2,7 +2,7 @@
 
 llama.cpp never dereferences a device address; it computes ``data = base + offset``
 from the base we return (BUFFER_GET_BASE) and sends it back in every rpc_tensor
-[ggml-rpc.md §3.4]. So each buffer gets its own range in a 64-bit fake address space
+[docs/ggml-rpc.md §3.4]. So each buffer gets its own range in a 64-bit fake address space
 that is never reused (a stale address can never alias a newer buffer), with an
 unmapped guard gap between buffers. Every access goes through ``DeviceBuffer.span``,
 the one bounds check, so no request can touch bytes outside the buffer it names.

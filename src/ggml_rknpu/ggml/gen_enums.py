@@ -1,7 +1,7 @@
 """Generator of ``ggml_rknpu/ggml/enums.py`` from the pinned llama.cpp (run ``scripts/gen-ggml-enums``).
 
 Why generated: op, type, unary and glu numbers are the build's enum order and change between
-llama.cpp versions (ggml-rpc.md P3), so they must never be hand-copied. Sources, cross-checked
+llama.cpp versions (docs/ggml-rpc.md P3), so they must never be hand-copied. Sources, cross-checked
 against each other so a parsing slip cannot pass silently:
 
 * enum values: parsed from ``ggml/include/ggml.h`` (implicit numbering followed like a C compiler);

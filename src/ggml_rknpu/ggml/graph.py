@@ -1,24 +1,32 @@
-"""GRAPH_COMPUTE payload → a plan of prepared steps, built once, replayed per token.
+"""GRAPH_COMPUTE payload → a :class:`GraphPlan` built once, replayed per token.
 
 llama.cpp resends the same graph (or a 13-byte GRAPH_RECOMPUTE) every decode step
-[ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, resolves views,
-decides where each node runs and asks the op modules for a closure
-(``ops.plan_op``) or builds an NPU matmul step around a staged weight. Replaying a
-plan is a loop over closures: no parsing, no dictionary lookups, no decisions.
+[docs/ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, validates every
+computing node against its rule (``ops.rules``: arity, types, the dst that ggml's
+builder would make, index tensors), decides which MUL_MATs run on the NPU (a resident
+weight), and turns the graph into real ggml tensors in one no-alloc context
+(``hostggml.compute``: ``data`` in the server's buffers, views as views, flags as sent).
+The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
+``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
+call each). Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
 
 Checks made before any step exists: exact payload size, node count, unique
 tensor ids, every src / view_src id known, nodes only read nodes that come earlier
 (which also rules out cycles), view chains acyclic and consistent with their
-parent's address, every tensor's bytes inside its buffer. Bytes written by a node
-are recorded per buffer so they can never be mistaken for a weight.
+parent's address, every tensor's bytes inside its buffer, every node admitted by a
+rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-checked
+before every run of the segment that reads them (a segment ends before a node whose
+indices the segment itself computes). Bytes written by a node are recorded per buffer
+so they can never be mistaken for a weight.
 
 Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
-only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view. The
-client's ``ggml_build_forward_select`` puts every alternative branch into the graph and flags only
-the chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held),
-so running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
+only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
+rules, index checks, weight placement and segments consider only those. The client's
+``ggml_build_forward_select`` puts every alternative branch into the graph and flags only the
+chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held), so
+checking or running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
 """
 
 from __future__ import annotations
@@ -27,27 +35,29 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
-from ggml_rknpu.ggml.ops.convert import bf16_to_f32
-from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpNode, op_name
-from ggml_rknpu.ggml.ops.registry import plan_op as host_plan_op
+from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
+from ggml_rknpu.ggml.ops.rules import check_node, signature
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
+from ggml_rknpu.hostggml.compute import HostCompute, HostContext, Threads
+from ggml_rknpu.hostggml.lib import Ggml
 
-PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [ggml-rpc.md §5.1]
+PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1]
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
     """src1 of a MUL_MAT as float32 [M, K] (bf16 arrives as its raw uint16 view)."""
     if type_id == GgmlType.BF16:
-        return bf16_to_f32(view).reshape(-1, k)
+        return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
     return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
 
 
@@ -56,43 +66,117 @@ def computes(t: RpcTensor) -> bool:
     return t.op not in VIEW_OPS and bool(t.flags & GgmlTensorFlag.COMPUTE)
 
 
-def _unset() -> None:
-    raise AssertionError("step closure not bound")
+@dataclass(eq=False)
+class IndexCheck:
+    """Indices that are data (GET_ROWS rows, MUL_MAT_ID experts, ...), checked before every run."""
+
+    values: np.ndarray       # typed view of the index tensor's bytes
+    bound: int               # valid values are [0, bound)
+    what: str
+
+    def check(self) -> None:
+        v = self.values
+        if v.size and (int(v.min()) < 0 or int(v.max()) >= self.bound):
+            raise OpDataError(f"{self.what}: index outside [0, {self.bound}) "
+                              f"(min {int(v.min())}, max {int(v.max())})")
 
 
-@dataclass
-class Step:
-    """One prepared node: the closure, and the counter its executions land in."""
+@dataclass(eq=False)
+class HostSegment:
+    """A run of nodes between NPU steps: one ggml_graph_compute, prepared once.
 
-    run: Callable[[], None]
-    counter: OpCounter
-    nbytes: int
+    ``counts``: per op counter, (nodes, bytes) this segment adds to it per run."""
+
+    compute: HostCompute
+    checks: list[IndexCheck]
+    counts: list[tuple[OpCounter, int, int]]
+
+    def run(self, stats: ServerStats) -> None:
+        for c in self.checks:
+            c.check()
+        t0 = time.perf_counter()
+        self.compute.run()
+        stats.host_seconds += time.perf_counter() - t0
+        for counter, n, nbytes in self.counts:
+            counter.ops += n
+            counter.bytes += nbytes
 
 
-@dataclass
-class Plan:
+@dataclass(eq=False)
+class NpuStep:
+    """One MUL_MAT with a resident weight: ``out[.., M, N] = a[.., M, K] @ W[N, K]^T`` on the engine.
+
+    The engine is used only through ``weights.weight(slot)`` and ``npu.matmul``; ``host`` is the
+    same node as a one-node ggml graph, run when the weight is demoted or the engine fails
+    (None when ggml-cpu has no kernel for the combination, e.g. f32 weights with f16
+    activations: then an engine failure ends the connection)."""
+
+    slot: WeightSlot
+    a: np.ndarray            # the activations' typed view in its buffer
+    a_type: int
+    out: np.ndarray          # the destination's view
+    host: HostSegment | None
+    nbytes: int              # activations in + out (the weight is resident)
+    npu_counter: OpCounter
+
+    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+        handle = weights.weight(self.slot)
+        if handle is not None:
+            t0 = time.perf_counter()
+            try:
+                c = npu.matmul(_as_f32_rows(self.a, self.a_type, self.slot.k), handle)
+            except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
+                weights.matmul_failed(self.slot, exc)
+            else:
+                self.out[...] = c.reshape(self.out.shape)
+                counter = self.npu_counter
+                counter.seconds += time.perf_counter() - t0
+                counter.ops += 1
+                counter.bytes += self.nbytes
+                timing = npu.last_timing
+                if timing is not None and timing.device_s is not None:
+                    stats.npu_device_seconds += timing.device_s
+                    stats.npu_device_label = timing.device_label
+                return
+        if self.host is None:
+            raise UnsupportedOp(f"MUL_MAT '{self.slot.name}' on the host",
+                                "the NPU refused it and ggml-cpu has no kernel for these types")
+        self.host.run(stats)
+
+
+@dataclass(eq=False)
+class GraphPlan:
+    """A received graph, ready to replay: host segments and NPU steps in the client's order.
+
+    Owns the ggml context its segments point into (``host``); ``close`` frees it, and the
+    plan is closed whenever the graphs of its connection are dropped (FREE_BUFFER, disconnect)."""
+
     dev: int
     digest: bytes
-    steps: list[Step]
+    steps: list[HostSegment | NpuStep]
+    host: HostContext
+    npu: MatmulEngine | None
+    weights: WeightStore
     n_nodes: int
     n_views: int
     runs: int = 0
 
     def execute(self, stats: ServerStats) -> None:
-        clock = time.perf_counter
-        start = clock()
+        start = time.perf_counter()
+        npu, weights = self.npu, self.weights
         for step in self.steps:
-            t0 = clock()
-            step.run()
-            c = step.counter
-            c.seconds += clock() - t0
-            c.ops += 1
-            c.bytes += step.nbytes
+            if type(step) is HostSegment:
+                step.run(stats)
+            else:
+                step.run(stats, npu, weights)
         self.runs += 1
-        stats.execute_seconds += clock() - start
+        stats.execute_seconds += time.perf_counter() - start
         stats.graph_runs += 1
         stats.view_nodes += self.n_views
 
+    def close(self) -> None:
+        self.steps = []
+        self.host.close()
 
 @dataclass
 class ParsedGraph:
@@ -189,18 +273,26 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
                                     f"which has {unbacked_reason(u)}")
 
 
+def _view_chain(g: ParsedGraph, tid: int) -> list[int]:
+    chain = [tid]
+    while g.tensors[chain[-1]].view_src:
+        chain.append(g.tensors[chain[-1]].view_src)
+    return chain
+
+
 class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
-    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: Any, stats: ServerStats,
-                 plan_op: Callable[[Any], Callable[[], None]] | None = None) -> None:
+    def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
+                 host: Ggml, threads: Threads) -> None:
         self.buffers = buffers
         self.weights = weights
         self.npu = npu
         self.stats = stats
-        self.plan_op = plan_op or host_plan_op
+        self.ggml = host
+        self.threads = threads
 
-    def build(self, payload: bytes | memoryview, digest: bytes) -> Plan:
+    def build(self, payload: bytes | memoryview, digest: bytes) -> GraphPlan:
         t0 = time.perf_counter()
         g = parse_graph(payload)
         position = _check_structure(g)
@@ -209,57 +301,107 @@ class GraphPlanner:
             for tid, t in g.tensors.items()
         }
         _check_backed(g, checked)
-        for nid in g.node_ids:                       # bytes written by nodes are never weights
-            t = g.tensors[nid]
+        computing = [nid for nid in g.node_ids                # unflagged: a branch the client did not select
+                     if computes(g.tensors[nid]) and checked[nid].end > checked[nid].start]
+        indices = {nid: check_node(g.tensors[nid], tuple(g.tensors[s] if s else None for s in g.tensors[nid].src))
+                   for nid in computing}                  # UnsupportedOp before anything is touched
+        for nid in computing:                            # bytes written by nodes are never weights
             c = checked[nid]
-            if computes(t) and c.buffer is not None and c.end > c.start:
-                c.buffer.graph_written.add(c.start, c.end)
-                self.weights.mark_graph_written(c.buffer, c.start, c.end)
+            c.buffer.graph_written.add(c.start, c.end)
+            self.weights.mark_graph_written(c.buffer, c.start, c.end)
+        slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
+                 for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
 
-        refs: dict[int, Any] = {}
-
-        def ref(tid: int) -> Any:
-            r = refs.get(tid)
-            if r is None:
-                r = refs[tid] = checked[tid].ref()
-            return r
-
-        steps: list[Step] = []
-        staged: list[WeightSlot] = []
-        n_views = 0
-        for nid in g.node_ids:
-            t = g.tensors[nid]
-            if t.op in VIEW_OPS:
-                n_views += 1
+        # segments: maximal runs of host nodes; a node whose indices are computed in the
+        # current run starts a new one (its indices are checked before that run computes)
+        runs: list[list[int]] = []
+        current: list[int] = []
+        computed: set[int] = set()
+        for nid in computing:
+            if slots.get(nid) is not None:
+                runs += [current, [nid]] if current else [[nid]]
+                current, computed = [], set()
                 continue
-            if not computes(t):                              # a branch the client did not select
-                continue
-            span = sum(checked[s].end - checked[s].start for s in t.src if s) + checked[nid].end - checked[nid].start
-            slot = self._weight_slot(t, g, position, checked) if t.op == GgmlOp.MUL_MAT else None
-            if slot is not None:                             # the weight is resident: only activations move
-                staged.append(slot)
-                step = Step(_unset, self.stats.counter("MUL_MAT", NPU), span - slot.nbytes)
-                step.run = self._npu_matmul(t, slot, ref, lambda t=t: self._host_node(t, ref), step)
-                steps.append(step)
-            else:
-                steps.append(Step(self._host_node(t, ref), self.stats.counter(op_name(t.op), HOST), span))
-        t_stage = time.perf_counter()
-        self.weights.stage_all(staged)                       # timed in the weight stats, not here
+            reads = {t for src, _ in indices[nid] for t in _view_chain(g, g.tensors[nid].src[src])}
+            if reads & computed:
+                runs.append(current)
+                current, computed = [], set()
+            current.append(nid)
+            computed.add(nid)
+        if current:
+            runs.append(current)
+
+        host = HostContext(self.ggml, self.threads, len(g.tensors), tuple(len(r) for r in runs))
+        try:
+            ptrs = self._ggml_tensors(g, checked, host)
+            cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
+            for nid in computing:
+                if not cpu_ok[nid] and slots.get(nid) is None:
+                    t = g.tensors[nid]
+                    raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
+                                        "ggml-cpu does not support this combination")
+            steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
+            host.finish()
+        except BaseException:
+            host.close()
+            raise
+        self.weights.stage_all(s for s in slots.values() if s is not None)   # timed in the weight stats
         self.stats.plans_built += 1
-        self.stats.plan_seconds += t_stage - t0
-        return Plan(g.dev, digest, steps, len(g.node_ids), n_views)
+        self.stats.plan_seconds += time.perf_counter() - t0
+        views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
+        return GraphPlan(g.dev, digest, steps, host, self.npu, self.weights, len(g.node_ids), views)
 
-    def _host_node(self, t: RpcTensor, ref: Callable[[int], Any]) -> Callable[[], None]:
-        node = OpNode(op=t.op, op_params=np.array(t.op_params, dtype=np.int32), dst=ref(t.id),
-                      srcs=tuple(ref(s) if s else None for s in t.src), name=t.name)
-        return self.plan_op(node)
+    @staticmethod
+    def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
+        """One ggml tensor per graph tensor, data in the server's buffers, then sources and views."""
+        ptrs = {}
+        for tid, t in g.tensors.items():
+            c = checked[tid]
+            data = (c.buffer.array, c.start) if c.buffer is not None and c.end > c.start else None
+            ptrs[tid] = host.tensor(t.type, t.ne, t.nb, t.op, t.op_params, t.flags, t.name, data)
+        for tid, t in g.tensors.items():
+            host.link(ptrs[tid], [ptrs[s] if s else None for s in t.src],
+                      ptrs[t.view_src] if t.view_src else None, t.view_offs)
+        return ptrs
+
+    def _span(self, t: RpcTensor, checked: dict[int, CheckedTensor]) -> int:
+        return sum(checked[s].end - checked[s].start for s in (t.id, *t.src) if s)
+
+    def _step(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
+              host: HostContext, indices: dict[int, list[tuple[int, int]]],
+              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool]) -> HostSegment | NpuStep:
+        slot = slots.get(run[0])
+        if slot is None:
+            return self._segment(run, g, checked, ptrs, host, indices)
+        t = g.tensors[run[0]]
+        segment = self._segment(run, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
+        a = checked[t.src[1]]
+        return NpuStep(slot=slot, a=a.ref().as_array(), a_type=g.tensors[t.src[1]].type,
+                       out=checked[t.id].ref().as_array(), host=segment,
+                       nbytes=self._span(t, checked) - slot.nbytes,
+                       npu_counter=self.stats.counter("MUL_MAT", NPU))
+
+    def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
+                 host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:
+        checks = []
+        per_counter: dict[int, list] = {}
+        for nid in run:
+            t = g.tensors[nid]
+            for src, bound in indices[nid]:
+                s = g.tensors[t.src[src]]
+                checks.append(IndexCheck(checked[s.id].ref().as_array(), bound, f"{op_name(t.op)} '{t.name}' "
+                                         f"src{src} '{s.name}'"))
+            counter = self.stats.counter(op_name(t.op), HOST)
+            entry = per_counter.setdefault(id(counter), [counter, 0, 0])
+            entry[1] += 1
+            entry[2] += self._span(t, checked)
+        return HostSegment(host.segment([ptrs[nid] for nid in run]), checks,
+                           [(c, n, b) for c, n, b in per_counter.values()])
 
     def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                      checked: dict[int, CheckedTensor]) -> WeightSlot | None:
         """The staged-weight slot for this MUL_MAT's src0, or None when it runs on the host."""
         s0, s1 = t.src[0], t.src[1]
-        if not s0 or not s1:
-            return None
         c0 = checked[s0]
         reason = matmul_host_reason(
             t, g.tensors[s0], g.tensors[s1], engine=self.npu is not None, w_computed=s0 in position,
@@ -272,64 +414,40 @@ class GraphPlanner:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         return slot
 
-    def _npu_matmul(self, t: RpcTensor, slot: WeightSlot, ref: Callable[[int], Any],
-                    host_plan: Callable[[], Callable[[], None]], step: Step) -> Callable[[], None]:
-        """dst[.., M, N] = src1[.., M, K] @ W[N, K]^T with W resident; host when W is demoted.
-
-        The step's counter follows where the work actually ran (NPU or the host fallback)."""
-        npu, weights, stats = self.npu, self.weights, self.stats
-        npu_counter, host_counter = step.counter, self.stats.counter("MUL_MAT", HOST)
-        a_view = ref(t.src[1]).as_array()
-        a_type = ref(t.src[1]).type
-        d_view = ref(t.id).as_array()
-        k = slot.k
-        fallback: list[Callable[[], None]] = []
-
-        def run() -> None:
-            handle = weights.weight(slot)
-            if handle is not None:
-                a = _as_f32_rows(a_view, a_type, k)
-                try:
-                    c = npu.matmul(a, handle)
-                except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
-                    weights.matmul_failed(slot, exc)
-                else:
-                    d_view[...] = c.reshape(d_view.shape)
-                    step.counter = npu_counter
-                    timing = getattr(npu, "last_timing", None)
-                    if timing is not None and timing.device_s is not None:
-                        stats.npu_device_seconds += timing.device_s
-                        stats.npu_device_label = timing.device_label
-                    return
-            step.counter = host_counter
-            if not fallback:
-                fallback.append(host_plan())
-            fallback[0]()
-
-        return run
-
-
 @dataclass
 class DeviceGraphs:
     """Per device: the last graph (GRAPH_RECOMPUTE) and recent plans by payload digest."""
 
-    last: Plan | None = None
-    by_digest: OrderedDict[bytes, Plan] = field(default_factory=OrderedDict)
+    last: GraphPlan | None = None
+    by_digest: OrderedDict[bytes, GraphPlan] = field(default_factory=OrderedDict)
 
-    def lookup(self, digest: bytes) -> Plan | None:
+    def lookup(self, digest: bytes) -> GraphPlan | None:
         plan = self.by_digest.get(digest)
         if plan is not None:
             self.by_digest.move_to_end(digest)
         return plan
 
-    def remember(self, plan: Plan) -> None:
+    def remember(self, plan: GraphPlan) -> None:
+        old = self.by_digest.get(plan.digest)
+        if old is not None and old is not plan:
+            old.close()
         self.by_digest[plan.digest] = plan
         self.by_digest.move_to_end(plan.digest)
         while len(self.by_digest) > PLANS_PER_DEVICE:
-            self.by_digest.popitem(last=False)
+            _, evicted = self.by_digest.popitem(last=False)
+            if evicted is not self.last:
+                evicted.close()
+        if self.last is not None and self.last is not plan and self.last.digest not in self.by_digest:
+            self.last.close()
         self.last = plan
 
     def clear(self) -> None:
+        """Free every plan (their ggml contexts point into buffers that may go away now)."""
+        plans = {id(p): p for p in self.by_digest.values()}
+        if self.last is not None:
+            plans[id(self.last)] = self.last
+        for plan in plans.values():
+            plan.close()
         self.last = None
         self.by_digest.clear()
 

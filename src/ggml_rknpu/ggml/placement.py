@@ -1,18 +1,19 @@
-"""Where each op runs (NPU engine or host numpy), and the counters that prove it.
+"""Where each op runs (NPU engine or the host's ggml-cpu), and the counters that prove it.
 
 Policy (issue 4 item 5): a MUL_MAT whose src0 is a staged weight runs on the NPU
 engine — the weight is already resident, so only the activations move. Everything
 else (element-wise ops, norms, rope, attention, and matmuls between two computed
 tensors such as KQ/KQV) runs on the host: those operands change every call, so the
-NPU would pay packing, an upload and a submit per op for work numpy does in
+NPU would pay packing, an upload and a submit per op for work ggml-cpu does in
 microseconds at decode sizes. The cost model (``cost/model.py``) prices programs for
 resident weights; pricing a per-call upload of both operands is not modeled yet, so
 no non-weight op is moved to the NPU (a deliberate, documented simplification).
 
 Counters are per (op, engine): nodes executed, bytes (host: source + destination spans
-the op touches; NPU: the activations moved in and out, the weight being resident), host
-seconds around the step. Printed on SIGUSR1, with ``--stats`` after each
-client, and at exit.
+the op touches; NPU: the activations moved in and out, the weight being resident), and
+for NPU steps the host seconds around the engine call. Host nodes run in segments (one
+``ggml_graph_compute`` each), so their time is ``host_seconds``, per segment. Printed on
+SIGUSR1, with ``--stats`` after each client, and at exit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ggml_rknpu.ggml.tensor import RpcTensor
 NPU = "npu"
 HOST = "host"
 
-FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [ggml-rpc.md §3.3]
+FLAG_INPUT = 1                     # GGML_TENSOR_FLAG_INPUT [docs/ggml-rpc.md §3.3]
 _FLOAT_ACTIVATIONS = frozenset(int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16))
 
 
@@ -91,6 +92,7 @@ class ServerStats:
     view_nodes: int = 0               # nodes that need no work (views)
     plan_seconds: float = 0.0
     execute_seconds: float = 0.0      # wall time of plan replays (steps + the replay loop itself)
+    host_seconds: float = 0.0         # inside ggml_graph_compute of the host segments (host ops and host matmuls)
     bytes_in: int = 0
     npu_device_seconds: float = 0.0   # the engine's own device-time figure for NPU matmuls
     npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
@@ -113,18 +115,18 @@ class ServerStats:
         return totals
 
     def host_us_per_node(self) -> float | None:
-        """Host time per executed non-matmul node, in µs (the per-token overhead figure)."""
-        ops = secs = 0
-        for (op, engine), c in self.per_op.items():
-            if engine == HOST and op != "MUL_MAT":
-                ops += c.ops
-                secs += c.seconds
-        return secs / ops * 1e6 if ops else None
+        """Host compute time per executed host node, in µs (the per-token overhead figure).
+
+        Host nodes run in segments (one ggml_graph_compute each), so the time is known per
+        segment, not per op: this is ggml-cpu's time over every host node, host matmuls
+        (KQ/KQV) included."""
+        ops = sum(c.ops for (_, engine), c in self.per_op.items() if engine == HOST)
+        return self.host_seconds / ops * 1e6 if ops else None
 
     def replay_overhead_us_per_node(self) -> float | None:
-        """Replay time not spent inside a step (the loop, timing, counters), µs per node."""
+        """Replay time not spent computing (the step loop, index checks, counters), µs per node."""
         nodes = sum(c.ops for c in self.per_op.values())
-        inside = sum(c.seconds for c in self.per_op.values())
+        inside = self.host_seconds + sum(c.seconds for (_, engine), c in self.per_op.items() if engine != HOST)
         return (self.execute_seconds - inside) / nodes * 1e6 if nodes else None
 
     def as_dict(self, weights=None) -> dict:
@@ -143,7 +145,7 @@ class ServerStats:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="rknpu serve: where ops ran (host time measured)")
+        table = Table(title="rknpu serve: where ops ran (NPU step time measured; host time per segment, below)")
         for col in ("op", "engine", "nodes", "MiB", "host ms", "µs/node"):
             table.add_column(col, justify="right" if col not in ("op", "engine") else "left")
         for (op, engine), c in sorted(self.per_op.items(), key=lambda kv: -kv[1].seconds):
@@ -164,7 +166,8 @@ class ServerStats:
             f"graphs run {self.graph_runs}: plans built {self.plans_built} ({self.plan_seconds * 1e3:.1f} ms), "
             f"identical-graph replays {self.plan_cache_hits}, GRAPH_RECOMPUTE replays {self.recomputes}, "
             f"view nodes skipped {self.view_nodes}",
-            f"host time per non-matmul node: {per_node:.1f} µs" if per_node is not None else "host time per node: -",
+            f"host (ggml-cpu) time {self.host_seconds * 1e3:.1f} ms, {per_node:.2f} µs per host node"
+            if per_node is not None else "host time per node: -",
             f"replay overhead beyond the ops: {overhead:.2f} µs per node" if overhead is not None else "",
             f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out; requests: "
             + (", ".join(f"{Cmd(i).name} {n}" for i, n in enumerate(self.commands) if n) or "none"),

@@ -4,8 +4,10 @@ The protocol never says which buffers hold weights, so the graph planner propose
 candidates (the src0 of a MUL_MAT that is a leaf: not computed by the graph, not a
 view, not a graph input, never written by any graph node) and this store turns each
 into a ``WeightSlot``: the bytes ``[start, end)`` of one buffer, converted from the
-ggml type with ``gguf.quants.dequantize`` and handed to ``npu.upload_weight`` in the
-server's weight format (``fp16`` = the accuracy reference, or ``int8``).
+ggml type by ggml's own dequantizer (``type_traits.to_float`` of the pinned build, at C
+speed, so every type ggml has can be staged: K-quants, IQ, MXFP4, NVFP4, Q1_0, ...) and
+handed to ``npu.upload_weight`` in the server's weight format (``fp16`` = the accuracy
+reference, or ``int8``).
 
 Any later write to those bytes (SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR,
 MEMSET_TENSOR, BUFFER_CLEAR, or a graph node whose output overlaps them) calls
@@ -35,25 +37,26 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from ggml_rknpu.ggml.buffers import DeviceBuffer
 from ggml_rknpu.ggml.enums import GgmlType
-from ggml_rknpu.ggml.ops.convert import dequantize_rows
+from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
 from ggml_rknpu.ggml.tensor import CheckedTensor
+from ggml_rknpu.hostggml import lib as hostggml
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-# The ggml types the server converts into NPU weights (issue 4 item 3); gguf-py
-# dequantizes each of them. Anything else runs on the host.
-WEIGHT_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    GgmlType.F32, GgmlType.F16, GgmlType.BF16,
-    GgmlType.Q4_0, GgmlType.Q4_1, GgmlType.Q5_0, GgmlType.Q5_1, GgmlType.Q8_0,
-    GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K,
-))
+def _weight_types() -> frozenset[int]:
+    """The ggml types the server converts into NPU weights: F32 and every type ggml can
+    dequantize (its ``to_float`` exists in the loaded build). Anything else runs on the host."""
+    g = hostggml.load()
+    return frozenset({int(GgmlType.F32)} | {int(t) for t in GgmlType if g.to_float(t) is not None})
+
+
 WEIGHT_FORMATS = ("fp16", "int8")
 VOLATILE_AFTER = 2
 PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
@@ -62,24 +65,22 @@ PROGRESS_MIN_SLOTS = 4   # a bar for a model load, not for one test tensor
 CONVERT_ROWS = 8192      # rows per conversion chunk: bounds the temporaries of a 262k-row output head
 
 
-def _dequantize_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
-    if type_id == GgmlType.F16:
-        return np.ascontiguousarray(rows).view(np.float16)
-    if type_id == GgmlType.F32:
-        return np.ascontiguousarray(rows).view(np.float32)
-    return dequantize_rows(rows, type_id)
-
-
 def to_float_rows(raw: np.ndarray, type_id: int, n_rows: int, k: int) -> np.ndarray:
     """ggml bytes of a contiguous [n_rows, k] tensor -> float32 [n_rows, k].
 
-    The host ops' decoders (``ops.convert.dequantize_rows``; F16 and F32 as views),
-    converted in row chunks into one preallocated array."""
-    rows = raw.reshape(n_rows, -1)
+    ggml's own ``to_float`` of the type (F32 is a view), converted in row chunks straight
+    into one preallocated array."""
     out = np.empty((n_rows, k), dtype=np.float32)
+    if type_id == GgmlType.F32:
+        out[...] = np.ascontiguousarray(raw).view(np.float32).reshape(n_rows, k)
+        return out
+    to_float = hostggml.load().to_float(type_id)
+    if to_float is None:
+        raise ValueError(f"ggml has no dequantizer for type {type_id}")
+    rows = np.ascontiguousarray(raw).reshape(n_rows, -1)
     for r0 in range(0, n_rows, CONVERT_ROWS):
         r1 = min(n_rows, r0 + CONVERT_ROWS)
-        out[r0:r1] = _dequantize_rows(rows[r0:r1], type_id).reshape(r1 - r0, k)
+        to_float(rows[r0:r1].ctypes.data, out[r0:r1].ctypes.data, (r1 - r0) * k)
     return out
 
 
@@ -95,7 +96,7 @@ class WeightSlot:
     k: int                           # row length (ne00)
     name: str
     layout: tuple = ()               # (ne, nb) of the tensor: part of the content key
-    handle: Any = None               # engine weight from npu.upload_weight, None = not staged
+    handle: EngineWeight | None = None   # engine weight from npu.upload_weight, None = not staged
     invalidations: int = 0
     volatile: bool = False           # demoted for good: runs on the host
     failed: str | None = None        # why the engine refused it: runs on the host
@@ -128,12 +129,9 @@ class WeightStats:
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
 
 
-def _free_handle(handle: Any, name: str) -> None:
-    free = getattr(handle, "free", None)
-    if free is None:
-        return
+def _free_handle(handle: EngineWeight, name: str) -> None:
     try:
-        free()
+        handle.free()
     except Exception as exc:   # the engine could not release it; nothing here can do better
         log.error("freeing the staged weight '%s' failed: %s", name, exc)
 
@@ -147,13 +145,13 @@ class RetiredWeights:
 
     def __init__(self, stats: WeightStats) -> None:
         self.stats = stats
-        self._lru: OrderedDict[tuple, tuple[Any, int, str]] = OrderedDict()
+        self._lru: OrderedDict[tuple, tuple[EngineWeight, int, str]] = OrderedDict()
 
     @property
     def npu_bytes(self) -> int:
         return self.stats.retired_bytes
 
-    def retire(self, key: tuple, handle: Any, nbytes: int, name: str) -> bool:
+    def retire(self, key: tuple, handle: EngineWeight, nbytes: int, name: str) -> bool:
         """Keep ``handle`` under ``key``; False (caller frees it) if an equal copy is already kept."""
         if key in self._lru:
             return False
@@ -163,7 +161,7 @@ class RetiredWeights:
         self.stats.retired_bytes += nbytes
         return True
 
-    def take(self, key: tuple) -> Any:
+    def take(self, key: tuple) -> EngineWeight | None:
         """The retired copy for ``key``, removed from the LRU, or None."""
         entry = self._lru.pop(key, None)
         if entry is None:
@@ -194,13 +192,14 @@ class RetiredWeights:
 class WeightStore:
     """The slots of one connection (freed with its buffers)."""
 
-    npu: Any
+    npu: MatmulEngine | None
     fmt: str = "fp16"
     progress: bool = True
     stats: WeightStats = field(default_factory=WeightStats)
     retired: RetiredWeights | None = None   # None: no reuse across connections
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
+    types: frozenset[int] = field(default_factory=_weight_types)
 
     def __post_init__(self) -> None:
         if self.fmt not in WEIGHT_FORMATS:
@@ -209,7 +208,7 @@ class WeightStore:
     def slot_for(self, t: CheckedTensor) -> WeightSlot | None:
         """The slot for a candidate weight, or None if it cannot be an NPU weight."""
         r = t.rpc
-        if self.npu is None or t.buffer is None or r.type not in WEIGHT_TYPES:
+        if self.npu is None or t.buffer is None or r.type not in self.types:
             return None
         key = (t.buffer.handle, t.start, t.end, r.type, r.ne[0], r.ne[1])
         slot = self._slots.get(key)
@@ -220,7 +219,7 @@ class WeightStore:
             self._by_buffer.setdefault(t.buffer.handle, []).append(slot)
         return slot if slot.on_npu else None
 
-    def weight(self, slot: WeightSlot) -> Any:
+    def weight(self, slot: WeightSlot) -> EngineWeight | None:
         """The staged engine weight, staging it first if needed (None: run on the host)."""
         if not slot.on_npu:
             return None
@@ -289,7 +288,7 @@ class WeightStore:
         self._count_staged(slot)
         self.stats.upload_seconds += time.perf_counter() - t0
 
-    def _upload(self, b: np.ndarray) -> Any:
+    def _upload(self, b: np.ndarray) -> EngineWeight:
         """``npu.upload_weight``, freeing retired copies LRU-first while NPU memory is short."""
         while True:
             try:
@@ -312,7 +311,7 @@ class WeightStore:
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
         if retire and key is not None and self.retired is not None:
-            nbytes = getattr(handle, "packed_bytes", slot.nbytes)
+            nbytes = handle.packed_bytes
             if self.retired.retire(key, handle, nbytes, slot.name):
                 return
         _free_handle(handle, slot.name)

@@ -14,7 +14,7 @@ def _field_max(register: str, field: str) -> int:
 
 
 # --- Cores and CBUF --------------------------------------------------------------------
-N_CORES = 3                     # [TRM 36.1; npu-programming.md §1; VEND core_mask 0x7]
+N_CORES = 3                     # [TRM 36.1; docs/npu-programming.md §1; VEND core_mask 0x7]
 CBUF_BANKS = 12                 # [MESA rkt_ml.h; MTX npu_hw.h; TRM "384KB"; §1]
 CBUF_BANK_BYTES = 32 * 1024     # [§1]
 CBUF_ENTRY_BYTES = 128          # 256 entries x 128 B per bank [§1]
@@ -32,6 +32,13 @@ REGCMD_TASK_ALIGN = 64          # MESA aligns every task's regcmd to 64 B [§2];
 DATA_ALIGN = 16                 # feature/output atoms are 16 B; DST_BASE_ADDR [31:4] use [§6, §7]
 INT_MASK_DPU = 0x300            # DPU group0|group1 [§3]
 INT_MASK_PPU = 0xC00            # [§3]
+INT_CLEAR_ALL = 0x1FFFF         # every PC INTERRUPT_CLEAR bit: RKNPU_INT_CLEAR, rocket's IRQ clear, and what
+                                # the RKNN runtime writes into rknpu_task.int_clear [§3; capture pw_c256_h14 task BO]
+ADDRESS_WINDOW_BYTES = 1 << ADDRESS_BITS   # the NPU's whole IOVA space [§4]
+# The version the kernel reports (PC VERSION + VERSION_NUM & 0xffff): a mainline boot log shows
+# 1179210309 = 0x46495245 [§3; ollama issue #5001]. How it splits between the two is unknown.
+HW_VERSION = 0x46495245
+PAGE_BYTES = 4096               # IOMMU and GEM page: buffers are whole pages, IOVA 0 is never mapped [§4]
 
 # --- Precisions -------------------------------------------------------------------------
 # CNA and CORE *_PRECISION codes [TRM; §1]
@@ -66,6 +73,6 @@ MAX_DPU_HEIGHT = _field_max("DPU_DATA_CUBE_HEIGHT", "HEIGHT") + 1            # 8
 MAX_CORE_DATAOUT = _field_max("CORE_DATAOUT_SIZE_1", "DATAOUT_CHANNEL") + 1  # 65536
 
 # --- Software limits --------------------------------------------------------------------
-SDK_MAX_K = 10240               # rknn_matmul_api K limit [SDK; §9; rknn-toolkit.md set_io_mem]
+SDK_MAX_K = 10240               # rknn_matmul_api K limit [SDK; §9; docs/rknn-toolkit.md set_io_mem]
 # One kernel's weights must fit one bank: Kp * b <= 32 KiB [§9: MTX check] -> K <= 16384 fp16.
 MAX_KERNEL_BYTES = CBUF_BANK_BYTES

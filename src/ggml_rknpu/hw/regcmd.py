@@ -2,7 +2,7 @@
 
 A regcmd word is little-endian 64-bit: bits 63:48 target (which block(s) the write goes
 to), 47:16 the 32-bit value, 15:0 the register offset including the block base
-[npu-programming.md §2; TRM pc_register_amounts; MESA rkt_regcmd.c; MTX NPUOP].
+[docs/npu-programming.md §2; TRM pc_register_amounts; MESA rkt_regcmd.c; MTX NPUOP].
 The shifts live here and nowhere else.
 """
 
@@ -23,7 +23,7 @@ FETCH_UNIT_WORDS = 2    # PC_DATA_AMOUNT counts 128-bit units = 2 words [§2]
 
 
 class Target(IntEnum):
-    """16-bit target values of observed words [npu-programming.md §2 table; MESA, MTX, AB].
+    """16-bit target values of observed words [docs/npu-programming.md §2 table; MESA, MTX, AB].
 
     Bit 48 is set in every observed word (meaning unknown); the block bits are
     56 PC, 57 CNA, 59 CORE, 60 DPU, 61 DPU_RDMA, 62 PPU, 63 PPU_RDMA [TRM].

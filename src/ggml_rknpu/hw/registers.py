@@ -9,8 +9,8 @@ real stream writes but no document describes are added below with their own sour
 
 Keys are ``<BLOCK>_<NAME>`` (``CNA_CONV_CON1``, ``DPU_DATA_FORMAT``, ``PC_BASE_ADDRESS``).
 The XML's redundant ``RDMA_`` name prefix inside the DPU_RDMA / PPU_RDMA domains is dropped
-(``DPU_RDMA_S_POINTER``). Deviation from CONTRACT C (additive only): ``Block`` also lists
-DDMA (0x8) and SDMA (0x9), which the XML documents [npu-programming.md §1].
+(``DPU_RDMA_S_POINTER``). Deviation from contract C [docs/decisions.md] (additive only): ``Block`` also lists
+DDMA (0x8) and SDMA (0x9), which the XML documents [docs/npu-programming.md §1].
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ XML_SOURCE = "registers.xml (Mesa rocket, MIT; extracted from RK3588 TRM ch.36)"
 
 
 class Block(IntEnum):
-    """Bits [15:12] of a register offset select the block [npu-programming.md §1, TRM 36.4.1]."""
+    """Bits [15:12] of a register offset select the block [docs/npu-programming.md §1, TRM 36.4.1]."""
 
     PC = 0x0
     CNA = 0x1
@@ -124,9 +124,9 @@ def _build() -> dict[str, Register]:
     # Meaning unknown; the whole word is one opaque field.
     undocumented = (
         ("CORE_UNDOC_3030", Block.CORE, 0x3030,
-         "undocumented; written as 0 by MESA, MTX and AB streams [npu-programming.md §2]"),
+         "undocumented; written as 0 by MESA, MTX and AB streams [docs/npu-programming.md §2]"),
         ("DPU_UNDOC_40C4", Block.DPU, 0x40C4,
-         "undocumented; written as 0 by MESA and MTX streams [npu-programming.md §2]"),
+         "undocumented; written as 0 by MESA and MTX streams [docs/npu-programming.md §2]"),
     )
     for name, block, offset, source in undocumented:
         regs[name] = Register(name, block, offset, (Field("VALUE", 0, 31),), source)

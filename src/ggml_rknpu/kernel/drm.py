@@ -12,6 +12,7 @@ import ctypes
 from dataclasses import dataclass
 
 from ggml_rknpu.kernel.errors import ioctl_error
+from ggml_rknpu.kernel.syscalls import Syscalls
 
 # [asm-generic/ioctl.h] field widths and shifts
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
@@ -88,7 +89,7 @@ class drm_version(ctypes.Structure):
 
 
 class drm_gem_close(ctypes.Structure):
-    """[drm.h] struct drm_gem_close; rocket closes BOs with it [npu-programming.md §5]."""
+    """[drm.h] struct drm_gem_close; rocket closes BOs with it [docs/npu-programming.md §5]."""
 
     _fields_ = [("handle", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
 
@@ -112,8 +113,8 @@ class DrmVersion:
 _STRING_CAPACITY = 128
 
 
-def query_version(sys, fd: int) -> DrmVersion:
-    """DRM_IOCTL_VERSION through ``sys`` with 128-byte string buffers owned by us.
+def query_version(syscalls: Syscalls, fd: int) -> DrmVersion:
+    """DRM_IOCTL_VERSION through ``syscalls`` with 128-byte string buffers owned by us.
 
     The kernel writes the strings through the user pointers in the struct (copy_to_user),
     so the buffers must stay alive for the duration of the call.
@@ -127,7 +128,7 @@ def query_version(sys, fd: int) -> DrmVersion:
         desc_len=_STRING_CAPACITY, desc=ctypes.addressof(desc),
     )
     arg = bytearray(bytes(v))
-    sys.ioctl(fd, DRM_IOCTL_VERSION, arg)
+    syscalls.ioctl(fd, DRM_IOCTL_VERSION, arg)
     out = drm_version.from_buffer(arg)
 
     def text(buf: ctypes.Array, length: int) -> str:
@@ -139,17 +140,17 @@ def query_version(sys, fd: int) -> DrmVersion:
     )
 
 
-def gem_close(sys, fd: int, handle: int) -> None:
-    sys.ioctl(fd, DRM_IOCTL_GEM_CLOSE, bytearray(bytes(drm_gem_close(handle=handle))))
+def gem_close(syscalls: Syscalls, fd: int, handle: int) -> None:
+    syscalls.ioctl(fd, DRM_IOCTL_GEM_CLOSE, bytearray(bytes(drm_gem_close(handle=handle))))
 
 
-def call(sys, fd: int, request: int, struct: ctypes.Structure, what: str, name: str,
+def call(syscalls: Syscalls, fd: int, request: int, struct: ctypes.Structure, what: str, name: str,
          hints: dict[tuple[str, int], str]) -> ctypes.Structure:
     """One driver ioctl on a copy of ``struct``: the struct as the kernel wrote it back, or the
     NpuError ``ioctl_error`` builds (``what`` names the call, ``hints`` say what to check)."""
     arg = bytearray(bytes(struct))
     try:
-        sys.ioctl(fd, request, arg)
+        syscalls.ioctl(fd, request, arg)
     except OSError as exc:
         raise ioctl_error(what, name, exc, hints) from exc
     return type(struct).from_buffer_copy(arg)

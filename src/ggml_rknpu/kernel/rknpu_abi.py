@@ -1,7 +1,7 @@
 """The vendor ``rknpu`` DRM driver's UAPI: structs, flags, actions, request numbers.
 
 Field order and widths follow the vendor ``rknpu_ioctl.h`` as tabulated in
-npu-programming.md §4 [VEND]; sizes and offsets are asserted in tests against that table.
+docs/npu-programming.md §4 [VEND]; sizes and offsets are asserted in tests against that table.
 Two ABI generations exist:
 
 - ``rknpu_submit`` 0.9.6: ``u64 regcfg_obj_addr`` at 32 and ``u64 user_data`` at 48;
@@ -9,7 +9,7 @@ Two ABI generations exist:
   [VEND 0.9.6 vs 0.9.8 headers]. Both are 104 bytes, so the request number is the same.
 - ``rknpu_mem_create`` 40 bytes (no iommu_domain_id) or 48 bytes (``s32 iommu_domain_id;
   u32 reserved`` appended). Different request numbers; DRM zero-fills/truncates the size
-  difference [npu-programming.md §4].
+  difference [docs/npu-programming.md §4].
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DRIVER_NAME = "rknpu"  # [VEND rknpu_drv.h] DRM_IOCTL_VERSION name
 
 
 class MemFlag(IntFlag):
-    """RKNPU_MEM_* [VEND rknpu_ioctl.h; npu-programming.md §4]. CONTIGUOUS is the value 0."""
+    """RKNPU_MEM_* [VEND rknpu_ioctl.h; docs/npu-programming.md §4]. CONTIGUOUS is the value 0."""
 
     NON_CONTIGUOUS = 1 << 0
     CACHEABLE = 1 << 1
@@ -64,7 +64,7 @@ class JobFlag(IntFlag):
 
 
 class Action(IntEnum):
-    """RKNPU_GET_*/SET_*/ACT_* action codes [VEND rknpu_ioctl.h; npu-programming.md §4].
+    """RKNPU_GET_*/SET_*/ACT_* action codes [VEND rknpu_ioctl.h; docs/npu-programming.md §4].
     (AB's Python uses ACT_RESET=1, which is wrong.)"""
 
     GET_HW_VERSION = 0
@@ -95,7 +95,7 @@ class Action(IntEnum):
     SET_IOMMU_DOMAIN_ID = 25
 
 
-# [VEND rk3588_rknpu_config; npu-programming.md §4]
+# [VEND rk3588_rknpu_config; docs/npu-programming.md §4]
 MAX_SUBMIT_TASKS = 4095  # pc_task_number_bits = 12
 PC_TASK_NUMBER_MASK = 0xFFF
 PC_DATA_AMOUNT_SCALE = 2
@@ -198,7 +198,7 @@ DRM_IOCTL_RKNPU_MEM_SYNC = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_SYNC, rknpu_mem_sy
 
 
 def encode_drv_version(major: int, minor: int, patch: int) -> int:
-    """GET_DRV_VERSION value: MAJOR*10000 + MINOR*100 + PATCH [npu-programming.md §4]."""
+    """GET_DRV_VERSION value: MAJOR*10000 + MINOR*100 + PATCH [docs/npu-programming.md §4]."""
     return major * 10000 + minor * 100 + patch
 
 

@@ -1,9 +1,9 @@
 """``RknpuDriver``: the vendor rknpu DRM driver as typed Python callables, one per ioctl.
 
 Identical on a board (``HostSyscalls``) and in tests (``SimKernel``): it only packs
-structs, calls ``sys.ioctl`` and unpacks. The struct generation (0.9.6 vs 0.9.8 submit,
+structs, calls ``syscalls.ioctl`` and unpacks. The struct generation (0.9.6 vs 0.9.8 submit,
 40- vs 48-byte mem_create) is chosen from the driver version the device reports via
-ACTION GET_DRV_VERSION [npu-programming.md §4].
+ACTION GET_DRV_VERSION [docs/npu-programming.md §4].
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class SubmitResult:
 
 
 class RknpuDriver:
-    def __init__(self, sys: Syscalls, fd: int) -> None:
-        self.sys, self.fd = sys, fd
-        self.drm: DrmVersion = query_version(sys, fd)
+    def __init__(self, syscalls: Syscalls, fd: int) -> None:
+        self.syscalls, self.fd = syscalls, fd
+        self.drm: DrmVersion = query_version(syscalls, fd)
         if self.drm.name != abi.DRIVER_NAME:
             raise NpuError(f"DRM driver is {self.drm.name!r}, not {abi.DRIVER_NAME!r}; open the rknpu render node")
         self.version: tuple[int, int, int] = abi.decode_drv_version(self.action(abi.Action.GET_DRV_VERSION))
@@ -60,7 +60,7 @@ class RknpuDriver:
         )
 
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
-        return drm.call(self.sys, self.fd, request, struct, f"RKNPU {name}", name, _HINTS)
+        return drm.call(self.syscalls, self.fd, request, struct, f"RKNPU {name}", name, _HINTS)
 
     def action(self, action: abi.Action, value: int = 0) -> int:
         out = self._call("ACTION", abi.DRM_IOCTL_RKNPU_ACTION, abi.rknpu_action(flags=int(action), value=value & 0xFFFFFFFF))
@@ -87,7 +87,7 @@ class RknpuDriver:
         )
 
     def mmap(self, offset: int, length: int) -> memoryview:
-        return self.sys.mmap(self.fd, length, offset)
+        return self.syscalls.mmap(self.fd, length, offset)
 
     def submit(
         self,

@@ -1,18 +1,18 @@
 """The mainline ``rocket`` DRM accel driver's UAPI [ROCKET include/uapi/drm/rocket_accel.h;
-npu-programming.md §5]. Structs, request numbers; sizes asserted in tests."""
+docs/npu-programming.md §5]. Structs, request numbers; sizes asserted in tests."""
 
 from __future__ import annotations
 
 import ctypes
 from enum import IntEnum
 
+from ggml_rknpu.hw.limits import INT_MASK_DPU  # noqa: F401 - DPU_0 | DPU_1: the only completion rocket's IRQ accepts [§3]
 from ggml_rknpu.kernel.drm import DRM_COMMAND_BASE, DRM_IOW, DRM_IOWR
 
 u32, s64, u64 = ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64
 
 DRIVER_NAME = "rocket"  # [ROCKET rocket_drv.c] DRM name
 JOB_TIMEOUT_MS = 500  # [ROCKET rocket_job.c JOB_TIMEOUT_MS]
-INT_MASK_DPU = 0x300  # DPU_0 | DPU_1: the only completion the hard IRQ accepts [§3]
 
 
 class drm_rocket_create_bo(ctypes.Structure):

@@ -2,7 +2,7 @@
 
 Identical on a board and in tests; user pointers inside SUBMIT (the job array, each job's
 task array and BO handle arrays) point at ctypes arrays kept alive for the call, exactly
-what the kernel's copy_from_user reads [ROCKET rocket_job.c; npu-programming.md §5].
+what the kernel's copy_from_user reads [ROCKET rocket_job.c; docs/npu-programming.md §5].
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ class RocketJobSpec:
 
 
 class RocketDriver:
-    def __init__(self, sys: Syscalls, fd: int) -> None:
-        self.sys, self.fd = sys, fd
-        self.drm: DrmVersion = query_version(sys, fd)
+    def __init__(self, syscalls: Syscalls, fd: int) -> None:
+        self.syscalls, self.fd = syscalls, fd
+        self.drm: DrmVersion = query_version(syscalls, fd)
         if self.drm.name != abi.DRIVER_NAME:
             raise NpuError(f"DRM driver is {self.drm.name!r}, not {abi.DRIVER_NAME!r}; open /dev/accel/accel*")
         self.version = (self.drm.major, self.drm.minor, self.drm.patch)
 
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
-        return drm.call(self.sys, self.fd, request, struct, f"ROCKET {name}", name, _HINTS)
+        return drm.call(self.syscalls, self.fd, request, struct, f"ROCKET {name}", name, _HINTS)
 
     def create_bo(self, size: int) -> RocketBo:
         out = self._call("CREATE_BO", abi.DRM_IOCTL_ROCKET_CREATE_BO, abi.drm_rocket_create_bo(size=size))
@@ -81,8 +81,7 @@ class RocketDriver:
         req = abi.drm_rocket_submit(
             jobs=ctypes.addressof(job_array), job_count=len(jobs), job_struct_size=ctypes.sizeof(abi.drm_rocket_job)
         )
-        self._call("SUBMIT", abi.DRM_IOCTL_ROCKET_SUBMIT, req)
-        del keep, job_array
+        self._call("SUBMIT", abi.DRM_IOCTL_ROCKET_SUBMIT, req)  # keep and job_array live until we return
 
     def prep_bo(self, handle: int, timeout_ns: int = INT64_MAX) -> None:
         """Wait for the BO's write fences, then make it coherent for the CPU."""
@@ -94,9 +93,9 @@ class RocketDriver:
 
     def gem_close(self, handle: int) -> None:
         try:
-            gem_close(self.sys, self.fd, handle)
+            gem_close(self.syscalls, self.fd, handle)
         except OSError as exc:
             raise NpuError.from_oserror("DRM GEM_CLOSE", exc) from exc
 
     def mmap(self, offset: int, length: int) -> memoryview:
-        return self.sys.mmap(self.fd, length, offset)
+        return self.syscalls.mmap(self.fd, length, offset)

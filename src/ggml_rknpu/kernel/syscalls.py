@@ -3,7 +3,7 @@
 On a board it is ``HostSyscalls`` (os, fcntl, mmap); off it, ``sim.kernel.SimKernel``
 answers the same calls with the same request numbers and struct bytes. Tests and the
 simulator plug in here - at the kernel boundary - so the driver classes above are the
-code that runs on the board [anchors.md §1a: route every syscall through one object].
+code that runs on the board [docs/anchors.md §1a: route every syscall through one object].
 """
 
 from __future__ import annotations

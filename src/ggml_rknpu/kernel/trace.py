@@ -3,7 +3,7 @@
 Because all open/ioctl/mmap/munmap/close calls go through one ``Syscalls`` object, a
 wrapper sees the whole conversation with the kernel - on a board or on the simulator -
 and can print it with the struct fields named (the role tinygrad's ``IOCTL=1`` sniffers
-play [anchors.md §1a]). ``NpuDevice.open`` wraps its syscalls in this when the
+play [docs/anchors.md §1a]). ``ggml_rknpu.devices.open_device`` wraps its syscalls in this when the
 environment variable ``RKNPU_TRACE`` is set (``1``/``stderr``: standard error; anything
 else: a file path to append to).
 """
@@ -66,7 +66,7 @@ class TracingSyscalls:
         self.inner, self.log = inner, log
 
     def __getattr__(self, name: str):
-        # simulator extras (stats, iova_budget, dmesg, n_cores...) stay reachable
+        # simulator extras (stats, dmesg, address_space...) stay reachable
         return getattr(self.inner, name)
 
     def open(self, path: str, flags: int = os.O_RDWR) -> int:
@@ -84,15 +84,15 @@ class TracingSyscalls:
 
     def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
         name, struct = IOCTLS.get(request, (f"ioctl {request:#x}", None))
-        decode = struct is not None and len(arg) >= ctypes.sizeof(struct)
-        if decode:
-            self.log(f"{name}(fd {fd}) in:  {format_struct(struct.from_buffer_copy(arg))}")
+        decode = struct if struct is not None and len(arg) >= ctypes.sizeof(struct) else None
+        if decode is not None:
+            self.log(f"{name}(fd {fd}) in:  {format_struct(decode.from_buffer_copy(arg))}")
         try:
             ret = self.inner.ioctl(fd, request, arg)
         except OSError as exc:
             self.log(f"{name}(fd {fd}) -> errno {exc.errno} ({exc.strerror})")
             raise
-        out = f" out: {format_struct(struct.from_buffer_copy(arg))}" if decode else ""
+        out = f" out: {format_struct(decode.from_buffer_copy(arg))}" if decode is not None else ""
         self.log(f"{name}(fd {fd}) -> {ret}{out}")
         return ret
 

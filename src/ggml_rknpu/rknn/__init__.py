@@ -1,6 +1,6 @@
 """Optional second engine over Rockchip's closed librknnrt ``rknn_matmul_api``.
 
-``binding`` is our own ctypes binding (structs from rknn-toolkit.md §4.3, sizes asserted);
+``binding`` is our own ctypes binding (structs from docs/rknn-toolkit.md §4.3, sizes asserted);
 ``engine.RknnNpu`` has the same interface as ``ggml_rknpu.engine.Npu``. librknnrt.so is not
 shipped: install it on the board and/or set ``LIBRKNNRT_PATH``.
 

@@ -1,16 +1,16 @@
 """ctypes binding of Rockchip's ``rknn_matmul_api`` (in the closed ``librknnrt.so``).
 
 WHY our own structs: the vendor header is marked confidential and the library's licence
-does not grant redistribution [rknn-toolkit.md §4.6], so nothing of theirs is in this repo.
-Every struct below is written from the field tables in rknn-toolkit.md §4.3 (offsets and
+does not grant redistribution [docs/rknn-toolkit.md §4.6], so nothing of theirs is in this repo.
+Every struct below is written from the field tables in docs/rknn-toolkit.md §4.3 (offsets and
 sizes measured with gcc on LP64, which is aarch64's data model) and its size and offsets are
 asserted at import. Users install ``librknnrt.so`` themselves; it is looked up at
 ``$LIBRKNNRT_PATH``, then in the usual library directories.
 
-Return codes: 0 or positive is success, negative an error [rknn-toolkit.md §4.1]. Names of
+Return codes: 0 or positive is success, negative an error [docs/rknn-toolkit.md §4.1]. Names of
 the negative codes follow a public error-string table for rknn_api (TensorStack
 ``rknn_utils.h`` ``get_rknn_error_str``); -5 "parameter is invalid" is also what the seed
-saw for a matmul type the RK3588 runtime does not support (seed Milestone 8).
+saw for a matmul type the RK3588 runtime does not support (seed Milestone 8 [docs/decisions.md]).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-# --- enums [rknn-toolkit.md §4.2] ------------------------------------------------------
+# --- enums [docs/rknn-toolkit.md §4.2] ------------------------------------------------------
 MATMUL_TYPES = {
     1: "RKNN_FLOAT16_MM_FLOAT16_TO_FLOAT32",
     2: "RKNN_INT8_MM_INT8_TO_INT32",
@@ -53,11 +53,11 @@ ERROR_NAMES = {
     -4: "memory malloc fail", -5: "parameter is invalid", -6: "model is invalid",
     -7: "context is invalid", -8: "input is invalid", -9: "output is invalid",
 }
-MAX_NAME_LEN = 256  # RKNN_MAX_NAME_LEN [rknn-toolkit.md §4.3]
+MAX_NAME_LEN = 256  # RKNN_MAX_NAME_LEN [docs/rknn-toolkit.md §4.3]
 MAX_DIMS = 16       # RKNN_MAX_DIMS
 
 
-# --- structs [rknn-toolkit.md §4.3] ----------------------------------------------------
+# --- structs [docs/rknn-toolkit.md §4.3] ----------------------------------------------------
 class MatmulInfo(ctypes.Structure):
     _fields_ = [
         ("M", ctypes.c_int32), ("K", ctypes.c_int32), ("N", ctypes.c_int32),
@@ -287,7 +287,7 @@ class RknnLibrary:
     # -- layouts ---------------------------------------------------------------------
     def b_normal_to_native(self, b_kn: np.ndarray, info: MatmulInfo, native_bytes: int) -> np.ndarray:
         """B [K, N] row-major (``B_layout`` normal) -> the runtime's native layout bytes.
-        Header form with 5 arguments [rknn-toolkit.md §4.1: trust the header of your version]."""
+        Header form with 5 arguments [docs/rknn-toolkit.md §4.1: trust the header of your version]."""
         b_kn = np.ascontiguousarray(b_kn)
         out = np.zeros(native_bytes, dtype=np.uint8)
         K, N = b_kn.shape

@@ -2,7 +2,7 @@
 with the same interface as ``engine.Npu``: ``upload_weight``, ``matmul``, ``counters``,
 ``last_timing``, ``memory_budget``, ``close``.
 
-WHY it is built this way (seed Milestones 9, 10, 16): creating a context and uploading B
+WHY it is built this way (seed Milestones 9, 10, 16 [docs/decisions.md]): creating a context and uploading B
 per call cost ~38 ms against ~1 ms for a resident one, so each (weight, M bucket) gets a
 persistent context whose A, B and C buffers are created and bound once, B filled once.
 The runtime failed beyond ~150 live contexts, so contexts are bounded by an LRU whose limit
@@ -14,7 +14,7 @@ validated on an RK3588 (seed M2, M8). fp16 x int8/int4 (5, 7) failed on RK3588 w
 runtime's "unsupported matmul dtype ... in this platform" (seed M8); they, and every other
 type nobody has shown to work on RK3588, are reported and never attempted.
 
-Layouts and limits [rknn-toolkit.md §4.4, RK3588]: A and C row-major ("normal"), B in the
+Layouts and limits [docs/rknn-toolkit.md §4.4, RK3588]: A and C row-major ("normal"), B in the
 native layout converted once by the runtime's own ``rknn_B_normal_layout_to_native_layout``;
 K padded to 32, N to 16 (fp16) / 32 (int8); K longer than 8192 (where RK3588 segments B) is
 cut into chunks with one context each and the partial results are summed on the host.
@@ -32,6 +32,7 @@ import numpy as np
 
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
 from ggml_rknpu.engine.api import MAX_PROGRAM_M, Timing, m_bucket
+from ggml_rknpu.hw import limits
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -51,10 +52,10 @@ UNSUPPORTED_RK3588 = {
     5: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
     7: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
 }
-N_ALIGN = {"fp16": 16, "int8": 32}   # RK3588 [rknn-toolkit.md §4.4]
-K_ALIGN = 32
+N_ALIGN = limits.KERNEL_GROUP        # the runtime's N alignment is the kernel group [docs/rknn-toolkit.md §4.4]
+K_ALIGN = limits.K_ALIGN
 K_CHUNK = 8192                       # RK3588 segments B beyond 8192 [§4.4]
-IOVA_DOMAIN_BYTES = 4 << 30          # one IOMMU domain is a 4 GB space [§4.3 iommu_domain_id]
+IOVA_DOMAIN_BYTES = limits.ADDRESS_WINDOW_BYTES   # one IOMMU domain is the 4 GB space [§4.3 iommu_domain_id]
 ELEMENT = {"fp16": np.float16, "int8": np.int8}
 
 
@@ -95,6 +96,11 @@ class RknnWeight(ResidentWeight):
         self.n_padded = n_padded
         self.freed = False
 
+    @property
+    def packed_bytes(self) -> int:
+        """Host bytes of the native layout (what each context using it holds on the NPU)."""
+        return sum(chunk.nbytes for chunk in self.native_chunks)
+
     def free(self) -> None:
         if not self.freed:
             self._npu._drop_weight(self)
@@ -128,6 +134,9 @@ class RknnNpu:
         """Cores the cost model prices a run on: those in the core mask; 1 for "auto" (the
         runtime's AUTO mask runs a matmul on one core: reading in ``cost/anchors.py``)."""
         return min(3, bin(self.core_mask & 0b111).count("1")) or 1
+
+    def describe(self) -> str:
+        return "librknnrt (the vendor runtime)"
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16", *, matmul_type: int | None = None) -> RknnWeight:
@@ -228,7 +237,7 @@ class RknnNpu:
             self._evict_oldest()
         contexts: list[_Context] = []
         try:
-            for (k0, kc), native in zip(w.k_chunks, w.native_chunks):
+            for (_k0, kc), native in zip(w.k_chunks, w.native_chunks):
                 contexts.append(self._create_context(w, bucket, kc, native))
         except BaseException:
             for c in contexts:

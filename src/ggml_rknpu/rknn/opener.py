@@ -23,7 +23,7 @@ from pathlib import Path
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn.engine import RknnNpu
 
-CORE_MASK_FOR_CORES = {1: "core0", 2: "core0_1", 3: "core0_1_2"}   # rknn_core_mask [rknn-toolkit.md §4.2]
+CORE_MASK_FOR_CORES = {1: "core0", 2: "core0_1", 3: "core0_1_2"}   # rknn_core_mask [docs/rknn-toolkit.md §4.2]
 
 
 class RknnRefused(RuntimeError):

@@ -4,7 +4,7 @@ Decoding (``decode_conv``) first runs every hardware rule of ``validate.CONV_RUL
 the limits of this model (``NotModeled``): a 1x1 kernel with stride 1 and no padding (the
 matmul case: M = H*W rows, K = DATAIN_CHANNEL, N = WEIGHT_KERNELS), DPU bypass path.
 
-Layouts [npu-programming.md §6, §7]:
+Layouts [docs/npu-programming.md §6, §7]:
 - feature, NC1HWC2 with C2 = 16 / bytes: element (c, h, w) at
   FEATURE_DATA_ADDR + (c / C2) * plane + (h * W + w) * 16 + (c % C2) * b, where the plane
   pitch 16 * W * Hf comes from LINE_STRIDE = 4W and SURF_STRIDE = W * (Hf - 4) (§7 inference);
@@ -21,10 +21,10 @@ Numerics (documented choices; see ``docs`` of each function):
   partial sum is an integer of magnitude <= 1024 * 128 * 128 = 2^24 and therefore exact in
   fp32, then summed in int64 [§10: products exact, int32 accumulation; MTX exact tests].
 - fp16 x fp16: products exact (11 + 11 significant bits fit fp32's 24), summed in fp32
-  (numpy/BLAS sgemm order, not the hardware's unknown order) [issue 3; §10; rknn-toolkit.md
+  (numpy/BLAS sgemm order, not the hardware's unknown order) [issue 3; §10; docs/rknn-toolkit.md
   §1.5: accumulation "at least fp32 wide", 1 + 2^-24 - 1 lost as in fp32]. fp32 output as
   is; fp16 output rounded to nearest-even (FP32TOFP16_EN), IEEE overflow to inf
-  [rknn-toolkit.md §1.5: sum of 120000 gives inf]. Expect <= 1 fp16 ulp differences from a
+  [docs/rknn-toolkit.md §1.5: sum of 120000 gives inf]. Expect <= 1 fp16 ulp differences from a
   board on fp16 output (the vendor simulator is 99.87% bit-exact to 'exact sum, then RNE').
 """
 

@@ -2,7 +2,7 @@
 behind the ``Syscalls`` interface.
 
 It receives exactly what the real kernel receives - request numbers and struct bytes -
-and answers the way the real drivers do [npu-programming.md §3-§5; VEND rknpu_job.c,
+and answers the way the real drivers do [docs/npu-programming.md §3-§5; VEND rknpu_job.c,
 rknpu_gem.c; ROCKET rocket_job.c, rocket_gem.c]:
 
 - DRM core: DRM_IOCTL_VERSION (name "rknpu"/"rocket"), GEM_CLOSE; dispatch by nr with
@@ -24,10 +24,34 @@ task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_a
 (vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
 NONBLOCK/fences (not modelled), >4095 tasks per core on drivers before 0.9.8 (would
 overflow TASK_CON; 0.9.8-style drivers re-issue such lists in 4095-task chunks
-[npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
-EFAULT), a rocket job that fails validation (mainline drops the per-job error) or hangs
-(mainline PREP_BO returns 0 with stale data; here PREP_BO says ETIMEDOUT).
+[docs/npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
+EFAULT), a rocket job that fails validation (mainline drops the per-job error).
 ``hw_elapse_time`` is left 0: the simulator has no hardware clock.
+
+Mainline rocket as it really behaves (``rocket_errors="mainline"``, the default), each from
+drivers/accel/rocket in torvalds/linux:
+
+- **Job timeout, silently.** A job (all of its tasks) that runs longer than JOB_TIMEOUT_MS
+  = 500 ms is killed: rocket_job.c ``rocket_job_timedout`` resets the core, the tasks not
+  yet finished never write, and ``rocket_ioctl_prep_bo`` (rocket_gem.c) still returns 0
+  because the job's fence is signalled. Here a job's time is *modeled* (cost.model, per
+  task decoded from its words) at ``rocket_mhz`` (200: the clock mainline boots the NPU
+  at); a job over the timeout runs only its tasks that finish within it, the rest leave
+  their outputs stale, dmesg says "NPU job timed out", and PREP_BO returns 0. A hung or
+  faulting job ends the same way (it, too, is ended by the timeout). ``rocket_errors=
+  "loud"`` makes PREP_BO fail with ETIMEDOUT instead (for tests that want the reason).
+- **IOVA 0.** ``rocket_open`` (rocket_drv.c) initialises the file's drm_mm over the IOMMU
+  aperture, which rockchip-iommu.c ``rk_iommu_domain_alloc_paging`` sets to
+  0..DMA_BIT_MASK(32); ``rocket_ioctl_create_bo`` takes the best-fitting hole
+  (``drm_mm_insert_node_generic`` mode 0, DRM_MM_INSERT_BEST), so the first buffer of a
+  file sits at IOVA 0. Modelled as best fit, lowest address, from 0.
+- **PREP_BO / FINI_BO keep CPU writes.** FINI_BO is ``dma_sync_sgtable_for_device`` and
+  PREP_BO ``dma_sync_sgtable_for_cpu`` (both DMA_BIDIRECTIONAL): a clean, and an
+  invalidate that writes dirty lines back first (arm64 dcache_inval_poc cleans partial
+  lines; that Cortex-A cores execute DC IVAC as clean+invalidate is our *inference*, and
+  Mesa's Teflon relies on CPU writes surviving a PREP_BO). Modelled per 64-byte line: a
+  line the CPU wrote since the last sync goes to DRAM at either call; PREP_BO then shows
+  the CPU what DRAM holds. A line the CPU did not write is never copied over DRAM.
 """
 
 from __future__ import annotations
@@ -38,6 +62,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from ggml_rknpu.hw.envelope import ROCKET_BOOT_MHZ, ROCKET_JOB_TIMEOUT_MS, decode_task
+from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
+from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel import rknpu_abi as rk
 from ggml_rknpu.kernel import rocket_abi as ro
@@ -54,33 +83,34 @@ from ggml_rknpu.sim.memory import (
     page_align,
 )
 
+CACHE_LINE = 64  # arm64 Cortex-A76/A55 data cache line
+ROCKET_ERRORS = ("mainline", "loud")
+
 # Device nodes the simulator pretends to have. The vendor render node number depends on
 # the board's other DRM devices (the display is usually card0/renderD128); renderD129 is
 # the usual place of rknpu on RK3588 images - a typical value, not a fixed one.
 VENDOR_NODES = {"/dev/dri": ["card1", "renderD129"]}
-ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [npu-programming.md §5] char major 261
+ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [docs/npu-programming.md §5] char major 261
 
-# PC register offsets [npu-programming.md §3]
-PC_OPERATION_ENABLE = 0x08
-PC_BASE_ADDRESS = 0x10
-PC_REGISTER_AMOUNTS = 0x14
-PC_INTERRUPT_MASK = 0x20
-PC_INTERRUPT_CLEAR = 0x24
-PC_INTERRUPT_STATUS = 0x28
-PC_INTERRUPT_RAW_STATUS = 0x2C
-PC_TASK_CON = 0x30
-PC_TASK_DMA_BASE_ADDR = 0x34
-PC_TASK_STATUS = 0x3C
-CNA_S_POINTER = 0x1004
-CORE_S_POINTER = 0x3004
+# register offsets the drivers' programming sequences write (hw/registers.py)
+PC_OPERATION_ENABLE = REGISTERS["PC_OPERATION_ENABLE"].offset
+PC_BASE_ADDRESS = REGISTERS["PC_BASE_ADDRESS"].offset
+PC_REGISTER_AMOUNTS = REGISTERS["PC_REGISTER_AMOUNTS"].offset
+PC_INTERRUPT_MASK = REGISTERS["PC_INTERRUPT_MASK"].offset
+PC_INTERRUPT_CLEAR = REGISTERS["PC_INTERRUPT_CLEAR"].offset
+PC_INTERRUPT_STATUS = REGISTERS["PC_INTERRUPT_STATUS"].offset
+PC_INTERRUPT_RAW_STATUS = REGISTERS["PC_INTERRUPT_RAW_STATUS"].offset
+PC_TASK_CON = REGISTERS["PC_TASK_CON"].offset
+PC_TASK_DMA_BASE_ADDR = REGISTERS["PC_TASK_DMA_BASE_ADDR"].offset
+PC_TASK_STATUS = REGISTERS["PC_TASK_STATUS"].offset
+CNA_S_POINTER = REGISTERS["CNA_S_POINTER"].offset
+CORE_S_POINTER = REGISTERS["CORE_S_POINTER"].offset
 S_POINTER_PP = 0xE  # POINTER_PP_EN | EXECUTER_PP_EN | POINTER_PP_MODE [§2, §3]
 S_POINTER_CORE_BIT = 0x10000000  # "0x10000000 * core", reserved in the TRM [§3]
-INT_CLEAR_ALL = 0x1FFFF  # RKNPU_INT_CLEAR / rocket's IRQ clear [§3]
 INT_DMA_READ_ERROR, INT_DMA_WRITE_ERROR = 1 << 12, 1 << 13
 TASK_CON_RESERVED_14, TASK_CON_COUNT_CLEAR, TASK_CON_PP_EN = 1 << 14, 1 << 13, 1 << 12
 
 # Values the ACTION ioctl reports. Sources per value; guesses say so.
-HW_VERSION = 0x46495245  # [§3: mainline boot log 1179210309; ollama issue #5001]
 NPU_FREQ_HZ = 1_000_000_000  # guess: the RKNN runtime's default "take 1000MHz" [capture pw_c256_h14]
 NPU_VOLT_UV = 850_000  # placeholder, NOT a measured RK3588 value: the simulator has no regulator
 DRIVER_DATES = {(0, 9, 6): "20240322"}  # [VEND rknpu_drv.h]; other versions: unknown
@@ -106,6 +136,33 @@ def fuzz_status(status: int) -> int:
 
 def _fail(code: int, message: str) -> OSError:
     return OSError(code, message)
+
+
+class _BestFit(RangeAllocator):
+    """drm_mm DRM_MM_INSERT_BEST: the smallest free hole that fits, the node at its start
+    (rocket_gem.c rocket_ioctl_create_bo)."""
+
+    def alloc(self, length: int) -> int | None:
+        length = -(-length // self.granule) * self.granule
+        if length <= 0:
+            raise ValueError("allocation length must be positive")
+        fitting = [i for i, (s, e) in enumerate(self._free) if e - s >= length]
+        if not fitting:
+            return None
+        i = min(fitting, key=lambda j: (self._free[j][1] - self._free[j][0], self._free[j][0]))
+        start = self._free[i][0]
+        self._free[i][0] += length
+        if self._free[i][0] == self._free[i][1]:
+            del self._free[i]
+        self._used[start] = length
+        return start
+
+
+def _drm_mm_domain(base: int, end: int) -> IommuDomain:
+    """A rocket file's address space: its drm_mm over the IOMMU aperture (module doc)."""
+    domain = IommuDomain(max(base, PAGE), end)   # (the base is replaced just below)
+    domain.iova = _BestFit(base, end, PAGE)
+    return domain
 
 
 @dataclass
@@ -134,16 +191,24 @@ class SimKernel:
         *,
         npu: object | None = None,
         n_cores: int = 3,
-        iova_window: tuple[int, int] = (IOVA_BASE, IOVA_END),
+        iova_window: tuple[int, int] | None = None,
         memory_limit: int = 4 << 30,
         coherent: bool = False,
+        rocket_mhz: float = ROCKET_BOOT_MHZ,
+        rocket_errors: str = "mainline",
     ) -> None:
         if abi not in DEFAULT_VERSIONS:
             raise ValueError(f"abi must be 'rknpu' or 'rocket', not {abi!r}")
+        if rocket_errors not in ROCKET_ERRORS:
+            raise ValueError(f"rocket_errors must be one of {ROCKET_ERRORS}, not {rocket_errors!r}")
         self.abi = abi
         self.driver_version = tuple(driver_version or DEFAULT_VERSIONS[abi])
         self.n_cores = n_cores
-        self.iova_window = iova_window
+        # vendor: the IOMMU DMA window without page 0 (top-down); rocket: the whole aperture
+        # from 0 (module doc)
+        self.iova_window = iova_window or ((IOVA_BASE, IOVA_END) if abi == "rknpu" else (0, IOVA_END))
+        self.rocket_mhz, self.rocket_errors = rocket_mhz, rocket_errors
+        self._cpu_synced: dict[int, np.ndarray] = {}  # rocket: CPU bytes as of the last sync, per object
         self.memory_limit = memory_limit
         self.coherent = coherent
         self.dmesg: list[str] = []
@@ -156,9 +221,13 @@ class SimKernel:
         self._by_offset: dict[int, GemObject] = {}
         self._maps: dict[int, tuple[memoryview, GemObject]] = {}
         self._allocated = 0
-        self._shared_domain = IommuDomain(*iova_window) if abi == "rknpu" else None
+        self._shared_domain = IommuDomain(*self.iova_window) if abi == "rknpu" else None
         self.mmu = NpuMmu(self._shared_domain)
         self._npu = npu
+        # A one-shot fault for the next submit, for the bring-up ladder's tests: "stale" drops
+        # the last task of the first core's list (or job) silently; "timeout" hangs it
+        # (vendor: ETIMEDOUT; rocket: killed by the job timeout, outputs stale, no error).
+        self.inject: str | None = None
         self._next_core = 0
         self.powered = False
         self._power_refs = 0
@@ -198,7 +267,7 @@ class SimKernel:
                                       f"(it has {', '.join(self._device_paths())})")
         fd = self._next_fd
         self._next_fd += 1
-        self._files[fd] = _File(path, domain=IommuDomain(*self.iova_window) if self.abi == "rocket" else None)
+        self._files[fd] = _File(path, domain=_drm_mm_domain(*self.iova_window) if self.abi == "rocket" else None)
         return fd
 
     def close(self, fd: int) -> None:
@@ -333,6 +402,7 @@ class SimKernel:
         if obj.alive or obj.obj_addr not in self._objects:
             return
         del self._objects[obj.obj_addr]
+        self._cpu_synced.pop(obj.obj_addr, None)
         if obj.domain is not None:
             obj.domain.unmap(obj)
         if obj.mmap_offset is not None:
@@ -564,10 +634,19 @@ class SimKernel:
         first_core = min(ranges)
         int_status: dict[int, int] = {}
         failures: dict[int, str] = {}
+        inject, self.inject = self.inject, None
+        if inject == "timeout":
+            failures[first_core] = "injected hang (simulator fault hook)"
         for core, (start, number) in ranges.items():
+            if failures:
+                break
             # 0.9.8 re-issues lists longer than max_submit_number in chunks from its IRQ path
             for chunk in range(start, start + number, rk.MAX_SUBMIT_TASKS):
                 count = min(rk.MAX_SUBMIT_TASKS, start + number - chunk)
+                if inject == "stale" and core == first_core and chunk + count == start + number:
+                    count -= 1  # the chain's last task silently dropped (fault hook)
+                    if count == 0:
+                        continue
                 status, failure = self._rk_commit(npu, core, tasks, chunk, count, pp_en, s.task_base_addr)
                 int_status[core] = status
                 if failure:
@@ -607,17 +686,46 @@ class SimKernel:
         if c.reserved:
             raise _fail(errno.EINVAL, "FINI_BO: reserved must be 0")
         obj = self._lookup_handle(f, c.handle, errno.ENOENT, "FINI_BO")
-        obj.sync_for_device(0, obj.size)
+        self._write_back_dirty_lines(obj)  # dma_sync_sgtable_for_device: clean
 
     def _ro_prep_bo(self, f: _File, c: ro.drm_rocket_prep_bo) -> None:
         if c.reserved:
             raise _fail(errno.EINVAL, "PREP_BO: reserved must be 0")
         obj = self._lookup_handle(f, c.handle, errno.ENOENT, "PREP_BO")
         failed, obj.failed_job = obj.failed_job, None
-        obj.sync_for_cpu(0, obj.size)
-        if failed:
-            # Mainline would return 0 here and leave stale data; the simulator does not stay silent.
+        self._write_back_dirty_lines(obj)  # dma_sync_sgtable_for_cpu: dirty lines survive,
+        obj.sync_for_cpu(0, obj.size)      # then the CPU sees what DRAM holds
+        if obj.cached:
+            self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
+        if failed and self.rocket_errors == "loud":
             raise _fail(errno.ETIMEDOUT, f"PREP_BO: the job writing this BO failed: {failed}")
+
+    def _write_back_dirty_lines(self, obj: GemObject) -> None:
+        """Copy to DRAM the 64-byte lines the CPU changed since the object's last sync."""
+        if not obj.cached:
+            return
+        synced = self._cpu_synced.get(obj.obj_addr)
+        if synced is None:           # never synced: every line may be dirty
+            obj.sync_for_device(0, obj.size)
+        else:
+            changed = (obj.cpu != synced).reshape(-1, CACHE_LINE).any(axis=1)
+            lines = np.repeat(changed, CACHE_LINE)
+            obj.dram[lines] = obj.cpu[lines]
+        self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
+
+    def _modeled_task_s(self, regcmd: int, count: int) -> float:
+        """Modeled seconds of one task at ``rocket_mhz``, read from its words (0 if they do
+        not describe a matmul/conv the cost model prices)."""
+        from ggml_rknpu.cost.model import MACS_PER_CYCLE_PER_CORE, TaskWork, task_seconds
+
+        try:
+            t = decode_task(np.frombuffer(self.mmu.view(regcmd, count * 8).tobytes(), dtype=np.uint64))
+        except DmaFault:
+            return 0.0
+        if t.dtype not in MACS_PER_CYCLE_PER_CORE or not (t.rows and t.chunk_k and t.kernels):
+            return 0.0
+        return task_seconds(TaskWork(0, t.rows * max(t.width, 1), t.chunk_k, t.kernels, t.dtype, 4),
+                            npu_mhz=self.rocket_mhz)
 
     @staticmethod
     def _copy_from_user(address: int, nbytes: int, what: str) -> bytes:
@@ -640,9 +748,11 @@ class SimKernel:
         parsed = [self._ro_parse_job(f, i, job) for i, job in enumerate(jobs)]
         npu = self._npu_model()
         self.mmu.attach(self._domain(f))  # rocket_job_run: attach the file's domain to the core
+        inject, self.inject = self.inject, None
         for tasks, outs in parsed:
             if tasks:
-                self._ro_run_job(npu, tasks, outs)
+                self._ro_run_job(npu, tasks, outs, inject)
+                inject = None
 
     def _ro_parse_job(self, f: _File, index: int, job: ro.drm_rocket_job) -> tuple[list[tuple[int, int]], list[GemObject]]:
         if job.task_struct_size < ctypes.sizeof(ro.drm_rocket_task):
@@ -665,11 +775,22 @@ class SimKernel:
         outs = handles(job.out_bo_handles, job.out_bo_handle_count, "out_bo_handles")
         return tasks, outs
 
-    def _ro_run_job(self, npu, tasks: list[tuple[int, int]], outs: list[GemObject]) -> None:
+    def _ro_run_job(self, npu, tasks: list[tuple[int, int]], outs: list[GemObject], inject: str | None = None) -> None:
         core = self._next_core  # the scheduler's choice; round robin here
         self._next_core = (self._next_core + 1) % self.n_cores
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
+        elapsed_s, timeout_s = 0.0, ROCKET_JOB_TIMEOUT_MS / 1e3
+        if inject == "stale":
+            tasks = tasks[:-1]       # the job's last task silently dropped (fault hook)
         for i, (regcmd, count) in enumerate(tasks):  # rocket_job_hw_submit, one task per hardware run
+            elapsed_s += timeout_s if inject == "timeout" else self._modeled_task_s(regcmd, count)
+            if elapsed_s > timeout_s:  # rocket_job_timedout: the task in flight never finishes
+                self._log(f"core {core}: NPU job timed out (task {i} of {len(tasks)}, {elapsed_s * 1e3:.0f} ms "
+                          f"modeled at {self.rocket_mhz:g} MHz > JOB_TIMEOUT_MS {ROCKET_JOB_TIMEOUT_MS}); core reset")
+                npu.soft_reset(core)
+                for obj in outs:
+                    obj.failed_job = f"job timed out after task {i - 1} ({elapsed_s * 1e3:.0f} ms modeled)"
+                return
             fault = self._run(npu, core, [
                 (PC_BASE_ADDRESS, 1),
                 (CNA_S_POINTER, pointer),

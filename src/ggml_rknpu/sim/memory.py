@@ -15,7 +15,7 @@ What is modelled, and why:
   cache sync therefore shows up as stale data in the simulator, as it can on the board.
   Uncached (write-combined) objects give the CPU the dram copy itself.
 - ``IommuDomain``: one NPU address space (vendor: one per device; rocket: one per open
-  file [npu-programming.md §5]). ``view(iova, nbytes)`` is the ``DeviceMemory`` the NPU
+  file [docs/npu-programming.md §5]). ``view(iova, nbytes)`` is the ``DeviceMemory`` the NPU
   model reads and writes through; anything not wholly inside one mapped object is a
   ``DmaFault``.
 - ``NpuMmu``: the ``DeviceMemory`` handed to the NPU model; the kernel attaches the
@@ -30,11 +30,13 @@ from typing import Protocol
 
 import numpy as np
 
-PAGE = 4096
-# 32-bit NPU window [npu-programming.md §4: all regcmd address fields are 32-bit, all
+from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
+
+PAGE = PAGE_BYTES
+# 32-bit NPU window [docs/npu-programming.md §4: all regcmd address fields are 32-bit, all
 # observed IOVAs < 4 GiB]. Page 0 is kept out so that DMA address 0 always faults.
 IOVA_BASE = PAGE
-IOVA_END = 1 << 32
+IOVA_END = ADDRESS_WINDOW_BYTES
 MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x100000000]
 
 

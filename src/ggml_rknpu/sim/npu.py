@@ -1,15 +1,15 @@
-"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software (CONTRACT B).
+"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software (contract B [docs/decisions.md]).
 
 The simulated kernel drives it with the same register writes the real drivers issue
-[npu-programming.md §3: vendor steps 1-9, rocket per task]; writing 1 to
+[docs/npu-programming.md §3: vendor steps 1-9, rocket per task]; writing 1 to
 PC_OPERATION_ENABLE (0x08) runs the core's program synchronously (``pc.ProgramCounter``)
 until it completes or stops the way a board would (hang: no interrupt; DMA fault: raw
 status bit 12/13). ``diagnostics(core)`` then says why, naming task, register, rule, value.
 
 This module is the witness half of the project: it decodes words with ``ggml_rknpu.hw``
-only and must never import ``ggml_rknpu.compiler`` (tests/test_sim_independence.py).
+only and must never import ``ggml_rknpu.compiler`` (tests/sim/test_sim_independence.py).
 
-Additive to CONTRACT B (documented deviation): ``trace(core)`` returns the decoded task
+Additive to contract B [docs/decisions.md] (documented deviation): ``trace(core)`` returns the decoded task
 records of the last run (for capture tests), ``executed_tasks(core)`` counts the tasks the
 last run completed (= TASK_STATUS), and diagnostics survive ``soft_reset`` until the next
 run, so a kernel can reset first and report afterwards.
@@ -43,10 +43,8 @@ TASK_STATUS = _off("PC_TASK_STATUS")
 VERSION = _off("PC_VERSION")
 VERSION_NUM = _off("PC_VERSION_NUM")
 
-# The kernel reports VERSION + (VERSION_NUM & 0xffff); a mainline boot log shows
-# 1179210309 = 0x46495245 [§3, ollama issue #5001]. How it splits is unknown: all of it is
-# put in VERSION (guess).
-VERSION_VALUE = 0x46495245
+# All of the reported version is put in VERSION (guess: how it splits is unknown).
+VERSION_VALUE = limits.HW_VERSION
 VERSION_NUM_VALUE = 0
 _TASK_COUNT_CLEAR = REGISTERS["PC_TASK_CON"].field("TASK_COUNT_CLEAR")
 _INT_BITS = REGISTERS["PC_INTERRUPT_CLEAR"].field("RESERVED_0").lo   # 14 status bits [§3]

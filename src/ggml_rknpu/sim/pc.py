@@ -1,6 +1,6 @@
 """The PC ("register file fetch unit"): fetches a task's regcmd words from memory, applies
 them to the register groups, starts the enabled blocks on the op-enable word, follows the
-tail to the next task, and stops after TASK_NUMBER tasks [npu-programming.md §2, §3, §11].
+tail to the next task, and stops after TASK_NUMBER tasks [docs/npu-programming.md §2, §3, §11].
 
 Per task:
 1. fetch ``(PC_DATA_AMOUNT + 1) * 2`` words from ``PC_SOURCE_ADDR * 16``

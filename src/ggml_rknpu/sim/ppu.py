@@ -1,7 +1,7 @@
 """PPU + PPU_RDMA: the pooling unit, as far as the vendor's "separator" tasks use it.
 
 The vendor runtime interleaves PPU tasks (op-enable 0x60, int_mask 0xC00, 26-word body)
-between conv tasks [capture pw_c256_h14; rknn-toolkit.md §2.2]. Decoded with the TRM:
+between conv tasks [capture pw_c256_h14; docs/rknn-toolkit.md §2.2]. Decoded with the TRM:
 OPERATION_MODE_CFG = 0x11 is FLYING_MODE=1 ("pooling cube from outside", i.e. memory via
 PPU_RDMA) and POOLING_METHOD=1 (max pooling); POOLING_KERNEL_CFG = 0 is a 1x1 window,
 stride 1; PPU_RDMA DATA_FORMAT IN_PRECISION=1 is 8-bit and PPU PROC_PRECISION=0 int8

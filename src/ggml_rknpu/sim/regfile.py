@@ -110,7 +110,7 @@ class TaskView:
             raise TaskRefused(Violation(
                 "unwritten-register",
                 f"the task reads {name} (0x{offset:04X}) but does not write it; {detail}. "
-                "Rewrite the full register set in every task [npu-programming.md §2]",
+                "Rewrite the full register set in every task [docs/npu-programming.md §2]",
                 name, stale[0] if stale else None, self.task_index, SYMPTOM_STALE))
         return self._rf.groups[group][offset][0]
 

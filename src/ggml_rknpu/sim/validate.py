@@ -13,7 +13,7 @@ Three outcomes, kept apart so nobody mistakes a model gap for a hardware rule:
 - DMA faults are raised by the memory model (``sim.memory.DmaFault``) and mapped to the
   raw-status DMA error bits by ``pc.py``.
 
-Sources: rules cite npu-programming.md sections (§n), the TRM, captures and golden
+Sources: rules cite docs/npu-programming.md sections (§n), the TRM, captures and golden
 streams. Where a rule is an empirical fit rather than a documented fact, it says so.
 """
 

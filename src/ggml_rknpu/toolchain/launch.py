@@ -1,7 +1,7 @@
 """Start and stop the processes of a llama.cpp session: ``rknpu serve`` and the pinned tools.
 
 Used by ``rknpu demo`` and the RPC-overhead benchmark, which both run a server and a client on
-this machine. Every process gets one thread (ggml-rpc.md P5: spinning OpenMP/BLAS threads on a
+this machine. Every process gets one thread (docs/ggml-rpc.md P5: spinning OpenMP/BLAS threads on a
 loaded 2-core box cost 40x) and listens on loopback only.
 """
 

@@ -42,7 +42,7 @@ def cache_dir() -> Path:
 
 
 def source_dir() -> Path:
-    """The pinned llama.cpp source tree (real path, see ggml-rpc.md P4)."""
+    """The pinned llama.cpp source tree (real path, see docs/ggml-rpc.md P4)."""
     path = cache_dir() / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
     if not (path / "ggml" / "include" / "ggml.h").is_file():
         raise LlamaCppNotBuilt(f"pinned llama.cpp source not found at {path}: {_HINT}")

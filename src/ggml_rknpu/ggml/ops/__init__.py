@@ -1,9 +1,7 @@
-"""Host ops in numpy, one module per op family (CONTRACT.md §G).
+"""The validator in front of the host backend: what the server admits, as rules.
 
-``registry`` holds the seam (``OpNode``, ``TensorRef``, ``plan_op``, ``UnsupportedOp``);
-``convert`` the shared type conversions and ggml's repeat-broadcast; then ``binary``
-(ADD/SUB/MUL/DIV), ``scale``, ``norm`` (RMS_NORM, NORM), ``rope`` (ROPE, ROPE_BACK),
-``softmax``, ``attention`` (FLASH_ATTN_EXT), ``glu``, ``unary`` (UNARY and plain
-elementwise ops), ``rows`` (GET_ROWS, SET_ROWS), ``copy`` (CPY, DUP, CONT), ``matmul``
-(host MUL_MAT) and ``shape`` (REPEAT, CONCAT, reductions).
+``rules`` has one rule per admitted op (arity, types, the dst ggml's builder would make,
+strides the kernels assume, index sources); ``geometry`` the ggml shape/stride predicates
+the rules use (twins of ggml.c's, tested against the library); ``registry`` the shared
+names, errors and tensor views. The ops themselves run in ggml-cpu (``hostggml``).
 """

@@ -1,7 +1,7 @@
 """The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0).
 
 Behaviour copied from the C++ ``ggml-rpc-server`` where the client depends on it
-[ggml-rpc.md §3, P6, P7]:
+[docs/ggml-rpc.md §3, P6, P7]:
 
 * one client at a time, served to completion, then the next (many short connections:
   every device-memory probe is its own connection);
@@ -28,8 +28,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
@@ -37,10 +38,12 @@ from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
 from ggml_rknpu.ggml.weights import RetiredWeights, WeightStats, WeightStore
+from ggml_rknpu.hostggml import lib as hostggml
+from ggml_rknpu.hostggml.compute import Threads, default_threads
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [CONTRACT A: 32-bit NPU IOVA]
+HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [contract A [docs/decisions.md]: 32-bit NPU IOVA]
 _RECV_CHUNK = 1 << 16
 
 
@@ -123,29 +126,34 @@ class ServerConfig:
     stats_json: Path | None = None    # rewritten after every client and at exit
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
+    threads: int | None = None        # ggml-cpu host threads (None: hostggml.compute.default_threads())
 
 
 @dataclass
 class ServerState:
-    """What outlives a connection: the engine, the device budget, the counters."""
+    """What outlives a connection: the engine, the host backend, the device budget, the counters."""
 
-    npu: Any
+    npu: MatmulEngine | None
     memory: DeviceMemory
     config: ServerConfig
     stats: ServerStats = field(default_factory=ServerStats)
     weight_stats: WeightStats = field(default_factory=WeightStats)
-    plan_op: Callable | None = None
     retired: RetiredWeights | None = None
+    host: hostggml.Ggml = field(default_factory=hostggml.load)   # loaded and ABI-checked at start
+    threads: Threads | None = None
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
             self.retired = RetiredWeights(self.weight_stats)
             self.memory.reclaimable = lambda: self.retired.npu_bytes
+        if self.threads is None:
+            self.threads = Threads(self.host, self.config.threads or default_threads())
 
     def close(self) -> None:
-        """Free the retired weights (server exit)."""
+        """Free the retired weights and the host threadpool (server exit)."""
         if self.retired is not None:
             self.retired.clear()
+        self.threads.close()
 
     def write_stats_json(self) -> None:
         path = self.config.stats_json
@@ -180,7 +188,7 @@ class Session:
                                    state.retired)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
-        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.plan_op)
+        self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads)
         self.hello = False
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
@@ -234,7 +242,7 @@ class Session:
             signature = _unsupported_signature(exc)
             if signature is not None:
                 stats.unsupported += 1
-                log.error("closing %s: %s (the client will abort; this op needs a host implementation)",
+                log.error("closing %s: %s (the client will abort; no rule of the validator admits it)",
                           self.peer, signature)
             else:
                 stats.rejected += 1

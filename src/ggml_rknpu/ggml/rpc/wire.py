@@ -2,7 +2,7 @@
 
 Every layout here is the raw little-endian ``#pragma pack(1)`` struct the pinned
 llama.cpp (commit 0c1e570, ``ggml/src/ggml-rpc/ggml-rpc.cpp``) sends; sizes and
-offsets are taken from ``reference/ggml-rpc.md`` §3 (checked there with a compiled
+offsets are taken from ``docs/ggml-rpc.md`` §3 (checked there with a compiled
 probe). The protocol has no error reply: a request that does not have exactly the
 size its command implies is rejected by closing the connection, so every fixed size
 lives here as data and ``expected_payload`` is the one place that knows them.
@@ -13,11 +13,11 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 
-PROTO_VERSION = (7, 0, 0)  # RPC_PROTO_MAJOR/MINOR/PATCH [ggml-rpc.md §1]
+PROTO_VERSION = (7, 0, 0)  # RPC_PROTO_MAJOR/MINOR/PATCH [docs/ggml-rpc.md §1]
 
 
 class Cmd(IntEnum):
-    """Request command ids [ggml-rpc.md §3.4]; HELLO == 14 is pinned by a static_assert."""
+    """Request command ids [docs/ggml-rpc.md §3.4]; HELLO == 14 is pinned by a static_assert."""
 
     ALLOC_BUFFER = 0
     GET_ALIGNMENT = 1
@@ -41,7 +41,7 @@ class Cmd(IntEnum):
 
 N_COMMANDS = 18  # NONE (18) and COUNT (19) are client-internal and never sent
 
-# Request framing: u8 cmd | u64 payload_size [ggml-rpc.md §3.1]
+# Request framing: u8 cmd | u64 payload_size [docs/ggml-rpc.md §3.1]
 REQUEST_HEADER = struct.Struct("<BQ")
 # Response framing: u64 payload_size
 RESPONSE_HEADER = struct.Struct("<Q")
@@ -51,7 +51,7 @@ GGML_MAX_SRC = 10
 GGML_MAX_OP_PARAMS_I32 = 16
 GGML_MAX_NAME = 64
 
-# rpc_tensor, 296 bytes [ggml-rpc.md §3.3]
+# rpc_tensor, 296 bytes [docs/ggml-rpc.md §3.3]
 RPC_TENSOR = struct.Struct(
     "<Q"      # 0   id (client ggml_tensor*)
     "I"       # 8   type
@@ -71,7 +71,7 @@ RPC_TENSOR = struct.Struct(
 RPC_TENSOR_SIZE = 296
 assert RPC_TENSOR.size == RPC_TENSOR_SIZE
 
-# Fixed request layouts (payload after the 9-byte header) [ggml-rpc.md §3.4]
+# Fixed request layouts (payload after the 9-byte header) [docs/ggml-rpc.md §3.4]
 HELLO_REQ = struct.Struct("<24s")                 # conn_caps
 HELLO_RSP = struct.Struct("<BBBB24s")             # major minor patch pad conn_caps
 DEV_REQ = struct.Struct("<I")                     # GET_ALIGNMENT, GET_MAX_SIZE, GET_DEVICE_MEMORY, GRAPH_RECOMPUTE

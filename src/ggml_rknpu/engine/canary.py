@@ -1,0 +1,75 @@
+"""Canaries: detect NPU output that was never written, so a fault costs time, never a wrong
+result.
+
+WHY: mainline rocket kills a job after 500 ms and returns its outputs stale with no error
+(rocket_job.c ``rocket_job_timedout``; rocket_gem.c ``rocket_ioctl_prep_bo`` returns 0);
+a task that a board silently drops, or a core reset mid-chain, looks the same. Before a
+submit, the last output row of every task, in every output plane it writes, is set to a
+value the NPU cannot produce; after it, any such atom still holding the value means that
+task did not finish, and the call is an NPU fault.
+
+Cost: the first element of one 16-byte atom per (task, output plane), written and read
+with one vectorised index each way (decode, M=1, N=8960 fp32: 2240 elements; the
+DPU writes whole atoms, so one element stands for its atom), plus the clean of the C
+window the device then does because C is also listed as a job input. Which atoms, read
+from each task's own words (DPU_DST_BASE_ADDR, DATAIN_HEIGHT, WEIGHT_KERNELS,
+DST_SURF_STRIDE, OUT_PRECISION) so it holds whatever the tiling does.
+
+Canary values (per output precision), impossible as results:
+* int32: INT32_MIN. |sum| <= 128 * 128 * K = 2^14 K < 2^31 for every K < 131072, beyond
+  any matmul we compile (DATAIN_CHANNEL is 16 bits).
+* fp32 / fp16: a signalling-NaN payload (0x7FBADBAD / 0x7DBA). The NPU writes NaN only
+  from NaN or Inf inputs, and then not this payload; if it ever did, the cost is a
+  needless host fallback, not a wrong value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.envelope import decode_task
+
+_ATOM = limits.ATOM_BYTES
+# canary element, as the unsigned integer of the output element's width
+PATTERN: dict[str, np.generic] = {"int32": np.uint32(0x8000_0000), "fp32": np.uint32(0x7FBA_DBAD), "fp16": np.uint16(0x7DBA)}
+
+
+@dataclass(frozen=True, eq=False)
+class Canaries:
+    """The output elements one program's canaries occupy: the first element of each canary
+    atom, as indices into the C buffer viewed as unsigned integers of the output width."""
+
+    elements: np.ndarray   # int64 element indices
+    pattern: np.generic    # np.uint32 or np.uint16
+
+    @classmethod
+    def for_program(cls, program) -> "Canaries":
+        atoms = []
+        out = None
+        for task in program.tasks:
+            t = decode_task(program.words[task.word_offset: task.word_offset + task.body_words])
+            out = t.out_dtype
+            plane_atoms = t.plane_rows * max(t.width, 1)
+            first = t.c_offset // _ATOM + (t.rows * max(t.width, 1) - 1)
+            planes = -(-t.kernels // limits.c2(t.out_dtype))
+            atoms.append(first + plane_atoms * np.arange(planes, dtype=np.int64))
+        if out not in PATTERN:
+            raise ValueError(f"no canary value for output precision {out!r}")
+        pattern = PATTERN[out]
+        return cls(np.concatenate(atoms) * (_ATOM // pattern.itemsize), pattern)
+
+    def _view(self, c_bytes: np.ndarray) -> np.ndarray:
+        flat = c_bytes.reshape(-1)
+        width = self.pattern.itemsize
+        return flat[: flat.size // width * width].view(self.pattern.dtype)
+
+    def arm(self, c_bytes: np.ndarray) -> None:
+        """Write the canaries into the (CPU view of the) C buffer before a submit."""
+        self._view(c_bytes)[self.elements] = self.pattern
+
+    def unwritten(self, c_bytes: np.ndarray) -> int:
+        """How many canary atoms the NPU left untouched (0: every task finished)."""
+        return int(np.count_nonzero(self._view(c_bytes)[self.elements] == self.pattern))

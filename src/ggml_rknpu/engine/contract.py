@@ -1,0 +1,66 @@
+"""``MatmulEngine``: what the server, the weight store and the graph planner may ask of an
+engine. ``engine.Npu`` (our compiler and driver), ``rknn.RknnNpu`` (the vendor runtime)
+and the test fakes implement it.
+
+Invariants: a weight handle is used only with the engine that returned it and until its
+``free()``; NPU memory running out is ``OutOfMemory`` (the store frees and retries), every
+other failure of a matmul is an ordinary exception (that weight falls back to the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from ggml_rknpu.kernel.errors import NpuOutOfMemory
+
+OutOfMemory = NpuOutOfMemory
+
+
+class EngineWeight(Protocol):
+    """A weight resident for an engine: shape (N, K), its dtype, released by ``free``."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    def free(self) -> None: ...
+
+
+class MatmulTiming(Protocol):
+    """Device seconds of the last matmul and how they were obtained ("measured",
+    "modeled" or "unknown"); None when no figure exists."""
+
+    @property
+    def device_s(self) -> float | None: ...
+
+    @property
+    def device_label(self) -> str: ...
+
+
+class MatmulEngine(Protocol):
+    counters: dict[str, int]
+
+    @property
+    def last_timing(self) -> MatmulTiming | None: ...
+
+    def describe(self) -> str:
+        """Which device runs the matmuls, for logs (e.g. "rknpu (simulated)")."""
+        ...
+
+    def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> EngineWeight:
+        """Stage ``b`` [N, K] (float32) in ``dtype`` ("fp16" | "int8"); may raise OutOfMemory."""
+        ...
+
+    def matmul(self, a: np.ndarray, w: Any, *, out: str | None = None) -> np.ndarray:
+        """``a`` [M, K] times ``w`` (a weight this engine's ``upload_weight`` returned) -> [M, N]."""
+        ...
+
+    def memory_budget(self) -> tuple[int, int]:
+        """(free, total) bytes of NPU memory as far as this engine can tell."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,137 @@
+"""Tiling invariants over random shapes: CBUF fit, field ranges, exact coverage of
+(m, n, k), task limits per core [npu-programming.md §9]."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ggml_rknpu.compiler.matmul import compile_matmul
+from ggml_rknpu.compiler.shape import MatmulShape
+from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, k_chunks, tile
+from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.regcmd import decode_word
+from ggml_rknpu.hw.registers import BY_OFFSET
+
+MODES = [("fp16", "fp32"), ("fp16", "fp16"), ("int8", "int32")]
+shapes = st.tuples(
+    st.integers(1, 3000), st.integers(1, 40000), st.integers(1, 20000),
+    st.sampled_from(MODES), st.integers(1, 3),
+)
+
+
+def check_tiling(M, K, N, mode, cores, envelope="extended"):
+    shape = MatmulShape(M, K, N, *mode)
+    t = tile(shape, cores, envelope)
+    b, g = shape.in_bytes, shape.kernel_group
+    # K chunks partition [0, Kp) in whole atoms, each within the per-task K limit
+    k0 = 0
+    for ch in t.chunks:
+        assert ch.k0 == k0 and ch.size % 32 == 0 and 0 < ch.size <= MAX_TASK_K
+        assert ch.size * b <= limits.CBUF_BANK_BYTES          # one kernel fits one bank [§9]
+        k0 += ch.size
+    assert k0 == shape.Kp
+    per_core: dict[int, int] = {}
+    cover = {ch.index: np.zeros((shape.M, shape.Np // g), np.int32) for ch in t.chunks}
+    for task in t.tasks:
+        per_core[task.core] = per_core.get(task.core, 0) + 1
+        kc = task.chunk.size
+        assert 1 <= task.m <= 1022 and task.n % g == 0 and 0 < task.n <= 8192
+        assert task.n0 % g == 0
+        # input fits the data banks, DATA_BANK + WEIGHT_BANK = 12 [§7, §9]
+        assert task.m * kc * b <= task.data_banks * limits.CBUF_BANK_BYTES
+        assert 1 <= task.data_banks <= 11 and task.data_banks + task.weight_banks == 12
+        # a whole kernel group fits the weight banks (our conservative rule, tiling.py)
+        assert g * kc * b <= task.weight_banks * limits.CBUF_BANK_BYTES
+        cover[task.chunk.index][task.m0: task.m0 + task.m, task.n0 // g: (task.n0 + task.n) // g] += 1
+    for c in cover.values():
+        assert (c == 1).all()                                  # every (m, n, k) exactly once
+    assert all(n <= limits.MAX_TASKS_PER_SUBMIT for n in per_core.values())
+    assert sorted(per_core) == list(range(t.cores_used)) and t.cores_used <= cores
+    # tasks of a core are contiguous (one PC chain per core)
+    order = [task.core for task in t.tasks]
+    assert order == sorted(order)
+    return t
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_tiling_invariants(args):
+    M, K, N, mode, cores = args
+    try:
+        check_tiling(M, K, N, mode, cores)
+    except ValueError as e:                  # only the documented task-count limit may refuse
+        assert "4095" in str(e)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 1022), st.integers(8193, 40000), st.integers(1, 12000),
+       st.sampled_from(MODES), st.integers(1, 3))
+def test_tiling_invariants_long_k(M, K, N, mode, cores):
+    # K > 8192 is chunked for rows per task (tiling.py); every bank and coverage rule holds
+    try:
+        t = check_tiling(M, K, N, mode, cores)
+    except ValueError as e:
+        assert "4095" in str(e)
+        return
+    assert t.k_splits >= 2
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.tuples(st.integers(1, 1500), st.integers(1, 25000), st.integers(1, 9000),
+                 st.sampled_from(MODES), st.integers(1, 3)))
+def test_every_field_in_range_and_every_word_known(args):
+    M, K, N, mode, cores = args
+    prog = compile_matmul(M, K, N, dtype=mode[0], out=mode[1], cores=cores, envelope="extended")
+    words = prog.bind(a=0x1000, b=0x0100_0000, c=0x4000_0000, regcmd=0x8000_0000)
+    for task in prog.tasks:
+        for w in words[task.word_offset: task.word_offset + task.body_words]:
+            target, value, offset = decode_word(int(w))
+            reg = BY_OFFSET[offset]
+            assert reg.encode(**reg.decode(value)) == value     # no bits outside known fields
+
+
+def test_large_shapes_from_the_issue_sweep():
+    for M, K, N, mode in [(4096, 11008, 4096, ("fp16", "fp32")), (1, 4096, 151936, ("int8", "int32")),
+                          (513, 8192, 32000, ("fp16", "fp16")), (196, 100, 1001, ("int8", "int32"))]:
+        t = check_tiling(M, K, N, mode, 3)
+        assert t.cores_used == 3
+
+
+def test_golden_shapes_stay_single_task():
+    for M, K, N, dt in [(384, 384, 4096, "fp16"), (544, 544, 4096, "int8"), (1, 8192, 8192, "fp16")]:
+        assert len(tile(MatmulShape(M, K, N, dt, "int32" if dt == "int8" else "fp32"), 1, "extended").tasks) == 1
+
+
+def test_k_split_only_beyond_the_sdk_split_point():
+    # one chunk up to Kp = 8192 (SDK split point [rknn-toolkit.md §4.4]; MTX golden 1x8192x8192)
+    assert len(k_chunks(8192, "fp16", "extended")) == 1
+    assert len(k_chunks(8161, "int8", "extended")) == 1
+    # beyond it: chunks of 1024..10240 channels, chosen by the modeled reference prefill
+    for K, dtype in [(8193, "fp16"), (8960, "fp16"), (10240, "fp16"), (11008, "int8"), (40000, "int8")]:
+        chunks = k_chunks(K, dtype, "extended")
+        assert len(chunks) >= 2
+        Kp = -(-K // 32) * 32
+        assert len(chunks) <= -(-Kp // MIN_CHUNK_K) and all(c.size <= MAX_TASK_K for c in chunks)
+        assert chunks[-1].size <= chunks[0].size
+
+
+def test_core_split_prefers_n_then_m():
+    t = tile(MatmulShape(1, 64, 48, "fp16", "fp32"), 3, "extended")            # 3 kernel groups -> N split
+    assert {(x.core, x.n0, x.n) for x in t.tasks} == {(0, 0, 16), (1, 16, 16), (2, 32, 16)}
+    t = tile(MatmulShape(30, 64, 16, "fp16", "fp32"), 3, "extended")           # 1 group -> M split
+    assert {(x.core, x.m0, x.m) for x in t.tasks} == {(0, 0, 10), (1, 10, 10), (2, 20, 10)}
+    t = tile(MatmulShape(1, 64, 16, "fp16", "fp32"), 3, "extended")            # nothing to split
+    assert t.cores_used == 1
+
+
+def test_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="cores"):
+        tile(MatmulShape(4, 64, 32, "fp16", "fp32"), 4)
+    with pytest.raises(ValueError, match="unsupported matmul precision"):
+        MatmulShape(4, 64, 32, "int8", "fp32")
+    with pytest.raises(ValueError, match="positive"):
+        MatmulShape(0, 64, 32, "fp16", "fp32")
+    with pytest.raises(ValueError, match="4095"):
+        tile(MatmulShape(1022 * 4096, 32, 16, "fp16", "fp32"), 1)

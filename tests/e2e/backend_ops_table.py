@@ -1,0 +1,85 @@
+"""llama.cpp's whole test-backend-ops against ``rknpu serve``, op by op, one fresh server per op.
+
+Why one server per op: test-backend-ops aborts at the first closed connection, and a refused
+case closes it (that is the validator doing its job), so one op cannot hide the others.
+Prints a table (op, cases passed / total, verdict, the server's first refusal, seconds).
+
+    .venv/bin/python tests/e2e/backend_ops_table.py [--ops ADD,MUL_MAT] [--timeout 1800] [--json out.json]
+
+(``scripts/test-backend-ops-full --table`` runs it.) Verdicts: ``ok`` (every case passed),
+``FAIL`` (a case computed a wrong result), ``refused`` (the server closed the connection for
+a node no rule admits; the reason is shown), ``aborted`` (the client died otherwise),
+``not supported`` (no case ran: ggml-cpu itself does not support the op), ``no cases``
+(this build has no case for the op), ``timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support.e2e_support import rknpu_server, run_backend_ops, run_tool  # noqa: E402
+
+_REFUSAL = re.compile(r"closing \S+: (.*?)(?: \(the client will abort.*)?$", re.M)
+
+
+def list_ops() -> list[str]:
+    out = run_tool("test-backend-ops", ["--list-ops"], timeout=60).stdout
+    return [line.strip() for line in out.splitlines() if re.fullmatch(r"[A-Z0-9_]+", line.strip())]
+
+
+def run_op(op: str, tmp: Path, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    with rknpu_server(tmp, name=f"serve-{op}") as srv:
+        try:
+            r = run_backend_ops(srv.endpoint, op, timeout=timeout)
+        except Exception as exc:             # subprocess.TimeoutExpired
+            return {"op": op, "passed": 0, "total": 0, "verdict": "timeout", "reason": str(exc)[:120],
+                    "seconds": time.perf_counter() - t0}
+        log = srv.log_path.read_text(errors="replace") if srv.log_path.exists() else ""
+    refusals = [m for m in _REFUSAL.findall(log) if "client closed" not in m]
+    if r.total and r.passed == r.total and r.backend_ok:
+        verdict = "ok"
+    elif r.total:
+        verdict = "FAIL"
+    elif refusals:
+        verdict = "refused"
+    elif r.returncode == 0:
+        verdict = "not supported" if "not supported" in r.output else "no cases"
+    else:
+        verdict = "aborted"
+    return {"op": op, "passed": r.passed, "total": r.total, "verdict": verdict,
+            "reason": refusals[0][:160] if refusals else "", "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", help="comma-separated ops (default: every op of --list-ops)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per op")
+    ap.add_argument("--json", type=Path, help="write the rows as JSON")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",") if args.ops else list_ops()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="backend-ops-") as tmp:
+        for op in ops:
+            row = run_op(op, Path(tmp), args.timeout)
+            rows.append(row)
+            print(f"{row['op']:<24} {row['passed']:>6}/{row['total']:<6} {row['verdict']:<14} "
+                  f"{row['seconds']:7.1f}s  {row['reason']}", flush=True)
+    ok = [r for r in rows if r["verdict"] == "ok"]
+    print(f"\n{len(ok)}/{len(rows)} ops pass every case ({sum(r['passed'] for r in ok)} cases); "
+          f"{sum(r['passed'] for r in rows)}/{sum(r['total'] for r in rows)} cases passed over all ops")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""``rknpu demo`` (the README's main command): serves gemma3-270m on the simulated NPU and prints text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from support.e2e_support import tool_or_skip, tool_env
+
+
+def test_bad_token_count_is_refused_before_any_work() -> None:
+    proc = subprocess.run([sys.executable, "-m", "ggml_rknpu.cli.main", "demo", "-n", "0"],
+                          capture_output=True, text=True, timeout=120, env=tool_env())
+    assert proc.returncode == 2 and "--n-predict must be positive" in proc.stderr
+
+
+@pytest.mark.llama
+@pytest.mark.timeout(1800)
+def test_demo_generates_text_with_the_real_model(tmp_path) -> None:
+    tool_or_skip("llama-completion")
+    proc = subprocess.run([sys.executable, "-m", "ggml_rknpu.cli.main", "demo", "--device", "sim-rknpu", "-n", "8",
+                           "--server-log", str(tmp_path / "server.log")],
+                          capture_output=True, text=True, timeout=1700, env=tool_env())
+    server_log = (tmp_path / "server.log").read_text()
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server_log[-3000:]}"
+    # greedy continuation of "The capital of France is" (CPU: "the capital of the country of France.")
+    assert proc.stdout.startswith("The capital of France is the capital of"), proc.stdout
+    assert "127 uploads" in server_log, server_log[-3000:]   # all gemma3 matmul weights went to the NPU

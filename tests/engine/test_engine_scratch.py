@@ -1,0 +1,150 @@
+"""Shared A/C scratch buffers of the engine (one A and one C buffer per M bucket, grown to
+the largest program): results stay exact when programs share and after a buffer grows,
+memory held for A/C does not scale with the number of cached programs, freeing or evicting
+one weight's programs keeps the others working, and running out of memory stays clear.
+int8 x int8 -> int32 so every comparison with numpy is exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ggml_rknpu.kernel.device", reason="kernel/device.py (engineer K) not landed")
+pytest.importorskip("ggml_rknpu.compiler.matmul", reason="compiler/matmul.py (engineer HW) not landed")
+pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py (engineer SIM) not landed")
+
+from ggml_rknpu.engine import Npu, open_engine  # noqa: E402
+from ggml_rknpu.engine import api  # noqa: E402
+from ggml_rknpu.kernel.errors import NpuOutOfMemory  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _ints(rng, shape) -> np.ndarray:
+    return rng.integers(-128, 128, shape, dtype=np.int8)
+
+
+def _exact(npu: Npu, a: np.ndarray, w, b: np.ndarray) -> None:
+    np.testing.assert_array_equal(npu.matmul(a, w), a.astype(np.int32) @ b.astype(np.int32).T)
+
+
+def _small_engine(limit: int) -> Npu:
+    from ggml_rknpu.kernel.device import NpuDevice
+    from ggml_rknpu.sim.kernel import SimKernel
+
+    sim = SimKernel("rknpu", memory_limit=limit)
+    path = sim._device_paths()[-1]
+    return Npu(NpuDevice(sim, sim.open(path), path, simulated=True))
+
+
+@pytest.mark.parametrize("device", ("sim-rknpu", "sim-rocket"))
+def test_shared_scratch_is_exact_across_weights_buckets_and_growth(device):
+    rng = np.random.default_rng(1)
+    with open_engine(device) as npu:
+        b_small, b_big = _ints(rng, (40, 64)), _ints(rng, (300, 200))
+        small, big = npu.upload_weight(b_small, "int8"), npu.upload_weight(b_big, "int8")
+        a_small, a_big = _ints(rng, (3, 64)), _ints(rng, (3, 200))
+        _exact(npu, a_small, small, b_small)                  # bucket 4: small A and C buffers
+        bound = small.programs[(4, "int32")]
+        a_addr, c_addr = bound.a_buf.dma_addr, bound.c_buf.dma_addr
+        _exact(npu, a_big, big, b_big)                        # same bucket, larger: both grow
+        assert npu.counters["scratch_grown"] == 2
+        assert (bound.a_buf.dma_addr, bound.c_buf.dma_addr) != (a_addr, c_addr)   # re-bound
+        assert big.programs[(4, "int32")].c_buf.scratch is bound.c_buf.scratch
+        for _ in range(2):                                    # stale bytes of the other never leak in
+            _exact(npu, a_small, small, b_small)
+            _exact(npu, a_big, big, b_big)
+        _exact(npu, _ints(rng, (1, 64)), small, b_small)      # other buckets have their own
+        _exact(npu, _ints(rng, (70, 200)), big, b_big)
+        assert {key[1] for key in npu._scratch} == {1, 4, 128}
+
+
+def test_steady_state_calls_neither_rebind_nor_allocate(monkeypatch):
+    rng = np.random.default_rng(2)
+    with open_engine("sim-rknpu") as npu:
+        b1, b2 = _ints(rng, (48, 96)), _ints(rng, (80, 160))
+        w1, w2 = npu.upload_weight(b1, "int8"), npu.upload_weight(b2, "int8")
+        a1, a2 = _ints(rng, (5, 96)), _ints(rng, (5, 160))
+        _exact(npu, a1, w1, b1)
+        _exact(npu, a2, w2, b2)
+        binds, allocs = [], []
+        monkeypatch.setattr(api._BoundProgram, "write_words", lambda self: binds.append(self))
+        real_alloc = npu.device.alloc
+        monkeypatch.setattr(npu.device, "alloc", lambda *a, **k: allocs.append(a) or real_alloc(*a, **k))
+        for _ in range(3):
+            _exact(npu, a1, w1, b1)
+            _exact(npu, a2, w2, b2)
+        assert binds == [] and allocs == []
+
+
+def test_scratch_memory_does_not_scale_with_cached_programs():
+    rng = np.random.default_rng(3)
+    with open_engine("sim-rknpu") as npu:
+        weights = [(b, npu.upload_weight(b, "int8")) for b in (_ints(rng, (256, 512)) for _ in range(6))]
+        free0 = npu.memory_budget()[0]
+        a = _ints(rng, (100, 512))
+        _exact(npu, a, *weights[0][::-1])
+        one = free0 - npu.memory_budget()[0]
+        regcmd = weights[0][1].programs[(128, "int32")].regcmd_buf.capacity
+        for b, w in weights[1:]:
+            _exact(npu, a, w, b)
+        six = free0 - npu.memory_budget()[0]
+        assert six == one + 5 * regcmd                         # only regcmd is per program
+        program = weights[0][1].programs[(128, "int32")].program
+        assert npu.scratch_bytes() < 2 * (program.a_bytes + program.c_bytes)
+        assert npu.scratch_bytes() * 3 < 6 * (program.a_bytes + program.c_bytes)
+
+
+def test_free_keeps_the_other_weights_programs_working():
+    rng = np.random.default_rng(4)
+    with open_engine("sim-rknpu") as npu:
+        b1, b2 = _ints(rng, (64, 128)), _ints(rng, (200, 256))
+        w1 = npu.upload_weight(b1, "int8")
+        a1, a2 = _ints(rng, (6, 128)), _ints(rng, (6, 256))
+        _exact(npu, a1, w1, b1)                               # also makes the device's task buffer
+        w1.free()
+        free0 = npu.memory_budget()[0]
+        w1, w2 = npu.upload_weight(b1, "int8"), npu.upload_weight(b2, "int8")
+        _exact(npu, a1, w1, b1)
+        _exact(npu, a2, w2, b2)                               # grows the bucket's buffers
+        w2.free()                                             # the grower goes; buffers stay for w1
+        assert npu.scratch_bytes() > 0
+        _exact(npu, a1, w1, b1)
+        w1.free()                                             # last user: shared buffers freed
+        assert npu.scratch_bytes() == 0 and not npu._scratch
+        assert npu.memory_budget()[0] == free0
+
+
+def test_growth_under_memory_pressure_evicts_and_stays_exact():
+    """8 MiB device: growing the shared C buffer for a bigger program has to evict the LRU
+    program, which was the only user of the old C buffer (so it is freed on the way)."""
+    rng = np.random.default_rng(5)
+    npu = _small_engine(8 << 20)
+    b1, b2 = _ints(rng, (512, 1024)), _ints(rng, (2048, 1024))   # 0.5 MiB, 2 MiB
+    w1, w2 = npu.upload_weight(b1, "int8"), npu.upload_weight(b2, "int8")
+    a = _ints(rng, (256, 1024))
+    _exact(npu, a, w1, b1)                                    # A 256 KiB, C 512 KiB
+    filler = npu.upload_weight(np.ones((3 << 10, 1024), np.int8), "int8")   # 3 MiB
+    _exact(npu, a, w2, b2)                                    # C needs 2 MiB: evicts w1's program
+    assert npu.counters["programs_evicted"] >= 1 and not w1.programs
+    _exact(npu, a, w2, b2)
+    _exact(npu, _ints(rng, (2, 1024)), w1, b1)
+    filler.free()
+    npu.close()
+
+
+def test_out_of_memory_while_growing_is_clear_and_loses_nothing():
+    rng = np.random.default_rng(6)
+    npu = _small_engine(8 << 20)
+    b1 = _ints(rng, (512, 1024))
+    w1 = npu.upload_weight(b1, "int8")
+    a = _ints(rng, (256, 1024))
+    _exact(npu, a, w1, b1)
+    filler = npu.upload_weight(np.ones((5 << 10, 1024), np.int8), "int8")   # 5 MiB
+    with pytest.raises(NpuOutOfMemory, match="out of NPU memory allocating .* bytes for program M=256.*free weights"):
+        npu.matmul(a, filler)                                 # C needs 5 MiB more
+    assert not filler.programs and not w1.programs and not npu._scratch   # evicted, then nothing held
+    _exact(npu, _ints(rng, (2, 1024)), w1, b1)                # the engine still works
+    filler.free()
+    _exact(npu, a, w1, b1)
+    npu.close()

@@ -1,0 +1,304 @@
+"""Test helpers for the RPC server: a wire-level Python client, a server in a thread and
+a fake NPU engine (CONTRACT E shape).
+
+The fake engine exists so protocol, planning and residency tests do not depend on the
+simulator's speed; host ops are the real ggml-cpu (hostggml).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ggml_rknpu.ggml.buffers import DeviceMemory
+from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.ggml.rpc import wire
+from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState
+from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.hostggml.abi import GGML_TENSOR_FLAG_COMPUTE
+
+F32 = int(GgmlType.F32)
+GIB = 1 << 30
+
+
+# --- fake engine ----------------------------------------------------------------------------
+class FakeWeight:
+    def __init__(self, engine: "FakeNpu", b: np.ndarray, dtype: str) -> None:
+        self.engine = engine
+        self.b = b.astype(np.float16).astype(np.float32) if dtype == "fp16" else b.astype(np.float32)
+        self.shape: tuple[int, int] = b.shape
+        self.dtype = dtype
+        self.packed_bytes = b.size * (2 if dtype == "fp16" else 1)
+        self.freed = False
+
+    def free(self) -> None:
+        self.freed = True
+        self.engine.frees += 1
+
+
+class FakeNpu:
+    """A ``MatmulEngine`` (engine/contract.py) computing on the host, with counters."""
+
+    def __init__(self, budget: tuple[int, int] = (3 * GIB, 4 * GIB)) -> None:
+        self.budget = budget
+        self.counters: dict[str, int] = {}
+        self.last_timing: SimpleNamespace | None = None
+        self.uploads = 0
+        self.frees = 0
+        self.matmuls = 0
+        self.fail_matmul = False
+
+    def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> FakeWeight:
+        assert b.dtype == np.float32 and b.ndim == 2
+        self.uploads += 1
+        return FakeWeight(self, b, dtype)
+
+    def describe(self) -> str:
+        return "fake engine (host numpy)"
+
+    def matmul(self, a: np.ndarray, w: FakeWeight, *, out: str | None = None) -> np.ndarray:
+        assert not w.freed, "matmul with a freed (stale) weight"
+        if self.fail_matmul:
+            raise RuntimeError("injected NPU fault")
+        self.matmuls += 1
+        self.last_timing = SimpleNamespace(device_s=1e-3, device_label="modeled")
+        return a.astype(np.float32) @ w.b.T
+
+    def memory_budget(self) -> tuple[int, int]:
+        return self.budget
+
+    def close(self) -> None:
+        pass
+
+
+# --- tensors and graphs ------------------------------------------------------------------------
+_ids = iter(range(0x1000, 1 << 40, 0x10))
+
+
+@dataclass
+class T:
+    """A client-side tensor description (what llama.cpp would serialize)."""
+
+    ne: tuple[int, int, int, int]
+    buffer: int
+    data: int
+    type: int = F32
+    nb: tuple[int, int, int, int] | None = None
+    op: int = 0
+    src: tuple[int, ...] = ()
+    view_src: int = 0
+    view_offs: int = 0
+    flags: int | None = None         # default: what ggml_build_forward_expand gives a node (COMPUTE)
+    op_params: tuple[int, ...] = ()
+    name: str = ""
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self) -> None:
+        if self.flags is None:
+            self.flags = GGML_TENSOR_FLAG_COMPUTE if self.op else 0
+        if self.nb is None:
+            from ggml_rknpu.ggml.enums import TYPE_TRAITS
+            block, size = TYPE_TRAITS[GgmlType(self.type)]
+            nb0, nb1 = size, size * (self.ne[0] // block)
+            self.nb = (nb0, nb1, nb1 * self.ne[1], nb1 * self.ne[1] * self.ne[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.nb[3] * self.ne[3]
+
+    def pack(self) -> bytes:
+        return wire.pack_tensor(id=self.id, type=self.type, buffer=self.buffer, ne=self.ne, nb=self.nb,
+                                data=self.data, op=self.op, op_params=self.op_params, flags=self.flags,
+                                src=self.src, view_src=self.view_src, view_offs=self.view_offs, name=self.name)
+
+
+def graph_payload(nodes: list[T], tensors: list[T], dev: int = 0) -> bytes:
+    return (struct.pack("<II", dev, len(nodes)) + b"".join(struct.pack("<Q", n.id) for n in nodes)
+            + struct.pack("<I", len(tensors)) + b"".join(t.pack() for t in tensors))
+
+
+# --- client -----------------------------------------------------------------------------------
+class ServerClosed(Exception):
+    pass
+
+
+class RpcClient:
+    """Speaks the wire format; every call checks the reply size like the C++ client does."""
+
+    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hello:
+            assert self.hello() == (7, 0, 0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "RpcClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, cmd: int, payload: bytes = b"") -> None:
+        self.sock.sendall(wire.pack_request(cmd, payload))
+
+    def recv_exact(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ServerClosed(f"server closed after {len(out)}/{n} bytes")
+            out += chunk
+        return bytes(out)
+
+    def reply(self, expect: int | None = None) -> bytes:
+        (n,) = struct.unpack("<Q", self.recv_exact(8))
+        if expect is not None:
+            assert n == expect, f"reply of {n} bytes, expected {expect}"
+        return self.recv_exact(n)
+
+    def call(self, cmd: int, payload: bytes = b"", expect: int | None = None) -> bytes:
+        self.send(cmd, payload)
+        return self.reply(expect)
+
+    def is_closed_by_server(self, timeout: float = 5.0) -> bool:
+        """True once the server has closed (EOF or reset), False if it is still talking."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except socket.timeout:
+            return False
+
+    # commands
+    def hello(self) -> tuple[int, int, int]:
+        rsp = self.call(Cmd.HELLO, bytes(24), expect=28)
+        return tuple(rsp[:3])
+
+    def device_count(self) -> int:
+        return struct.unpack("<I", self.call(Cmd.DEVICE_COUNT, b"", expect=4))[0]
+
+    def alloc(self, size: int, dev: int = 0) -> tuple[int, int]:
+        return struct.unpack("<QQ", self.call(Cmd.ALLOC_BUFFER, struct.pack("<IQ", dev, size), expect=16))
+
+    def base(self, handle: int) -> int:
+        return struct.unpack("<Q", self.call(Cmd.BUFFER_GET_BASE, struct.pack("<Q", handle), expect=8))[0]
+
+    def alloc_base(self, size: int) -> tuple[int, int]:
+        handle, got = self.alloc(size)
+        assert handle != 0 and got == size
+        return handle, self.base(handle)
+
+    def alignment(self, dev: int = 0) -> int:
+        return struct.unpack("<Q", self.call(Cmd.GET_ALIGNMENT, struct.pack("<I", dev), expect=8))[0]
+
+    def max_size(self, dev: int = 0) -> int:
+        return struct.unpack("<Q", self.call(Cmd.GET_MAX_SIZE, struct.pack("<I", dev), expect=8))[0]
+
+    def device_memory(self, dev: int = 0) -> tuple[int, int]:
+        return struct.unpack("<QQ", self.call(Cmd.GET_DEVICE_MEMORY, struct.pack("<I", dev), expect=16))
+
+    def free(self, handle: int) -> None:
+        self.send(Cmd.FREE_BUFFER, struct.pack("<Q", handle))
+
+    def clear(self, handle: int, value: int) -> None:
+        self.send(Cmd.BUFFER_CLEAR, struct.pack("<QB", handle, value))
+
+    def set_tensor(self, t: T, data: bytes, offset: int = 0, cache_flag: int = 0) -> None:
+        self.send(Cmd.SET_TENSOR, t.pack() + struct.pack("<BQ", cache_flag, offset) + data)
+
+    def set_array(self, t: T, arr: np.ndarray) -> None:
+        self.set_tensor(t, np.ascontiguousarray(arr).tobytes())
+
+    def set_tensor_hash(self, t: T, digest: int, offset: int = 0) -> int:
+        return self.call(Cmd.SET_TENSOR_HASH, t.pack() + struct.pack("<QQ", offset, digest), expect=1)[0]
+
+    def get_tensor(self, t: T, offset: int = 0, size: int | None = None) -> bytes:
+        size = t.nbytes if size is None else size
+        return self.call(Cmd.GET_TENSOR, t.pack() + struct.pack("<QQ", offset, size), expect=size)
+
+    def get_array(self, t: T, dtype=np.float32) -> np.ndarray:
+        shape = t.ne[::-1]
+        outer = tuple(n for n in shape[:2] if n != 1)          # drop unit batch dims: [ne1, ne0] for 2-D
+        return np.frombuffer(self.get_tensor(t), dtype=dtype).reshape(outer + shape[2:])
+
+    def copy_tensor(self, src: T, dst: T) -> int:
+        return self.call(Cmd.COPY_TENSOR, src.pack() + dst.pack(), expect=1)[0]
+
+    def memset(self, t: T, offset: int, size: int, value: int) -> None:
+        self.send(Cmd.MEMSET_TENSOR, t.pack() + struct.pack("<QQB", offset, size, value))
+
+    def init_tensor(self, t: T) -> None:
+        self.send(Cmd.INIT_TENSOR, t.pack())
+
+    def alloc_size(self, t: T, dev: int = 0) -> int:
+        payload = struct.pack("<I", dev) + t.pack() + bytes(wire.RPC_TENSOR_SIZE * 10)
+        return struct.unpack("<Q", self.call(Cmd.GET_ALLOC_SIZE, payload, expect=8))[0]
+
+    def graph_compute(self, nodes: list[T], tensors: list[T], dev: int = 0) -> None:
+        self.send(Cmd.GRAPH_COMPUTE, graph_payload(nodes, tensors, dev))
+
+    def graph_recompute(self, dev: int = 0) -> None:
+        self.send(Cmd.GRAPH_RECOMPUTE, struct.pack("<I", dev))
+
+
+# --- server in a thread -------------------------------------------------------------------------
+class ServerThread:
+    def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
+                 cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True) -> None:
+        budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
+        self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
+                                 config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
+                                                     progress=False, stall_timeout_s=stall_timeout_s,
+                                                     weight_reuse=weight_reuse))
+        self.server = RpcServer(self.state, "127.0.0.1", 0)
+        self.port = self.server.port
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
+        self.thread.start()
+
+    def client(self, hello: bool = True) -> RpcClient:
+        return RpcClient(self.port, hello=hello)
+
+    def alive(self) -> bool:
+        """The server answers HELLO on a fresh connection."""
+        with self.client(hello=False) as c:
+            return c.hello() == (7, 0, 0)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(timeout=5)
+        self.state.close()
+
+
+def serve(**kwargs) -> Iterator[ServerThread]:
+    st = ServerThread(**kwargs)
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:
+    """Read a server subprocess's stderr until a line matches ``pattern`` (lines read are kept
+    in ``lines`` for the failure message)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(lines)}")
