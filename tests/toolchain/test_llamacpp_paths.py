@@ -35,7 +35,7 @@ def test_clients_match_the_build_script_table(tmp_path: Path, monkeypatch: pytes
     import subprocess
 
     monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "build-llama-cpp"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build-llama-cpp"
     listing = subprocess.run([str(script), "--list"], capture_output=True, text=True, check=True).stdout
     rows = {line.split()[0]: line for line in listing.splitlines()}
     assert tuple(rows) == llamacpp.CLIENTS

@@ -132,7 +132,7 @@ class ProtocolError(Exception):
 PROTO_TEXT = ".".join(map(str, PROTO_VERSION))
 USE_A_7X_CLIENT = (f"use a llama.cpp client built with RPC protocol {PROTO_VERSION[0]}.x (scripts/build-llama-cpp "
                    "--list shows the builds this project tests: the pinned 0c1e570 and b11434)")
-# Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [anchors.md: llama.cpp RPC]
+# Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [docs/server.md: Other protocol majors]
 PROTO8_COMMANDS = {18: "SET_TENSOR_2D", 19: "GET_TENSOR_2D", 20: "COMM_INIT", 21: "COMM_ALLREDUCE", 22: "COMM_FREE"}
 PROTO8_GRAPH_RECOMPUTE_SIZE = 12   # dev u32 + graph uid u64
 # Before conn_caps the HELLO request had no payload (the 7.0.0 C++ server answers such a request
