@@ -6,30 +6,13 @@ change deviates on purpose, list the register there with the reason."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from ggml_rknpu.compiler.matmul import compile_matmul
-from ggml_rknpu.hw.regcmd import decode_word
+from support.golden import A, B, C, MODES, REGCMD, golden_cases, register_map
 
-A, B, C, REGCMD = 0x10000000, 0x20000000, 0x30000000, 0x40000000
-MODES = {"fp16_fp32": ("fp16", "fp32"), "int8_int32": ("int8", "int32"), "fp16_fp16": ("fp16", "fp16")}
 DELIBERATE_EXCEPTIONS: dict[int, str] = {}   # register offset -> reason (none needed)
-
-
-def register_map(words) -> dict[tuple[int, int], int]:
-    out = {}
-    for w in words:
-        if int(w) == 0:
-            continue
-        target, value, offset = decode_word(int(w))
-        out[(target, offset)] = value
-    return out
-
-
-def golden_cases(reference_dir):
-    return json.loads((reference_dir / "golden/mtx512-single-task.json").read_text())["cases"]
 
 
 def test_all_golden_shapes_match(reference_dir):

@@ -103,3 +103,10 @@ def test_dequantize_output_applies_both_scales():
 def test_quantisation_error_is_at_most_half_a_step(x):
     q, scale = quantize_rows_int8(x, "x")
     assert (np.abs(q.astype(np.float64) * scale[:, None] - x) <= scale[:, None] * 0.5 * (1 + 1e-5)).all()
+
+
+def test_a_row_of_subnormal_values_quantises_within_half_a_step():
+    x = np.array([[1e-45, -1e-45, 0.0], [3e-39, 1e-40, -2e-39]], np.float32)   # peak/127 subnormal
+    q, scale = quantize_rows_int8(x, "x")
+    assert (scale > 0).all() and np.isfinite(scale).all()
+    assert (np.abs(q.astype(np.float64) * scale[:, None] - x) <= scale[:, None] * 0.5).all()

@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rpc_overhead.add_arguments(sub.add_parser(
         "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
         _common)
+    from ggml_rknpu.bench import spec
+    spec.add_arguments(sub.add_parser(
+        "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
+        _common)
+    from ggml_rknpu.bench import sim as sim_bench
+    sim_bench.add_arguments(sub.add_parser(
+        "sim", help="simulated matmul through the public API vs numpy on this host (simulator speed)"))
 
 
 def rig_gate(args, console: Console) -> RigReport | None:
@@ -324,6 +331,10 @@ def run_sustained(args, rig: RigReport, console: Console) -> rp.Report:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.bench == "sim":   # host-only: times the simulator, no rig to check
+        from ggml_rknpu.bench import sim as sim_bench
+
+        return sim_bench.run(args, console)
     try:
         rig = rig_gate(args, console)
     except FileNotFoundError as exc:
@@ -339,9 +350,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_sustained(args, rig, console)
     else:
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import rpc_overhead
+        from ggml_rknpu.bench import rpc_overhead, spec
 
-        bench = model_bench if args.bench == "model" else rpc_overhead
+        bench = {"model": model_bench, "spec": spec}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -51,7 +51,11 @@ from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
 from ggml_rknpu.hostggml.compute import HostCompute, HostContext, Threads
 from ggml_rknpu.hostggml.lib import Ggml
 
-PLANS_PER_DEVICE = 256             # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1]
+PLANS_PER_DEVICE = 1024
+# identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1], and
+# speculative decoding / parallel slots send each split at every batch size they alternate
+# between (1..n_draft+1): 90 x 4 already overflowed 256 and re-planned every split every step.
+# 1024 is also upstream's graph cache size in RPC protocol 8 (docs/architecture.md).
 
 
 def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
@@ -133,6 +137,8 @@ class NpuStep:
                 counter.seconds += time.perf_counter() - t0
                 counter.ops += 1
                 counter.bytes += self.nbytes
+                rows = c.shape[0]
+                stats.npu_matmuls_by_m[rows] = stats.npu_matmuls_by_m.get(rows, 0) + 1
                 timing = npu.last_timing
                 if timing is not None and timing.device_s is not None:
                     stats.npu_device_seconds += timing.device_s

@@ -96,6 +96,7 @@ class ServerStats:
     bytes_in: int = 0
     npu_device_seconds: float = 0.0   # the engine's own device-time figure for NPU matmuls
     npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
+    npu_matmuls_by_m: dict[int, int] = field(default_factory=dict)  # NPU MUL_MATs by rows M (batch, spec, slots)
     bytes_out: int = 0
 
     def counter(self, op: str, engine: str) -> OpCounter:
@@ -175,6 +176,9 @@ class ServerStats:
         if self.host_matmul_reasons:
             lines.append("MUL_MATs planned on the host: " + ", ".join(
                 f"{reason} {n}" for reason, n in sorted(self.host_matmul_reasons.items(), key=lambda kv: -kv[1])))
+        if self.npu_matmuls_by_m:
+            lines.append("NPU matmuls by rows M: " + ", ".join(
+                f"M={m} {n}" for m, n in sorted(self.npu_matmuls_by_m.items())))
         if self.npu_device_seconds:
             lines.append(f"NPU device time of the matmuls: {self.npu_device_seconds * 1e3:.1f} ms "
                          f"({self.npu_device_label})")

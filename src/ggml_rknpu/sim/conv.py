@@ -30,13 +30,15 @@ Numerics (documented choices; see ``docs`` of each function):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ggml_rknpu.hw import limits
-from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
 from ggml_rknpu.sim.validate import (
     CONV_RULES,
     NotModeled,
@@ -261,15 +263,30 @@ def _planes(memory: DeviceMemory, base: int, n_planes: int, pitch: int, plane_by
     return as_strided(flat, shape=(n_planes, plane_bytes), strides=(pitch, 1), writeable=True)
 
 
+def _feature_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    return _planes(memory, task.feature_addr, task.channels // limits.c2(task.precision),
+                   task.feature_plane_bytes, task.rows * limits.ATOM_BYTES,
+                   f"feature data (CNA_FEATURE_DATA_ADDR=0x{task.feature_addr:08X})", DmaRead)
+
+
+def _output_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    return _planes(memory, task.dst_addr, task.out_channels // limits.c2(task.out_precision),
+                   task.dst_plane_bytes, task.rows * limits.ATOM_BYTES,
+                   f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
+
+
 def read_features(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
     """(M, C) float32 feature matrix of the task from NC1HWC2 memory."""
     c2 = limits.c2(task.precision)
-    planes = _planes(memory, task.feature_addr, task.channels // c2, task.feature_plane_bytes,
-                     task.rows * limits.ATOM_BYTES,
-                     f"feature data (CNA_FEATURE_DATA_ADDR=0x{task.feature_addr:08X})", DmaRead)
+    planes = _feature_planes(memory, task)
     typed = np.ascontiguousarray(planes).view(_NUMPY_DTYPE[task.precision])
     return typed.reshape(-1, task.rows, c2).transpose(1, 0, 2).reshape(task.rows, task.channels) \
         .astype(np.float32)
+
+
+def _weight_fault(task: ConvTask, fault: DmaFault) -> DmaRead:
+    return DmaRead(f"weights (CNA_DCOMP_ADDR0=0x{task.weight_addr:08X}, "
+                   f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault)
 
 
 def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
@@ -279,8 +296,7 @@ def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
     try:
         raw = memory.view(task.weight_addr, task.weight_bytes)
     except DmaFault as fault:
-        raise DmaRead(f"weights (CNA_DCOMP_ADDR0=0x{task.weight_addr:08X}, "
-                      f"CNA_WEIGHT_SIZE0={task.weight_bytes})", fault) from None
+        raise _weight_fault(task, fault) from None
     values = raw.view(_NUMPY_DTYPE[task.precision])
     full, rem = divmod(n, g)
     out = np.empty((n, c), dtype=np.float32)     # one converting, transposing copy
@@ -313,39 +329,226 @@ def write_output(memory: DeviceMemory, task: ConvTask, acc: np.ndarray) -> None:
     c2 = limits.c2(task.out_precision)
     n_planes = task.out_channels // c2
     atoms = np.ascontiguousarray(out.reshape(task.rows, n_planes, c2).transpose(1, 0, 2))
-    planes = _planes(memory, task.dst_addr, n_planes, task.dst_plane_bytes,
-                     task.rows * limits.ATOM_BYTES,
-                     f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
+    planes = _output_planes(memory, task)
     planes[...] = atoms.view(np.uint8).reshape(n_planes, -1)
 
 
-class WeightCache:
-    """Decoded weights of the current run, so M-tiled tasks sharing one weight block decode
-    it once; dropped when a task writes over it and at the end of every run."""
+def _extent(start: int, nbytes: int) -> tuple[int, int]:
+    return start, start + nbytes
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, int, int, int, str], np.ndarray] = {}
 
-    def get(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
-        key = task.weight_key
-        b = self._entries.get(key)
-        if b is None:
-            b = read_weights(memory, task)
-            self._entries[key] = b
-        return b
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+WEIGHT_CACHE_BYTES = 3 << 30    # decoded fp32 weights kept across runs (gemma3-270m: ~1.1 GiB)
+FEATURE_CACHE_BYTES = 256 << 20  # decoded fp32 features (the cores of one submit share A)
+
+
+class _Decoded:
+    """Decoded operands by key, each valid while the memory's content token of its bytes is
+    unchanged (``sim.memory.content_token``); least recently used beyond ``max_bytes``.
+    An entry with a token needs no address check when the NPU writes: the write bumps the
+    token (``note_device_write``). Entries without one are checked by address
+    (``invalidate``) and dropped at the end of the run."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple[object, tuple[int, int], np.ndarray]] = OrderedDict()
+        self._untracked: set[tuple] = set()
+        self._bytes = 0
+
+    def get(self, key: tuple, token: object, extent: tuple[int, int],
+            read: Callable[[], np.ndarray]) -> np.ndarray:
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == token:
+            self._entries.move_to_end(key)
+            return hit[2]
+        value = read()
+        self._drop(key)
+        self._entries[key] = (token, extent, value)
+        if token is None:
+            self._untracked.add(key)
+        self._bytes += value.nbytes
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            self._drop(next(iter(self._entries)))
+        return value
+
+    def _drop(self, key: tuple) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old[2].nbytes
+            self._untracked.discard(key)
 
     def invalidate(self, start: int, nbytes: int) -> None:
-        for key in [k for k in self._entries if k[0] < start + nbytes and start < k[0] + k[1]]:
-            del self._entries[key]
+        for key in [k for k in self._untracked if _overlap(self._entries[k][1], (start, start + nbytes))]:
+            self._drop(key)
+
+    def end_run(self) -> None:
+        for key in list(self._untracked):
+            self._drop(key)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._untracked.clear()
+        self._bytes = 0
 
 
-def execute_conv(memory: DeviceMemory, task: ConvTask, cache: WeightCache) -> None:
-    a = read_features(memory, task)
-    b = cache.get(memory, task)
-    write_output(memory, task, multiply(task, a, b))
-    span = (task.out_channels // limits.c2(task.out_precision) - 1) * task.dst_plane_bytes \
+class OperandCache:
+    """Decoded (N, C) weights and (M, C) features, so tasks, cores and jobs reading the same
+    bytes decode them once: replayed programs skip the weight decode, and the cores of one
+    submit share the decode of A. An entry is keyed by the task's registers and used only
+    while the memory's content token of its bytes is unchanged (no sync, no NPU write to
+    the object since), so a changed operand is always read again. Entries without a token
+    (memory that cannot tell) are dropped when a task writes over them (``invalidate``) and
+    at the end of every run."""
+
+    def __init__(self, weight_bytes: int = WEIGHT_CACHE_BYTES,
+                 feature_bytes: int = FEATURE_CACHE_BYTES) -> None:
+        self._weights = _Decoded(weight_bytes)
+        self._features = _Decoded(feature_bytes)
+
+    def weights(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        try:
+            token = content_token(memory, task.weight_addr, task.weight_bytes)
+        except DmaFault as fault:
+            raise _weight_fault(task, fault) from None
+        return self._weights.get(task.weight_key, token, _extent(task.weight_addr, task.weight_bytes),
+                                 lambda: read_weights(memory, task))
+
+    def features(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        start, nbytes = task.feature_addr, feature_span(task)
+        _feature_planes(memory, task)          # the range check (and fault) of read_features
+        token = content_token(memory, start, nbytes)
+        return self._features.get(task.data_key, token, _extent(start, nbytes),
+                                  lambda: read_features(memory, task))
+
+    def invalidate(self, start: int, nbytes: int) -> None:
+        self._weights.invalidate(start, nbytes)
+        self._features.invalidate(start, nbytes)
+
+    def end_run(self) -> None:
+        """Drop what no content token vouches for (it may change before the next run)."""
+        self._weights.end_run()
+        self._features.end_run()
+
+    def clear(self) -> None:
+        self._weights.clear()
+        self._features.clear()
+
+
+def feature_span(task: ConvTask) -> int:
+    """Bytes from FEATURE_DATA_ADDR to the end of the task's rows in the last C1 plane."""
+    return (task.channels // limits.c2(task.precision) - 1) * task.feature_plane_bytes \
         + task.rows * limits.ATOM_BYTES
+
+
+def output_span(task: ConvTask) -> int:
+    """Bytes from DST_BASE_ADDR to the end of the last output plane."""
+    return (task.out_channels // limits.c2(task.out_precision) - 1) * task.dst_plane_bytes \
+        + task.rows * limits.ATOM_BYTES
+
+
+def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache) -> None:
+    a = cache.features(memory, task)
+    b = cache.weights(memory, task)
+    write_output(memory, task, multiply(task, a, b))
+    span = output_span(task)
     cache.invalidate(task.dst_addr, span)
+    note_device_write(memory, task.dst_addr, span)
+
+
+# int8: |acc| <= K * 128 * 128 = K * 2^14 < 2^31 for K < 2^17, so such a task cannot hit the
+# accumulator-overflow NotModeled; fp16 tasks cannot fail once their addresses are mapped.
+INT8_NO_OVERFLOW_K = 1 << 17
+
+
+def _cannot_fail_once_mapped(task: ConvTask) -> bool:
+    return task.precision != "int8" or task.channels < INT8_NO_OVERFLOW_K
+
+
+class BulkConv:
+    """Execute the conv tasks of one run in bulk: consecutive tasks that tile M over the
+    same weights (the compiler's M tiles on one core: the same kernels, the next rows of
+    the same feature and output planes) run as one task of all their rows - one feature
+    read, one GEMM, one output write - instead of one small set of numpy calls each.
+
+    Equivalent to ``execute_conv`` task by task, because a task joins the pending batch
+    only if (a) nothing can fail once its addresses are mapped (fp16; int8 with K < 2^17),
+    and its features, weights and output were checked mapped when it was submitted (a
+    fault flushes the batch first, then raises the same error ``execute_conv`` would);
+    (b) the batch's outputs overlap none of its inputs; (c) the caller flushes before
+    anything else reads memory the batch writes (``writes_into``: the next regcmd fetch)
+    and at the end of the run. Each output element is the same fp32 GEMM dot product as in
+    its own task (BLAS rows are independent); tests/test_sim_bulk.py checks it bit for bit.
+    """
+
+    def __init__(self, memory: DeviceMemory, cache: OperandCache) -> None:
+        self.memory, self.cache = memory, cache
+        self.pending: list[ConvTask] = []
+        self.tasks_merged = 0
+
+    def submit(self, task: ConvTask) -> None:
+        if self.pending and not self._joins(task):
+            self.flush()
+        if not _cannot_fail_once_mapped(task):
+            self.flush()
+            execute_conv(self.memory, task, self.cache)
+            return
+        try:
+            _feature_planes(self.memory, task)
+            self.cache.weights(self.memory, task)
+            _output_planes(self.memory, task)
+        except DmaRead:
+            self.flush()
+            raise
+        self.pending.append(task)
+
+    def writes_into(self, start: int, nbytes: int) -> bool:
+        """Would the pending tasks write any of [start, start+nbytes)?"""
+        if not self.pending:
+            return False
+        merged = self._merged(self.pending)
+        return _overlap(_extent(start, nbytes), _extent(merged.dst_addr, output_span(merged)))
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tasks, self.pending = self.pending, []
+        execute_conv(self.memory, self._merged(tasks), self.cache)
+        self.tasks_merged += len(tasks) - 1
+
+    @staticmethod
+    def _merged(tasks: list[ConvTask]) -> ConvTask:
+        if len(tasks) == 1:
+            return tasks[0]
+        first = tasks[0]
+        return replace(first, width=1, height=sum(t.rows for t in tasks),
+                       plane_height=first.feature_plane_bytes // limits.ATOM_BYTES)
+
+    def _joins(self, task: ConvTask) -> bool:
+        first, last = self.pending[0], self.pending[-1]
+        atom = limits.ATOM_BYTES
+        same = (task.weight_key == first.weight_key and task.out_precision == first.out_precision
+                and task.out_channels == first.out_channels
+                and task.feature_plane_bytes == first.feature_plane_bytes
+                and task.dst_plane_bytes == first.dst_plane_bytes
+                and task.feature_addr == last.feature_addr + last.rows * atom
+                and task.dst_addr == last.dst_addr + last.rows * atom
+                and _cannot_fail_once_mapped(task))
+        if not same:
+            return False
+        merged = self._merged([*self.pending, task])
+        if merged.rows * atom > min(merged.feature_plane_bytes, merged.dst_plane_bytes):
+            return False
+        reads = (_extent(merged.feature_addr, feature_span(merged)),
+                 _extent(merged.weight_addr, merged.weight_bytes))
+        writes = _extent(merged.dst_addr, output_span(merged))
+        if any(_overlap(writes, r) for r in reads):
+            return False
+        try:
+            _feature_planes(self.memory, merged)
+            _output_planes(self.memory, merged)
+        except DmaRead:   # the rows run across two buffers: keep them apart
+            return False
+        return True

@@ -333,6 +333,12 @@ class SimKernel:
             "allocated_bytes": self._allocated,
         }
 
+    @property
+    def simulation_seconds(self) -> float:
+        """Host seconds spent inside the NPU model so far (simulated hardware time is not
+        a host cost on a board: subtract this to time the host path alone)."""
+        return self._npu.busy_seconds if self._npu is not None else 0.0
+
     def address_space(self, fd: int) -> IommuDomain:
         """The NPU address space ``fd``'s buffers live in (its ``view`` is what the NPU sees)."""
         return self._domain(self._file(fd))
@@ -709,8 +715,7 @@ class SimKernel:
             obj.sync_for_device(0, obj.size)
         else:
             changed = (obj.cpu != synced).reshape(-1, CACHE_LINE).any(axis=1)
-            lines = np.repeat(changed, CACHE_LINE)
-            obj.dram[lines] = obj.cpu[lines]
+            obj.write_back(np.repeat(changed, CACHE_LINE))
         self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
 
     def _modeled_task_s(self, regcmd: int, count: int) -> float:

@@ -14,6 +14,11 @@ What is modelled, and why:
   separate CPU-side copy that only MEM_SYNC / FINI_BO / PREP_BO move across. A missing
   cache sync therefore shows up as stale data in the simulator, as it can on the board.
   Uncached (write-combined) objects give the CPU the dram copy itself.
+- Content tokens: a cached object's dram bytes change only through ``sync_for_device``
+  or an NPU write (``note_device_write``), so ``(serial, generation)`` names its content
+  and the NPU model may keep what it decoded from those bytes across jobs. An uncached
+  object's bytes change under every CPU store: it has no token, so nothing decoded from it
+  outlives one hardware run.
 - ``IommuDomain``: one NPU address space (vendor: one per device; rocket: one per open
   file [docs/npu-programming.md §5]). ``view(iova, nbytes)`` is the ``DeviceMemory`` the NPU
   model reads and writes through; anything not wholly inside one mapped object is a
@@ -25,6 +30,7 @@ What is modelled, and why:
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,7 +60,27 @@ class DmaFault(Exception):
 
 
 class DeviceMemory(Protocol):
+    """What the NPU model needs: ``view`` (required). A memory may also offer
+    ``content_token(iova, nbytes)`` (hashable, or None when unknown) and
+    ``note_device_write(iova, nbytes)`` (which must change the token of what was written);
+    the model uses them through ``content_token`` and ``note_device_write`` below, which
+    treat a memory without them as untracked."""
+
     def view(self, iova: int, nbytes: int) -> np.ndarray: ...
+
+
+def content_token(memory: DeviceMemory, iova: int, nbytes: int) -> object | None:
+    """A token equal across two calls only if the bytes cannot have changed in between;
+    None when the memory cannot tell (then nothing may be kept across hardware runs)."""
+    method = getattr(memory, "content_token", None)
+    return method(iova, nbytes) if method is not None else None
+
+
+def note_device_write(memory: DeviceMemory, iova: int, nbytes: int) -> None:
+    """The NPU wrote [iova, iova+nbytes): content tokens of what it touched change."""
+    method = getattr(memory, "note_device_write", None)
+    if method is not None:
+        method(iova, nbytes)
 
 
 class RangeAllocator:
@@ -131,6 +157,9 @@ class RangeAllocator:
             self._free.insert(i, [start, end])
 
 
+_SERIALS = itertools.count(1)
+
+
 @dataclass(eq=False)
 class GemObject:
     """One buffer object. ``dram`` is what the NPU sees; ``cpu`` what the CPU mapping sees."""
@@ -147,10 +176,19 @@ class GemObject:
     handle_refs: int = 0  # open handles (GEM handles hold references)
     mappings: int = 0  # live CPU mmaps (each holds a reference, like a VMA)
     failed_job: str | None = None  # rocket: why the last job writing this BO failed
+    serial: int = field(init=False)  # unique for the process: never reused like id() or IOVAs
+    generation: int = 0  # bumped whenever the dram bytes may have changed (cached objects)
 
     def __post_init__(self) -> None:
         self.dram = np.zeros(self.size, dtype=np.uint8)
         self.cpu = np.zeros(self.size, dtype=np.uint8) if self.cached else self.dram
+        self.serial = next(_SERIALS)
+
+    @property
+    def content_token(self) -> tuple[int, int] | None:
+        """(serial, generation) for cached objects; None for uncached ones, whose dram the
+        CPU writes directly and untracked."""
+        return (self.serial, self.generation) if self.cached else None
 
     @property
     def alive(self) -> bool:
@@ -159,6 +197,14 @@ class GemObject:
     def sync_for_device(self, offset: int, size: int) -> None:
         if self.cached:
             self.dram[offset : offset + size] = self.cpu[offset : offset + size]
+            self.generation += 1
+
+    def write_back(self, dirty: np.ndarray) -> None:
+        """Copy to dram the bytes ``dirty`` (a bool mask over the object) selects: a partial
+        cache clean. The content token changes only if a byte may have changed."""
+        if self.cached and dirty.any():
+            self.dram[dirty] = self.cpu[dirty]
+            self.generation += 1
 
     def sync_for_cpu(self, offset: int, size: int) -> None:
         if self.cached:
@@ -200,8 +246,8 @@ class IommuDomain:
         obj = self._objects[self._starts[i]]
         return obj if iova < obj.dma_addr + obj.size else None
 
-    def view(self, iova: int, nbytes: int) -> np.ndarray:
-        """uint8 writable view of the NPU-visible bytes; DmaFault unless inside one object."""
+    def _object(self, iova: int, nbytes: int) -> GemObject:
+        """The one object holding [iova, iova+nbytes); DmaFault otherwise."""
         if nbytes < 0 or iova < 0:
             raise DmaFault(iova, nbytes, "negative address or length")
         obj = self.lookup(iova)
@@ -213,7 +259,24 @@ class IommuDomain:
                 iova, nbytes,
                 f"runs {off + nbytes - obj.size} bytes past the end of the {obj.size}-byte buffer at {obj.dma_addr:#x}",
             )
+        return obj
+
+    def view(self, iova: int, nbytes: int) -> np.ndarray:
+        """uint8 writable view of the NPU-visible bytes; DmaFault unless inside one object."""
+        obj = self._object(iova, nbytes)
+        off = iova - obj.dma_addr
         return obj.dram[off : off + nbytes]
+
+    def content_token(self, iova: int, nbytes: int) -> tuple[int, int, int] | None:
+        """(serial, generation, offset) of the object holding the range; DmaFault as view."""
+        obj = self._object(iova, nbytes)
+        token = obj.content_token
+        return None if token is None else (*token, iova - obj.dma_addr)
+
+    def note_device_write(self, iova: int, nbytes: int) -> None:
+        obj = self.lookup(iova)
+        if obj is not None:
+            obj.generation += 1
 
 
 class NpuMmu:
@@ -225,7 +288,16 @@ class NpuMmu:
     def attach(self, domain: IommuDomain) -> None:
         self.domain = domain
 
-    def view(self, iova: int, nbytes: int) -> np.ndarray:
+    def _attached(self, iova: int, nbytes: int) -> IommuDomain:
         if self.domain is None:
             raise DmaFault(iova, nbytes, "no IOMMU domain attached to the NPU")
-        return self.domain.view(iova, nbytes)
+        return self.domain
+
+    def view(self, iova: int, nbytes: int) -> np.ndarray:
+        return self._attached(iova, nbytes).view(iova, nbytes)
+
+    def content_token(self, iova: int, nbytes: int) -> tuple[int, int, int] | None:
+        return self._attached(iova, nbytes).content_token(iova, nbytes)
+
+    def note_device_write(self, iova: int, nbytes: int) -> None:
+        self._attached(iova, nbytes).note_device_write(iova, nbytes)

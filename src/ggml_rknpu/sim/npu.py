@@ -12,17 +12,24 @@ only and must never import ``ggml_rknpu.compiler`` (tests/sim/test_sim_independe
 Additive to contract B [docs/decisions.md] (documented deviation): ``trace(core)`` returns the decoded task
 records of the last run (for capture tests), ``executed_tasks(core)`` counts the tasks the
 last run completed (= TASK_STATUS), and diagnostics survive ``soft_reset`` until the next
-run, so a kernel can reset first and report afterwards.
+run, so a kernel can reset first and report afterwards. ``busy_seconds`` is the host
+time spent inside runs (simulation time; a caller timing its own host path subtracts it).
+
+What stays across runs is only what a content check vouches for: decoded tasks by their
+regcmd bytes (``pc.DecodeCache``) and decoded weights by the memory's content token
+(``conv.OperandCache``, features too); neither survives a change of the bytes it came from.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.memory import DeviceMemory
-from ggml_rknpu.sim.pc import ProgramCounter, RunState, TaskRecord
+from ggml_rknpu.sim.conv import OperandCache
+from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 
 
@@ -65,6 +72,14 @@ class SimNpu:
         self.memory = memory
         self.n_cores = n_cores
         self._cores = [_Core() for _ in range(n_cores)]
+        self.operands = OperandCache()
+        self.decoded = DecodeCache()
+        self.busy_seconds = 0.0
+        # True: conv tasks of a run that tile M over one weight block execute as one
+        # (conv.BulkConv); False: every task on its own, the reference the bulk path is
+        # tested against (tests/test_sim_bulk.py).
+        self.bulk = True
+        self.merged_tasks = 0
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -135,7 +150,13 @@ class SimNpu:
         return list(self._core(core).records)
 
     def _run(self, c: _Core, core: int) -> None:
-        result = ProgramCounter(core, self.memory, c.regs, c.state).run()
+        t0 = time.perf_counter()
+        try:
+            result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
+                                    self.decoded, self.bulk).run()
+        finally:
+            self.busy_seconds += time.perf_counter() - t0
+        self.merged_tasks += result.merged_tasks
         c.diagnostics = list(result.diagnostics)
         c.records = result.records
         c.completed = result.completed_tasks

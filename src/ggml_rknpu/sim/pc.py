@@ -16,11 +16,25 @@ Per task:
    masking" [TRM pc_interrupt_mask]); before that only the DMA error bits can show, so a
    run that stops early raises no completion interrupt (*inference*).
 Words fetched after the op-enable (the fetch is rounded up to 128 bits) are ignored.
+
+Decode once, execute many: what steps 2-3 and the conv/pool decode conclude from a task's
+words is a pure function of those words, so a task that ran without a refusal is kept in a
+``DecodeCache`` keyed by its fetched bytes (``DecodedTask``). A replay still fetches the
+words (a fetch fault is still a fault), still writes every register into the register file
+(so later tasks see the same ping-pong state and diagnostics), still checks CBUF reuse
+against the previous task of the run, and still executes through the memory model, which
+checks every address again. A task is kept only if no block's S_POINTER write follows a
+write to that block's registers (streams set DPU_S_POINTER first), so each block writes
+and executes from one register group and the decode cannot depend on what an earlier
+task left behind; refusals are never cached, so a refused task takes the full path every
+time and says the same thing.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -28,11 +42,11 @@ from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
     decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import ConvTask, DmaRead, DmaWrite, WeightCache, decode_conv, \
-    execute_conv
-from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, OperandCache, \
+    decode_conv, execute_conv
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
-from ggml_rknpu.sim.regfile import RegisterFile
+from ggml_rknpu.sim.regfile import PP_BLOCKS, S_POINTER_OFFSET, RegisterFile
 from ggml_rknpu.sim.validate import SYMPTOM_DMA_FAULT, SYMPTOM_HANG, SYMPTOM_NOT_MODELED, \
     SYMPTOM_SILENT, NotModeled, TaskRefused, Violation, check_reserved
 
@@ -69,6 +83,43 @@ class TaskRecord:
     writes: dict[int, int] = field(default_factory=dict)   # offset -> value written
 
 
+@dataclass(frozen=True)
+class DecodedTask:
+    """A task's words, decoded and validated: everything its replay needs."""
+
+    writes: dict[int, int]                        # offset -> value, as TaskRecord.writes
+    pointer_writes: tuple[tuple[int, int], ...]   # in-stream S_POINTER writes, in order
+    block_writes: tuple[tuple[Block, dict[int, int]], ...]   # other register-file writes
+    next_base: int | None
+    next_amount: int | None
+    enable: int
+    conv: ConvTask | None
+    pool: PoolTask | None
+
+
+class DecodeCache:
+    """Decoded tasks by fetched regcmd bytes, least recently used beyond ``max_entries``."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, DecodedTask] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, words: bytes) -> DecodedTask | None:
+        task = self._entries.get(words)
+        if task is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(words)
+        return task
+
+    def put(self, words: bytes, task: DecodedTask) -> None:
+        self._entries[words] = task
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 @dataclass
 class RunState:
     """Per-core PC registers as the MMIO window shows them."""
@@ -91,23 +142,48 @@ class RunState:
 @dataclass
 class RunResult:
     completed_tasks: int = 0
+    merged_tasks: int = 0       # tasks that ran inside another task's bulk execution
     diagnostics: list[str] = field(default_factory=list)
     records: list[TaskRecord] = field(default_factory=list)
 
 
-def _enabled_blocks(mask: int) -> set[Block]:
+@lru_cache(maxsize=None)
+def _enabled_blocks(mask: int) -> frozenset[Block]:
     names = {OpEnable.CNA: Block.CNA, OpEnable.CORE: Block.CORE, OpEnable.DPU: Block.DPU,
              OpEnable.DPU_RDMA: Block.DPU_RDMA, OpEnable.PPU: Block.PPU,
              OpEnable.PPU_RDMA: Block.PPU_RDMA}
-    return {b for flag, b in names.items() if mask & flag}
+    return frozenset(b for flag, b in names.items() if mask & flag)
+
+
+def _decoded(rec: TaskRecord, ordered: list[tuple[int, int]], next_base: int | None,
+             next_amount: int | None) -> DecodedTask | None:
+    """What a replay of ``rec``'s words needs, or None when the task may not be replayed
+    from a cache (an S_POINTER write after a register write of its block)."""
+    pointers: list[tuple[int, int]] = []
+    per_block: dict[Block, dict[int, int]] = {}
+    for offset, value in ordered:
+        block = BY_OFFSET[offset].block
+        if (offset & 0xFFF) == S_POINTER_OFFSET and block in PP_BLOCKS:   # as RegisterFile.write
+            if block in per_block:
+                return None
+            pointers.append((offset, value))
+        else:
+            per_block.setdefault(block, {})[offset] = value
+    assert rec.enable_mask is not None
+    return DecodedTask(dict(rec.writes), tuple(pointers), tuple(per_block.items()), next_base,
+                       next_amount, rec.enable_mask, rec.conv, rec.pool)
 
 
 class ProgramCounter:
     """Runs one core's program; owns nothing but what a run needs."""
 
-    def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState) -> None:
+    def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState,
+                 operands: OperandCache | None = None, decoded: DecodeCache | None = None,
+                 bulk: bool = False) -> None:
         self.core, self.memory, self.regs, self.state = core, memory, regs, state
-        self.cache = WeightCache()
+        self.cache = operands if operands is not None else OperandCache()
+        self.decoded = decoded
+        self.bulk = BulkConv(memory, self.cache) if bulk else None
         self.cbuf_weights: tuple[ConvTask, int] | None = None   # last conv task's weights, task no.
         self.cbuf_data: tuple[ConvTask, int] | None = None
 
@@ -130,7 +206,10 @@ class ProgramCounter:
                 f"task {task}: DMA {kind} fault (raw status 0x{bit:X}) {exc}; the address "
                 f"register names which buffer to map or fix ({SYMPTOM_DMA_FAULT})")
         finally:
-            self.cache.clear()
+            if self.bulk is not None:
+                self.bulk.flush()   # cannot fail: see BulkConv
+                result.merged_tasks = self.bulk.tasks_merged
+            self.cache.end_run()
         self._final_interrupt_check(result)
         return result
 
@@ -145,6 +224,8 @@ class ProgramCounter:
                          "does not fetch; write the regcmd DMA address with bit 0 clear [§3]",
                          "PC_BASE_ADDRESS", st.base_address)
         n_tasks = REGISTERS["PC_TASK_CON"].field("TASK_NUMBER").extract(st.task_con)
+        if n_tasks == 1:
+            self.bulk = None      # nothing to merge with: execute at once, skip the deferral
         if n_tasks == 0:
             self._refuse(0, "task-number", "PC_TASK_CON.TASK_NUMBER=0: nothing to run, no "
                          "interrupt will come", "PC_TASK_CON", st.task_con)
@@ -170,16 +251,24 @@ class ProgramCounter:
             addr = _PC_BASE.field("PC_SOURCE_ADDR").extract(next_base) * 16
             amount = _PC_AMOUNTS.field("PC_DATA_AMOUNT").extract(next_amount)
 
-    def _fetch(self, t: int, addr: int, n_words: int) -> np.ndarray:
+    def _fetch(self, t: int, addr: int, n_words: int) -> bytes:
         try:
             raw = self.memory.view(addr, n_words * _WORD_BYTES)
         except DmaFault as fault:
             raise DmaRead(f"task {t}: regcmd fetch of {n_words} words", fault) from None
-        return np.frombuffer(raw.tobytes(), dtype="<u8")
+        return raw.tobytes()
 
     def _run_task(self, t: int, rec: TaskRecord) -> tuple[int | None, int | None]:
-        words = self._fetch(t, rec.regcmd_addr, rec.fetched_words)
+        if self.bulk is not None and self.bulk.writes_into(rec.regcmd_addr,
+                                                           rec.fetched_words * _WORD_BYTES):
+            self.bulk.flush()
+        raw = self._fetch(t, rec.regcmd_addr, rec.fetched_words)
         self.regs.begin_task(t)
+        cached = self.decoded.get(raw) if self.decoded is not None else None
+        if cached is not None:
+            return self._replay(t, rec, cached)
+        words = np.frombuffer(raw, dtype="<u8")
+        ordered: list[tuple[int, int]] = []      # register-file writes, in stream order
         armed = False
         enable: int | None = None
         next_base: int | None = None
@@ -234,6 +323,7 @@ class ProgramCounter:
                             else "register_amounts", value)
                 else:
                     self.regs.write(offset, value)
+                    ordered.append((offset, value))
         if enable is None:
             self._refuse(t, "missing-tail", f"no op-enable word among the {rec.fetched_words} "
                          f"words fetched from 0x{rec.regcmd_addr:08X} (PC_REGISTER_AMOUNTS too "
@@ -241,10 +331,56 @@ class ProgramCounter:
                          "marker, 0x0081 op-enable [§2])")
         rec.enable_mask = enable
         self._execute(t, rec, enable)
-        bit = interrupt_bit(enable, t)
-        self.state.raw_status |= bit
-        self.regs.end_task(_enabled_blocks(enable))
+        self._finish_task(t, enable)
+        decoded = _decoded(rec, ordered, next_base, next_amount) if self.decoded is not None \
+            else None
+        if decoded is not None:
+            self.decoded.put(raw, decoded)
         return next_base, next_amount
+
+    def _finish_task(self, t: int, enable: int) -> None:
+        self.state.raw_status |= interrupt_bit(enable, t)
+        self.regs.end_task(_enabled_blocks(enable))
+
+    def _replay(self, t: int, rec: TaskRecord, task: DecodedTask) -> tuple[int | None, int | None]:
+        """A task whose words decoded and validated before: same register-file and PC
+        effects as ``_run_task``, then execution through the memory model (which checks
+        every address again)."""
+        rec.writes = dict(task.writes)
+        self.regs.replay(t, task.pointer_writes, task.block_writes)
+        if task.next_base is not None:
+            self.state.base_address = task.next_base
+        if task.next_amount is not None:
+            self.state.register_amounts = task.next_amount
+        rec.enable_mask, rec.conv, rec.pool = task.enable, task.conv, task.pool
+        try:
+            if task.conv is not None:
+                self._check_reuse(t, task.conv)
+                self._execute_conv(task.conv, t)
+            else:
+                assert task.pool is not None
+                self._execute_pool(task.pool)
+        except TaskRefused as exc:
+            v = exc.violation
+            raise TaskRefused(Violation(v.rule, v.message, v.register, v.value, t, v.symptom)) \
+                from None
+        self._finish_task(t, task.enable)
+        return task.next_base, task.next_amount
+
+    def _execute_conv(self, conv: ConvTask, t: int) -> None:
+        if self.bulk is not None:
+            self.bulk.submit(conv)
+        else:
+            execute_conv(self.memory, conv, self.cache)
+        self.cbuf_weights = (conv, t)
+        self.cbuf_data = (conv, t)
+
+    def _execute_pool(self, pool: PoolTask) -> None:
+        if self.bulk is not None:
+            self.bulk.flush()
+        execute_ppu(self.memory, pool)
+        self.cache.invalidate(pool.dst_addr, pool.dst_plane_bytes)
+        note_device_write(self.memory, pool.dst_addr, pool.dst_plane_bytes)
 
     def _execute(self, t: int, rec: TaskRecord, enable: int) -> None:
         view = self.regs.view(t)
@@ -260,13 +396,10 @@ class ProgramCounter:
                     raise NotModeled(f"op-enable 0x{enable:02X}: conv feeding the PPU")
                 rec.conv = decode_conv(view, rdma_enabled=bool(enable & OpEnable.DPU_RDMA))
                 self._check_reuse(t, rec.conv)
-                execute_conv(self.memory, rec.conv, self.cache)
-                self.cbuf_weights = (rec.conv, t)
-                self.cbuf_data = (rec.conv, t)
+                self._execute_conv(rec.conv, t)
             elif enable & OpEnable.PPU:
                 rec.pool = decode_ppu(view, rdma_enabled=bool(enable & OpEnable.PPU_RDMA))
-                execute_ppu(self.memory, rec.pool)
-                self.cache.invalidate(rec.pool.dst_addr, rec.pool.dst_plane_bytes)
+                self._execute_pool(rec.pool)
             else:
                 raise NotModeled(f"op-enable 0x{enable:02X} (DPU/RDMA-only elementwise tasks)")
         except TaskRefused as exc:

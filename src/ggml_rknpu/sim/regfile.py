@@ -16,7 +16,9 @@ Model (TRM ``*_S_POINTER`` text; *inference* where marked):
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.validate import SYMPTOM_STALE, TaskRefused, Violation
@@ -24,6 +26,12 @@ from ggml_rknpu.sim.validate import SYMPTOM_STALE, TaskRefused, Violation
 PP_BLOCKS = (Block.CNA, Block.CORE, Block.DPU, Block.DPU_RDMA, Block.PPU, Block.PPU_RDMA)
 _S_POINTER = REGISTERS["CNA_S_POINTER"]          # same field layout in every block [registers.xml]
 S_POINTER_OFFSET = 0x4                          # block base + 0x4 [registers.xml]
+
+
+@lru_cache(maxsize=256)
+def _pointer_fields(value: int) -> dict[str, int]:
+    """S_POINTER fields of a value (a handful of distinct values per program; read-only)."""
+    return _S_POINTER.decode(value)
 
 
 @dataclass
@@ -34,7 +42,7 @@ class BlockPointer:
     group: int = 0        # group the current task writes to and executes from
 
     def write(self, value: int) -> None:
-        fields = _S_POINTER.decode(value)
+        fields = _pointer_fields(value)
         self.value = value
         if fields["POINTER_PP_CLEAR"] or fields["EXECUTER_PP_CLEAR"]:
             self.group = 0
@@ -43,7 +51,7 @@ class BlockPointer:
 
     @property
     def pingpong(self) -> bool:
-        return bool(_S_POINTER.field("POINTER_PP_EN").extract(self.value))
+        return bool(_pointer_fields(self.value)["POINTER_PP_EN"])
 
     def task_done(self) -> None:
         if self.pingpong:
@@ -76,7 +84,19 @@ class RegisterFile:
         self.task_index = task_index
         self.written = set()
 
-    def end_task(self, enabled_blocks: set[Block]) -> None:
+    def replay(self, task_index: int, pointer_writes: tuple[tuple[int, int], ...],
+               block_writes: tuple[tuple[Block, dict[int, int]], ...]) -> None:
+        """The writes of a task decoded before: its S_POINTER writes in order, then its
+        other writes per block. The same state as ``write`` one by one, given that no
+        block's S_POINTER write followed a write to that block's registers."""
+        for offset, value in pointer_writes:
+            self.write(offset, value)
+        for block, writes in block_writes:
+            group = self.pointers[block].group if block in self.pointers else 0
+            self.groups[group].update({o: (v, task_index) for o, v in writes.items()})
+            self.written.update(writes)
+
+    def end_task(self, enabled_blocks: AbstractSet[Block]) -> None:
         for block in enabled_blocks:
             if block in self.pointers:
                 self.pointers[block].task_done()

@@ -1,0 +1,176 @@
+"""The simulator's fast paths against its reference path, bit for bit.
+
+* Bulk execution (``conv.BulkConv``: a run's M tiles over one weight block as one GEMM)
+  gives the same bytes as executing every task on its own (``SimNpu.bulk = False``), on
+  a sweep of shapes, dtypes and output types, through the public API on both ABIs.
+* Decode once, execute many: a replayed program gives the same result and a refused one
+  the same diagnostic; decoded operands are reused only while their bytes are unchanged
+  (a synced weight change is seen, an unsynced CPU write is not, untracked memory is read
+  again every run).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
+import ggml_rknpu
+from ggml_rknpu.hw.regcmd import task_tail, write_word
+from ggml_rknpu.hw.registers import REGISTERS
+from ggml_rknpu.sim.npu import SimNpu
+
+pytestmark = pytest.mark.timeout(300)
+ABIS = ("sim-rknpu", "sim-rocket")
+
+
+def _model(engine) -> SimNpu:
+    return engine.device.syscalls._npu_model()
+
+
+@pytest.fixture(scope="module", params=ABIS)
+def engine(request):
+    npu = ggml_rknpu.open(device=request.param)
+    yield npu
+    npu.close()
+
+
+def _both_paths(engine, a: np.ndarray, b: np.ndarray, dtype: str, out: str | None):
+    """(bulk result, per-task result, tasks merged by the bulk run)."""
+    sim = _model(engine)
+    w = engine.upload_weight(b, dtype)
+    try:
+        sim.bulk = True
+        merged0 = sim.merged_tasks
+        bulk = engine.matmul(a, w, out=out)
+        merged = sim.merged_tasks - merged0
+        sim.bulk = False
+        sim.operands.clear()          # the reference decodes its operands afresh
+        reference = engine.matmul(a, w, out=out)
+    finally:
+        sim.bulk = True
+        w.free()
+    return bulk, reference, merged
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 600), k32=st.integers(1, 64), n=st.integers(1, 400),
+       kind=st.sampled_from(("fp16", "fp16->fp16", "int8")), seed=st.integers(0, 2**16))
+def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * k32
+    if kind == "int8":
+        a = rng.integers(-128, 128, (m, k)).astype(np.int8)
+        b = rng.integers(-128, 128, (n, k)).astype(np.float32)
+        dtype, out = "int8", None
+    else:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k)).astype(np.float32)
+        dtype, out = "fp16", ("fp16" if kind == "fp16->fp16" else None)
+    bulk, reference, merged = _both_paths(engine, a, b, dtype, out)
+    event(f"tasks merged: {'some' if merged else 'none'}")
+    assert _same_bits(bulk, reference)
+
+
+@pytest.mark.parametrize("dtype", ("fp16", "int8"))
+def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
+    """fp16 M=512 is several M tiles per core on the vendor ABI (one PC run per core): the
+    bulk path merges them. Rocket runs one task per PC run, and the int8 programs of the
+    proven envelope (hw/envelope.py) one task per submit, so nothing merges there."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((512, 2048)).astype(np.float32)
+    if dtype == "int8":
+        a = rng.integers(-128, 128, a.shape).astype(np.int8)
+    b = rng.standard_normal((96, 2048)).astype(np.float32)
+    bulk, reference, merged = _both_paths(engine, a, b, dtype, None)
+    assert _same_bits(bulk, reference)
+    if engine.device.kind == "rknpu" and dtype == "fp16":
+        assert merged > 0
+    else:
+        assert merged == 0
+
+
+def test_replayed_weights_follow_synced_changes_not_unsynced_ones(engine):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((3, 64)).astype(np.float32)
+    w = engine.upload_weight(rng.standard_normal((32, 64)).astype(np.float32))
+    try:
+        first = engine.matmul(a, w)
+        raw = w.buffer.array(np.uint8)
+        raw[: w.packed_bytes] = 0                   # CPU writes, not yet synced to the device
+        assert _same_bits(engine.matmul(a, w), first), "an unsynced CPU write must stay invisible"
+        w.buffer.sync_to_device(0, w.packed_bytes)
+        assert not engine.matmul(a, w).any(), "a synced weight change must be seen"
+    finally:
+        w.free()
+
+
+# --- SimNpu directly, on the golden single-task stream ---------------------------------------
+FEATURE, WEIGHTS, OUTPUT = 0x1000_0000, 0x2000_0000, 0x3000_0000
+
+
+@pytest.fixture
+def small_body(reference_dir):
+    cases = json.loads((reference_dir / "golden" / "mtx512-single-task.json").read_text())["cases"]
+    case = next(c for c in cases if (c["mode"], c["M"], c["K"], c["N"]) == ("fp16_fp32", 4, 32, 16))
+    return [int(x, 16) for x in case["words"]][:-4]
+
+
+def _memory(body: list[int], a: np.ndarray, b: np.ndarray) -> FakeMemory:
+    mem = FakeMemory()
+    mem.map(FEATURE, a.nbytes)[:] = pack_feature(a, 8).view(np.uint8)
+    mem.map(WEIGHTS, b.nbytes)[:] = pack_weights(b, 16).view(np.uint8)
+    mem.map(OUTPUT, a.shape[0] * b.shape[0] * 4)
+    mem.map(REGCMD_ADDR, 1 << 12)
+    words = np.array(body + task_tail(0, 0, 0x0D), dtype=np.uint64)
+    mem.view(REGCMD_ADDR, words.nbytes)[:] = words.view(np.uint8)
+    return mem
+
+
+def _run(npu: SimNpu, body: list[int]) -> None:
+    vendor_submit(npu, 0, REGCMD_ADDR, len(body), 1)
+
+
+def _result(mem: FakeMemory) -> np.ndarray:
+    return unpack_output(mem.view(OUTPUT, 4 * 16 * 4).view(np.float32), 4, 16, 4)
+
+
+def test_replay_hits_the_decode_cache_and_rereads_untracked_memory(small_body):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((4, 32)).astype(np.float16)
+    b = rng.standard_normal((16, 32)).astype(np.float16)
+    mem = _memory(small_body, a, b)
+    npu = SimNpu(mem)
+    _run(npu, small_body)
+    first = _result(mem).copy()
+    np.testing.assert_allclose(first, a.astype(np.float32) @ b.astype(np.float32).T, rtol=1e-6, atol=1e-6)
+    b2 = -b                                        # test memory has no content tokens
+    mem.view(WEIGHTS, b2.nbytes)[:] = pack_weights(b2, 16).view(np.uint8)
+    _run(npu, small_body)
+    assert npu.decoded.hits == 1 and npu.diagnostics(0) == []
+    assert _same_bits(_result(mem), -first)
+
+
+def test_a_refused_task_is_refused_the_same_way_every_time(small_body):
+    body = list(small_body)
+    cbuf = next(i for i, w in enumerate(body) if w and w & 0xFFFF == REGISTERS["CNA_CBUF_CON0"].offset)
+    body[cbuf] = write_word("CNA_CBUF_CON0", 0x76)          # 7 weight + 6 data banks > 12
+    rng = np.random.default_rng(4)
+    mem = _memory(body, rng.standard_normal((4, 32)).astype(np.float16),
+                  rng.standard_normal((16, 32)).astype(np.float16))
+    npu = SimNpu(mem)
+    diagnostics = []
+    for _ in range(2):
+        npu.soft_reset()
+        _run(npu, body)
+        diagnostics.append(npu.diagnostics(0))
+    assert diagnostics[0] == diagnostics[1] and "cbuf-banks" in diagnostics[0][0]
+    assert npu.decoded.hits == 0
