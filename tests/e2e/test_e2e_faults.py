@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from support.e2e_support import completion, rknpu_server, tool_or_skip
-from ggml_rknpu.ggml import models
+from ggml_rknpu.toolchain import models
 from support.gguf_models import write_tiny_gguf
 
 pytestmark = [pytest.mark.llama]

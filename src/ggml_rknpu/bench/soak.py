@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.ggml import launch, llamacpp, models
+from ggml_rknpu.toolchain import launch, llamacpp, models
 
 DEFAULT_FAULTS = "timeout:0.002,dma:0.002,stale:0.002,core:0.002,seed=1"
 QUESTIONS = ("What is the capital of France?", "Name a primary colour.", "What is two plus two?",

@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--window", type=float, default=1.0, help="window length in seconds")
     from ggml_rknpu.bench import model as model_bench
     model_bench.add_arguments(sub.add_parser("model", help="llama-bench CPU-only vs through rknpu serve"), _common)
+    from ggml_rknpu.bench import decode as decode_bench
+    decode_bench.add_arguments(sub.add_parser(
+        "decode", help="decode forecast per model: modeled NPU time per token, measured host time per NPU step"),
+        _common)
     from ggml_rknpu.bench import rpc_overhead
     rpc_overhead.add_arguments(sub.add_parser(
         "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
@@ -353,10 +357,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:
+        from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
         from ggml_rknpu.bench import rpc_overhead, soak, spec
 
-        bench = {"model": model_bench, "spec": spec, "soak": soak}.get(args.bench, rpc_overhead)
+        bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -25,6 +25,12 @@ a submit cleans/invalidates what that program uses, not the whole shared buffer.
 Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
 ``SimNpu``, the same submit path a board takes.
 
+Host path: a call that fits one program (float activations, or int8 on an int8 weight)
+writes A and reads C through views made once per plan (``engine.hostpath``); others take
+the general path (``stage_activation``, ``pack_a``, ``unpack_c``), with the same bits.
+Decode steps (``Npu.step``, ``Npu.upload_fused_weight``; ``engine.fusion``) replay a
+planned submit for one weight, a fused weight, or sibling programs chained in one submit.
+
 M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
 ``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
 in a bucket are zero and their outputs discarded.
@@ -163,6 +169,8 @@ class _BoundProgram:
     regcmd_buf: Any = None
     jobs: tuple[Job, ...] = ()   # one per chain of the program, submitted in order
     canaries: Canaries | None = None
+    ports: Any = None            # (ActivationPort, ResultPort) of engine.hostpath
+    ports_bound_to: Any = None   # the (A, C) scratch buffers the ports view
 
     def write_words(self) -> None:
         """Bind the register commands to the current buffers and make them visible to the NPU;
@@ -212,6 +220,16 @@ class Weight(ResidentWeight):
         return f"Weight(N={self.shape[0]}, K={self.shape[1]}, {self.dtype}, {state})"
 
 
+class FusedWeight(Weight):
+    """Sibling weights concatenated by rows into one resident weight (``Npu.upload_fused_weight``);
+    ``splits[i]`` = (n0, n1), sibling i's output columns."""
+
+    splits: tuple[tuple[int, int], ...] = ()
+
+    def __repr__(self) -> str:
+        return "Fused" + super().__repr__()[:-1] + f", siblings N={[n1 - n0 for n0, n1 in self.splits]})"
+
+
 class Npu:
     """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
@@ -231,7 +249,7 @@ class Npu:
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits", "npu_faults", "resets"), 0)
+            "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
         self.last_timing: Timing | None = None
         # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
         # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
@@ -239,6 +257,7 @@ class Npu:
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
+        self._steps: set[Any] = set()                           # live Steps (engine.fusion)
         self._closed = False
 
     def describe(self) -> str:
@@ -248,6 +267,32 @@ class Npu:
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
         """Convert ``b`` [N, K] to ``dtype`` ("fp16" | "int8"), pack it into the native
         layout and stage it once in NPU memory; it stays there until ``free()``."""
+        return self._upload(b, dtype, Weight)
+
+    def upload_fused_weight(self, parts: "list[np.ndarray]", dtype: str = "fp16") -> "FusedWeight":
+        """Sibling weights [N_i, K] (Q/K/V, gate/up: the same input) as one resident weight
+        [sum N_i, K]; ``splits`` gives each sibling's output columns, and ``step([fused])``
+        returns one result per sibling. See ``engine.fusion``."""
+        from ggml_rknpu.engine.fusion import concat_rows
+
+        b, splits = concat_rows(parts)
+        fused = self._upload(b, dtype, FusedWeight)
+        fused.splits = splits
+        self.counters["fused_weights_uploaded"] += 1
+        return fused
+
+    def step(self, weights: "list[Weight]", m: int = 1, *, out: str | None = None) -> Any:
+        """A decode step planned once: ``weights`` (one plain or fused weight, or several
+        sharing K and dtype, chained in one submit) applied to one activation of up to ``m``
+        rows. ``step.run(a)`` -> one array per output. See ``engine.fusion.Step``."""
+        from ggml_rknpu.engine.fusion import Step
+
+        self._check_open()
+        step = Step(self, list(weights), m_bucket(m), out)
+        self._steps.add(step)
+        return step
+
+    def _upload(self, b: np.ndarray, dtype: str, cls: type) -> Any:
         self._check_open()
         staged = stage_weight(b, dtype)
         N, K = staged.shape
@@ -259,7 +304,7 @@ class Npu:
         except BaseException:
             buffer.close()
             raise
-        weight = Weight(self, staged.without_data(), buffer, nbytes)
+        weight = cls(self, staged.without_data(), buffer, nbytes)
         self._weights.append(weight)
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes
@@ -271,18 +316,20 @@ class Npu:
         float16 with ``out="fp16"``); int8 weight and int8 ``a``: int32, exact; int8 weight
         and float ``a``: ``a`` quantised per row, float32 out."""
         self._check_open()
-        if not isinstance(w, Weight) or w._npu is not self:
-            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
-        if w.freed:
-            raise ValueError(f"{w!r} was freed; upload it again")
+        self._check_weight(w)
         check_matrix(a, "a")
         N, K = w.shape
         if a.shape[1] != K:
             raise ValueError(f"shape mismatch: a is {a.shape[0]}x{a.shape[1]} but the weight "
                              f"is N={N} x K={K}; a must have K={K} columns")
         out = self._out_dtype(w, out)
-        act = stage_activation(a, w.staged)
         M = a.shape[0]
+        lean = a.dtype.kind == "f" or (a.dtype == np.int8 and w.dtype == "int8")
+        if lean and M <= w.max_program_m:
+            bound = self._bound_or_shrink(w, M, out)
+            if bound is not None:
+                return self._matmul_lean(bound, a, w, out)
+        act = stage_activation(a, w.staged)
         result = np.empty((M, N), dtype=np.float16 if out == "fp16" else
                           (np.int32 if out == "int32" else np.float32))
         totals = [0.0] * 3
@@ -310,6 +357,82 @@ class Npu:
         self.last_timing = Timing(pack_s=totals[0], submit_s=totals[1], unpack_s=totals[2], device_s=device_s,
                                   device_label=label, submits=submits)
         return final
+
+    def _check_weight(self, w: Any) -> None:
+        if not isinstance(w, Weight) or w._npu is not self:
+            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
+        if w.freed:
+            raise ValueError(f"{w!r} was freed; upload it again")
+
+    def _matmul_lean(self, bound: _BoundProgram, a: np.ndarray, w: Weight, out: str) -> np.ndarray:
+        """One program, A written and C read through its views (``engine.hostpath``): the
+        same bytes and arithmetic as ``stage_activation`` + ``pack_a`` / ``unpack_c`` +
+        ``dequantize_output``, without their per-call conversions and copies."""
+        assert bound.c_buf is not None, "not bound yet"
+        t0 = time.perf_counter()
+        a_port, c_port = self._ports(bound, w, out)
+        act_scales = a_port.write(a)
+        t1 = time.perf_counter()
+        completion, hw_ns = self._submit_bound(bound, bound.c_buf.array(np.uint8))
+        t2 = time.perf_counter()
+        if out == "fp16":
+            dtype: Any = np.float16
+        elif w.dtype == "int8" and act_scales is None and w.scales is None:
+            dtype = np.int32
+        else:
+            dtype = np.float32
+        result = np.empty((a.shape[0], w.shape[0]), dtype)
+        c_port.read(result, a.shape[0], act_scales)
+        t3 = time.perf_counter()
+        dev, label = self._device_time(bound, completion, hw_ns)
+        self.counters["matmuls"] += 1
+        self.last_timing = Timing(t1 - t0, t2 - t1, t3 - t2, device_s=dev, device_label=label,
+                                  submits=len(bound.jobs))
+        return result
+
+    def _submit_job(self, job: Any, what: str) -> Any:
+        """Every submit of the engine goes through here: the completion, a timeout named
+        after ``what``, the ``submits`` counter."""
+        try:
+            completion = self.device.submit(job)
+        except NpuTimeout as exc:
+            raise NpuTimeout(f"{what} timed out on the NPU: {exc}", exc.errno) from exc
+        self.counters["submits"] += 1
+        return completion
+
+    def _submit_bound(self, bound: _BoundProgram, c_bytes: np.ndarray) -> tuple[Any, int | None]:
+        """Run a bound program: canaries armed in C, its jobs (one per chain) in order, the
+        canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion, summed
+        hw_elapsed_ns or None)."""
+        assert bound.jobs and bound.canaries is not None, "not bound yet"
+        bound.canaries.arm(c_bytes)
+        hw_ns: int | None = 0
+        for job in bound.jobs:
+            completion = self._submit_job(job, f"matmul {bound.program.shape}")
+            hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
+        unwritten = bound.canaries.unwritten(c_bytes)
+        if unwritten:
+            self._npu_fault(bound, unwritten)
+        return completion, hw_ns
+
+    def _ports(self, bound: _BoundProgram, w: Weight, out: str) -> Any:
+        """The program's host-path ports, (re)bound when a shared scratch buffer was replaced."""
+        assert bound.a_buf is not None and bound.c_buf is not None, "not bound yet"
+        bound_to = (bound.a_buf.scratch.buf, bound.c_buf.scratch.buf)
+        if bound.ports is None or bound.ports_bound_to != bound_to:
+            from ggml_rknpu.engine.hostpath import bind_ports
+
+            bound.ports = bind_ports(bound.program, bound.a_buf.array(np.uint8), bound.c_buf.array(np.uint8),
+                                     w.scales, out)
+            bound.ports_bound_to = bound_to
+        return bound.ports
+
+    def _device_time(self, bound: _BoundProgram, completion: Any, hw_ns: int | None) -> tuple[float | None, str]:
+        if hw_ns is not None and not completion.simulated:
+            return hw_ns * 1e-9, "measured"
+        if bound.modeled is not None:
+            return bound.modeled.total_s, "modeled"
+        return None, "unknown"
 
     def _out_dtype(self, w: Weight, out: str | None) -> str:
         if out is None:
@@ -339,16 +462,21 @@ class Npu:
             self._lru.move_to_end((id(w), m, out))
             return bound
         self.counters["program_cache_misses"] += 1
+        bound = self._bind(self._program_for(w, m, out), m, w)
+        w.programs[(m, out)] = bound
+        self._lru[(id(w), m, out)] = w
+        return bound
+
+    def _program_for(self, w: Weight, m: int, out: str) -> Any:
+        """The compiled program of ``w`` at M bucket ``m`` (compiler-cached), checked against
+        the weight's packed layout."""
         N, K = w.shape
         program = _compile(m, K, N, w.dtype, out, self.cores, self.abi, self.envelope)
         self.counters["programs_compiled"] += 1
         if program.b_bytes > w.packed_bytes:
             raise NpuError(f"compiler wants {program.b_bytes} weight bytes for M={m} but the "
                            f"weight was packed into {w.packed_bytes}; the B layout must not depend on M")
-        bound = self._bind(program, m, w)
-        w.programs[(m, out)] = bound
-        self._lru[(id(w), m, out)] = w
-        return bound
+        return program
 
     def _bind(self, program: Any, m: int, w: Weight) -> _BoundProgram:
         what = f"program M={m} for {w!r}"
@@ -403,28 +531,12 @@ class Npu:
         rows = a_rows.shape[0]
         _pack_a(a_rows, bound.program, bound.a_buf.array(np.uint8))   # missing bucket rows are zeroed
         c_bytes = bound.c_buf.array(np.uint8)
-        bound.canaries.arm(c_bytes)
         t1 = time.perf_counter()
-        hw_ns: int | None = 0
-        for job in bound.jobs:
-            try:
-                completion = self.device.submit(job)
-            except NpuTimeout as exc:
-                raise NpuTimeout(f"matmul {bound.program.shape} timed out on the NPU: {exc}", exc.errno) from exc
-            self.counters["submits"] += 1
-            hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
-        unwritten = bound.canaries.unwritten(c_bytes)
-        if unwritten:
-            self._npu_fault(bound, unwritten)
+        completion, hw_ns = self._submit_bound(bound, c_bytes)
         t2 = time.perf_counter()
         c = _unpack_c(c_bytes, bound.program, rows)
         t3 = time.perf_counter()
-        if hw_ns is not None and not completion.simulated:
-            dev, label = hw_ns * 1e-9, "measured"
-        elif bound.modeled is not None:
-            dev, label = bound.modeled.total_s, "modeled"
-        else:
-            dev, label = None, "unknown"
+        dev, label = self._device_time(bound, completion, hw_ns)
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
 
     def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> None:
@@ -478,6 +590,9 @@ class Npu:
         return True
 
     def _forget(self, w: Weight) -> None:
+        for step in [s for s in self._steps if w in s.weights]:
+            step.close()
+            self._steps.discard(step)
         for key in [k for k, weight in self._lru.items() if weight is w]:
             del self._lru[key]
         self._weights.remove(w)

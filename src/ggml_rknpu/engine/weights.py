@@ -104,11 +104,10 @@ def quantize_rows_int8(x: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray
     if not finite.all():
         raise ValueError(f"{what} contains {int((~finite).sum())} NaN/inf values")
     peak = np.abs(xf).max(axis=1)
-    # A row whose peak/127 would be subnormal loses the scale's precision (or underflows to 0):
-    # it quantises to zeros with scale 2*peak, which keeps the error within half a step.
-    normal = peak / INT8_QMAX >= np.finfo(np.float32).tiny
-    scale = np.where(normal, peak / INT8_QMAX, np.where(peak > 0, 2 * peak, np.float32(1.0))).astype(np.float32)
-    q = np.where(normal[:, None], np.rint(xf / scale[:, None]), 0.0)
+    scale = (peak / INT8_QMAX).astype(np.float32)
+    # an all-zero row, or one so tiny that peak / 127 underflows to 0, gets scale 1 (q = 0)
+    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    q = np.rint(xf / scale[:, None])
     np.clip(q, -INT8_QMAX, INT8_QMAX, out=q)
     return q.astype(np.int8), scale
 

@@ -20,6 +20,13 @@ rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-chec
 before every run of the segment that reads them (a segment ends before a node whose
 indices the segment itself computes). Bytes written by a node are recorded per buffer
 so they can never be mistaken for a weight.
+
+Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
+only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
+rules, index checks, weight placement and segments consider only those. The client's
+``ggml_build_forward_select`` puts every alternative branch into the graph and flags only the
+chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held), so
+checking or running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import numpy as np
 
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BufferTable
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.ggml.ops.rules import check_node, signature
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
@@ -57,6 +64,11 @@ def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
     if type_id == GgmlType.BF16:
         return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
     return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
+
+
+def computes(t: RpcTensor) -> bool:
+    """Whether the backend runs this node: an op that is not a view, flagged COMPUTE by the client."""
+    return t.op not in VIEW_OPS and bool(t.flags & GgmlTensorFlag.COMPUTE)
 
 
 @dataclass(eq=False)
@@ -255,7 +267,7 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
     """Every tensor a computing node reads or writes must have its bytes on this server."""
     for nid in g.node_ids:
         t = g.tensors[nid]
-        if t.op in VIEW_OPS:
+        if not computes(t):
             continue
         for tid in (nid, *t.src):
             if tid and not checked[tid].usable:
@@ -293,8 +305,8 @@ class GraphPlanner:
             for tid, t in g.tensors.items()
         }
         _check_backed(g, checked)
-        computing = [nid for nid in g.node_ids
-                     if g.tensors[nid].op not in VIEW_OPS and checked[nid].end > checked[nid].start]
+        computing = [nid for nid in g.node_ids                # unflagged: a branch the client did not select
+                     if computes(g.tensors[nid]) and checked[nid].end > checked[nid].start]
         indices = {nid: check_node(g.tensors[nid], tuple(g.tensors[s] if s else None for s in g.tensors[nid].src))
                    for nid in computing}                  # UnsupportedOp before anything is touched
         for nid in computing:                            # bytes written by nodes are never weights

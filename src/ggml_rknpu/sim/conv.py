@@ -480,7 +480,7 @@ class BulkConv:
     (b) the batch's outputs overlap none of its inputs; (c) the caller flushes before
     anything else reads memory the batch writes (``writes_into``: the next regcmd fetch)
     and at the end of the run. Each output element is the same fp32 GEMM dot product as in
-    its own task (BLAS rows are independent); tests/test_sim_bulk.py checks it bit for bit.
+    its own task (BLAS rows are independent); tests/sim/test_sim_bulk.py checks it bit for bit.
     """
 
     def __init__(self, memory: DeviceMemory, cache: OperandCache) -> None:

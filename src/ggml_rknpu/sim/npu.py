@@ -77,7 +77,7 @@ class SimNpu:
         self.busy_seconds = 0.0
         # True: conv tasks of a run that tile M over one weight block execute as one
         # (conv.BulkConv); False: every task on its own, the reference the bulk path is
-        # tested against (tests/test_sim_bulk.py).
+        # tested against (tests/sim/test_sim_bulk.py).
         self.bulk = True
         self.merged_tasks = 0
 

@@ -219,6 +219,7 @@ class Session:
                                     NpuRecovery(state.npu, self.weights, state.recovery))
         self.hello = False
         self._plans_at_start = state.stats.plans_built
+        self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
             Cmd.ALLOC_BUFFER: self._alloc_buffer, Cmd.GET_ALIGNMENT: self._get_alignment,
@@ -243,12 +244,15 @@ class Session:
                 wire.expected_payload(cmd, size)
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
+                self.commands_after_hello += self.hello
                 stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except ClientGone as exc:
             if exc.truncated:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
+            elif self.hello and not self.commands_after_hello:   # every 7.x client sends a command next
+                log.warning("%s: %s", self.peer, wire.hello_then_gone())
             else:
                 log.debug("%s: %s", self.peer, exc)
         except ProtocolError as exc:

@@ -1,0 +1,353 @@
+"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode
+step runs, the host time per NPU step measured here, and the published figures beside it.
+
+WHY: single-stream decode on RK3588 is DRAM-bound (every token streams every weight once),
+so the two things that decide tokens/s are how close the NPU programs stream to the DRAM
+ceiling and how many submits (and how much host work) a token pays. No board has run our
+streams yet; this command states, per model, what our own cost model says the programs
+would take, next to what RKLLM and the open qwen3.c engine measured on boards.
+
+What is priced (modeled, ``cost.model``): per token, each transformer layer's weight
+matmuls as NPU steps (``decode_steps``): fused (the default): Q/K/V as one fused weight,
+O, gate/up as one fused weight, down: 4 submits per layer, plus the output head; unfused:
+one submit per matmul (what the server ran before fusion). Each step's programs are the
+engine's own (``Npu._program_for`` -> ``compile_matmul`` at the engine's M bucket); a step
+costs ``modeled_time`` of its tasks plus one submit (``OWN_DRIVER``). Attention,
+norms, RoPE and the other host ops are not priced (host, not NPU). tokens/s at M rows is M
+tokens per step (M sequences decoded together).
+
+What is measured (this host, not the board): the engine's host work per NPU step on the
+lean path (``engine.fusion.Step``: writing A through its views, reading C through its
+views, scales), run on the simulator with random weights of the step's shape; the
+``NpuDevice.submit`` call (which on the simulator executes the program) is excluded.
+
+Model shapes: from a GGUF's tensors (``blk.N.attn_q.weight`` ...), or the presets below
+(each model's published config.json on Hugging Face).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.cost.model import OWN_DRIVER, dram_bandwidth, modeled_time
+
+MS = (1, 2, 4, 8, 16)
+HOST_ALONE_REPS = 100    # rehearsals are cheap (no submit): enough for a stable median
+NPU_MHZ, DRAM_MHZ = 1000, 2112      # vendor driver NPU clock, max DRAM clock [docs/engine.md, anchors]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Decode-relevant shape of a llama/qwen-style model (one row per output, [N, K])."""
+
+    name: str
+    hidden: int
+    ff: int
+    layers: int
+    q_dim: int          # heads x head_dim
+    kv_dim: int         # kv heads x head_dim
+    vocab: int
+    source: str
+
+    def layer_matmuls(self) -> dict[str, tuple[int, int]]:
+        """name -> (K, N) of one layer's weight matmuls."""
+        h = self.hidden
+        return {"q": (h, self.q_dim), "k": (h, self.kv_dim), "v": (h, self.kv_dim),
+                "o": (self.q_dim, h), "gate": (h, self.ff), "up": (h, self.ff), "down": (self.ff, h)}
+
+
+def _hf(repo: str) -> str:
+    return f"huggingface.co/{repo} (its config)"
+
+
+# hidden_size, intermediate_size, num_hidden_layers, num_attention_heads x head_dim,
+# num_key_value_heads x head_dim, vocab_size, from each model's config.json.
+PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12 * 128, 2 * 128, 151936, _hf("Qwen/Qwen2.5-1.5B-Instruct")),
+    ModelShape("Qwen3-0.6B", 1024, 3072, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-0.6B")),
+    ModelShape("Qwen3-1.7B", 2048, 6144, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-1.7B")),
+    ModelShape("Llama-3.2-1B", 2048, 8192, 16, 32 * 64, 8 * 64, 128256, _hf("meta-llama/Llama-3.2-1B")),
+    ModelShape("Gemma3-1B", 1152, 6912, 26, 4 * 256, 1 * 256, 262144, _hf("google/gemma-3-1b-it")),
+)}
+
+# Published board figures, decode tokens/s on RK3588 (docs/decode.md cites them).
+SOURCES = {   # the public sources are listed in docs/anchors.md and docs/decode.md
+    "RKLLM w8a8": "docs/anchors.md A4: airockchip/rknn-llm's benchmark table (RKLLM w8a8, RK3588, max clocks)",
+    "qwen3.c fp16": "docs/anchors.md A6: allbilly/qwen3.c's FP16 roofline notes (open FP16 regcmd engine, vendor "
+                    "driver, 1 GHz; stock RKLLM FP16 19.18 tok/s in the same write-up)",
+    "librknnrt Q8_0": "docs/decode.md: invisiofficial/rk-llama.cpp's ggml-rknpu2 notes (librknnrt matmul backend, "
+                      "Gemma3-1B Q8_0 tg; the 4xA76 CPU alone 19.5, docs/anchors.md A9)",
+}
+ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
+    ("Qwen2.5-1.5B", "int8"): (16.69, "RKLLM w8a8"),
+    ("Qwen3-0.6B", "int8"): (32.91, "RKLLM w8a8"),
+    ("Qwen3-0.6B", "fp16"): (20.85, "qwen3.c fp16"),
+    ("Gemma3-1B", "int8"): (16.5, "librknnrt Q8_0"),
+}
+
+
+@dataclass(frozen=True)
+class NpuStep:
+    """One submit of a decode token: matmuls reading one activation [M, K]."""
+
+    names: tuple[str, ...]
+    K: int
+    Ns: tuple[int, ...]
+    fused: bool            # one fused weight (sum N) rather than one program per weight
+    count: int = 1         # how many times per token (the layers)
+
+
+def decode_steps(model: ModelShape, fused: bool = True) -> list[NpuStep]:
+    """The NPU steps of one decode token, as the server plans them (module doc)."""
+    mm = model.layer_matmuls()
+    groups = [("q", "k", "v"), ("o",), ("gate", "up"), ("down",)] if fused else [(n,) for n in mm]
+    steps = [NpuStep(g, mm[g[0]][0], tuple(mm[n][1] for n in g), fused and len(g) > 1, model.layers)
+             for g in groups]
+    steps.append(NpuStep(("output",), model.hidden, (model.vocab,), False, 1))
+    return steps
+
+
+def laddered_envelope():
+    """The envelope of a board that passed the whole bring-up ladder (what
+    ``bench matmul --modeled`` prices too); the proven envelope alone allows one core."""
+    from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
+
+    return envelope_for_rungs(list(RUNGS), "rknpu")
+
+
+def _envelope(name):
+    from ggml_rknpu.hw.envelope import by_name
+
+    return laddered_envelope() if name in (None, "laddered") else by_name(name)
+
+
+def step_programs(step: NpuStep, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
+    """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket) in
+    ``envelope`` (default: the fully laddered board's)."""
+    from ggml_rknpu.engine.api import OUT_FOR_WEIGHT, _compile, m_bucket
+
+    env = _envelope(envelope)
+    out = OUT_FOR_WEIGHT[dtype]
+    Ns = (sum(step.Ns),) if step.fused else step.Ns
+    return [_compile(m_bucket(m), step.K, n, dtype, out, min(cores, env.max_cores), abi, env) for n in Ns]
+
+
+def step_workload_for(step: NpuStep, m: int, dtype: str, cores: int, envelope=None):
+    from ggml_rknpu.engine.fusion import step_workload
+
+    return step_workload(step_programs(step, m, dtype, cores, envelope=envelope))
+
+
+def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int, envelope=None) -> float:
+    return modeled_time(step_workload_for(step, m, dtype, cores, envelope),
+                        npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
+
+
+def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
+    """Modeled NPU figures of one decode step of ``m`` sequences."""
+    b = 1 if dtype == "int8" else 2
+    steps = decode_steps(model, fused)
+    seconds = sum(modeled_step_s(s, m, dtype, cores, envelope) * s.count for s in steps)
+    weight_bytes = sum(step.K * n * b * step.count for step in steps for n in step.Ns)
+    submits = sum(step_workload_for(s, m, dtype, cores, envelope).submits * s.count for s in steps)
+    return {
+        "model": model.name, "weights": dtype, "M": m, "plan": "fused" if fused else "unfused",
+        "submits_per_token": submits, "submits_per_layer": (submits - 1) / model.layers,
+        "npu_ms_per_step_modeled": seconds * 1e3,
+        "tok_s_modeled": m / seconds,
+        "stream_gb_s_modeled": weight_bytes / seconds / 1e9,
+        "submit_ms_modeled": submits * OWN_DRIVER.per_submit_s * 1e3,
+        "weight_mb": weight_bytes / 1e6,
+    }
+
+
+def measure_host_step(npu, step: NpuStep, m: int, dtype: str, reps: int,
+                      rng: np.random.Generator) -> tuple[float, float]:
+    """Median host seconds of the lean path around one submit of ``step`` on this host,
+    the submit itself excluded: (alone: ``Step.rehearse``, A written and C read with no
+    submit between; after a simulated submit: the same phases of ``Step.run``, whose
+    simulation has just evicted the CPU caches)."""
+    parts = [rng.standard_normal((n, step.K), dtype=np.float32) * 0.05 for n in step.Ns]
+    if step.fused:
+        weights = [npu.upload_fused_weight(parts, dtype=dtype)]
+    else:
+        weights = [npu.upload_weight(p, dtype=dtype) for p in parts]
+    del parts
+    try:
+        planned = npu.step(weights, m=m)
+        a = rng.standard_normal((m, step.K), dtype=np.float32)
+        planned.run(a)                       # warm-up: compile, bind, first touch
+        after_submit = []
+        for _ in range(reps):
+            planned.run(a)
+            pack_s, _submit_s, unpack_s = planned.timing
+            after_submit.append(pack_s + unpack_s)
+        alone = [planned.rehearse(a) for _ in range(max(reps, HOST_ALONE_REPS))]
+        return statistics.median(alone), statistics.median(after_submit)
+    finally:
+        for w in weights:
+            w.free()
+
+
+def load_gguf_shape(path: Path) -> ModelShape:
+    """The decode shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N])."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    layers = 1 + max((int(n.split(".")[1]) for n in ne if n.startswith("blk.")), default=-1)
+    need = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    missing = [n for n in need if n not in ne]
+    if layers < 1 or missing:
+        raise ValueError(f"{path}: not a llama/qwen-style GGUF (missing {missing or 'blk.* tensors'})")
+    head = ne.get("output.weight", ne.get("token_embd.weight"))
+    if head is None:
+        raise ValueError(f"{path}: no output.weight or token_embd.weight")
+    hidden, q_dim = ne["blk.0.attn_q.weight"]
+    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
+                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}")
+
+
+def add_arguments(p: argparse.ArgumentParser, common) -> None:
+    common(p, "bench-out/decode")
+    p.add_argument("model", nargs="*", default=[],
+                   help=f"GGUF files and/or presets ({', '.join(PRESETS)}); default: every preset")
+    p.add_argument("--weights", default="int8,fp16", help="comma list of weight formats (default int8,fp16)")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per step (default 1,2,4,8,16)")
+    p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3), help="NPU cores the programs use (default 3)")
+    p.add_argument("--host-reps", type=int, default=5, help="timed runs per step for the host figure (0: skip)")
+    p.add_argument("--envelope", default="laddered", choices=("laddered", "proven", "extended"),
+                   help="envelope the programs are compiled in (default laddered: a board that passed the whole "
+                        "bring-up ladder; proven: what hardware-run streams cover, 1 core)")
+
+
+def _models(names: list[str]) -> list[ModelShape]:
+    out = []
+    for name in names or list(PRESETS):
+        preset = {k.lower(): v for k, v in PRESETS.items()}.get(name.lower())
+        if preset is not None:
+            out.append(preset)
+        elif Path(name).is_file():
+            out.append(load_gguf_shape(Path(name)))
+        else:
+            raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a GGUF file")
+    return out
+
+
+def run(args, rig, console: Console) -> rp.Report | None:
+    models = _models(args.model)
+    dtypes = [d.strip() for d in args.weights.split(",") if d.strip()]
+    if not dtypes or any(d not in ("fp16", "int8") for d in dtypes):
+        raise ValueError(f"--weights takes fp16 and/or int8, got {args.weights!r}")
+    ms = [int(x) for x in args.ms.split(",") if x.strip()]
+    if not ms or any(not 1 <= m <= 16 for m in ms):
+        raise ValueError(f"--ms takes decode row counts 1..16, got {args.ms!r}")
+    rows: list[dict] = []
+    host_cache: dict[tuple, float] = {}
+    host_rows: list[dict] = []
+    npu = None
+    if args.host_reps > 0:
+        import ggml_rknpu
+
+        npu = ggml_rknpu.open(device=args.device or "sim-rknpu", cores=args.cores,
+                              envelope=_envelope(args.envelope))
+    rng = np.random.default_rng(0)
+    n_cases = len(models) * len(dtypes) * (len(ms) + 1)
+    try:
+        with rp.progress(console, "decode", n_cases) as advance:
+            for model in models:
+                for dtype in dtypes:
+                    for fused, m_list in ((False, [1]), (True, ms)):
+                        for m in m_list:
+                            row = forecast(model, dtype, m, args.cores, fused, args.envelope)
+                            anchor = ANCHORS.get((model.name, dtype))
+                            row["anchor_tok_s"] = f"{anchor[0]:g}" if anchor and m == 1 else "-"
+                            row["anchor_source"] = anchor[1] if anchor and m == 1 else ""
+                            if npu is not None and fused:
+                                host = 0.0
+                                for step in decode_steps(model, fused):
+                                    key = (step.K, step.Ns, step.fused, m, dtype)
+                                    if key not in host_cache:
+                                        host_cache[key] = measure_host_step(npu, step, m, dtype, args.host_reps, rng)
+                                        host_rows.append({
+                                            "step": "+".join(step.names) + (" (fused)" if step.fused else ""),
+                                            "weights": dtype, "M": m, "K": step.K, "N": "+".join(map(str, step.Ns)),
+                                            "host_us_measured": host_cache[key][0] * 1e6,
+                                            "host_after_submit_us_measured": host_cache[key][1] * 1e6})
+                                    host += host_cache[key][0] * step.count
+                                row["host_us_per_step_measured"] = host / row["submits_per_token"] * 1e6
+                                row["host_ms_per_step_measured"] = host * 1e3
+                            rows.append(row)
+                            advance()
+    finally:
+        if npu is not None:
+            npu.close()
+
+    ceiling = dram_bandwidth(DRAM_MHZ) / 1e9
+    columns = [
+        rp.Column("model", "model"), rp.Column("weights", "weights"), rp.Column("plan", "plan"), rp.Column("M", "M"),
+        rp.Column("submits_per_token", "submits/step"),
+        rp.Column("npu_ms_per_step_modeled", "NPU ms/step", "{:.1f}", figure=True),
+        rp.Column("tok_s_modeled", "tok/s", "{:.1f}", figure=True),
+        rp.Column("stream_gb_s_modeled", "weight stream GB/s", "{:.1f}", figure=True),
+        rp.Column("submit_ms_modeled", "of which submits ms", "{:.1f}", figure=True),
+        rp.Column("host_us_per_step_measured", "host µs per NPU step", "{:.1f}", figure=True),
+        rp.Column("host_ms_per_step_measured", "host ms/step", "{:.2f}", figure=True),
+        rp.Column("anchor_tok_s", "published tok/s (board)"), rp.Column("anchor_source", "by"),
+    ]
+    note = (f"NPU figures modeled (cost.model: {args.cores} cores, NPU {NPU_MHZ} MHz, DRAM {DRAM_MHZ} MHz, "
+            f"DRAM ceiling {ceiling:.1f} GB/s, {OWN_DRIVER.per_submit_s * 1e6:.0f} µs per submit); a step decodes "
+            "M sequences by one token. Host figures measured on this host (not the board): the engine's lean "
+            "path around each submit, simulator execution excluded. Published figures: single-stream, on boards.")
+    table = rp.Table("Decode per step: modeled NPU time, measured host time, published figures", columns, rows, note)
+    tables = [table]
+    if host_rows:
+        tables.append(rp.Table("Host time per NPU step (measured on this host, not the board)", [
+            rp.Column("step", "step"), rp.Column("weights", "weights"), rp.Column("M", "M"), rp.Column("K", "K"),
+            rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True),
+            rp.Column("host_after_submit_us_measured", "host µs after a simulated submit", "{:.1f}", figure=True)],
+            host_rows,
+            note=f"engine.fusion.Step with float32 activations: writing A and reading C through the step's views, "
+                 f"int8 scales included, the submit excluded. 'host µs': median of {HOST_ALONE_REPS} "
+                 f"Step.rehearse calls (no submit between); 'after a simulated submit': median of "
+                 f"{args.host_reps} Step.run calls, each right after the simulator ran the step (cold CPU caches)"))
+    fused_rows = [r for r in rows if r["plan"] == "fused"]
+    plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per step (fused plan)", "M (sequences per step)",
+                   "tokens/s", rp.series_by(fused_rows, "weights", "M", "tok_s_modeled", "{0} {1}")
+                   if len(models) == 1 else
+                   [s for d in dtypes for s in rp.series_by([r for r in fused_rows if r["weights"] == d], "model", "M",
+                                                            "tok_s_modeled", f"{{0}} {d} {{1}}")],
+                   log_x=True)
+    host = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
+    meta = {"cores": args.cores, "npu_mhz": NPU_MHZ, "dram_mhz": DRAM_MHZ, "submit_profile": OWN_DRIVER.name,
+            "envelope": f"{args.envelope} ({_envelope(args.envelope).name}, at most "
+                        f"{_envelope(args.envelope).max_cores} core(s))",
+            "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host}
+    notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
+             "the output head; unfused = one submit per matmul",
+             "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
+             *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
+    return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
+                     tables=tables, plots=[plot], raw={"rows": rows, "host_steps": host_rows}, notes=notes)
+
+
+def _host_line() -> str:
+    import platform
+
+    return f"{platform.machine()} {platform.processor() or ''} python {platform.python_version()}".strip()
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

@@ -1,0 +1,284 @@
+"""Fused NPU jobs for the decode path: sibling weights as one resident weight, several
+programs in one submit, and ``Step``, a submit planned once and replayed.
+
+WHY: a decode token is a few hundred small matmuls and the NPU is fed from DRAM; one submit
+per matmul costs its fixed overhead every time (``cost.model.OWN_DRIVER``: 79 us, bounded
+from qwen3.c), and a small matmul alone leaves cores idle and pays a task overhead per core
+(K/V projections of a GQA model are 256-1024 outputs). Matmuls that read the same activation
+with no host op between them (Q/K/V; gate/up) can run as one NPU job, two ways:
+
+* **fused weight** (``Npu.upload_fused_weight``): the siblings' rows concatenated into one
+  resident weight [sum N_i, K]; one program; the result splits into one column view per
+  sibling. Exact: each output row is the same dot product either way (int8 scales are per
+  output row, so they concatenate too). Costs a second resident copy unless the caller
+  drops the siblings' own.
+* **chained programs** (``Npu.step`` with several weights): each sibling keeps its own
+  resident weight and program; the programs' regcmd are chained into one submit
+  (``compiler.chain``), reading one A and writing disjoint regions of one C.
+
+Residency stays exact: the engine holds no host copy of a weight, so it cannot see writes
+to the siblings' source bytes; the caller names each fused weight by its siblings' keys in a
+``FusedWeights`` cache, and ``FusedWeights.invalidate(key)`` (called wherever the caller
+invalidates a sibling: SET_TENSOR, COPY_TENSOR, ...) frees every fused copy built from it.
+Freeing a member weight closes the chained steps that use it (``Npu._forget``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
+from ggml_rknpu.compiler.layout import a_bytes, c_bytes
+from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
+from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
+from ggml_rknpu.hw import limits
+
+C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
+
+
+def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
+    """Sibling weights [N_i, K] -> one [sum N_i, K] array and each sibling's row range."""
+    if len(parts) < 2:
+        raise ValueError(f"a fused weight needs at least 2 siblings, got {len(parts)}")
+    for i, p in enumerate(parts):
+        if not isinstance(p, np.ndarray) or p.ndim != 2 or 0 in p.shape:
+            raise ValueError(f"sibling {i} must be a non-empty 2-D numpy array")
+    ks = {p.shape[1] for p in parts}
+    if len(ks) != 1:
+        raise ValueError(f"siblings must share K (their input width); got K = {sorted(ks)}")
+    kinds = {p.dtype == np.int8 for p in parts}
+    if len(kinds) != 1:
+        raise ValueError("siblings must all be int8 or all be float")
+    splits, n0 = [], 0
+    for p in parts:
+        splits.append((n0, n0 + p.shape[0]))
+        n0 += p.shape[0]
+    return np.concatenate(parts, axis=0), tuple(splits)
+
+
+def step_workload(programs: Sequence[Any]) -> Workload:
+    """What the cost model prices for one step running ``programs``: every task of every
+    member; one submit when chained (members of one chain each), else the one program's
+    submits (an envelope may cut it into several chains)."""
+    submits = 1 if len(programs) > 1 else workload_from_program(programs[0]).submits
+    return Workload(tuple(t for p in programs for t in workload_from_program(p).tasks), submits=submits)
+
+
+class FusedWeights:
+    """Fused copies keyed by their siblings' caller keys; exact invalidation by any sibling."""
+
+    def __init__(self) -> None:
+        self._by_keys: dict[tuple[Hashable, ...], Any] = {}
+
+    def get(self, keys: Sequence[Hashable], load: Callable[[], Any]) -> Any:
+        """The fused weight of siblings ``keys``; ``load()`` uploads it when absent."""
+        keys = tuple(keys)
+        fused = self._by_keys.get(keys)
+        if fused is None or fused.freed:
+            fused = load()
+            self._by_keys[keys] = fused
+        return fused
+
+    def invalidate(self, key: Hashable) -> int:
+        """Free every fused copy one of whose siblings is ``key``; how many were freed."""
+        stale = [ks for ks in self._by_keys if key in ks]
+        for ks in stale:
+            self._by_keys.pop(ks).free()
+        return len(stale)
+
+    def clear(self) -> None:
+        for fused in self._by_keys.values():
+            fused.free()
+        self._by_keys.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_keys)
+
+
+class Step:
+    """One submit of the decode path: one weight (plain or fused) or several chained,
+    all reading one activation [rows <= m, K]. Planned once; ``run`` writes A through
+    precomputed views, submits, and reads every output through precomputed views.
+
+    ``run`` returns one array per output (a fused weight gives one per sibling), rows
+    ``[:rows]`` of arrays the step owns: they are overwritten by its next run (copy them to
+    keep them), or pass ``outs`` to receive the results in your own arrays."""
+
+    def __init__(self, npu: Any, weights: Sequence[Any], m: int, out: str | None) -> None:
+        """``m``: the engine's M bucket for the rows this step takes (``api.m_bucket``)."""
+        if not weights:
+            raise ValueError("a step needs at least one weight")
+        for w in weights:
+            npu._check_weight(w)
+        ks = {(w.shape[1], w.dtype) for w in weights}
+        if len(ks) != 1:
+            raise ValueError(f"the weights of one step must share K and dtype; got {sorted(ks)}")
+        self.npu = npu
+        self.weights = tuple(weights)
+        self.K = weights[0].shape[1]
+        self.dtype = weights[0].dtype
+        self.m = m
+        self.out = npu._out_dtype(weights[0], out)
+        self.closed = False
+        scaled = self.dtype == "int8"
+        self._result_dtype = np.float32 if scaled or self.out == "fp32" else (
+            np.float16 if self.out == "fp16" else np.int32)
+        # results: one array per weight; a fused weight's siblings are column views of it
+        self._results = [np.empty((self.m, w.shape[0]), self._result_dtype) for w in self.weights]
+        self.outputs: list[tuple[int, int, int]] = []      # (weight index, n0, n1)
+        for i, w in enumerate(self.weights):
+            for n0, n1 in getattr(w, "splits", ((0, w.shape[0]),)):
+                self.outputs.append((i, n0, n1))
+        self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
+        self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
+        self._chain = _Chain(npu, self) if len(self.weights) > 1 else None
+        self.modeled = self._chain.modeled if self._chain else None
+
+    # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
+    def _single(self) -> tuple[ActivationPort, list[ResultPort], Any]:
+        w = self.weights[0]
+        bound = self.npu._bound_program(w, self.m, self.out)
+        a_port, c_port = self.npu._ports(bound, w, self.out)
+        self.modeled = bound.modeled
+        return a_port, [c_port], bound
+
+    def rehearse(self, a: np.ndarray) -> float:
+        """The host side of ``run`` alone (A written, C read through the views, scales
+        applied) without submitting: seconds on this host. For benchmarks of the host path
+        apart from the device (a simulator's execution also evicts the CPU caches)."""
+        if self.closed:
+            raise ValueError("this step was closed (one of its weights was freed); plan it again")
+        t0 = time.perf_counter()
+        a_port, r_ports, _job = self._chain.ports() if self._chain else self._single()
+        act_scales = a_port.write(a)
+        for port, result in zip(r_ports, self._results):
+            port.read(result, a.shape[0], act_scales)
+        return time.perf_counter() - t0
+
+    def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        if self.closed:
+            raise ValueError("this step was closed (one of its weights was freed); plan it again")
+        t0 = time.perf_counter()
+        a_port, r_ports, target = self._chain.ports() if self._chain else self._single()
+        act_scales = a_port.write(a)
+        t1 = time.perf_counter()
+        if self._chain:
+            self.npu._submit_job(target, f"decode step {self!r}")
+        else:   # the engine's bound program: its chains in order, canaries checked
+            self.npu._submit_bound(target, target.c_buf.array(np.uint8))
+        t2 = time.perf_counter()
+        rows = a.shape[0]
+        for port, result in zip(r_ports, self._results):
+            port.read(result, rows, act_scales)
+        if outs is None:
+            results = [v[:rows] for v in self._views]
+        else:
+            if len(outs) != len(self._views):
+                raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
+            for dst, v in zip(outs, self._views):
+                np.copyto(dst[:rows], v[:rows], casting="same_kind")
+            results = [o[:rows] for o in outs]
+        t3 = time.perf_counter()
+        self.timing = (t1 - t0, t2 - t1, t3 - t2)
+        c = self.npu.counters
+        c["matmuls"] += len(self.weights)
+        c["step_runs"] += 1
+        if self._chain:
+            c["chained_submits"] += 1
+        return results
+
+    def close(self) -> None:
+        """Release the step (a chained step's private buffers); idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.npu._steps.discard(self)
+            if self._chain:
+                self._chain.close()
+
+    def __repr__(self) -> str:
+        shapes = "+".join(f"{w.shape[0]}" for w in self.weights)
+        return f"Step(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
+
+
+def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
+    """Chained members must each be one chain, and the chained image must stay inside the
+    engine's envelope (``hw.envelope``: tasks per vendor PC chain); else ValueError."""
+    if any(p.n_submits > 1 for p in programs):
+        raise ValueError("a member program already needs several chains in this envelope; "
+                         "run the siblings as a fused weight or as separate steps")
+    per_core: dict[int, int] = {}
+    for p in programs:
+        for t in p.tasks:
+            per_core[t.core] = per_core.get(t.core, 0) + 1
+    limit = npu.envelope.max_chain_tasks[programs[0].shape.dtype]
+    if npu.abi == "rknpu" and max(per_core.values()) > limit:
+        raise ValueError(f"chaining these programs puts {max(per_core.values())} tasks in one PC chain, more "
+                         f"than the {npu.envelope.name} envelope's {limit}; use a fused weight or separate steps")
+
+
+class _Chain:
+    """Private A, C and regcmd buffers of a chained step (fixed for its life)."""
+
+    def __init__(self, npu: Any, step: Step) -> None:
+        from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
+
+        self.npu = npu
+        programs = [npu._program_for(w, step.m, step.out) for w in step.weights]
+        self.programs = programs
+        _check_chainable(programs, npu)
+        self.modeled = (None if npu.npu_mhz is None
+                        else modeled_time(step_workload(programs), npu_mhz=npu.npu_mhz))
+        what = repr(step)
+        c_offsets, pos = [], 0
+        for p in programs:
+            c_offsets.append(pos)
+            pos += -(-p.c_bytes // C_ALIGN) * C_ALIGN
+        self.buffers: list[Any] = []
+        try:
+            self.a = self._alloc(programs[0].a_bytes, "data", what)
+            self.c = self._alloc(pos, "data", what)
+            self.regcmd = self._alloc(image_words(programs) * 8, "regcmd", what)
+        except BaseException:
+            self.close()
+            raise
+        offsets = member_offsets(programs)
+        bound = [p.bind(a=self.a.dma_addr, b=w.buffer.dma_addr, c=self.c.dma_addr + co,
+                        regcmd=self.regcmd.dma_addr + ro * 8)
+                 for p, w, co, ro in zip(programs, step.weights, c_offsets, offsets)]
+        image, per_core = chain_image(programs, bound, self.regcmd.dma_addr)
+        self.regcmd.array(np.uint64)[: image.size] = image
+        self.regcmd.sync_to_device(0, image.nbytes)
+        cores = [tuple(HwTask(regcmd_addr=self.regcmd.dma_addr + t.word_offset * 8, body_words=t.body_words,
+                              int_mask=t.int_mask, enable_mask=t.enable_mask) for t in tasks)
+                 for tasks in per_core]
+        cores += [()] * (npu.device.n_cores - len(cores))
+        a_range = BufferRange(self.a, 0, self.a.size)
+        c_range = BufferRange(self.c, 0, self.c.size)
+        # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote it last
+        self.job = Job(cores=tuple(cores), inputs=(a_range, c_range), outputs=(c_range,))
+        a_port = ActivationPort(programs[0].shape, quantize=step.dtype == "int8")
+        a_port.bind(self.a.array(np.uint8))
+        c_raw = self.c.array(np.uint8)
+        r_ports = []
+        for p, w, co in zip(programs, step.weights, c_offsets):
+            port = ResultPort(p, w.scales, step._result_dtype)
+            port.bind(c_raw[co: co + c_bytes(p.shape, p.k_splits)])
+            r_ports.append(port)
+        assert a_bytes(programs[0].shape) == programs[0].a_bytes
+        self._ports = (a_port, r_ports, self.job)
+
+    def _alloc(self, size: int, purpose: str, what: str) -> Any:
+        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)
+        self.buffers.append(buf)
+        return buf
+
+    def ports(self) -> tuple[ActivationPort, list[ResultPort], Any]:
+        return self._ports
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            buf.close()
+        self.buffers.clear()
