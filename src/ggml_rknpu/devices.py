@@ -25,22 +25,29 @@ SIMULATED = ("sim-rknpu", "sim-rocket")
 DEVICE_CHOICES = ("rknpu", "rocket", *SIMULATED)
 
 
-def open_simulated(kind: str, **options: object) -> NpuDevice:
-    """A device over a fresh simulated ``kind`` kernel (``options``: ``SimKernel``'s)."""
-    from ggml_rknpu.sim.kernel import SimKernel
+def open_simulated(kind: str, *, kernel: Syscalls | None = None, **options: object) -> NpuDevice:
+    """A device over ``kernel`` (a simulated ``kind`` kernel, or a wrapper of one such as
+    ``sim.faults.FaultInjector``), by default a fresh ``SimKernel(kind, **options)``."""
+    if kernel is None:
+        from ggml_rknpu.sim.kernel import SimKernel
 
-    kernel = from_environment(SimKernel(kind, **options))  # type: ignore[arg-type]
-    nodes = discover(kernel)
-    return open_node(kernel, nodes[0][1], simulated=True)
+        kernel = SimKernel(kind, **options)  # type: ignore[arg-type]
+    elif (abi := getattr(kernel, "abi", kind)) != kind:
+        raise NpuError(f"sim-{kind} asked for, but the simulated kernel given is {abi!r}", errno.EINVAL)
+    traced = from_environment(kernel)
+    nodes = discover(traced)
+    return open_node(traced, nodes[0][1], simulated=True)
 
 
 def open_device(name: str | None = None, *, syscalls: Syscalls | None = None) -> NpuDevice:
-    """Open ``name`` (see module doc); ``syscalls`` replaces the host's (tests)."""
+    """Open ``name`` (see module doc). ``syscalls`` replaces the host's (tests); with a
+    ``sim-*`` name it is the simulated kernel to open (e.g. a ``sim.faults.FaultInjector``
+    around a ``SimKernel``: ``rknpu serve --sim-faults``)."""
     name = name or os.environ.get("RKNPU_DEVICE") or None
     if name == "auto":
         name = None
     if name in SIMULATED:
-        return open_simulated(name.removeprefix("sim-"))
+        return open_simulated(name.removeprefix("sim-"), kernel=syscalls)
     host = from_environment(syscalls or HostSyscalls())
     if name is not None and name.startswith("/"):
         return open_node(host, name)

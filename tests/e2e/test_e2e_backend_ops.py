@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.e2e_support import Server, cpp_server, parse_backend_ops, rknpu_server, run_backend_ops, tool_or_skip
+from ggml_rknpu.toolchain.llamacpp import CLIENTS, PINNED
 
 pytestmark = [pytest.mark.llama]
 
@@ -63,9 +64,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-def _check(server: Server, op: str, pattern: str | None, timeout: float) -> None:
-    result = run_backend_ops(server.endpoint, op, pattern, timeout=timeout)
-    print(f"\ntest-backend-ops -b RPC0 -o {op}: {result.passed}/{result.total} passed")
+def _check(server: Server, op: str, pattern: str | None, timeout: float, client: str = PINNED) -> None:
+    result = run_backend_ops(server.endpoint, op, pattern, timeout=timeout, client=client)
+    print(f"\n{client} test-backend-ops -b RPC0 -o {op}: {result.passed}/{result.total} passed")
     context = f"{op} -p {pattern!r}\n{result.output[-4000:]}\n--- server log ---\n{server.log()}"
     assert result.total > 0 and result.passed == result.total and result.backend_ok, \
         f"{result.summary()}\n{context}"
@@ -76,6 +77,19 @@ def _check(server: Server, op: str, pattern: str | None, timeout: float) -> None
 @pytest.mark.parametrize("op", sorted(CI_CASES))
 def test_backend_ops_ci_subset(server: Server, op: str) -> None:
     _check(server, op, CI_CASES[op], timeout=540)
+
+
+# Every other client build (scripts/build-llama-cpp --list) runs the ops that gemma3 and the tiny
+# models send, in the CI subset's cases: enough to show the client's graphs and ours agree.
+OTHER_CLIENT_OPS = ("MUL_MAT", "GET_ROWS", "SET_ROWS", "ROPE", "FLASH_ATTN_EXT", "RMS_NORM", "GEGLU")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("op", OTHER_CLIENT_OPS)
+@pytest.mark.parametrize("client", [c for c in CLIENTS if c != PINNED])
+def test_backend_ops_subset_other_clients(server: Server, client: str, op: str) -> None:
+    tool_or_skip("test-backend-ops", client)
+    _check(server, op, CI_CASES[op], timeout=540, client=client)
 
 
 @pytest.mark.slow
@@ -89,7 +103,7 @@ def test_filters_are_valid_regexes() -> None:
     import re
     for pattern in [p for p in (*CI_CASES.values(), *FULL_OPS.values()) if p]:
         re.compile(pattern)
-    assert set(CI_CASES) == set(FULL_OPS)
+    assert set(CI_CASES) == set(FULL_OPS) and set(OTHER_CLIENT_OPS) <= set(CI_CASES)
 
 
 @pytest.mark.timeout(300)

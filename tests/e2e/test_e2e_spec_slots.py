@@ -133,7 +133,7 @@ GEMMA_CHAT = ("Repeat this list twice: red, green, blue, yellow, purple, orange,
 
 @pytest.fixture(scope="module")
 def gemma() -> Path:
-    from ggml_rknpu.ggml import models
+    from ggml_rknpu.toolchain import models
 
     tool_or_skip("llama-server")
     try:

@@ -1,5 +1,6 @@
 """Tiny random llama / qwen2 / qwen3 models through unmodified ``llama-completion --rpc -ngl 99``
-with ``rknpu serve`` (simulated NPU) as the device: greedy output equals the CPU-only run.
+with ``rknpu serve`` (simulated NPU) as the device: greedy output equals the CPU-only run, for
+every client build (the pinned llama.cpp and b11434, scripts/build-llama-cpp).
 
 Greedy comparison is on the generated text: it is the concatenation of the sampled tokens'
 pieces, so a different token choice shows up as different text. The offload itself is checked
@@ -15,6 +16,7 @@ import pytest
 
 from support.e2e_support import completion, rknpu_server, tool_or_skip
 from support.gguf_models import ARCHES, MORE_ARCHES, write_tiny_gguf
+from ggml_rknpu.toolchain.llamacpp import CLIENTS
 
 pytestmark = [pytest.mark.llama]
 PROMPT = "The capital of France is"
@@ -39,13 +41,15 @@ ATTENTION_OP = {"on": "FLASH_ATTN_EXT", "off": "SOFT_MAX"}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fa", sorted(ATTENTION_OP))
 @pytest.mark.parametrize("arch", ARCHES)
-def test_greedy_tokens_equal_cpu(tmp_path: Path, models: dict[str, Path], arch: str, fa: str) -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_greedy_tokens_equal_cpu(tmp_path: Path, models: dict[str, Path], arch: str, fa: str, client: str) -> None:
+    tool_or_skip("llama-completion", client)
     flags = ("-fa", fa)
-    cpu_text, cpu = completion(models[arch], PROMPT, n_predict=N_PREDICT, extra=flags)
+    cpu_text, cpu = completion(models[arch], PROMPT, n_predict=N_PREDICT, extra=flags, client=client)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
         text, proc = completion(models[arch], PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, extra=flags,
-                                timeout=800)
+                                timeout=800, client=client)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         assert server.alive(), server.log()
     assert server.weight_uploads() >= TINY_MATMUL_WEIGHTS, server.log()

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.hostggml import abi, gen_abi, lib
 

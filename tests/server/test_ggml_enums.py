@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_rknpu.ggml import enums, gen_enums, llamacpp
+from ggml_rknpu.ggml import enums, gen_enums
+from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 
 
@@ -46,3 +47,21 @@ def test_committed_module_matches_fresh_generation() -> None:
     except llamacpp.LlamaCppNotBuilt as exc:
         pytest.skip(str(exc))
     assert gen_enums.generate() == gen_enums.OUTPUT.read_text(), "run scripts/gen-ggml-enums"
+
+
+def test_a_client_with_other_enums_is_refused(tmp_path, capsys) -> None:
+    """scripts/build-llama-cpp runs this check on every client build but the pinned one."""
+    try:
+        source, library = llamacpp.source_dir(), llamacpp.base_library()
+    except llamacpp.LlamaCppNotBuilt as exc:
+        pytest.skip(str(exc))
+    args = ["--check", "--client", "other", "--library", str(library)]
+    assert gen_enums.main([*args, "--source", str(source)]) == 0
+    include = tmp_path / "ggml" / "include"
+    include.mkdir(parents=True)
+    (include / "ggml.h").write_text((source / "ggml" / "include" / "ggml.h").read_text())
+    rpc_h = (source / "ggml" / "include" / "ggml-rpc.h").read_text()
+    (include / "ggml-rpc.h").write_text(rpc_h.replace("RPC_PROTO_MAJOR_VERSION    7", "RPC_PROTO_MAJOR_VERSION    8"))
+    assert gen_enums.main([*args, "--source", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "client other" in err and "-RPC_PROTO = (7, 0, 0)" in err and "+RPC_PROTO = (8, 0, 0)" in err

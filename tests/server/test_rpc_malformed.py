@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlType
+from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlTensorFlag, GgmlType
 from ggml_rknpu.ggml.ops import geometry as geo
 from ggml_rknpu.ggml.ops.rules import RULES, check_node
 from ggml_rknpu.ggml.tensor import RpcTensor
@@ -63,7 +63,10 @@ def _send(srv, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_index: i
             continue
         placed[t.id] = T(ne=t.ne, nb=t.nb, type=t.type, buffer=h, data=addr, op=t.op if t is node else 0,
                          op_params=t.op_params,
-                         src=t.src if t is node else (), id=t.id, flags=t.flags if t is node else 0)
+                         src=t.src if t is node else (), id=t.id,
+                         # a client's graph node carries COMPUTE (ggml_build_forward_expand); the
+                         # builders' tensors were never in a graph
+                         flags=t.flags | GgmlTensorFlag.COMPUTE if t is node else 0)
         addr += -(-max(geo.span(t), 1) // 64) * 64 + 64
     for i, s in enumerate(srcs):
         if s is None or s is node:

@@ -70,7 +70,10 @@ def test_variable_sizes_and_unknown_commands():
     wire.expected_payload(Cmd.GRAPH_COMPUTE, 12)
     with pytest.raises(ProtocolError):
         wire.expected_payload(Cmd.GRAPH_COMPUTE, wire.MAX_GRAPH_PAYLOAD + 1)
-    for cmd in (18, 19, 200, 255):
+    for cmd in (23, 200, 255):
         with pytest.raises(ProtocolError, match="unknown command"):
+            wire.expected_payload(cmd, 0)
+    for cmd in (18, 19, 22):                              # protocol 8's new commands, named as such
+        with pytest.raises(ProtocolError, match=r"RPC protocol 8\.x .* \(7\.0\.0 here\)"):
             wire.expected_payload(cmd, 0)
     assert len(Cmd) == wire.N_COMMANDS == 18

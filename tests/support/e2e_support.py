@@ -1,4 +1,7 @@
-"""Helpers for the end-to-end tests: start RPC servers, run the pinned llama.cpp tools, parse output.
+"""Helpers for the end-to-end tests: start RPC servers, run llama.cpp's tools, parse output.
+
+Tools come from the pinned client build unless a ``client`` from ``llamacpp.CLIENTS`` is named
+(the ``client`` fixture parametrizes a test over every client build).
 
 Every process started here is killed when its context exits (also on test failure), runs with
 one thread (ggml-rpc.md P5: spinning OpenMP threads on the shared 2-core box cost 40x), and
@@ -22,13 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.ggml import launch, llamacpp
-from ggml_rknpu.ggml.launch import free_port, one_thread_env
+from ggml_rknpu.toolchain import launch, llamacpp
+from ggml_rknpu.toolchain.launch import free_port, one_thread_env
 
-def tool_or_skip(name: str) -> Path:
-    """Path of a pinned llama.cpp tool; skips the test when scripts/build-llama-cpp has not run."""
+def tool_or_skip(name: str, client: str = llamacpp.PINNED) -> Path:
+    """Path of a llama.cpp tool of a client build; skips the test when scripts/build-llama-cpp
+    has not built it."""
     try:
-        return llamacpp.tool(name)
+        return llamacpp.tool(name, client)
     except llamacpp.LlamaCppNotBuilt as exc:
         pytest.skip(str(exc))
 
@@ -157,10 +161,10 @@ def llama_server(tmp_path: Path, model: Path, *, rpc: str | None, extra: tuple[s
 
 
 def run_tool(name: str, args: list[str], *, timeout: float, env: dict[str, str] | None = None,
-             ) -> subprocess.CompletedProcess[str]:
-    """Run a pinned llama.cpp tool to completion, capturing output losslessly (byte tokens of a
+             client: str = llamacpp.PINNED) -> subprocess.CompletedProcess[str]:
+    """Run a llama.cpp tool to completion, capturing output losslessly (byte tokens of a
     random model are not valid UTF-8; surrogateescape keeps them distinguishable)."""
-    return subprocess.run([str(llamacpp.tool(name)), *args], capture_output=True, encoding="utf-8",
+    return subprocess.run([str(llamacpp.tool(name, client)), *args], capture_output=True, encoding="utf-8",
                           errors="surrogateescape", timeout=timeout, env=env or tool_env(),
                           stdin=subprocess.DEVNULL)
 
@@ -204,13 +208,13 @@ def parse_backend_ops(output: str) -> BackendOpsResult:
 
 
 def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeout: float,
-                    ) -> BackendOpsResult:
+                    client: str = llamacpp.PINNED) -> BackendOpsResult:
     """``test-backend-ops test -b RPC0 -o op [-p pattern]`` against ``endpoint`` via our plugin."""
     args = ["test", "-b", "RPC0", "-o", op]
     if pattern:
         args += ["-p", pattern]
-    env = tool_env(GGML_BACKEND_PATH=str(llamacpp.plugin_path()), GGML_RPC_ENDPOINT=endpoint)
-    proc = run_tool("test-backend-ops", args, timeout=timeout, env=env)
+    env = tool_env(GGML_BACKEND_PATH=str(llamacpp.plugin_path(client)), GGML_RPC_ENDPOINT=endpoint)
+    proc = run_tool("test-backend-ops", args, timeout=timeout, env=env, client=client)
     return dataclasses.replace(parse_backend_ops(proc.stdout + proc.stderr), returncode=proc.returncode)
 
 
@@ -226,7 +230,7 @@ _COMPLETE_MARK = "graphs reused ="
 
 def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
                extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 5,
-               ) -> tuple[str, subprocess.CompletedProcess[str]]:
+               client: str = llamacpp.PINNED) -> tuple[str, subprocess.CompletedProcess[str]]:
     """Greedy text of exactly ``n_predict`` tokens from ``llama-completion`` (CPU-only, or fully
     offloaded to the ``rpc`` servers). The text is returned without the tool's closing blank line."""
     args = ["-m", str(model), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-no-cnv",
@@ -235,7 +239,7 @@ def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None
         args = ["--rpc", rpc, *args, "-ngl", "99"]
     args += list(extra)
     for _ in range(attempts):
-        proc = run_tool("llama-completion", args, timeout=timeout)
+        proc = run_tool("llama-completion", args, timeout=timeout, client=client)
         if proc.returncode != 0 or _COMPLETE_MARK in proc.stderr:
             break
     else:

@@ -35,7 +35,7 @@ from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport
-from ggml_rknpu.ggml import launch
+from ggml_rknpu.toolchain import launch
 
 BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; docs/anchors.md §3.4]
 BIG_CORE_THREADS = 4
@@ -209,7 +209,7 @@ def _run_perplexity(argv: list[str], timeout: float) -> str:
 
 
 def run(args, rig: RigReport, console: Console) -> rp.Report | None:
-    from ggml_rknpu.ggml import llamacpp
+    from ggml_rknpu.toolchain import llamacpp
 
     if not args.model.is_file():
         console.print(f"[red]bench model: GGUF not found: {args.model}[/]")

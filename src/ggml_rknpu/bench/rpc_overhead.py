@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.ggml import launch, llamacpp, models
+from ggml_rknpu.toolchain import launch, llamacpp, models
 
 
 def add_arguments(p, common) -> None:

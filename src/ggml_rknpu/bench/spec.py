@@ -208,7 +208,7 @@ class LlamaServerProcess:
     """The pinned ``llama-server`` on loopback, one thread, killed on exit."""
 
     def __init__(self, model: Path, extra: tuple[str, ...], log_path: Path, ctx: int = 2048):
-        from ggml_rknpu.ggml import launch, llamacpp
+        from ggml_rknpu.toolchain import launch, llamacpp
 
         self.port = launch.free_port()
         self.argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1",
@@ -217,7 +217,7 @@ class LlamaServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LlamaServerProcess":
-        from ggml_rknpu.ggml import launch
+        from ggml_rknpu.toolchain import launch
 
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -236,7 +236,7 @@ class LlamaServerProcess:
         raise RuntimeError(f"llama-server not ready within 300 s: {self.log_tail()}")
 
     def __exit__(self, *exc: object) -> None:
-        from ggml_rknpu.ggml import launch
+        from ggml_rknpu.toolchain import launch
 
         if self.proc is not None:
             launch.stop(self.proc)
@@ -368,7 +368,7 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     meta = {"target": target.name, "dtype": args.dtype, "cores": args.cores,
             "draft_preset": draft.name if draft else None}
     if not args.modeled_only:
-        from ggml_rknpu.ggml import launch, llamacpp, models
+        from ggml_rknpu.toolchain import launch, llamacpp, models
 
         launch.ensure_built(quiet=True)
         gemma = models.gemma3_270m(install=True)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from ggml_rknpu.ggml import launch, llamacpp, models
+from ggml_rknpu.toolchain import launch, llamacpp, models
 
 DEFAULT_PROMPT = "The capital of France is"
 

@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse", action="store_true",
                    help="one NPU submit per matmul: do not chain the matmuls that read one activation "
                         "(Q/K/V, gate/up) into one submit (for comparison; the results are the same)")
+    p.add_argument("--npu-memory", type=int, default=None, metavar="MIB",
+                   help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
+                        "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
+    p.add_argument("--sim-faults", default=None, metavar="SPEC",
+                   help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
+                        "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are staged")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (every connection)")
 
@@ -81,20 +87,51 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _open_engine(args: argparse.Namespace):
-    """(engine or None for --device host, how to name it in the start-up line)."""
+    """(engine or None for --device host, how to name it in the start-up line, the
+    ``FaultInjector`` under --sim-faults or None)."""
     if args.engine == "rknn":
         from ggml_rknpu.rknn.opener import open_rknn
 
         npu, setup = open_rknn(args.device, max_contexts=args.rknn_contexts)
-        return npu, f"{setup.describe()}, at most {args.rknn_contexts} contexts"
+        return npu, f"{setup.describe()}, at most {args.rknn_contexts} contexts", None
     if args.device == "host":
-        return None, "host only (no NPU)"
+        return None, "host only (no NPU)", None
     import ggml_rknpu
 
-    npu = ggml_rknpu.open(device=None if args.device == "auto" else args.device,
-                          envelope=None if args.envelope == "recorded" else args.envelope)
-    return npu, (f"NPU engine on {npu.describe()}, envelope {npu.envelope.describe()} "
+    device, injector = _faulty_device(args) if args.sim_faults is not None else (None, None)
+    try:
+        npu = ggml_rknpu.open(device=device or (None if args.device == "auto" else args.device),
+                              envelope=None if args.envelope == "recorded" else args.envelope)
+    except BaseException:
+        if device is not None:
+            device.close()
+        raise
+    described = (f"NPU engine on {npu.describe()}, envelope {npu.envelope.describe()} "
                  "(run `rknpu selftest` to widen it)")
+    if injector is not None:
+        described += f", injected faults: {injector.spec.describe()}"
+    return npu, described, injector
+
+
+def _faulty_device(args: argparse.Namespace):
+    """(the simulated device behind a ``sim.faults.FaultInjector``, that injector); refused
+    on a board."""
+    from ggml_rknpu.devices import open_device
+    from ggml_rknpu.sim.faults import FaultSpec, inject_faults
+
+    spec = FaultSpec.parse(args.sim_faults)
+    kind = args.device.removeprefix("sim-")
+    if args.device == "auto":
+        with open_device(None) as probe:
+            if not probe.simulated:
+                raise ValueError(f"--sim-faults injects faults into the NPU simulator only and --device auto found "
+                                 f"a real NPU ({probe.kind} at {probe.path}); refused (use --device sim-rknpu)")
+            kind = probe.kind
+    elif not args.device.startswith("sim-"):
+        raise ValueError(f"--sim-faults injects faults into the NPU simulator only; refused on a real device "
+                         f"(--device {args.device}); use --device sim-rknpu or sim-rocket")
+    injector = inject_faults(kind, spec)
+    return open_device(f"sim-{kind}", syscalls=injector), injector
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,15 +146,27 @@ def run(args: argparse.Namespace) -> int:
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
         return 2
+    if args.sim_faults is not None and (args.engine == "rknn" or args.device == "host"):
+        log.error("--sim-faults needs our engine on the NPU simulator (not --engine rknn or --device host)")
+        return 2
     if args.engine == "rknn" and args.device == "host":
         log.error("--engine rknn and --device host contradict each other (host runs no engine)")
         return 2
     try:
-        npu, engine = _open_engine(args)
+        npu, engine, injector = _open_engine(args)
     except Exception as exc:
         log.error("cannot open the %s engine for --device %s: %s (use --device host to serve without it)",
                   args.engine, args.device, exc)
         return 1
+    if args.npu_memory is not None:
+        if args.npu_memory < 1 or npu is None or not hasattr(npu, "memory_cap"):
+            log.error("--npu-memory needs a positive MiB figure and our engine on an NPU (not --device host or "
+                      "--engine rknn)")
+            if npu is not None:
+                npu.close()
+            return 2
+        npu.memory_cap = args.npu_memory << 20
+        engine += f", NPU memory capped at {args.npu_memory} MiB"
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
@@ -129,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("--threads must be at least 1, got %d", args.threads)
         return 2
     try:
-        state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config)
+        state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config, faults=injector)
     except (GgmlAbiError, GgmlLibraryMissing) as exc:
         log.error("cannot start the host backend (ggml-cpu): %s", exc)
         if npu is not None:
@@ -145,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     def print_stats(*_: object) -> None:
-        sys.stderr.write(state.stats.render(state.weight_stats))
+        sys.stderr.write(state.render_stats())
         sys.stderr.flush()
         state.write_stats_json()
 

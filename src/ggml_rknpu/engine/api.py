@@ -52,9 +52,9 @@ order (``Program.n_submits``).
 
 Canaries (``engine.canary``): every call arms C with values the NPU cannot write and
 checks them after the submits; one left means a task never finished (a rocket job killed
-at its 500 ms timeout returns stale output with no error) and the call raises NpuFault
-after a reset, so the caller runs the step on the host: a fault costs time, never a
-wrong result.
+at its 500 ms timeout returns stale output with no error) and the call raises
+``canary.StaleOutput`` (an NpuFault) after a reset, so the caller runs the step on the
+host: a fault costs time, never a wrong result.
 
 Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
 already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
@@ -63,6 +63,7 @@ weights.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import ModeledTime, modeled_time
-from ggml_rknpu.engine.canary import Canaries
+from ggml_rknpu.engine.canary import Canaries, StaleOutput
 from ggml_rknpu.engine.weights import (
     ResidentWeight,
     StagedWeight,
@@ -81,8 +82,9 @@ from ggml_rknpu.engine.weights import (
     stage_weight,
 )
 from ggml_rknpu.hw.envelope import Envelope, by_name
+from ggml_rknpu.hw.limits import PAGE_BYTES
 from ggml_rknpu.kernel.device import NpuDevice
-from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory, NpuTimeout
 from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 BUCKET_POW2_MAX = 256
@@ -247,8 +249,11 @@ class Npu:
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits", "npu_faults", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
+            "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
         self.last_timing: Timing | None = None
+        # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
+        # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
+        self.memory_cap: int | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
@@ -397,7 +402,7 @@ class Npu:
 
     def _submit_bound(self, bound: _BoundProgram, c_bytes: np.ndarray) -> tuple[Any, int | None]:
         """Run a bound program: canaries armed in C, its jobs (one per chain) in order, the
-        canaries checked (stale output -> reset + NpuFault). (last completion, summed
+        canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion, summed
         hw_elapsed_ns or None)."""
         assert bound.jobs and bound.canaries is not None, "not bound yet"
         bound.canaries.arm(c_bytes)
@@ -539,31 +544,41 @@ class Npu:
         job timeout) and raise, so the caller runs this step on the host."""
         self.counters["npu_faults"] += 1
         try:
-            self.device.reset()
+            self.reset()
         except NpuError:
             pass
-        raise NpuFault(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
+        raise StaleOutput(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
                        f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
                        "killed at its 500 ms timeout?); the NPU was reset, run this step on the host")
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
-        """(free, total) bytes of NPU address space."""
+        """(free, total) bytes of NPU address space (the device's; ``memory_cap`` aside)."""
         return self.device.iova_budget()
 
+    def memory_used(self) -> int:
+        """NPU bytes in use: weights, programs, scratch (what ``memory_cap`` bounds)."""
+        free, total = self.device.iova_budget()
+        return total - free
+
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        """Allocate, evicting least-recently-used programs when NPU memory runs out."""
+        """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out."""
         while True:
             try:
+                if self.memory_cap is not None and self.memory_used() + _pages(size) > self.memory_cap:
+                    raise NpuOutOfMemory(f"{size} more bytes would exceed the NPU memory cap of "
+                                         f"{self.memory_cap} bytes", errno.ENOMEM)
                 buf = self.device.alloc(max(size, 1), purpose=purpose)
                 break
             except NpuOutOfMemory as exc:
                 if not self._evict_one():
                     free, total = self.device.iova_budget()
+                    if self.memory_cap is not None:
+                        free, total = max(0, self.memory_cap - self.memory_used()), self.memory_cap
                     raise NpuOutOfMemory(
                         f"out of NPU memory allocating {size} bytes for {what} "
-                        f"({free} of {total} bytes free, no cached program left to evict); "
-                        "free weights you no longer need", exc.errno) from exc
+                        f"({free} of {total} bytes free{' under the cap' if self.memory_cap else ''}, no cached "
+                        "program left to evict); free weights you no longer need", exc.errno) from exc
         return buf
 
     def _evict_one(self) -> bool:
@@ -582,6 +597,23 @@ class Npu:
             del self._lru[key]
         self._weights.remove(w)
         self.counters["weights_freed"] += 1
+
+    # -- faults ----------------------------------------------------------------------
+    def reset(self) -> list[Weight]:
+        """Reset the NPU after a faulted job; the weights whose NPU copy the reset destroyed.
+
+        Vendor: ACT_RESET (a core that stopped responding needs it). Rocket has no reset
+        ioctl and resets a timed-out core itself. Neither reset frees GEM objects (the soft
+        reset is of the NPU's blocks, the buffers belong to the open file), so the list is
+        empty with both drivers; a caller still re-stages whatever it names."""
+        self._check_open()
+        try:
+            self.device.reset()
+        except NpuError as exc:
+            if exc.errno != errno.EOPNOTSUPP:   # rocket: the driver already reset the core
+                raise
+        self.counters["resets"] += 1
+        return [w for w in self._weights if w.buffer.closed]
 
     # -- lifecycle -------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -602,6 +634,11 @@ class Npu:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pages(size: int) -> int:
+    """What an allocation of ``size`` bytes takes: whole pages [hw.limits.PAGE_BYTES]."""
+    return -(-max(size, 1) // PAGE_BYTES) * PAGE_BYTES
 
 
 def _npu_mhz(device: NpuDevice) -> float | None:

@@ -6,7 +6,8 @@ WHY: mainline rocket kills a job after 500 ms and returns its outputs stale with
 a task that a board silently drops, or a core reset mid-chain, looks the same. Before a
 submit, the last output row of every task, in every output plane it writes, is set to a
 value the NPU cannot produce; after it, any such atom still holding the value means that
-task did not finish, and the call is an NPU fault.
+task did not finish, and the call raises ``StaleOutput`` (an ``NpuFault``: callers that
+recover from NPU faults need no case of their own; ``ggml/recovery.py`` counts it apart).
 
 Cost: the first element of one 16-byte atom per (task, output plane), written and read
 with one vectorised index each way (decode, M=1, N=8960 fp32: 2240 elements; the
@@ -31,10 +32,15 @@ import numpy as np
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.envelope import decode_task
+from ggml_rknpu.kernel.errors import NpuFault
 
 _ATOM = limits.ATOM_BYTES
 # canary element, as the unsigned integer of the output element's width
 PATTERN: dict[str, np.generic] = {"int32": np.uint32(0x8000_0000), "fp32": np.uint32(0x7FBA_DBAD), "fp16": np.uint16(0x7DBA)}
+
+
+class StaleOutput(NpuFault):
+    """The submits reported success but a canary survived: a task never wrote its output."""
 
 
 @dataclass(frozen=True, eq=False)

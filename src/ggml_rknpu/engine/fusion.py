@@ -33,8 +33,10 @@ import numpy as np
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
+from ggml_rknpu.engine.canary import Canaries, StaleOutput
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.hw import limits
+from ggml_rknpu.kernel.errors import NpuError
 
 C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
 
@@ -166,7 +168,7 @@ class Step:
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
         if self._chain:
-            self.npu._submit_job(target, f"decode step {self!r}")
+            self._chain.submit(f"decode step {self!r}")
         else:   # the engine's bound program: its chains in order, canaries checked
             self.npu._submit_bound(target, target.c_buf.array(np.uint8))
         t2 = time.perf_counter()
@@ -269,6 +271,24 @@ class _Chain:
             r_ports.append(port)
         assert a_bytes(programs[0].shape) == programs[0].a_bytes
         self._ports = (a_port, r_ports, self.job)
+        # each member's canaries in its own C region, as the engine's own submits
+        # (engine.canary): a task that never wrote its output is a fault, not a result
+        self.canaries = [(Canaries.for_program(p), c_raw[co: co + p.c_bytes]) for p, co in zip(programs, c_offsets)]
+
+    def submit(self, what: str) -> None:
+        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset)."""
+        for canaries, c_view in self.canaries:
+            canaries.arm(c_view)
+        self.npu._submit_job(self.job, what)
+        unwritten = sum(canaries.unwritten(c_view) for canaries, c_view in self.canaries)
+        if unwritten:
+            self.npu.counters["npu_faults"] += 1
+            try:
+                self.npu.reset()
+            except NpuError:
+                pass
+            raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
+                              "after the chained submit: a task did not finish; the NPU was reset")
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
         buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)

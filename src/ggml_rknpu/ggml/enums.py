@@ -202,6 +202,16 @@ class GgmlGluOp(IntEnum):
     SWIGLU_CLAMP = 6
 
 
+class GgmlTensorFlag(IntEnum):
+    """enum ggml_tensor_flag (ggml.h)."""
+
+    INPUT = 1
+    OUTPUT = 2
+    PARAM = 4
+    LOSS = 8
+    COMPUTE = 16
+
+
 # (block_size, type_size in bytes) per type: ggml_blck_size / ggml_type_size
 TYPE_TRAITS: dict[GgmlType, tuple[int, int]] = {
     GgmlType.F32: (1, 4),

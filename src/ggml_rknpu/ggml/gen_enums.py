@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import difflib
 import re
 import sys
 from pathlib import Path
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 
 OUTPUT = Path(__file__).with_name("enums.py")
 
-# C enum name -> (Python class, member prefix, count member, ctypes name function or None)
+# C enum name -> (Python class, member prefix, count member or None, ctypes name function or None)
 _ENUMS = (
     ("ggml_type", "GgmlType", "GGML_TYPE_", "GGML_TYPE_COUNT", None),
     ("ggml_op", "GgmlOp", "GGML_OP_", "GGML_OP_COUNT", "ggml_op_name"),
     ("ggml_unary_op", "GgmlUnaryOp", "GGML_UNARY_OP_", "GGML_UNARY_OP_COUNT", "ggml_unary_op_name"),
     ("ggml_glu_op", "GgmlGluOp", "GGML_GLU_OP_", "GGML_GLU_OP_COUNT", "ggml_glu_op_name"),
+    # rpc_tensor.flags: COMPUTE marks the nodes a backend must run (ggml_build_forward_select)
+    ("ggml_tensor_flag", "GgmlTensorFlag", "GGML_TENSOR_FLAG_", None, None),
 )
 
 
@@ -149,12 +152,13 @@ def generate(source: Path | None = None, library: Path | None = None) -> str:
     all_members: dict[str, dict[str, int]] = {}
     for c_name, py_name, prefix, count_name, name_fn in _ENUMS:
         members = parse_enum(ggml_h, c_name)
-        if count_name not in members:
+        if count_name is not None and count_name not in members:
             raise GenerationError(f"{count_name} missing from enum {c_name}")
         if name_fn:
             _check_names(lib, name_fn, prefix, members)
         all_members[py_name] = members
-        lines.append(f"{count_name} = {members[count_name]}")
+        if count_name is not None:
+            lines.append(f"{count_name} = {members[count_name]}")
     for c_name, py_name, prefix, count_name, _ in _ENUMS:
         lines += ["", "", f"class {py_name}(IntEnum):", f'    """enum {c_name} (ggml.h)."""', ""]
         for name, value in all_members[py_name].items():
@@ -178,18 +182,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if enums.py is not up to date")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--client", help="with --check: another client build (scripts/build-llama-cpp) whose "
+                        "enums and RPC protocol must equal the committed ones")
+    parser.add_argument("--source", type=Path, help="llama.cpp source tree (default: the pinned one)")
+    parser.add_argument("--library", type=Path, help="its built libggml-base.so (default: the pinned one)")
     args = parser.parse_args(argv)
     try:
-        text = generate()
-    except (llamacpp.LlamaCppNotBuilt, GenerationError) as exc:
+        text = generate(args.source, args.library)
+    except (llamacpp.LlamaCppNotBuilt, GenerationError, OSError) as exc:
         print(f"gen-ggml-enums: {exc}", file=sys.stderr)
         return 1
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
+        if current == text:
+            return 0
+        if args.client:
+            diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "server (enums.py)",
+                                        f"client {args.client}", lineterm="", n=0)
+            print(f"gen-ggml-enums: client {args.client} ({args.source}) has other ggml enums or RPC protocol "
+                  f"than the server:\n" + "\n".join(list(diff)[:40]), file=sys.stderr)
+        else:
             print(f"gen-ggml-enums: {args.output} is out of date; run scripts/gen-ggml-enums", file=sys.stderr)
-            return 1
-        return 0
+        return 1
     args.output.write_text(text)
     print(f"wrote {args.output}")
     return 0

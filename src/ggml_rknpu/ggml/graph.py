@@ -21,6 +21,13 @@ rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-chec
 before every run of the segment that reads them (a segment ends before a node whose
 indices the segment itself computes). Bytes written by a node are recorded per buffer
 so they can never be mistaken for a weight.
+
+Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
+only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
+rules, index checks, weight placement and segments consider only those. The client's
+``ggml_build_forward_select`` puts every alternative branch into the graph and flags only the
+chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held), so
+checking or running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ import numpy as np
 
 from ggml_rknpu.engine.contract import EngineStep, MatmulEngine, stepping
 from ggml_rknpu.ggml.buffers import BufferTable
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.ggml.ops.rules import check_node, signature
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
+from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
 from ggml_rknpu.ggml.weights import WeightSlot, WeightStore
@@ -60,6 +68,11 @@ def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
     if type_id == GgmlType.BF16:
         return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
     return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
+
+
+def computes(t: RpcTensor) -> bool:
+    """Whether the backend runs this node: an op that is not a view, flagged COMPUTE by the client."""
+    return t.op not in VIEW_OPS and bool(t.flags & GgmlTensorFlag.COMPUTE)
 
 
 @dataclass(eq=False)
@@ -102,9 +115,10 @@ class HostSegment:
 class NpuStep:
     """One MUL_MAT with a resident weight: ``out[.., M, N] = a[.., M, K] @ W[N, K]^T`` on the engine.
 
-    The engine is used only through ``weights.weight(slot)`` and ``npu.matmul``; ``host`` is the
-    same node as a one-node ggml graph, run when the weight is demoted or the engine fails
-    (None when ggml-cpu has no kernel for the combination, e.g. f32 weights with f16
+    The engine is used only through ``NpuRecovery.matmul`` (``ggml/recovery.py``: the weight's
+    handle, ``npu.matmul``, and the policy when the NPU faults); ``host`` is the same node as
+    a one-node ggml graph, run when the weight is demoted, the engine fails or the NPU faulted
+    twice (None when ggml-cpu has no kernel for the combination, e.g. f32 weights with f16
     activations: then an engine failure ends the connection)."""
 
     slot: WeightSlot
@@ -117,22 +131,18 @@ class NpuStep:
     a_id: int = 0            # the activation tensor's id (NpuSteps reading one id may be grouped)
     node: int = 0            # the MUL_MAT's tensor id
 
-    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
-        handle = weights.weight(self.slot)
-        if handle is not None:
-            t0 = time.perf_counter()
-            try:
-                c = npu.matmul(_as_f32_rows(self.a, self.a_type, self.slot.k), handle)
-            except Exception as exc:  # NPU fault/timeout: this weight goes to the host for good
-                weights.matmul_failed(self.slot, exc)
-            else:
-                self.out[...] = c.reshape(self.out.shape)
-                _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0)
-                timing = npu.last_timing
-                if timing is not None and timing.device_s is not None:
-                    stats.npu_device_seconds += timing.device_s
-                    stats.npu_device_label = timing.device_label
-                return
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+        t0 = time.perf_counter()
+        npu = recovery.npu
+        c = recovery.matmul(self.slot, lambda: _as_f32_rows(self.a, self.a_type, self.slot.k))
+        if c is not None and npu is not None:
+            self.out[...] = c.reshape(self.out.shape)
+            _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0)
+            timing = npu.last_timing
+            if timing is not None and timing.device_s is not None:
+                stats.npu_device_seconds += timing.device_s
+                stats.npu_device_label = timing.device_label
+            return
         if self.host is None:
             raise UnsupportedOp(f"MUL_MAT '{self.slot.name}' on the host",
                                 "the NPU refused it and ggml-cpu has no kernel for these types")
@@ -177,25 +187,25 @@ class NpuGroup:
     deferred: frozenset[int] = frozenset()   # members whose result a Delivery writes later
     ran: bool = False                  # this replay ran as one step (the Deliveries copy its results)
 
-    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         self.ran = False
+        npu, weights = recovery.npu, recovery.weights
         handles = tuple(weights.weight(m.slot) for m in self.members)
-        if self.refused or any(h is None for h in handles):
-            self._one_by_one(stats, npu, weights)
+        if npu is None or self.refused or any(h is None for h in handles):
+            self._one_by_one(stats, recovery)
             return
         t0 = time.perf_counter()
         step = self._current_step(npu, handles)
         if step is None:
-            self._one_by_one(stats, npu, weights)
+            self._one_by_one(stats, recovery)
             return
         first = self.members[0]
         try:
             run_step(step, _as_f32_rows(first.a, first.a_type, first.slot.k), self.outs)
-        except Exception as exc:  # a fault in the chained submit: drop the step, retry one by one
-            log.warning("grouped NPU step %s failed (%s: %s); its matmuls run one by one this time",
-                        self.names(), type(exc).__name__, exc)
+        except Exception as exc:  # a fault in the chained submit: reset, drop the step, one by one
+            recovery.step_failed(self.names(), exc)
             self.drop()
-            self._one_by_one(stats, npu, weights)
+            self._one_by_one(stats, recovery)
             return
         _count_npu(stats, self.members, self.rows, time.perf_counter() - t0)
         stats.npu_grouped_runs += 1
@@ -219,11 +229,11 @@ class NpuGroup:
             self.handles = handles
         return self.step
 
-    def _one_by_one(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
-        """The members that run here (a deferred one runs at its Delivery)."""
+    def _one_by_one(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+        """The members that run here, each behind the fault policy (a deferred one runs at its Delivery)."""
         for member in self.members:
             if member.node not in self.deferred:
-                member.run(stats, npu, weights)
+                member.run(stats, recovery)
 
     def names(self) -> str:
         return "+".join(f"'{m.slot.name}'" for m in self.members)
@@ -251,11 +261,11 @@ class Delivery:
     kept: np.ndarray | None = None     # the group's result for this member
     dst: np.ndarray | None = None      # the member's dst as [M, N]
 
-    def run(self, stats: ServerStats, npu: MatmulEngine, weights: WeightStore) -> None:
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         if self.group is not None and self.group.ran:
             np.copyto(self.dst, self.kept)
         else:
-            self.member.run(stats, npu, weights)
+            self.member.run(stats, recovery)
 
 
 def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostSegment | NpuStep | NpuGroup | Delivery]:
@@ -322,20 +332,19 @@ class GraphPlan:
     digest: bytes
     steps: list[HostSegment | NpuStep | NpuGroup | Delivery]
     host: HostContext
-    npu: MatmulEngine | None
-    weights: WeightStore
+    recovery: NpuRecovery     # the engine and the weights, behind the fault policy
     n_nodes: int
     n_views: int
     runs: int = 0
 
     def execute(self, stats: ServerStats) -> None:
         start = time.perf_counter()
-        npu, weights = self.npu, self.weights
+        recovery = self.recovery
         for step in self.steps:
             if type(step) is HostSegment:
                 step.run(stats)
             else:
-                step.run(stats, npu, weights)
+                step.run(stats, recovery)
         self.runs += 1
         stats.execute_seconds += time.perf_counter() - start
         stats.graph_runs += 1
@@ -434,7 +443,7 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
     """Every tensor a computing node reads or writes must have its bytes on this server."""
     for nid in g.node_ids:
         t = g.tensors[nid]
-        if t.op in VIEW_OPS:
+        if not computes(t):
             continue
         for tid in (nid, *t.src):
             if tid and not checked[tid].usable:
@@ -515,7 +524,7 @@ class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
-                 host: Ggml, threads: Threads, group: bool = True) -> None:
+                 host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True) -> None:
         self.buffers = buffers
         self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
@@ -523,6 +532,7 @@ class GraphPlanner:
         self.stats = stats
         self.ggml = host
         self.threads = threads
+        self.recovery = recovery or NpuRecovery(npu, weights, RecoveryStats())
 
     def build(self, payload: bytes | memoryview, digest: bytes) -> GraphPlan:
         t0 = time.perf_counter()
@@ -533,8 +543,8 @@ class GraphPlanner:
             for tid, t in g.tensors.items()
         }
         _check_backed(g, checked)
-        computing = [nid for nid in g.node_ids
-                     if g.tensors[nid].op not in VIEW_OPS and checked[nid].end > checked[nid].start]
+        computing = [nid for nid in g.node_ids                # unflagged: a branch the client did not select
+                     if computes(g.tensors[nid]) and checked[nid].end > checked[nid].start]
         indices = {nid: check_node(g.tensors[nid], tuple(g.tensors[s] if s else None for s in g.tensors[nid].src))
                    for nid in computing}                  # UnsupportedOp before anything is touched
         for nid in computing:                            # bytes written by nodes are never weights
@@ -584,7 +594,7 @@ class GraphPlanner:
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
         self.stats.npu_groups_planned += sum(1 for s in planned if type(s) is NpuGroup)
-        return GraphPlan(g.dev, digest, planned, host, self.npu, self.weights, len(g.node_ids), views)
+        return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:

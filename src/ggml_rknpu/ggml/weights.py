@@ -37,7 +37,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -127,6 +127,8 @@ class WeightStats:
     evicted: int = 0                 # retired copies freed for NPU memory
     retired_now: int = 0             # retired copies held now
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
+    host_now: int = 0                # weights of live buffers the engine refused or demoted: on the host
+    host_bytes_now: int = 0          # ... their ggml bytes
 
 
 def _free_handle(handle: EngineWeight, name: str) -> None:
@@ -236,10 +238,39 @@ class WeightStore:
         if isinstance(exc, NpuOutOfMemory) and self.retired is not None and self.retired.evict_one():
             log.info("NPU out of memory in a matmul with '%s': evicted a retired weight", slot.name)
             return
-        slot.failed = f"{type(exc).__name__}: {exc}"
-        self.stats.failures += 1
-        log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, slot.failed)
+        self.demote(slot, f"{type(exc).__name__}: {exc}")
+
+    def demote(self, slot: WeightSlot, reason: str) -> None:
+        """Host path for good for this weight (``reason`` is logged and kept); NPU copy freed."""
+        self._to_host(slot, reason)
+        log.error("NPU matmul with '%s' failed, host path from now on: %s", slot.name, reason)
         self._unstage(slot)
+
+    def _to_host(self, slot: WeightSlot, reason: str) -> None:
+        slot.failed = reason
+        self.stats.failures += 1
+        self.stats.host_now += 1
+        self.stats.host_bytes_now += slot.nbytes
+
+    def _forget(self, slot: WeightSlot) -> None:
+        """The slot's buffer is gone: its staged copy is retired (or freed), its host count dropped."""
+        self._unstage(slot, retire=True)
+        if slot.failed is not None:
+            self.stats.host_now -= 1
+            self.stats.host_bytes_now -= slot.nbytes
+
+    def restage(self, lost: Callable[[EngineWeight], bool]) -> int:
+        """Forget the staged copies ``lost(handle)`` names (an NPU reset destroyed them); the
+        next use stages them again. Returns how many."""
+        n = 0
+        for slots in self._by_buffer.values():
+            for slot in slots:
+                if slot.handle is not None and lost(slot.handle):
+                    slot.handle = None
+                    self.stats.staged -= 1
+                    self.stats.staged_bytes -= slot.nbytes
+                    n += 1
+        return n
 
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
@@ -280,8 +311,7 @@ class WeightStore:
         try:
             slot.handle = self._upload(to_float_rows(raw, slot.type, slot.n, slot.k))
         except Exception as exc:  # engine limits / NPU out of memory: this weight stays on the host
-            slot.failed = f"{type(exc).__name__}: {exc}"
-            self.stats.failures += 1
+            self._to_host(slot, f"{type(exc).__name__}: {exc}")
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
             return
         self.stats.uploads += 1
@@ -345,12 +375,12 @@ class WeightStore:
     def drop_buffer(self, buffer: DeviceBuffer) -> None:
         """The buffer was freed: retire (or free) its staged weights and forget its slots."""
         for slot in self._by_buffer.pop(buffer.handle, ()):
-            self._unstage(slot, retire=True)
+            self._forget(slot)
         self._slots = {k: s for k, s in self._slots.items() if s.buffer is not buffer}
 
     def close(self) -> None:
         for slots in self._by_buffer.values():
             for slot in slots:
-                self._unstage(slot, retire=True)
+                self._forget(slot)
         self._by_buffer.clear()
         self._slots.clear()

@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.gen_enums import parse_enum
 
 OUTPUT = Path(__file__).with_name("abi.py")

@@ -23,7 +23,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.enums import (TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp)
 from ggml_rknpu.hostggml import abi
 

@@ -19,6 +19,7 @@ into the destination buffer (no intermediate copy of a model's weights).
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import json
 import logging
@@ -28,12 +29,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
+from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc import wire
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
@@ -142,6 +144,8 @@ class ServerState:
     retired: RetiredWeights | None = None
     host: hostggml.Ggml = field(default_factory=hostggml.load)   # loaded and ABI-checked at start
     threads: Threads | None = None
+    recovery: RecoveryStats = field(default_factory=RecoveryStats)
+    faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
@@ -156,14 +160,36 @@ class ServerState:
             self.retired.clear()
         self.threads.close()
 
+    def stats_dict(self) -> dict:
+        """Every counter, machine-readable (``--stats-json``)."""
+        out = self.stats.as_dict(self.weight_stats, getattr(self.npu, "counters", None))
+        out["recovery"] = self.recovery.as_dict()
+        if self.faults is not None:
+            out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
+        if hasattr(self.npu, "memory_used"):
+            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap}
+        return out
+
+    def render_stats(self) -> str:
+        lines = [self.stats.render(self.weight_stats), self.recovery.render()]
+        if self.faults is not None:
+            lines.append(f"faults injected (--sim-faults): {self.faults.counts} in {self.faults.submits} submits")
+        w = self.weight_stats
+        lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
+                     f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
+        if hasattr(self.npu, "memory_used"):
+            cap = self.npu.memory_cap
+            lines.append(f"NPU memory used: {self.npu.memory_used() / 2**20:.1f} MiB"
+                         + (f" of a {cap / 2**20:.0f} MiB cap" if cap is not None else ""))
+        return "\n".join(lines) + "\n"
+
     def write_stats_json(self) -> None:
         path = self.config.stats_json
         if path is None:
             return
         try:
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.stats.as_dict(
-                self.weight_stats, getattr(self.npu, "counters", None)), indent=1))
+            tmp.write_text(json.dumps(self.stats_dict(), indent=1))
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write --stats-json %s: %s", path, exc)
@@ -191,8 +217,11 @@ class Session:
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
+                                    NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls)
         self.hello = False
+        self._plans_at_start = state.stats.plans_built
+        self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
             Cmd.ALLOC_BUFFER: self._alloc_buffer, Cmd.GET_ALIGNMENT: self._get_alignment,
@@ -217,12 +246,15 @@ class Session:
                 wire.expected_payload(cmd, size)
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
+                self.commands_after_hello += self.hello
                 stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except ClientGone as exc:
             if exc.truncated:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
+            elif self.hello and not self.commands_after_hello:   # every 7.x client sends a command next
+                log.warning("%s: %s", self.peer, wire.hello_then_gone())
             else:
                 log.debug("%s: %s", self.peer, exc)
         except ProtocolError as exc:
@@ -262,6 +294,15 @@ class Session:
             self.buffers.close()
         finally:
             self.weights.close()
+            # A session that built plans leaves reference cycles holding views of its buffers
+            # (22 unreachable objects per small client with GraphPlan), and the handler table
+            # holds bound methods of the session: without a
+            # collection here a client's compute buffers would outlive it until the next full
+            # cyclic collection (RSS grew ~80 KiB per small client in tests/server/test_rpc_churn.py).
+            # Only sessions that built plans pay for it (not llama.cpp's memory probes).
+            self._handlers.clear()
+            if self.state.stats.plans_built != self._plans_at_start:
+                gc.collect()
 
     def _send(self, payload: bytes) -> None:
         self.sock.sendall(wire.pack_response(payload))
@@ -520,7 +561,7 @@ class RpcServer:
                 if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
                     runs_reported = self.state.stats.graph_runs
                     if self.state.config.stats_each_client:
-                        log.info("\n%s", self.state.stats.render(self.state.weight_stats))
+                        log.info("\n%s", self.state.render_stats())
                     self.state.write_stats_json()
         finally:
             self.listener.close()

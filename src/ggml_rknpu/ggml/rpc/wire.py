@@ -125,12 +125,45 @@ class ProtocolError(Exception):
     """A request that breaks the protocol; the connection is closed, the server lives on."""
 
 
+# What to tell a user whose client speaks another protocol major. The HELLO request carries
+# no version (only conn_caps, same layout in 7.x and 8.x): the client compares the major we
+# answer with its own and aborts ("RPC server version mismatch"), so the server sees either
+# that abort or, from a client that goes on anyway, requests only another major sends.
+PROTO_TEXT = ".".join(map(str, PROTO_VERSION))
+USE_A_7X_CLIENT = (f"use a llama.cpp client built with RPC protocol {PROTO_VERSION[0]}.x (scripts/build-llama-cpp "
+                   "--list shows the builds this project tests: the pinned 0c1e570 and b11434)")
+# Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [docs/server.md: Other protocol majors]
+PROTO8_COMMANDS = {18: "SET_TENSOR_2D", 19: "GET_TENSOR_2D", 20: "COMM_INIT", 21: "COMM_ALLREDUCE", 22: "COMM_FREE"}
+PROTO8_GRAPH_RECOMPUTE_SIZE = 12   # dev u32 + graph uid u64
+# Before conn_caps the HELLO request had no payload (the 7.0.0 C++ server answers such a request
+# with "HELLO request size mismatch ... client needs upgrade to protocol v7.x").
+PROTO_BEFORE7_HELLO_SIZE = 0
+
+
+def other_major(found: str) -> ProtocolError:
+    """The refusal for a client of another protocol major, naming both versions and the fix."""
+    return ProtocolError(f"the client speaks RPC protocol {found} ({PROTO_TEXT} here): {USE_A_7X_CLIENT}")
+
+
+def hello_then_gone() -> str:
+    """Log text for a client that closed right after our HELLO reply, before any command."""
+    return (f"client closed the connection right after HELLO: it refused this server's RPC protocol {PROTO_TEXT} "
+            f"(a llama.cpp client of another major, e.g. master's 8.0.0 from b11458, logs 'RPC server version "
+            f"mismatch: {PROTO_TEXT}' and aborts); {USE_A_7X_CLIENT}")
+
+
 def expected_payload(cmd: int, payload_size: int) -> None:
     """Check a request header before reading its payload; raise ProtocolError if impossible."""
     if cmd >= N_COMMANDS:
+        if cmd in PROTO8_COMMANDS:
+            raise other_major(f"8.x (command {cmd} is its {PROTO8_COMMANDS[cmd]})")
         raise ProtocolError(f"unknown command {cmd}")
     fixed = FIXED_PAYLOAD[Cmd(cmd)]
     if fixed is not None:
+        if cmd == Cmd.GRAPH_RECOMPUTE and payload_size == PROTO8_GRAPH_RECOMPUTE_SIZE:
+            raise other_major("8.x (GRAPH_RECOMPUTE carries a graph uid)")
+        if cmd == Cmd.HELLO and payload_size == PROTO_BEFORE7_HELLO_SIZE:
+            raise other_major("older than 7.0 (HELLO without conn_caps)")
         if payload_size != fixed:
             raise ProtocolError(f"{Cmd(cmd).name}: payload is {payload_size} bytes, expected {fixed}")
     elif cmd == Cmd.SET_TENSOR:

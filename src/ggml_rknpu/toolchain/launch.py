@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from ggml_rknpu.ggml import llamacpp
+from ggml_rknpu.toolchain import llamacpp
 
 ONE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 REPO_ROOT = Path(__file__).resolve().parents[3]

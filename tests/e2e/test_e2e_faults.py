@@ -1,0 +1,120 @@
+"""Faults cost time, never a token: unmodified ``llama-completion --rpc`` against ``rknpu serve
+--sim-faults`` gives exactly the text of the fault-free run, for each kind of fault injected at a
+rate that hits several matmuls per token, and the server's counters show every fault seen and
+recovered from.
+
+Observed vs injected: every injected fault makes exactly one NPU attempt fail (a hang or a
+dead core persists until the reset the recovery does before its retry), so the recovery's
+count per kind equals the injector's - a stale output that went unnoticed would show as a
+missing "stale" count (and, most likely, different text).
+
+CI: a tiny random llama (15 matmul weights, ~15 matmuls a token) with all four kinds at once
+(~13 s). ``slow``: each kind alone at 0.2 per submit on the tiny model (~13 s each), and the real
+gemma-3-270m with all kinds at once, 4 tokens (~80 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from support.e2e_support import completion, rknpu_server, tool_or_skip
+from ggml_rknpu.toolchain import models
+from support.gguf_models import write_tiny_gguf
+
+pytestmark = [pytest.mark.llama]
+PROMPT = "The capital of France is"
+N_PREDICT = 8
+OBSERVED_AS = {"timeout": "timeout", "core": "timeout", "dma": "dma", "stale": "stale"}
+RATE = 0.2            # per submit: ~3 faulted matmuls a token on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tool_or_skip("llama-completion")
+    return write_tiny_gguf(tmp_path_factory.mktemp("faults") / "tiny-llama-f16.gguf", "llama", "f16")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    with rknpu_server(tmp_path_factory.mktemp("ref")) as server:
+        text, proc = completion(tiny, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=600)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    assert text.strip()
+    return text
+
+
+def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout: float) -> tuple[str, dict]:
+    with rknpu_server(tmp_path, extra=("--sim-faults", spec)) as server:
+        text, proc = completion(model, PROMPT, n_predict=n_predict, rpc=server.endpoint, timeout=timeout)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+        assert server.alive(), server.log()
+    return text, server.stats()           # written at exit: every counter of the run
+
+
+def _check_counters(stats: dict) -> None:
+    injected, recovery = stats["faults_injected"], stats["recovery"]
+    print(f"injected {injected}; recovery {recovery}")    # pytest -s shows the figures
+    observed = dict.fromkeys(recovery["faults"], 0)
+    for kind, n in injected.items():
+        if kind in OBSERVED_AS:
+            observed[OBSERVED_AS[kind]] += n
+    assert recovery["faults"] == observed, (injected, recovery)
+    assert recovery["resets"] == sum(observed.values()) > 0
+    assert recovery["demoted"] == 0
+    assert recovery["retried_ok"] + recovery["host_fallbacks"] == recovery["retries"]
+
+
+@pytest.mark.timeout(900)
+def test_every_fault_kind_at_once_leaves_the_text_unchanged(tmp_path: Path, tiny: Path, reference: str) -> None:
+    # 0.08 (was 0.075 at 15 submits a token): Q/K/V and gate/up grouped make 9, and each kind must still hit 3+
+    spec = ",".join(f"{kind}:0.08" for kind in OBSERVED_AS) + ",seed=3"
+    text, stats = _faulted_run(tmp_path, tiny, spec, N_PREDICT, 600)
+    injected = stats["faults_injected"]
+    assert all(injected[kind] >= 3 for kind in OBSERVED_AS), injected
+    _check_counters(stats)
+    assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", sorted(OBSERVED_AS))
+def test_each_fault_kind_leaves_the_text_unchanged(tmp_path: Path, tiny: Path, reference: str, kind: str) -> None:
+    text, stats = _faulted_run(tmp_path, tiny, f"{kind}:{RATE},seed=1", N_PREDICT, 600)
+    injected = stats["faults_injected"]
+    assert injected[kind] >= 2 * N_PREDICT, injected             # several per token
+    _check_counters(stats)
+    assert text == reference, f"with {kind} faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gemma3_text_is_unchanged_by_every_kind_of_fault(tmp_path: Path) -> None:
+    tool_or_skip("llama-completion")
+    try:
+        gemma = models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    with rknpu_server(tmp_path, name="fault-free") as server:
+        reference, proc = completion(gemma, PROMPT, n_predict=4, rpc=server.endpoint, timeout=3000)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    text, stats = _faulted_run(tmp_path, gemma, "timeout:0.01,dma:0.01,stale:0.01,core:0.01,seed=2", 4, 3000)
+    assert all(stats["faults_injected"][kind] >= 1 for kind in OBSERVED_AS), stats["faults_injected"]
+    _check_counters(stats)
+    assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.timeout(900)
+def test_npu_memory_cap_below_the_model_keeps_the_text(tmp_path: Path, tiny: Path, reference: str) -> None:
+    """--npu-memory 1 (MiB) for a model of ~2.5 MiB staged: some weights on the NPU, the rest on
+    the host from their ggml bytes; same text, NPU memory within the cap."""
+    with rknpu_server(tmp_path, extra=("--npu-memory", "1")) as server:
+        text, proc = completion(tiny, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=600)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    stats = server.stats()
+    w, mem = stats["weights"], stats["npu_memory"]
+    print(f"weights {w}; npu memory {mem}")
+    assert mem["cap_bytes"] == 1 << 20 and 0 < mem["used_bytes"] <= mem["cap_bytes"]
+    assert w["peak_staged"] >= 1 and w["failures"] >= 1            # some resident, some refused by the cap
+    assert text == reference, f"capped {text!r} != uncapped {reference!r}"

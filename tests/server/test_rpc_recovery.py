@@ -1,0 +1,174 @@
+"""Recovery with nothing lost (ggml/recovery.py): a faulted NPU matmul step resets, retries
+once, else runs on the host for this run; repeated faults demote the weight for good;
+weights a reset destroyed are re-staged; the counters say what happened. Against a fake
+engine (exact fault sequences) and the simulated NPU behind --sim-faults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggml_rknpu
+from ggml_rknpu.devices import open_device
+from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.ggml.placement import HOST, NPU
+from ggml_rknpu.ggml.recovery import DEMOTE_AFTER
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
+from ggml_rknpu.sim.faults import inject_faults
+from support.rpc_testkit import FakeNpu, serve
+from test_rpc_graph import K, M, MatmulGraph, fp16_ref, rng_w
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FaultyNpu(FakeNpu):
+    """FakeNpu whose matmuls raise the queued faults first; ``reset`` optionally loses weights."""
+
+    def __init__(self, faults=(), reset_loses_weights=False) -> None:
+        super().__init__()
+        self.faults = list(faults)
+        self.resets = 0
+        self.reset_loses_weights = reset_loses_weights
+        self.live: list = []
+
+    def upload_weight(self, b, dtype="fp16"):
+        w = super().upload_weight(b, dtype)
+        self.live.append(w)
+        return w
+
+    def matmul(self, a, w, *, out=None):
+        if self.faults:
+            raise self.faults.pop(0)
+        return super().matmul(a, w, out=out)
+
+    def reset(self):
+        self.resets += 1
+        if not self.reset_loses_weights:
+            return []
+        lost, self.live = self.live, []
+        for w in lost:
+            w.freed = True
+        return lost
+
+
+def _ops(state, engine: str) -> int:
+    """MUL_MAT nodes run on ``engine`` (NPU or HOST, i.e. ggml-cpu)."""
+    counter = state.stats.per_op.get(("MUL_MAT", engine))
+    return 0 if counter is None else counter.ops
+
+
+def _run(npu, steps=1):
+    """Compute the graph ``steps`` times with fresh activations; every result checked."""
+    for st in serve(npu=npu):
+        with st.client() as c:
+            g = MatmulGraph(c)
+            w = rng_w()
+            c.set_array(g.w, w)
+            for i in range(steps):
+                x = np.random.default_rng(i).standard_normal((M, K)).astype(np.float32)
+                c.set_array(g.x, x)
+                out = g.compute() if i == 0 else (c.graph_recompute(), c.get_array(g.out))[1]
+                np.testing.assert_allclose(out, x @ w.T, rtol=2e-2, atol=2e-2)   # NPU: fp16 W; host: exact
+            assert c.device_count() == 1
+        return st.state
+
+
+@pytest.mark.parametrize("fault", [NpuTimeout("hang", 110), NpuFault("dma", 14), StaleOutput("stale")])
+def test_one_fault_costs_a_reset_and_a_retry_on_the_npu(fault):
+    npu = FaultyNpu([fault])
+    state = _run(npu)
+    r = state.recovery
+    kind = {NpuTimeout: "timeout", NpuFault: "dma", StaleOutput: "stale"}[type(fault)]
+    assert r.faults[kind] == 1 and sum(r.faults.values()) == 1
+    assert (r.resets, r.retries, r.retried_ok, r.host_fallbacks, r.demoted) == (1, 1, 1, 0, 0)
+    assert npu.resets == 1 and npu.matmuls == 1 and _ops(state, HOST) == 0
+    assert state.stats.per_op[("MUL_MAT", NPU)].ops == 1
+
+
+def test_two_faults_run_the_step_on_the_host_and_the_next_step_on_the_npu_again():
+    npu = FaultyNpu([NpuTimeout("hang", 110), NpuTimeout("hang", 110)])
+    state = _run(npu, steps=2)
+    r = state.recovery
+    assert (r.faults["timeout"], r.resets, r.retries, r.retried_ok, r.host_fallbacks) == (2, 2, 1, 0, 1)
+    assert npu.matmuls == 1                               # step 2 back on the NPU
+    # step 1 on the host (ggml-cpu), step 2 on the NPU
+    assert state.stats.per_op[("MUL_MAT", HOST)].ops == 1 and state.stats.per_op[("MUL_MAT", NPU)].ops == 1
+    assert state.weight_stats.failures == 0
+
+
+def test_repeated_faults_demote_the_weight_for_good(caplog):
+    npu = FaultyNpu([NpuFault("dma", 14)] * DEMOTE_AFTER)
+    steps = DEMOTE_AFTER // 2 + 1                       # two faulted attempts a step, then one on the host
+    state = _run(npu, steps=steps)
+    r = state.recovery
+    assert r.demoted == 1 and r.faults["dma"] == DEMOTE_AFTER and r.host_fallbacks == DEMOTE_AFTER // 2 - 1
+    assert state.weight_stats.failures == 1 and npu.matmuls == 0 and npu.frees == 1
+    assert state.stats.per_op[("MUL_MAT", HOST)].ops == steps
+    assert any(f"{DEMOTE_AFTER} NPU faults in a row" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_success_between_faults_resets_the_streak():
+    npu = FaultyNpu()
+    for st in serve(npu=npu):
+        with st.client() as c:
+            g = MatmulGraph(c)
+            w = rng_w()
+            c.set_array(g.w, w)
+            c.set_array(g.x, np.ones((M, K), np.float32))
+            g.compute()
+            ones = np.ones((M, K), np.float32)
+            for _ in range(DEMOTE_AFTER):            # a step faulting twice (host), then a good one
+                npu.faults = [StaleOutput("stale")] * 2
+                c.graph_recompute()
+                np.testing.assert_allclose(c.get_array(g.out), ones @ w.T, rtol=1e-5, atol=1e-5)
+                c.graph_recompute()
+                np.testing.assert_allclose(c.get_array(g.out), fp16_ref(ones, w), rtol=1e-5, atol=1e-5)
+            assert c.device_count() == 1
+        r = st.state.recovery
+        assert r.faults["stale"] == 2 * DEMOTE_AFTER and r.host_fallbacks == DEMOTE_AFTER
+        assert r.demoted == 0 and st.state.weight_stats.failures == 0
+
+
+def test_weights_a_reset_destroyed_are_restaged():
+    npu = FaultyNpu([NpuTimeout("hang", 110)], reset_loses_weights=True)
+    state = _run(npu, steps=2)
+    assert state.recovery.restaged == 1 and npu.uploads == 2 and state.recovery.retried_ok == 1
+    assert state.weight_stats.staged == 0          # the client left: nothing staged any more
+
+
+def test_other_engine_errors_keep_the_old_policy():
+    npu = FaultyNpu([RuntimeError("engine refused the shape")])
+    state = _run(npu, steps=2)
+    assert state.recovery.resets == 0 and state.weight_stats.failures == 1
+    assert _ops(state, HOST) == 2 and _ops(state, NPU) == 0
+
+
+@pytest.mark.parametrize("spec", ["timeout@2,dma@5", "stale@2,stale@3", "core@3"])
+def test_simulated_faults_through_the_server_lose_nothing(spec):
+    injector = inject_faults("rknpu", spec)
+    npu = ggml_rknpu.open(device=open_device("sim-rknpu", syscalls=injector))
+    try:
+        state = _run(npu, steps=4)
+        engine_resets = npu.counters["npu_faults"]   # the engine resets once itself before raising StaleOutput
+    finally:
+        npu.close()
+    r = state.recovery
+    assert sum(injector.counts.values()) == len(spec.split(","))
+    assert sum(r.faults.values()) >= 1 and r.resets == sum(r.faults.values())
+    assert injector.resets == r.resets + engine_resets and engine_resets == r.faults["stale"]
+    assert r.demoted == 0
+
+
+def test_simulated_rocket_faults_end_stale_and_lose_nothing():
+    """Mainline rocket ends every faulted job silently (PREP_BO returns 0): the canaries see
+    each one as stale output, and the step is retried like any fault."""
+    injector = inject_faults("rocket", "timeout@2,dma@4,core@6")
+    npu = ggml_rknpu.open(device=open_device("sim-rocket", syscalls=injector))
+    try:
+        state = _run(npu, steps=4)
+    finally:
+        npu.close()
+    r = state.recovery
+    assert sum(injector.counts.values()) == 3
+    assert r.faults == {"stale": 3, "timeout": 0, "dma": 0} and r.resets == 3
+    assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0
