@@ -107,7 +107,7 @@ def _decode_submits(tmp_path: Path, model: Path, extra: tuple[str, ...]) -> tupl
     submits, text, stats = [], "", {}
     for n in (4, 12):
         with rknpu_server(tmp_path, extra=("--weights", "fp16", *extra), name=f"submits-{n}") as server:
-            text, proc = completion(model, PROMPT, n_predict=n, rpc=server.endpoint, timeout=800, attempts=1)
+            text, proc = completion(model, PROMPT, n_predict=n, rpc=server.endpoint, timeout=800)
             assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         stats = server.stats()
         submits.append(stats["engine"]["submits"])

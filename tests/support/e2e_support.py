@@ -60,9 +60,12 @@ class Server:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def env(self) -> dict[str, str]:
+        return tool_env()
+
     def __enter__(self) -> "Server":
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=tool_env(),
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                      stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + self.ready_timeout
@@ -137,6 +140,9 @@ def cpp_server(tmp_path: Path) -> Server:
 class LlamaServer(Server):
     """llama.cpp's ``llama-server`` (OpenAI-style HTTP API); ready once /health answers 200."""
 
+    def env(self) -> dict[str, str]:
+        return tool_env(**llamacpp.tool_preload("llama-server"))
+
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=2.0) as reply:
@@ -164,8 +170,9 @@ def run_tool(name: str, args: list[str], *, timeout: float, env: dict[str, str] 
              client: str = llamacpp.PINNED) -> subprocess.CompletedProcess[str]:
     """Run a llama.cpp tool to completion, capturing output losslessly (byte tokens of a
     random model are not valid UTF-8; surrogateescape keeps them distinguishable)."""
+    env = {**(env or tool_env()), **llamacpp.tool_preload(name, client)}
     return subprocess.run([str(llamacpp.tool(name, client)), *args], capture_output=True, encoding="utf-8",
-                          errors="surrogateescape", timeout=timeout, env=env or tool_env(),
+                          errors="surrogateescape", timeout=timeout, env=env,
                           stdin=subprocess.DEVNULL)
 
 
@@ -221,15 +228,15 @@ def run_backend_ops(endpoint: str, op: str, pattern: str | None = None, *, timeo
 # --- llama-completion -------------------------------------------------------------------------
 
 # The pinned tools print through an asynchronous logger that is never joined at exit (it is
-# leaked on purpose, log.cpp), so on a busy machine the tail of the output can be lost. The logger
-# is one FIFO: once the last line common_perf_print always prints ("graphs reused", after the
-# generated text and the timings) is on stderr, stdout and the timing lines are complete. An
-# incomplete run is repeated rather than compared.
+# leaked on purpose, log.cpp), so on a busy machine the tail of the output was lost; run_tool
+# preloads the logger drain (tools/log_drain.cpp) that joins it. The logger is one FIFO: the
+# last line common_perf_print always prints ("graphs reused", after the generated text and the
+# timings) shows that stdout and the timing lines are complete.
 _COMPLETE_MARK = "graphs reused ="
 
 
 def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None = None,
-               extra: tuple[str, ...] = (), timeout: float = 300.0, attempts: int = 5,
+               extra: tuple[str, ...] = (), timeout: float = 300.0,
                client: str = llamacpp.PINNED) -> tuple[str, subprocess.CompletedProcess[str]]:
     """Greedy text of exactly ``n_predict`` tokens from ``llama-completion`` (CPU-only, or fully
     offloaded to the ``rpc`` servers). The text is returned without the tool's closing blank line."""
@@ -238,11 +245,8 @@ def completion(model: Path, prompt: str, *, n_predict: int = 12, rpc: str | None
     if rpc:
         args = ["--rpc", rpc, *args, "-ngl", "99"]
     args += list(extra)
-    for _ in range(attempts):
-        proc = run_tool("llama-completion", args, timeout=timeout, client=client)
-        if proc.returncode != 0 or _COMPLETE_MARK in proc.stderr:
-            break
-    else:
-        raise AssertionError(f"llama-completion output incomplete {attempts} times:\n{proc.stderr[-2000:]}")
+    proc = run_tool("llama-completion", args, timeout=timeout, client=client)
+    if proc.returncode == 0 and _COMPLETE_MARK not in proc.stderr:
+        raise AssertionError(f"llama-completion output incomplete despite the logger drain:\n{proc.stderr[-2000:]}")
     text = proc.stdout[:-2] if proc.stdout.endswith("\n\n") else proc.stdout
     return text, proc

@@ -54,3 +54,39 @@ def test_clients_match_the_build_script_table(tmp_path: Path, monkeypatch: pytes
     assert unknown.returncode == 2 and "unknown client 'nosuch'" in unknown.stderr
     with pytest.raises(ValueError, match="unknown llama.cpp client"):
         llamacpp.tools_dir("nosuch")
+
+
+def test_logger_drain_is_preloaded_only_into_tools_that_log_through_common(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="logger drain"):
+        llamacpp.tool_preload("llama-completion")
+    drain = tmp_path / "llama.cpp-build" / "bin" / llamacpp.LOG_DRAIN_NAME
+    drain.parent.mkdir(parents=True)
+    drain.touch()
+    assert llamacpp.tool_preload("llama-completion") == {"LD_PRELOAD": f"/opt/other.so {drain}"}
+    assert llamacpp.tool_preload("test-backend-ops") == {}
+    assert llamacpp.tool_preload("ggml-rpc-server") == {}
+
+
+@pytest.mark.llama
+def test_completion_output_is_complete_under_cpu_load(tmp_path: Path) -> None:
+    """With the drain preloaded, a ~20 ms tiny-model run keeps its whole output while both cores
+    are busy (without it, 16 of 20 such runs lost their text and timings on this machine)."""
+    import subprocess
+
+    from support.e2e_support import completion, tool_or_skip
+    from support.gguf_models import write_tiny_gguf
+
+    tool_or_skip("llama-completion")
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
+    spinners = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(3)]
+    try:
+        for _ in range(5):
+            text, proc = completion(model, "The capital of France is", n_predict=8)
+            assert proc.returncode == 0 and text and " eval time =" in proc.stderr, proc.stderr[-2000:]
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()

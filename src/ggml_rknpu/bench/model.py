@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import subprocess
@@ -142,7 +141,7 @@ def bench_args(model: Path, args, threads: int) -> list[str]:
 
 def run_llama_bench(tool: Path, argv: list[str], prefix: list[str], timeout: float) -> list[dict]:
     proc = subprocess.run([*prefix, str(tool), *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+                          env=launch.tool_env(tool.name))
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")
     try:
@@ -186,23 +185,15 @@ def kl_divergence(perplexity: Path, model: Path, text: Path, base: Path, endpoin
     out = ""
     for argv in runs:
         out = _run_perplexity([*prefix, str(perplexity), *argv], timeout)
-    # The pinned tools log through an asynchronous logger that is not joined at exit, so under
-    # load the summary can be lost from an otherwise complete run: repeat the KLD run then.
-    for _ in range(KLD_ATTEMPTS - 1):
-        if _KLD_RE.search(out):
-            break
-        out = _run_perplexity([*prefix, str(perplexity), *runs[-1]], timeout)
     m = _KLD_RE.search(out)
     if not m:
-        raise RuntimeError(f"no 'Mean KLD' in llama-perplexity output ({KLD_ATTEMPTS} runs):\n{out[-2000:]}")
+        raise RuntimeError(f"no 'Mean KLD' in llama-perplexity output:\n{out[-2000:]}")
     return float(m.group(1))
 
 
-KLD_ATTEMPTS = 3
-
-
 def _run_perplexity(argv: list[str], timeout: float) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env=launch.tool_env("llama-perplexity"))
     if proc.returncode != 0:
         raise RuntimeError(f"llama-perplexity failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr

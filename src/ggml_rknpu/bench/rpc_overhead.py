@@ -66,7 +66,7 @@ def decode_overhead(stats: dict) -> dict:
 
 def _llama_bench(argv: list[str], timeout: float) -> dict:
     proc = subprocess.run([str(llamacpp.tool("llama-bench")), *argv], capture_output=True, text=True,
-                          timeout=timeout, env=launch.one_thread_env(), stdin=subprocess.DEVNULL)
+                          timeout=timeout, env=launch.tool_env("llama-bench"), stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")
     results = json.loads(proc.stdout)

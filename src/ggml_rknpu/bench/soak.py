@@ -93,7 +93,7 @@ def _start_llama_server(model: Path, rpc_port: int, slots: int, log) -> tuple[su
     port = launch.free_port()
     argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-t", "1", "-c", str(256 * slots), "-np", str(slots), "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99"]
-    proc = subprocess.Popen(argv, env=launch.one_thread_env(), stdin=subprocess.DEVNULL, stdout=log,
+    proc = subprocess.Popen(argv, env=launch.tool_env("llama-server"), stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:

@@ -221,7 +221,7 @@ class LlamaServerProcess:
 
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=launch.one_thread_env())
+                                         stdin=subprocess.DEVNULL, env=launch.tool_env("llama-server"))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         client_log.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         with open(client_log, "w") as err:
-            client = subprocess.run(cmd, env=launch.one_thread_env(), stdin=subprocess.DEVNULL, stderr=err)
+            client = subprocess.run(cmd, env=launch.tool_env("llama-completion"), stdin=subprocess.DEVNULL, stderr=err)
         print(f"\ndemo: llama-completion exited with {client.returncode} after "
               f"{time.monotonic() - start:.1f} s wall clock (its log: {client_log})", file=sys.stderr)
         for line in client_log.read_text(errors="replace").splitlines():

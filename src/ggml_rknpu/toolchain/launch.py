@@ -28,6 +28,12 @@ def one_thread_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def tool_env(name: str, client: str = llamacpp.PINNED, **extra: str) -> dict[str, str]:
+    """The environment for running llama.cpp tool ``name``: one thread, and its logger drained at
+    exit (llamacpp.tool_preload) so that its text and timings are complete."""
+    return one_thread_env(**llamacpp.tool_preload(name, client), **extra)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

