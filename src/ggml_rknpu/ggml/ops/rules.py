@@ -29,21 +29,15 @@ states; once those are written down the expected shape is one line.
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass
-from typing import Callable
 
-from ggml_rknpu.ggml.enums import (GGML_GLU_OP_COUNT, GGML_UNARY_OP_COUNT, TYPE_TRAITS, GgmlGluOp, GgmlOp,
-                                   GgmlType, GgmlUnaryOp)
+from ggml_rknpu.ggml.enums import GGML_GLU_OP_COUNT, GGML_UNARY_OP_COUNT, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 from ggml_rknpu.ggml.ops import geometry as geo
 from ggml_rknpu.ggml.ops.registry import UnsupportedOp, op_name, type_name
-from ggml_rknpu.ggml.tensor import RpcTensor
+from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I16, I32, I64, QUANTIZED, Index, Node,
+                                         Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,
+                                         types_in)
 from ggml_rknpu.hostggml import abi
 
-F32, F16, BF16, I32, I64 = (int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64))
-I8, I16 = int(GgmlType.I8), int(GgmlType.I16)
-FLOAT = frozenset({F32, F16, BF16})
-QUANTIZED = frozenset(int(t) for t, (block, _) in TYPE_TRAITS.items() if block > 1)
 
 # (src0, src1, dst) the binary kernels implement (ggml-cpu/binary-ops.cpp binary_op)
 BINARY_TYPES = frozenset({(F32, F32, F32), (F16, F16, F16), (BF16, BF16, BF16), (BF16, F32, BF16),
@@ -70,93 +64,18 @@ GLU_TYPES = {GgmlGluOp.REGLU: _GLU_ALL, GgmlGluOp.GEGLU: _GLU_ALL, GgmlGluOp.SWI
              GgmlGluOp.GEGLU_ERF: _GLU_ALL, GgmlGluOp.GEGLU_QUICK: _GLU_ALL,
              GgmlGluOp.SWIGLU_OAI: frozenset({F32}), GgmlGluOp.SWIGLU_CLAMP: frozenset({F32, F16})}
 
-Index = tuple[int, int]          # (source holding indices, exclusive upper bound)
-
-
-class Refused(Exception):
-    """A rule does not admit this node (the reason)."""
-
-
-def need(cond: bool, reason: str) -> None:
-    if not cond:
-        raise Refused(reason)
-
-
-@dataclass(frozen=True)
-class Node:
-    """What a rule sees: the destination (the node itself) and its sources."""
-
-    dst: RpcTensor
-    src: tuple[RpcTensor | None, ...]
-
-    def s(self, i: int) -> RpcTensor:
-        return self.src[i]                     # presence checked by the arity before any rule runs
-
-    def i32(self, k: int) -> int:
-        v = self.dst.op_params[k]
-        return v - (1 << 32) if v >= 1 << 31 else v
-
-    def f32(self, k: int) -> float:
-        return struct.unpack("<f", struct.pack("<I", self.dst.op_params[k] & 0xFFFFFFFF))[0]
-
-
-@dataclass(frozen=True)
-class Rule:
-    arity: int                                  # required sources
-    check: Callable[[Node], list[Index] | None]
-    optional: int = 0                           # optional sources after the required ones
-    # tensors whose nb0 may exceed the element size (src index, DST for the node): kernels that
-    # ignore nb0 stay inside the span anyway (nb0 >= element size is checked for every tensor);
-    # everything else must have nb0 == element size, as the kernels GGML_ASSERT
-    strided: frozenset[int] = frozenset()
-
-
-DST = -1
-ANY = frozenset({DST, *range(abi.GGML_MAX_SRC)})
-
-
-def _dst(n: Node, type_: int, ne: tuple[int, ...], contiguous: bool = True) -> None:
-    d = n.dst
-    need(d.type == type_, f"dst type {type_name(d.type)}, ggml makes {type_name(type_)}")
-    need(tuple(d.ne) == tuple(ne), f"dst shape {d.ne}, ggml makes {tuple(ne)}")
-    if contiguous:
-        need(geo.is_contiguous(d), f"dst strides {d.nb} are not contiguous")
-
-
-def _like(n: Node, i: int = 0, type_: int | None = None, contiguous: bool = False) -> None:
-    """dst has src i's shape (ggml_dup_tensor / ggml_view_tensor), with its type unless given."""
-    s = n.s(i)
-    _dst(n, s.type if type_ is None else type_, s.ne, contiguous)
-
-
-def _types(n: Node, table: frozenset, *srcs: int) -> None:
-    """(src types..., dst type) must be a row of ``table``."""
-    key = tuple(n.s(i).type for i in srcs) + (n.dst.type,)
-    need(key in table, f"types {', '.join(type_name(t) for t in key)} have no ggml-cpu kernel")
-
-
-def _is(t: RpcTensor, types: frozenset | int, what: str) -> None:
-    allowed = types if isinstance(types, frozenset) else frozenset({types})
-    need(t.type in allowed, f"{what} type {type_name(t.type)} not in {sorted(type_name(x) for x in allowed)}")
-
-
-def _finite(x: float, what: str) -> None:
-    """For float op_params that size something (ARANGE); the others only change values."""
-    need(x == x and abs(x) != float("inf"), f"{what} is not finite")
-
-
 # --- element-wise -------------------------------------------------------------------------------
 def binary(n: Node) -> None:
     a, b = n.s(0), n.s(1)
-    _types(n, BINARY_TYPES, 0, 1)
+    types_in(n, BINARY_TYPES, 0, 1)
     need(geo.can_repeat(b, a), f"src1 {b.ne} does not repeat into src0 {a.ne}")
-    _like(n)
+    like(n)
 
 
 def unary_same(n: Node, table: frozenset = UNARY_TYPES) -> None:
     """SQR, SQRT, LOG, SIN, COS, CLAMP and the UNARY ops: dst = f(src0) row by row (contiguous rows)."""
-    _types(n, table, 0)
-    _like(n)
+    types_in(n, table, 0)
+    like(n)
 
 
 def unary(n: Node) -> None:
@@ -169,21 +88,21 @@ def glu(n: Node) -> None:
     need(0 <= op < GGML_GLU_OP_COUNT, f"glu op id {op} out of range")
     need(n.i32(1) in (0, 1), "glu 'swapped' must be 0 or 1")
     a, b = n.s(0), n.src[1]
-    _is(a, GLU_TYPES[GgmlGluOp(op)], "glu src0")
+    is_type(a, GLU_TYPES[GgmlGluOp(op)], "glu src0")
     need(geo.is_contiguous_1(a) and geo.is_contiguous_1(n.dst), "glu needs contiguous rows")
     if b is not None:
         need(geo.is_contiguous_1(b) and geo.are_same_shape(a, b) and a.type == b.type,
              "glu src1 must match src0 (shape, type, contiguous rows)")
-        _dst(n, a.type, a.ne, contiguous=False)
+        dst_is(n, a.type, a.ne, contiguous=False)
     else:                                       # ggml_glu_impl: ne0 / 2 (an odd last column is unused)
-        _dst(n, a.type, (a.ne[0] // 2, *a.ne[1:]), contiguous=False)
+        dst_is(n, a.type, (a.ne[0] // 2, *a.ne[1:]), contiguous=False)
 
 
 def scale(n: Node) -> None:
     a = n.s(0)
-    _is(a, frozenset({F32, BF16}), "scale src0")
+    is_type(a, frozenset({F32, BF16}), "scale src0")
     need(geo.is_contiguous(a), "scale needs a contiguous src0")
-    _like(n, contiguous=True)
+    like(n, contiguous=True)
 
 
 def leaky_relu(n: Node) -> None:
@@ -197,33 +116,33 @@ def clamp(n: Node) -> None:
 
 def fill(n: Node) -> None:
     a = n.s(0)
-    _is(a, frozenset({F32, F16}), "fill src0")
+    is_type(a, frozenset({F32, F16}), "fill src0")
     need(geo.is_contiguous(a), "fill needs a contiguous src0")
-    _like(n, contiguous=True)
+    like(n, contiguous=True)
 
 
 def norm(n: Node) -> None:
     """NORM, RMS_NORM, L2_NORM: f32 rows, eps >= 0 (op_params[0])."""
-    _is(n.s(0), F32, "norm src0")
+    is_type(n.s(0), F32, "norm src0")
     eps = n.f32(0)
     need(eps >= 0.0 and eps != float("inf"), f"eps {eps} must be a finite value >= 0")
-    _like(n)
+    like(n)
 
 
 def group_norm(n: Node) -> None:
-    _is(n.s(0), F32, "group_norm src0")
+    is_type(n.s(0), F32, "group_norm src0")
     need(n.i32(0) >= 1, "group_norm needs n_groups >= 1")
     need(n.f32(1) >= 0.0, "group_norm eps must be >= 0")
-    _like(n)
+    like(n)
 
 
 def add_id(n: Node) -> list[Index]:
     a, b, ids = n.s(0), n.s(1), n.s(2)
     for t, w in ((a, "src0"), (b, "src1")):
-        _is(t, F32, f"add_id {w}")
-    _is(ids, I32, "add_id ids")
+        is_type(t, F32, f"add_id {w}")
+    is_type(ids, I32, "add_id ids")
     need(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], "add_id shapes do not fit")
-    _like(n)
+    like(n)
     return [(2, b.ne[1])]
 
 
@@ -232,50 +151,50 @@ def add1(n: Node) -> None:
     need(geo.is_scalar(b) and geo.is_padded_1d(a), "add1 adds a scalar to a padded tensor")
     need((a.type, b.type, n.dst.type) in {(F32, F32, F32), (F16, F32, F16), (F16, F16, F16), (BF16, F32, BF16)},
          "add1 types have no kernel")
-    _like(n)
+    like(n)
 
 
 # --- reductions, shapes -------------------------------------------------------------------------
 def sum_all(n: Node) -> None:
-    _is(n.s(0), FLOAT, "sum src0")
-    _dst(n, n.s(0).type, (1, 1, 1, 1))
+    is_type(n.s(0), FLOAT, "sum src0")
+    dst_is(n, n.s(0).type, (1, 1, 1, 1))
 
 
 def sum_rows(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "sum_rows src0")
-    _dst(n, F32, (1, *a.ne[1:]), contiguous=False)
+    is_type(a, F32, "sum_rows src0")
+    dst_is(n, F32, (1, *a.ne[1:]), contiguous=False)
 
 
 def mean(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "mean src0")
-    _dst(n, F32, (1, *a.ne[1:]), contiguous=False)
+    is_type(a, F32, "mean src0")
+    dst_is(n, F32, (1, *a.ne[1:]), contiguous=False)
 
 
 def cumsum(n: Node) -> None:
-    _is(n.s(0), F32, "cumsum src0")
-    _like(n)
+    is_type(n.s(0), F32, "cumsum src0")
+    like(n)
 
 
 def argmax(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "argmax src0")
+    is_type(a, F32, "argmax src0")
     need(geo.is_matrix(a) and a.ne[0] < 1 << 31, "argmax takes a matrix")
-    _dst(n, I32, (a.ne[1], 1, 1, 1))
+    dst_is(n, I32, (a.ne[1], 1, 1, 1))
 
 
 def count_equal(n: Node) -> None:
     a, b = n.s(0), n.s(1)
-    _is(a, I32, "count_equal src0")
-    _is(b, I32, "count_equal src1")
+    is_type(a, I32, "count_equal src0")
+    is_type(b, I32, "count_equal src1")
     need(geo.are_same_shape(a, b), "count_equal needs equal shapes")
-    _dst(n, I64, (1, 1, 1, 1))
+    dst_is(n, I64, (1, 1, 1, 1))
 
 
 def repeat(n: Node) -> None:
     a = n.s(0)
-    _is(a, frozenset({F16, BF16, I16, F32, I32}), "repeat src0")
+    is_type(a, frozenset({F16, BF16, I16, F32, I32}), "repeat src0")
     need(geo.can_repeat(a, n.dst), f"src0 {a.ne} does not repeat into dst {n.dst.ne}")
     need(n.dst.type == a.type, "repeat keeps the type")
 
@@ -294,12 +213,12 @@ def concat(n: Node) -> None:
         else:
             need(a.ne[d] == b.ne[d], f"concat shapes differ in dim {d}")
             ne.append(a.ne[d])
-    _dst(n, a.type, tuple(ne), contiguous=False)
+    dst_is(n, a.type, tuple(ne), contiguous=False)
 
 
 def pad(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "pad src0")
+    is_type(a, F32, "pad src0")
     lp = [n.i32(2 * d) for d in range(4)]
     rp = [n.i32(2 * d + 1) for d in range(4)]
     need(all(x >= 0 for x in lp + rp), "pad amounts must be >= 0")
@@ -307,74 +226,74 @@ def pad(n: Node) -> None:
     need(circular in (0, 1), "pad 'circular' must be 0 or 1")
     if circular:
         need(all(lp[d] <= a.ne[d] and rp[d] <= a.ne[d] for d in range(4)), "circular pad wider than the tensor")
-    _dst(n, F32, tuple(a.ne[d] + lp[d] + rp[d] for d in range(4)))
+    dst_is(n, F32, tuple(a.ne[d] + lp[d] + rp[d] for d in range(4)))
 
 
 def tri(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "tri src0")
+    is_type(a, F32, "tri src0")
     need(n.i32(0) in TRI_TYPES, "tri type out of range")
     need(geo.is_contiguous(a) and a.ne[0] == a.ne[1], "tri takes contiguous square matrices")
-    _like(n, contiguous=True)
+    like(n, contiguous=True)
 
 
 def diag_mask(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "diag_mask src0")
+    is_type(a, F32, "diag_mask src0")
     need(n.i32(0) >= 0, "diag_mask n_past must be >= 0")
     need(geo.is_contiguous(a), "diag_mask needs a contiguous src0")
-    _like(n, contiguous=True)
+    like(n, contiguous=True)
 
 
 def arange(n: Node) -> None:
     start, stop, step = n.f32(0), n.f32(1), n.f32(2)
     for x, w in ((start, "start"), (stop, "stop"), (step, "step")):
-        _finite(x, f"arange {w}")
+        finite(x, f"arange {w}")
     need(stop > start and step > 0, "arange needs stop > start and step > 0")
     steps = math.ceil((stop - start) / step)
-    _dst(n, F32, (steps, 1, 1, 1))
+    dst_is(n, F32, (steps, 1, 1, 1))
 
 
 def timestep_embedding(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "timestep_embedding src0")
+    is_type(a, F32, "timestep_embedding src0")
     need(geo.is_vector(a), "timesteps are a vector")
     dim = n.i32(0)
     need(dim >= 1, "timestep_embedding dim >= 1")
-    _dst(n, F32, (dim + dim % 2, a.ne[0], 1, 1))
+    dst_is(n, F32, (dim + dim % 2, a.ne[0], 1, 1))
 
 
 def roll(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "roll src0")
+    is_type(a, F32, "roll src0")
     need(all(abs(n.i32(d)) < a.ne[d] for d in range(4)), "roll shifts must be smaller than the dims")
-    _like(n)                                  # ggml_wrap_index wraps once: |shift| < ne is what keeps it inside
+    like(n)                                  # ggml_wrap_index wraps once: |shift| < ne is what keeps it inside
 
 
 def diag(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "diag src0")
+    is_type(a, F32, "diag src0")
     need(a.ne[1] == 1, "diag takes a row vector")
-    _dst(n, F32, (a.ne[0], a.ne[0], a.ne[2], a.ne[3]), contiguous=False)
+    dst_is(n, F32, (a.ne[0], a.ne[0], a.ne[2], a.ne[3]), contiguous=False)
 
 
 # --- rows, copies -------------------------------------------------------------------------------
 def get_rows(n: Node) -> list[Index]:
     a, b = n.s(0), n.s(1)
-    _is(a, GET_ROWS_TYPES, "get_rows src0")
-    _is(b, I32, "get_rows indices")
+    is_type(a, GET_ROWS_TYPES, "get_rows src0")
+    is_type(b, I32, "get_rows indices")
     need(a.ne[2] == b.ne[1] and a.ne[3] == b.ne[2] and b.ne[3] == 1, "get_rows shapes do not fit")
     out = I32 if a.type == I32 else F32
     if a.type in (F16, BF16) and n.dst.type == a.type:
         out = a.type                                  # the f16/bf16 kernels also write their own type
-    _dst(n, out, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), contiguous=False)
+    dst_is(n, out, (a.ne[0], b.ne[0], b.ne[1], b.ne[2]), contiguous=False)
     return [(1, a.ne[1])]
 
 
 def set_rows(n: Node) -> list[Index]:
     b, c, a = n.s(0), n.s(1), n.s(2)             # ggml_set_rows: src0 = rows, src1 = indices, src2 = target
-    _is(b, frozenset({F32, F16}), "set_rows rows")
-    _is(c, frozenset({I64, I32}), "set_rows indices")
+    is_type(b, frozenset({F32, F16}), "set_rows rows")
+    is_type(c, frozenset({I64, I32}), "set_rows indices")
     need(a.ne[0] == b.ne[0] and a.ne[2] == b.ne[2] and a.ne[3] == b.ne[3] and b.ne[1] == c.ne[0]
          and c.ne[1] >= 1 and c.ne[2] >= 1 and b.ne[2] % c.ne[1] == 0 and b.ne[3] % c.ne[2] == 0 and c.ne[3] == 1,
          "set_rows shapes do not fit")
@@ -401,7 +320,7 @@ def copy(n: Node) -> None:
         need(n.dst.type == a.type and geo.nelements(a) == geo.nelements(n.dst) and geo.is_contiguous(n.dst),
              "cont makes a contiguous tensor of src0's type and element count")
     else:
-        _like(n)
+        like(n)
     src, dst = a.type, n.dst.type
     if src == dst:
         if src in QUANTIZED:
@@ -435,62 +354,62 @@ def mul_mat(n: Node) -> None:
          f"mul_mat shapes {a.ne} x {b.ne} do not fit")
     need(not geo.is_transposed(a), "mul_mat src0 is transposed")
     need(n.i32(1) == abi.GGML_HINT_NONE, "mul_mat hints are not admitted")
-    _is(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat src1")
-    _dst(n, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), contiguous=False)
+    is_type(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat src1")
+    dst_is(n, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), contiguous=False)
     _matmul_dst_strides(n)
 
 
 def mul_mat_id(n: Node) -> list[Index]:
     a, b, ids = n.s(0), n.s(1), n.s(2)
-    _is(ids, I32, "mul_mat_id ids")
+    is_type(ids, I32, "mul_mat_id ids")
     need(not geo.is_transposed(a) and a.ne[3] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1
          and ids.ne[1] == b.ne[2] and a.ne[0] == b.ne[0] and b.ne[1] >= 1 and ids.ne[0] % b.ne[1] == 0,
          "mul_mat_id shapes do not fit")
-    _is(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat_id src1")
-    _dst(n, F32, (a.ne[1], ids.ne[0], b.ne[2], 1), contiguous=False)
+    is_type(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat_id src1")
+    dst_is(n, F32, (a.ne[1], ids.ne[0], b.ne[2], 1), contiguous=False)
     _matmul_dst_strides(n)
     return [(2, a.ne[2])]
 
 
 def flash_attn_ext(n: Node) -> None:
     q, k, v, mask, sinks = n.s(0), n.s(1), n.s(2), n.src[3], n.src[4]
-    _is(q, frozenset({F32, F16}), "flash_attn q")
+    is_type(q, frozenset({F32, F16}), "flash_attn q")
     need(k.type == v.type or v.type in (F32, F16), "flash_attn K and V types")
     need(q.ne[0] == k.ne[0] and q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3] == v.ne[3]
          and q.ne[2] % v.ne[2] == 0 and v.ne[1] == k.ne[1], "flash_attn shapes do not fit")
     if mask is not None:
-        _is(mask, F16, "flash_attn mask")
+        is_type(mask, F16, "flash_attn mask")
         need(geo.is_contiguous(mask) and q.ne[2] % mask.ne[2] == 0 and q.ne[3] % mask.ne[3] == 0
              and mask.ne[1] >= q.ne[1] and mask.ne[0] >= k.ne[1], "flash_attn mask shape")
     elif n.f32(1) > 0:
         need(False, "flash_attn max_bias needs a mask")
     if sinks is not None:
-        _is(sinks, F32, "flash_attn sinks")
+        is_type(sinks, F32, "flash_attn sinks")
         need(sinks.ne[0] >= q.ne[2], "flash_attn sinks: one per head")
-    _dst(n, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), contiguous=False)
+    dst_is(n, F32, (v.ne[0], q.ne[2], q.ne[1], q.ne[3]), contiguous=False)
     _matmul_dst_strides(n)
 
 
 def soft_max(n: Node) -> None:
     a, mask, sinks = n.s(0), n.src[1], n.src[2]
-    _is(a, F32, "soft_max src0")
+    is_type(a, F32, "soft_max src0")
     need(geo.is_contiguous(a), "soft_max needs a contiguous src0")
     if mask is not None:
-        _is(mask, frozenset({F16, F32}), "soft_max mask")
+        is_type(mask, frozenset({F16, F32}), "soft_max mask")
         need(geo.is_contiguous(mask) and mask.ne[0] == a.ne[0] and mask.ne[1] >= a.ne[1]
              and a.ne[2] % mask.ne[2] == 0 and a.ne[3] % mask.ne[3] == 0, "soft_max mask shape")
     elif n.f32(1) > 0:
         need(False, "soft_max max_bias needs a mask")
     if sinks is not None:
-        _is(sinks, F32, "soft_max sinks")
+        is_type(sinks, F32, "soft_max sinks")
         need(sinks.ne[0] >= a.ne[2], "soft_max sinks: one per head")
-    _like(n, contiguous=True)
+    like(n, contiguous=True)
 
 
 def rope(n: Node) -> None:
     a, pos, ff = n.s(0), n.s(1), n.src[2]
-    _is(a, frozenset({F32, F16}), "rope src0")
-    _is(pos, I32, "rope positions")
+    is_type(a, frozenset({F32, F16}), "rope src0")
+    is_type(pos, I32, "rope positions")
     n_dims, mode, n_offs = n.i32(1), n.i32(2), n.i32(15)
     need(mode in ROPE_MODES, f"rope mode {mode} not implemented")
     need(geo.is_vector(pos), "rope positions are a vector")
@@ -504,18 +423,12 @@ def rope(n: Node) -> None:
     if mode == abi.GGML_ROPE_TYPE_VISION:
         need(n_dims == a.ne[0] // 2 and n_offs == 0, "vision rope takes n_dims = ne0/2")
     if ff is not None:
-        _is(ff, F32, "rope freq factors")
+        is_type(ff, F32, "rope freq factors")
         need(ff.ne[0] >= n_dims // 2, "rope freq factors: one per dimension pair")
-    _like(n)
+    like(n)
 
 
-# --- convolution helpers -------------------------------------------------------------------------
-def _conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
-    """ggml_calc_conv_output_size, with C's truncating division."""
-    num = ins + 2 * p - d * (ks - 1) - 1
-    return int(num / s) + 1 if num >= 0 else -((-num) // s) + 1
-
-
+# --- convolution -----------------------------------------------------------------------------------
 def im2col(n: Node) -> None:
     a, b = n.s(0), n.s(1)                       # a: the kernel (shape only), b: the input
     s0, s1, p0, p1, d0, d1, is_2d = (n.i32(k) for k in range(7))
@@ -528,47 +441,47 @@ def im2col(n: Node) -> None:
         need(b.nb[1] == b.ne[0] * geo.type_size(b), "im2col reads each channel as one contiguous image")
     else:
         need(b.ne[1] == a.ne[1] and b.ne[3] == 1, "im2col 1-D shapes")
-    oh = _conv_out(b.ne[1], a.ne[1], s1, p1, d1) if is_2d else 0
-    ow = _conv_out(b.ne[0], a.ne[0], s0, p0, d0)
+    oh = conv_out(b.ne[1], a.ne[1], s1, p1, d1) if is_2d else 0
+    ow = conv_out(b.ne[0], a.ne[0], s0, p0, d0)
     need(ow > 0 and (not is_2d or oh > 0), "im2col input too small for the kernel")
     ne = (a.ne[2] * a.ne[1] * a.ne[0] if is_2d else a.ne[1] * a.ne[0], ow, oh if is_2d else b.ne[2],
           b.ne[3] if is_2d else 1)
-    _dst(n, n.dst.type, ne)
+    dst_is(n, n.dst.type, ne)
 
 
 # --- sort, select -------------------------------------------------------------------------------
 def argsort(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "argsort src0")
+    is_type(a, F32, "argsort src0")
     need(n.i32(0) in SORT_ORDERS, "argsort order out of range")
     need(a.ne[0] < 1 << 31, "argsort rows too long")
-    _dst(n, I32, a.ne, contiguous=False)
+    dst_is(n, I32, a.ne, contiguous=False)
 
 
 def top_k(n: Node) -> None:
     a = n.s(0)
-    _is(a, F32, "top_k src0")
+    is_type(a, F32, "top_k src0")
     need(1 <= n.dst.ne[0] <= a.ne[0], "top_k k must be in [1, ne0]")
-    _dst(n, I32, (n.dst.ne[0], *a.ne[1:]), contiguous=False)
+    dst_is(n, I32, (n.dst.ne[0], *a.ne[1:]), contiguous=False)
 
 
 # --- recurrent / state-space --------------------------------------------------------------------
 def ssm_conv(n: Node) -> None:
     sx, c = n.s(0), n.s(1)
     for t, w in ((sx, "sx"), (c, "conv weight")):
-        _is(t, F32, f"ssm_conv {w}")
+        is_type(t, F32, f"ssm_conv {w}")
     need(geo.is_3d(sx) and geo.is_matrix(c), "ssm_conv ranks")
     d_conv, d_inner = c.ne[0], c.ne[1]
     n_t = sx.ne[0] - d_conv + 1
     need(n_t >= 0 and sx.ne[1] == d_inner and sx.nb[1] == sx.ne[0] * 4, "ssm_conv shapes do not fit")
-    _dst(n, F32, (d_inner, n_t, sx.ne[2], 1), contiguous=False)
+    dst_is(n, F32, (d_inner, n_t, sx.ne[2], 1), contiguous=False)
 
 
 def ssm_scan(n: Node) -> list[Index]:
     s, x, dt, A, B, C, ids = (n.s(i) for i in range(7))
     for t, w in ((s, "s"), (x, "x"), (dt, "dt"), (A, "A"), (B, "B"), (C, "C")):
-        _is(t, F32, f"ssm_scan {w}")
-    _is(ids, I32, "ssm_scan ids")
+        is_type(t, F32, f"ssm_scan {w}")
+    is_type(ids, I32, "ssm_scan ids")
     K = n.i32(0)
     need(K >= 1, "ssm_scan K >= 1")
     need(geo.is_contiguous(s) and geo.is_contiguous(dt) and geo.is_contiguous(A), "ssm_scan contiguity")
@@ -582,14 +495,14 @@ def ssm_scan(n: Node) -> list[Index]:
          and n_head % B.ne[1] == 0, "ssm_scan shapes do not fit")
     if A.ne[0] != 1:
         need(A.ne[0] == d_state and K == 1, "mamba-1 A and K")
-    _dst(n, F32, (geo.nelements(x) + K * d_state * head_dim * n_head * ids.ne[0], 1, 1, 1))
+    dst_is(n, F32, (geo.nelements(x) + K * d_state * head_dim * n_head * ids.ne[0], 1, 1, 1))
     return [(6, s.ne[3])]
 
 
 def gated_delta_net(n: Node) -> None:
     q, k, v, g, beta, state = (n.s(i) for i in range(6))
     for t, w in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (state, "state")):
-        _is(t, F32, f"gated_delta_net {w}")
+        is_type(t, F32, f"gated_delta_net {w}")
     need(all(geo.is_contiguous_rows(t) for t in (q, k, v))
          and all(geo.is_contiguous(t) for t in (g, beta, state)), "gated_delta_net contiguity")
     S_v, H, T, B = v.ne
@@ -598,17 +511,17 @@ def gated_delta_net(n: Node) -> None:
          "gated_delta_net shapes do not fit")
     need(q.ne[0] == k.ne[0] == S_v and q.ne[1:] == k.ne[1:] and q.ne[2:] == (T, B) and H % q.ne[1] == 0
          and g.ne[1:] == (H, T, B) and beta.ne[1:] == (H, T, B), "gated_delta_net q/k/g/beta shapes")
-    _dst(n, F32, (S_v * H, T * B + K * S_v * B, 1, 1))
+    dst_is(n, F32, (S_v * H, T * B + K * S_v * B, 1, 1))
 
 
 def _wkv_common(n: Node, ins: tuple[RpcTensor, ...], state: RpcTensor) -> None:
     for t in (*ins, state):
-        _is(t, F32, "rwkv/gla input")
+        is_type(t, F32, "rwkv/gla input")
         need(geo.is_contiguous(t), "rwkv/gla inputs are contiguous")
     S, H, T = ins[0].ne[0], ins[0].ne[1], ins[0].ne[2]
     n_seqs = state.ne[1]
     need(geo.nelements(state) == S * S * H * n_seqs, "rwkv/gla state size")
-    _dst(n, F32, (S * H, T + S * n_seqs, 1, 1))
+    dst_is(n, F32, (S * H, T + S * n_seqs, 1, 1))
 
 
 def rwkv_wkv6(n: Node) -> None:
@@ -634,11 +547,11 @@ def gated_linear_attn(n: Node) -> None:
 
 def solve_tri(n: Node) -> None:
     a, b = n.s(0), n.s(1)
-    _is(a, F32, "solve_tri A")
-    _is(b, F32, "solve_tri B")
+    is_type(a, F32, "solve_tri A")
+    is_type(b, F32, "solve_tri B")
     need(a.ne[0] == a.ne[1] == b.ne[1] and a.ne[2:] == b.ne[2:] and geo.is_contiguous(a) and geo.is_contiguous(b),
          "solve_tri shapes")
-    _dst(n, F32, b.ne)
+    dst_is(n, F32, b.ne)
 
 
 _SRC0, _SRC1, _SRC01 = frozenset({0}), frozenset({1}), frozenset({0, 1})
