@@ -28,6 +28,13 @@ BUILDERS = {
     "ggml_flash_attn_ext": [TensorP, TensorP, TensorP, TensorP, _F, _F, _F], "ggml_repeat": [TensorP, TensorP],
     "ggml_transpose": [TensorP], "ggml_permute": [TensorP, _I, _I, _I, _I], "ggml_cumsum": [TensorP],
     "ggml_pad": [TensorP, _I, _I, _I, _I], "ggml_argmax": [TensorP], "ggml_mean": [TensorP],
+    # vision towers (ops/rules_conv.py)
+    "ggml_conv_2d_direct": [TensorP, TensorP, *[_I] * 6], "ggml_conv_2d_dw_direct": [TensorP, TensorP, *[_I] * 6],
+    "ggml_conv_3d_direct": [TensorP, TensorP, *[_I] * 12], "ggml_conv_transpose_1d": [TensorP, TensorP, _I, _I, _I],
+    "ggml_conv_transpose_2d_p0": [TensorP, TensorP, _I], "ggml_im2col_3d": [TensorP, TensorP, _I64, *[_I] * 9, _I],
+    "ggml_col2im_1d": [TensorP, _I, _I, _I], "ggml_pool_1d": [TensorP, _I, _I, _I, _I],
+    "ggml_pool_2d": [TensorP, _I, _I, _I, _I, _I, _F, _F], "ggml_interpolate": [TensorP, *[_I64] * 4, ctypes.c_uint32],
+    "ggml_pad_reflect_1d": [TensorP, _I, _I],
 }
 PREDICATES = ("ggml_is_contiguous", "ggml_is_contiguous_1", "ggml_is_contiguous_2", "ggml_is_contiguous_rows",
               "ggml_is_transposed", "ggml_nbytes")
@@ -38,7 +45,7 @@ class Scratch:
 
     def __init__(self, g):
         self.g = g
-        self.ctx = g.context(64, ())
+        self.ctx = g.context(160, ())
         self._ids: dict[int, int] = {}
 
     def fn(self, name: str):
@@ -118,3 +125,22 @@ def _made_by_ggml(sc: Scratch):
     yield "add_id", call("ggml_add_id", new(F32, 64, 2, 5, 1), new(F32, 64, 8, 1, 1), ids)
     yield "ssm_conv", call("ggml_ssm_conv", new(F32, 7, 16, 2, 1), new(F32, 4, 16, 1, 1))
     yield "flash_attn_ext", call("ggml_flash_attn_ext", q, k, v, mask, 0.125, 0.0, 0.0)
+    yield from _vision(sc)
+
+
+def _vision(sc: Scratch):
+    """The vision-tower ops (ops/rules_conv.py), with strides, padding and dilation other than 1/0/1."""
+    new, call = sc.new, sc.call
+    img, img3 = new(F32, 9, 8, 3, 2), new(F32, 7, 6, 5, 6)             # [W, H, C, N]; [W, H, D, C*N]
+    yield "conv_2d f16 kernel", call("ggml_conv_2d_direct", new(F16, 3, 3, 3, 4), img, 2, 1, 1, 0, 1, 2)
+    yield "conv_2d_dw", call("ggml_conv_2d_dw_direct", new(F32, 3, 3, 1, 3), img, 1, 2, 1, 1, 1, 1)
+    yield "conv_3d", call("ggml_conv_3d_direct", new(F32, 2, 3, 2, 3 * 4), img3, 1, 2, 1, 0, 1, 1, 1, 1, 2, 3, 2, 4)
+    yield "conv_transpose_1d", call("ggml_conv_transpose_1d", new(F32, 3, 4, 5, 1), new(F32, 10, 5, 1, 1), 2, 0, 1)
+    yield "conv_transpose_2d", call("ggml_conv_transpose_2d_p0", new(F16, 3, 3, 4, 3), img, 2)
+    yield "im2col_3d", call("ggml_im2col_3d", new(F16, 2, 3, 2, 3 * 4), img3, 3, 1, 2, 1, 0, 1, 1, 1, 1, 2, F16)
+    yield "col2im_1d", call("ggml_col2im_1d", new(F32, 4 * 3, 7, 1, 1), 2, 3, 1)
+    yield "pool_1d", call("ggml_pool_1d", img, abi.GGML_OP_POOL_MAX, 3, 2, 1)
+    yield "pool_2d", call("ggml_pool_2d", img, abi.GGML_OP_POOL_AVG, 3, 2, 2, 1, 1.0, 0.0)
+    yield "upscale bilinear", call("ggml_interpolate", img, 17, 5, 3, 2,
+                                   abi.GGML_SCALE_MODE_BILINEAR | abi.GGML_SCALE_FLAG_ALIGN_CORNERS)
+    yield "pad_reflect_1d", call("ggml_pad_reflect_1d", img, 2, 3)

@@ -63,9 +63,13 @@ def parse_enum(header_text: str, enum_name: str) -> dict[str, int]:
         if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
             raise GenerationError(f"cannot parse enum {enum_name} member {item!r}")
         if value:
-            if not re.fullmatch(r"\d+", value):
+            shift = re.fullmatch(r"\(\s*1\s*<<\s*(\d+)\s*\)", value)      # flag enums: (1 << n)
+            if shift:
+                next_value = 1 << int(shift.group(1))
+            elif re.fullmatch(r"\d+", value):
+                next_value = int(value)
+            else:
                 raise GenerationError(f"enum {enum_name}: non-literal value {item!r}")
-            next_value = int(value)
         members[name] = next_value
         next_value += 1
     return members

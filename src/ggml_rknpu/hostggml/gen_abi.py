@@ -39,7 +39,7 @@ DEFINES = ("GGML_MAX_DIMS", "GGML_MAX_SRC", "GGML_MAX_OP_PARAMS", "GGML_MAX_NAME
            "GGML_ROPE_TYPE_VISION", "GGML_ROPE_TYPE_IMROPE")
 # enums whose values travel in op_params (checked by the validator's rules) or in tensor flags
 ENUMS = ("ggml_tensor_flag", "ggml_prec", "ggml_op_hint", "ggml_tri_type", "ggml_op_pool", "ggml_scale_mode",
-         "ggml_sort_order")
+         "ggml_scale_flag", "ggml_sort_order")
 
 _SCALARS = {
     "int64_t": "ctypes.c_int64", "uint64_t": "ctypes.c_uint64", "int32_t": "ctypes.c_int32",

@@ -36,6 +36,7 @@ from ggml_rknpu.ggml.ops.registry import UnsupportedOp, op_name, type_name
 from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I16, I32, I64, QUANTIZED, Index, Node,
                                          Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,
                                          types_in)
+from ggml_rknpu.ggml.ops.rules_conv import RULES as CONV_RULES
 from ggml_rknpu.hostggml import abi
 
 
@@ -556,6 +557,8 @@ def solve_tri(n: Node) -> None:
 
 _SRC0, _SRC1, _SRC01 = frozenset({0}), frozenset({1}), frozenset({0, 1})
 RULES: dict[int, Rule] = {
+    # every admitted op, in one table: the families split into their own modules, then the rest
+    **CONV_RULES,
     # element-wise
     GgmlOp.ADD: Rule(2, binary, strided=_SRC1), GgmlOp.SUB: Rule(2, binary, strided=_SRC1),
     GgmlOp.MUL: Rule(2, binary, strided=_SRC1), GgmlOp.DIV: Rule(2, binary, strided=_SRC1),
