@@ -93,6 +93,12 @@ def is_type(t: RpcTensor, types: frozenset | int, what: str) -> None:
     need(t.type in allowed, f"{what} type {type_name(t.type)} not in {sorted(type_name(x) for x in allowed)}")
 
 
+def unit_stride(t: RpcTensor, what: str) -> None:
+    """nb0 is exactly the element size, for kernels that ``GGML_ASSERT(nb0 == sizeof(...))``: the
+    generic check (ggml_is_contiguous_rows) lets a one-column tensor have any nb0."""
+    need(t.nb[0] == geo.type_size(t), f"{what} nb0={t.nb[0]} must be the element size")
+
+
 def finite(x: float, what: str) -> None:
     """For float op_params that size something (ARANGE); the others only change values."""
     need(x == x and abs(x) != float("inf"), f"{what} is not finite")

@@ -37,6 +37,8 @@ from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I1
                                          Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,
                                          types_in)
 from ggml_rknpu.ggml.ops.rules_conv import RULES as CONV_RULES
+from ggml_rknpu.ggml.ops.rules_dsv4 import RULES as DSV4_RULES
+from ggml_rknpu.ggml.ops.rules_training import RULES as TRAINING_RULES
 from ggml_rknpu.hostggml import abi
 
 
@@ -558,7 +560,7 @@ def solve_tri(n: Node) -> None:
 _SRC0, _SRC1, _SRC01 = frozenset({0}), frozenset({1}), frozenset({0, 1})
 RULES: dict[int, Rule] = {
     # every admitted op, in one table: the families split into their own modules, then the rest
-    **CONV_RULES,
+    **CONV_RULES, **TRAINING_RULES, **DSV4_RULES,
     # element-wise
     GgmlOp.ADD: Rule(2, binary, strided=_SRC1), GgmlOp.SUB: Rule(2, binary, strided=_SRC1),
     GgmlOp.MUL: Rule(2, binary, strided=_SRC1), GgmlOp.DIV: Rule(2, binary, strided=_SRC1),
@@ -584,6 +586,8 @@ RULES: dict[int, Rule] = {
     GgmlOp.MUL_MAT: Rule(2, mul_mat), GgmlOp.MUL_MAT_ID: Rule(3, mul_mat_id),
     GgmlOp.FLASH_ATTN_EXT: Rule(3, flash_attn_ext, optional=2),
     GgmlOp.SOFT_MAX: Rule(1, soft_max, optional=2), GgmlOp.ROPE: Rule(2, rope, optional=1),
+    # ggml_rope_ext_back / ggml_rope_multi_back: a ROPE node renamed (rope_flt run backwards)
+    GgmlOp.ROPE_BACK: Rule(2, rope, optional=1),
     GgmlOp.IM2COL: Rule(2, im2col, strided=_SRC0),
     # sort, select; recurrent and state-space
     GgmlOp.ARGSORT: Rule(1, argsort), GgmlOp.TOP_K: Rule(1, top_k),

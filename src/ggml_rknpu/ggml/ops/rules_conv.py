@@ -22,7 +22,8 @@ import numpy as np
 
 from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.ggml.ops import geometry as geo
-from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, F16, F32, Node, Rule, conv_out, dst_is, is_type, need)
+from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, F16, F32, Node, Rule, conv_out, dst_is, is_type, need,
+                                         unit_stride)
 from ggml_rknpu.hostggml import abi
 
 GGML_IM2COL_WORK_SIZE = 16 * 1024 * 1024      # ggml-cpu/ops.h: the cplan's work size for CONV_2D / CONV_3D
@@ -122,6 +123,8 @@ def conv_transpose_1d(n: Node) -> None:
     is_type(a, KERNEL_TYPES, "conv_transpose_1d kernel")
     is_type(b, F32, "conv_transpose_1d input")
     need(geo.is_matrix(b) and a.ne[2] == b.ne[1] and a.ne[3] == 1, "conv_transpose_1d shapes do not fit")
+    unit_stride(a, "conv_transpose_1d kernel")
+    unit_stride(b, "conv_transpose_1d input")
     s0 = n.i32(0)
     need(1 <= s0 <= PARAM_LIMIT and n.i32(1) == 0 and n.i32(2) == 1,
          "conv_transpose_1d takes s0 >= 1, p0 = 0, d0 = 1")
@@ -136,6 +139,8 @@ def conv_transpose_2d(n: Node) -> None:
     is_type(a, KERNEL_TYPES, "conv_transpose_2d kernel")
     is_type(b, F32, "conv_transpose_2d input")
     need(geo.is_contiguous(a), "conv_transpose_2d needs a contiguous kernel")
+    unit_stride(a, "conv_transpose_2d kernel")
+    unit_stride(b, "conv_transpose_2d input")
     need(a.ne[3] == b.ne[2], f"conv_transpose_2d channels differ: kernel {a.ne[3]}, input {b.ne[2]}")
     s = n.i32(0)
     need(1 <= s <= PARAM_LIMIT, f"conv_transpose_2d stride {s} must be in [1, {PARAM_LIMIT}]")
@@ -149,6 +154,7 @@ def im2col_3d(n: Node) -> None:
     written densely."""
     a, b = n.s(0), n.s(1)
     is_type(b, F32, "im2col_3d input")
+    unit_stride(b, "im2col_3d input")
     is_type(n.dst, KERNEL_TYPES, "im2col_3d dst")
     ic = n.i32(9)
     need(ic >= 1 and b.ne[3] % ic == 0, f"im2col_3d IC={ic} must divide the input's ne3 {b.ne[3]}")
