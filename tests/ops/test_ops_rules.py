@@ -33,7 +33,7 @@ def sc(host_ggml):
 
 
 INDEX_SOURCES = {"mul_mat_id": [(2, 8)], "get_rows": [(1, 9)], "get_rows q4_0": [(1, 32)], "set_rows": [(1, 16)],
-                 "add_id": [(2, 8)]}
+                 "add_id": [(2, 8)], "get_rows_back": [(1, 9)]}
 
 
 def test_what_ggml_builds_is_admitted(sc):

@@ -15,15 +15,7 @@ from ggml_rknpu.ggml.ops.rules import check_node
 from ggml_rknpu.ggml.ops.rules_conv import GGML_IM2COL_WORK_SIZE, UPSCALE_DIM_LIMIT
 from ggml_rknpu.hostggml import abi
 
-from support.ggml_builders import BF16, F16, F32, I32, Scratch, _made_by_ggml
-
-
-@pytest.fixture(scope="module")
-def built(host_ggml):
-    sc = Scratch(host_ggml)
-    nodes = {label: sc.node(t) for label, t in _made_by_ggml(sc)}
-    sc.close()
-    return nodes
+from support.ggml_builders import BF16, F16, F32, I32, Scratch, with_params, with_src
 
 
 # the dst shapes ggml's builders made for the nodes of support.ggml_builders._vision
@@ -49,71 +41,55 @@ def test_builder_nodes_are_admitted_with_ggmls_dst(built):
         assert check_node(node, srcs) == [], label
 
 
-def _params(node, **at):
-    p = list(node.op_params)
-    for k, v in at.items():
-        p[int(k[1:])] = v & 0xFFFFFFFF
-    return dataclasses.replace(node, op_params=tuple(p))
-
-
-def _src(srcs, i, **change):
-    """srcs with source i changed (a new shape gets contiguous strides unless they are given)."""
-    if "ne" in change and "nb" not in change:
-        change["nb"] = geo.contiguous_nb(change.get("type", srcs[i].type), change["ne"])
-    out = list(srcs)
-    out[i] = dataclasses.replace(srcs[i], **change)
-    return tuple(out)
-
-
 def _big_kernel(srcs):
     """A conv_2d kernel whose im2col patch alone overflows ggml-cpu's work buffer."""
     k = srcs[0]
     side = int((GGML_IM2COL_WORK_SIZE / (k.ne[2] * geo.type_size(k))) ** 0.5) + 1
-    return _src(srcs, 0, ne=(side, side, k.ne[2], k.ne[3]))
+    return with_src(srcs, 0, ne=(side, side, k.ne[2], k.ne[3]))
 
 
 REFUSALS = [
-    ("conv_2d f16 kernel", lambda n, s: (_params(n, p0=0), s), "stride"),
-    ("conv_2d f16 kernel", lambda n, s: (_params(n, p1=-3), s), "stride"),
-    ("conv_2d f16 kernel", lambda n, s: (_params(n, p2=1 << 24), s), "out of range"),
-    ("conv_2d f16 kernel", lambda n, s: (n, _src(s, 0, type=BF16)), "kernel type"),
-    ("conv_2d f16 kernel", lambda n, s: (n, _src(s, 1, type=F16)), "input type"),
-    ("conv_2d f16 kernel", lambda n, s: (n, _src(s, 0, nb=(2, 6, 24, 18 * 4))), "contiguous kernel"),
-    ("conv_2d f16 kernel", lambda n, s: (n, _src(s, 1, ne=(9, 8, 4, 2))), "channels differ"),
+    ("conv_2d f16 kernel", lambda n, s: (with_params(n, p0=0), s), "stride"),
+    ("conv_2d f16 kernel", lambda n, s: (with_params(n, p1=-3), s), "stride"),
+    ("conv_2d f16 kernel", lambda n, s: (with_params(n, p2=1 << 24), s), "out of range"),
+    ("conv_2d f16 kernel", lambda n, s: (n, with_src(s, 0, type=BF16)), "kernel type"),
+    ("conv_2d f16 kernel", lambda n, s: (n, with_src(s, 1, type=F16)), "input type"),
+    ("conv_2d f16 kernel", lambda n, s: (n, with_src(s, 0, nb=(2, 6, 24, 18 * 4))), "contiguous kernel"),
+    ("conv_2d f16 kernel", lambda n, s: (n, with_src(s, 1, ne=(9, 8, 4, 2))), "channels differ"),
     ("conv_2d f16 kernel", lambda n, s: (n, _big_kernel(s)), "work buffer"),
-    ("conv_3d", lambda n, s: (_params(n, p9=2), s), "channels"),
-    ("conv_3d", lambda n, s: (_params(n, p11=0), s), "channels"),
-    ("conv_3d", lambda n, s: (_params(n, p2=0), s), "stride"),
-    ("conv_2d_dw", lambda n, s: (n, _src(s, 0, ne=(3, 3, 1, 4), nb=geo.contiguous_nb(F32, (3, 3, 1, 4)))),
+    ("conv_3d", lambda n, s: (with_params(n, p9=2), s), "channels"),
+    ("conv_3d", lambda n, s: (with_params(n, p11=0), s), "channels"),
+    ("conv_3d", lambda n, s: (with_params(n, p2=0), s), "stride"),
+    ("conv_2d_dw", lambda n, s: (n, with_src(s, 0, ne=(3, 3, 1, 4), nb=geo.contiguous_nb(F32, (3, 3, 1, 4)))),
      "kernel must be"),
-    ("conv_2d_dw", lambda n, s: (n, _src(s, 1, nb=(4, 36, 0, 864))), "overlap"),
+    ("conv_2d_dw", lambda n, s: (n, with_src(s, 1, nb=(4, 36, 0, 864))), "overlap"),
     ("conv_2d_dw", lambda n, s: (dataclasses.replace(n, nb=(12, 108, 4, 864)), s), "dst strides"),
-    ("conv_transpose_1d", lambda n, s: (_params(n, p1=1), s), "p0 = 0"),
-    ("conv_transpose_1d", lambda n, s: (_params(n, p0=-1), s), "s0 >= 1"),
-    ("conv_transpose_1d", lambda n, s: (n, _src(s, 1, ne=(10, 4, 1, 1))), "shapes do not fit"),
-    ("conv_transpose_2d", lambda n, s: (_params(n, p0=0), s), "stride"),
-    ("conv_transpose_2d", lambda n, s: (n, _src(s, 1, type=F16, ne=s[1].ne)), "input type"),
-    ("im2col_3d", lambda n, s: (_params(n, p9=0), s), "IC=0"),
-    ("im2col_3d", lambda n, s: (_params(n, p9=4), s), "must divide"),
+    ("conv_transpose_1d", lambda n, s: (with_params(n, p1=1), s), "p0 = 0"),
+    ("conv_transpose_1d", lambda n, s: (with_params(n, p0=-1), s), "s0 >= 1"),
+    ("conv_transpose_1d", lambda n, s: (n, with_src(s, 1, ne=(10, 4, 1, 1))), "shapes do not fit"),
+    ("conv_transpose_2d", lambda n, s: (with_params(n, p0=0), s), "stride"),
+    ("conv_transpose_2d", lambda n, s: (n, with_src(s, 1, type=F16, ne=s[1].ne)), "input type"),
+    ("im2col_3d", lambda n, s: (with_params(n, p9=0), s), "IC=0"),
+    ("im2col_3d", lambda n, s: (with_params(n, p9=4), s), "must divide"),
     ("im2col_3d", lambda n, s: (dataclasses.replace(n, type=BF16), s), "dst type"),
-    ("im2col_3d", lambda n, s: (_params(n, p3=-1000), s), "too small"),
-    ("col2im_1d", lambda n, s: (_params(n, p1=5), s), "whole number"),
-    ("col2im_1d", lambda n, s: (_params(n, p2=-1), s), "p0 >= 0"),
-    ("col2im_1d", lambda n, s: (_params(n, p2=20), s), "no output"),
-    ("pool_1d", lambda n, s: (_params(n, p0=abi.GGML_OP_POOL_COUNT), s), "pool op"),
-    ("pool_1d", lambda n, s: (_params(n, p2=0), s), "out of range"),
-    ("pool_1d", lambda n, s: (n, _src(s, 0, nb=(4, 36, 400, 1200))), "dense"),
-    ("pool_2d", lambda n, s: (_params(n, p1=40), s), "too small"),
-    ("pool_2d", lambda n, s: (n, _src(s, 0, type=I32)), "input type"),
-    ("upscale bilinear", lambda n, s: (_params(n, p0=abi.GGML_SCALE_MODE_COUNT), s), "mode"),
-    ("upscale bilinear", lambda n, s: (_params(n, p0=abi.GGML_SCALE_FLAG_ANTIALIAS), s), "antialias"),
-    ("upscale bilinear", lambda n, s: (_params(n, p0=1 << 12), s), "mode"),
+    ("im2col_3d", lambda n, s: (with_params(n, p3=-1000), s), "too small"),
+    ("col2im_1d", lambda n, s: (with_params(n, p1=5), s), "whole number"),
+    ("col2im_1d", lambda n, s: (with_params(n, p2=-1), s), "p0 >= 0"),
+    ("col2im_1d", lambda n, s: (with_params(n, p2=20), s), "no output"),
+    ("pool_1d", lambda n, s: (with_params(n, p0=abi.GGML_OP_POOL_COUNT), s), "pool op"),
+    ("pool_1d", lambda n, s: (with_params(n, p2=0), s), "out of range"),
+    ("pool_1d", lambda n, s: (n, with_src(s, 0, nb=(4, 36, 400, 1200))), "dense"),
+    ("pool_2d", lambda n, s: (with_params(n, p1=40), s), "too small"),
+    ("pool_2d", lambda n, s: (n, with_src(s, 0, type=I32)), "input type"),
+    ("upscale bilinear", lambda n, s: (with_params(n, p0=abi.GGML_SCALE_MODE_COUNT), s), "mode"),
+    ("upscale bilinear", lambda n, s: (with_params(n, p0=abi.GGML_SCALE_FLAG_ANTIALIAS), s), "antialias"),
+    ("upscale bilinear", lambda n, s: (with_params(n, p0=1 << 12), s), "mode"),
     ("upscale bilinear", lambda n, s: (dataclasses.replace(
         n, ne=(UPSCALE_DIM_LIMIT + 1, 1, 1, 1), nb=geo.contiguous_nb(F32, (UPSCALE_DIM_LIMIT + 1, 1, 1, 1))), s),
      "dims above"),
-    ("upscale bilinear", lambda n, s: (n, _src(s, 0, ne=(9, 0, 3, 2))), "empty"),
-    ("pad_reflect_1d", lambda n, s: (_params(n, p0=9), s), "padding"),
-    ("pad_reflect_1d", lambda n, s: (_params(n, p1=-1), s), "padding"),
+    ("upscale bilinear", lambda n, s: (n, with_src(s, 0, ne=(9, 0, 3, 2))), "empty"),
+    ("pad_reflect_1d", lambda n, s: (with_params(n, p0=9), s), "padding"),
+    ("pad_reflect_1d", lambda n, s: (with_params(n, p1=-1), s), "padding"),
 ]
 
 
@@ -140,7 +116,7 @@ def test_conv_2d_dw_cwhn_layout_is_admitted_with_the_builders_strides(host_ggml)
         sc.close()
     assert node.nb == (12, 12 * 9, 4, 9 * 8 * 3 * 4)
     assert check_node(node, srcs) == []
-    whcn_kernel = _src(srcs, 0, nb=geo.contiguous_nb(F32, srcs[0].ne))
+    whcn_kernel = with_src(srcs, 0, nb=geo.contiguous_nb(F32, srcs[0].ne))
     with pytest.raises(UnsupportedOp, match="CWHN kernel"):
         check_node(node, whcn_kernel)
     with pytest.raises(UnsupportedOp, match="dst strides"):

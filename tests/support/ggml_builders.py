@@ -5,8 +5,10 @@ ggml itself makes it (tests/ops/test_ops_rules.py, tests/server/test_rpc_malform
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.ggml.ops import geometry as geo
 from ggml_rknpu.ggml.tensor import RpcTensor
 from ggml_rknpu.hostggml import abi
 from ggml_rknpu.hostggml.lib import TensorP
@@ -35,6 +37,18 @@ BUILDERS = {
     "ggml_col2im_1d": [TensorP, _I, _I, _I], "ggml_pool_1d": [TensorP, _I, _I, _I, _I],
     "ggml_pool_2d": [TensorP, _I, _I, _I, _I, _I, _F, _F], "ggml_interpolate": [TensorP, *[_I64] * 4, ctypes.c_uint32],
     "ggml_pad_reflect_1d": [TensorP, _I, _I],
+    # backward pass and optimizer (ops/rules_training.py)
+    "ggml_acc": [TensorP, TensorP, _SZ, _SZ, _SZ, _SZ], "ggml_set": [TensorP, TensorP, _SZ, _SZ, _SZ, _SZ],
+    "ggml_out_prod": [TensorP, TensorP], "ggml_get_rows_back": [TensorP, TensorP, TensorP],
+    "ggml_repeat_back": [TensorP, TensorP], "ggml_silu_back": [TensorP, TensorP],
+    "ggml_rms_norm_back": [TensorP, TensorP, _F], "ggml_soft_max_ext_back": [TensorP, TensorP, _F, _F],
+    "ggml_rope_ext_back": [TensorP, TensorP, TensorP, _I, _I, _I, _F, _F, _F, _F, _F, _F],
+    "ggml_cross_entropy_loss": [TensorP, TensorP], "ggml_cross_entropy_loss_back": [TensorP, TensorP, TensorP],
+    "ggml_opt_step_adamw": [TensorP] * 5, "ggml_opt_step_sgd": [TensorP] * 3,
+    # DeepSeek-V4 (ops/rules_dsv4.py)
+    "ggml_lightning_indexer": [TensorP] * 4, "ggml_dsv4_hc_comb": [TensorP, TensorP, TensorP, _F, _I],
+    "ggml_dsv4_hc_pre": [TensorP, TensorP], "ggml_dsv4_hc_pre_gated": [TensorP, TensorP, _F],
+    "ggml_dsv4_hc_post": [TensorP] * 4,
 }
 PREDICATES = ("ggml_is_contiguous", "ggml_is_contiguous_1", "ggml_is_contiguous_2", "ggml_is_contiguous_rows",
               "ggml_is_transposed", "ggml_nbytes")
@@ -45,7 +59,7 @@ class Scratch:
 
     def __init__(self, g):
         self.g = g
-        self.ctx = g.context(160, ())
+        self.ctx = g.context(320, ())
         self._ids: dict[int, int] = {}
 
     def fn(self, name: str):
@@ -75,6 +89,23 @@ class Scratch:
 
     def close(self):
         self.g.ggml_free(self.ctx)
+
+
+def with_params(node: RpcTensor, **at: int) -> RpcTensor:
+    """node with op_params changed, e.g. ``with_params(n, p0=2)`` (int32 values, as on the wire)."""
+    p = list(node.op_params)
+    for k, v in at.items():
+        p[int(k[1:])] = v & 0xFFFFFFFF
+    return dataclasses.replace(node, op_params=tuple(p))
+
+
+def with_src(srcs: tuple, i: int, **change) -> tuple:
+    """srcs with source i changed (a new shape gets contiguous strides unless they are given)."""
+    if "ne" in change and "nb" not in change:
+        change["nb"] = geo.contiguous_nb(change.get("type", srcs[i].type), change["ne"])
+    out = list(srcs)
+    out[i] = dataclasses.replace(srcs[i], **change)
+    return tuple(out)
 
 
 def _made_by_ggml(sc: Scratch):
@@ -126,6 +157,8 @@ def _made_by_ggml(sc: Scratch):
     yield "ssm_conv", call("ggml_ssm_conv", new(F32, 7, 16, 2, 1), new(F32, 4, 16, 1, 1))
     yield "flash_attn_ext", call("ggml_flash_attn_ext", q, k, v, mask, 0.125, 0.0, 0.0)
     yield from _vision(sc)
+    yield from _training(sc)
+    yield from _dsv4(sc)
 
 
 def _vision(sc: Scratch):
@@ -144,3 +177,49 @@ def _vision(sc: Scratch):
     yield "upscale bilinear", call("ggml_interpolate", img, 17, 5, 3, 2,
                                    abi.GGML_SCALE_MODE_BILINEAR | abi.GGML_SCALE_FLAG_ALIGN_CORNERS)
     yield "pad_reflect_1d", call("ggml_pad_reflect_1d", img, 2, 3)
+
+
+def _training(sc: Scratch):
+    """The backward-pass and optimizer ops (ops/rules_training.py)."""
+    new, call = sc.new, sc.call
+    a, b = new(F32, 64, 7, 3, 2), new(F32, 32, 5, 3, 2)
+    nb = a.contents.nb
+    yield "acc", call("ggml_acc", a, b, nb[1], nb[2], nb[3], 8 * 4 + nb[1])
+    ai = new(I32, 12, 5, 4, 3)
+    yield "set i32", call("ggml_set", ai, new(I32, 6, 5, 4, 3), *ai.contents.nb[1:], 3 * 4)
+    yield "out_prod", call("ggml_out_prod", new(F32, 64, 16, 2, 1), new(F32, 8, 16, 2, 3))
+    yield "out_prod q8_0", call("ggml_out_prod", new(Q8_0, 64, 16, 2, 3), new(F32, 8, 16, 2, 3))
+    yield "out_prod transposed b", call("ggml_out_prod", new(F32, 64, 16, 1, 1),
+                                        call("ggml_transpose", new(F32, 16, 8, 1, 1)))
+    yield "get_rows_back", call("ggml_get_rows_back", new(F16, 64, 4), new(I32, 4), new(F32, 64, 9))
+    yield "repeat_back", call("ggml_repeat_back", a, new(F32, 64, 1, 3, 1))
+    yield "silu_back", call("ggml_silu_back", a, a)
+    yield "rms_norm_back", call("ggml_rms_norm_back", a, a, 1e-6)
+    yield "soft_max_back", call("ggml_soft_max_ext_back", new(F32, 16, 5, 4, 1), new(F32, 16, 5, 4, 1), 0.5, 0.0)
+    yield "rope_ext_back", call("ggml_rope_ext_back", new(F32, 64, 4, 3, 1), new(I32, 3), None, 64, 2, 4096,
+                                10000.0, 1.0, 0.0, 1.0, 32.0, 1.0)
+    logits = new(F32, 10, 5, 4, 3)
+    yield "cross_entropy_loss", call("ggml_cross_entropy_loss", logits, new(F32, 10, 5, 4, 3))
+    yield "cross_entropy_loss_back", call("ggml_cross_entropy_loss_back", new(F32, 1), logits, new(F32, 10, 5, 4, 3))
+    w = new(F32, 10, 5, 4, 3)
+    set_param = sc.g.base.ggml_set_param
+    set_param.restype, set_param.argtypes = None, [TensorP]
+    set_param(w)
+    yield "opt_step_adamw", call("ggml_opt_step_adamw", w, new(F32, 10, 5, 4, 3), new(F32, 10, 5, 4, 3),
+                                 new(F32, 10, 5, 4, 3), new(F32, 7))
+    yield "opt_step_sgd", call("ggml_opt_step_sgd", w, new(F32, 10, 5, 4, 3), new(F32, 2))
+
+
+def _dsv4(sc: Scratch):
+    """The DeepSeek-V4 ops (ops/rules_dsv4.py)."""
+    new, call = sc.new, sc.call
+    q, w, mask = new(F32, 128, 8, 5, 2), new(F32, 8, 5, 1, 2), new(F16, 16, 5, 1, 1)
+    yield "lightning_indexer f16 K", call("ggml_lightning_indexer", q, new(F16, 128, 1, 16, 2), w, mask)
+    yield "lightning_indexer q4_0 K", call("ggml_lightning_indexer", q, new(Q4_0, 128, 1, 16, 2), w, mask)
+    yield "dsv4_hc_comb", call("ggml_dsv4_hc_comb", new(F32, 24, 5), new(F32, 3), new(F32, 24), 1e-6, 3)
+    x = new(F32, 64, 4, 5)
+    yield "dsv4_hc_pre", call("ggml_dsv4_hc_pre", x, new(F32, 4, 5))
+    yield "dsv4_hc_pre gated", call("ggml_dsv4_hc_pre_gated", x, new(F32, 64, 4, 5), 0.5)
+    res, post = new(F32, 64, 4, 5), new(F32, 4, 5)
+    yield "dsv4_hc_post", call("ggml_dsv4_hc_post", new(F32, 64, 5), res, post, new(F32, 4, 4, 5))
+    yield "dsv4_hc_post no comb", call("ggml_dsv4_hc_post", new(F32, 64, 5), res, post, None)
