@@ -31,6 +31,11 @@ FULL_OPS: dict[str, str | None] = {
     "FLASH_ATTN_EXT": None, "ARGSORT": None, "TOP_K": None, "SSM_CONV": None, "SSM_SCAN": None,
     "GATED_DELTA_NET": None,
     "SWIGLU": None, "GEGLU": None, "REGLU": None, "SILU": None, "GELU": None,
+    # vision towers, backward pass / optimizer, DeepSeek-V4 (ops/rules_conv.py, rules_training.py, rules_dsv4.py)
+    "CONV_2D": None, "CONV_2D_DW": None, "CONV_TRANSPOSE_1D": None, "IM2COL_3D": None, "POOL_1D": None,
+    "POOL_2D": None, "UPSCALE": None, "PAD_REFLECT_1D": None, "ACC": None, "SET": None, "OUT_PROD": None,
+    "GET_ROWS_BACK": None, "ROPE_BACK": None, "CROSS_ENTROPY_LOSS_BACK": None, "OPT_STEP_ADAMW": None,
+    "LIGHTNING_INDEXER": None, "DSV4_HC_POST": None,
 }
 
 # op -> -p filter for CI. Ops whose full list runs in seconds run it whole; the long lists
@@ -40,7 +45,9 @@ FULL_OPS: dict[str, str | None] = {
 # NEOX rope with and without YaRN and freq factors, f16 KV flash attention with GQA and softcap;
 # MoE expert matmuls (MUL_MAT_ID), and writes into K-quant and IQ KV caches (CPY, SET_ROWS).
 _CHEAP_FULL = ("MUL", "SCALE", "RMS_NORM", "NORM", "DUP", "SOFT_MAX", "ARGSORT", "TOP_K", "SSM_CONV",
-               "SSM_SCAN", "GATED_DELTA_NET", "SWIGLU", "GEGLU", "REGLU", "SILU", "GELU")
+               "SSM_SCAN", "GATED_DELTA_NET", "SWIGLU", "GEGLU", "REGLU", "SILU", "GELU",
+               "CONV_2D_DW", "CONV_TRANSPOSE_1D", "POOL_1D", "POOL_2D", "UPSCALE", "PAD_REFLECT_1D", "ACC", "SET",
+               "GET_ROWS_BACK", "CROSS_ENTROPY_LOSS_BACK", "OPT_STEP_ADAMW", "DSV4_HC_POST")
 CI_CASES: dict[str, str | None] = {
     "MUL_MAT": r"^type_a=(f16|f32|q8_0|q4_0|q4_K|q5_0|q6_K),type_b=f32,m=16,n=(1|9),k=256,bs=\[(1,1|2,3)\],"
                r"nr=\[1,1\],per=\[0,(1,2,3|2,1,3)\]",
@@ -53,6 +60,16 @@ CI_CASES: dict[str, str | None] = {
                       r"max_bias=0\.0+,logit_softcap=(0|10)\.0+,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]",
     "CPY": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q6_K|iq4_nl|iq4_xs|mxfp4),",
     "SET_ROWS": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q5_K|iq4_nl|iq4_xs),",
+    # the long lists of the newer rules (CONV_2D 2030 cases, IM2COL_3D 2051, LIGHTNING_INDEXER 156, ROPE_BACK
+    # 404, OUT_PROD 231): f16 and f32 kernels with stride/padding/dilation and a kernel view, a CWHN
+    # (permuted) input; both im2col_3d dst types; f16 and q4_0 keys; ROPE's CI modes run backwards;
+    # f32 (broadcast), f16 and q8_0 src0 products
+    "CONV_2D": r"^ne_input=\[19,17,|^ne_input=\[1,1,1,2\],ne_kernel=\[1,1,1,1\],type_kernel=f(16|32),stride0=1,"
+               r"stride1=5,padding0=5,padding1=2,dilation0=2,dilation1=4,cwhn=1",
+    "IM2COL_3D": r"^type_input=f32,type_kernel=f16,dst_type=f(16|32),ne_input=\[10,10,10,9\]",
+    "LIGHTNING_INDEXER": r"nb=1,.*type_K=(f16|q4_0)",
+    "ROPE_BACK": r"^type=f32,ne_a=\[(128,32|64,8),2,1\],n_dims=(128|64),mode=(0|2),n_ctx=512,fs=1\.0+,ef=(0\.0+|0\.7465)",
+    "OUT_PROD": r"^type_a=(f32|f16|q8_0),type_b=f32,m=256,n=16,k=(1|16),",
     **{op: FULL_OPS[op] for op in _CHEAP_FULL},
 }
 
@@ -130,12 +147,12 @@ def test_parse_backend_ops_counts_and_failures() -> None:
 
 @pytest.mark.timeout(300)
 def test_unsupported_op_leaves_server_serving(server: Server) -> None:
-    """An op no validator rule admits yet (POOL_2D): the server logs its signature and closes that
-    client's connection (the client aborts, as ggml RPC has no error reply), and the next client
-    is served."""
-    refused = run_backend_ops(server.endpoint, "POOL_2D", None, timeout=240)
+    """A node no validator rule admits yet (test-backend-ops' MUL_MAT_HADAMARD cases: a MUL_MAT with
+    the GGML_HINT_SRC0_IS_HADAMARD hint): the server logs its signature and closes that client's
+    connection (the client aborts, as ggml RPC has no error reply), and the next client is served."""
+    refused = run_backend_ops(server.endpoint, "MUL_MAT_HADAMARD", None, timeout=240)
     assert refused.total == 0 and refused.returncode != 0, refused.output[-2000:]
-    assert "unsupported op POOL_2D(" in server.log(), server.log()
+    assert "unsupported op MUL_MAT(f32,f32)->f32: mul_mat hints are not admitted" in server.log(), server.log()
     assert server.alive()
     after = run_backend_ops(server.endpoint, "SCALE", FULL_OPS["SCALE"], timeout=240)
     assert after.total > 0 and after.passed == after.total, after.summary()
