@@ -140,3 +140,16 @@ def test_geometry_twins_agree_with_ggml(host_ggml, type_, ne, perm, pad, data):
         assert geo.can_repeat(small, fake) == f(other, t)
     finally:
         g.ggml_free(ctx)
+
+
+def test_one_column_tensors_keep_their_element_stride_where_kernels_assert_it(sc):
+    """ggml_is_contiguous(_rows) lets a tensor with ne0 == 1 have any nb0, but kernels such as
+    ggml_compute_forward_repeat_f32 GGML_ASSERT(nb00 == sizeof(float)) and (nb0 == sizeof(float)):
+    such a node, admitted, would abort the server."""
+    node, srcs = sc.node(sc.call("ggml_repeat", sc.new(F32, 1, 4, 3, 1), sc.new(F32, 1, 8, 3, 1)))
+    assert check_node(node, srcs) == []
+    wide = (dataclasses.replace(srcs[0], nb=(8, *srcs[0].nb[1:])), *srcs[1:])
+    with pytest.raises(UnsupportedOp, match="repeat src0 nb0=8 must be the element size"):
+        check_node(node, wide)
+    with pytest.raises(UnsupportedOp, match="repeat dst nb0=8 must be the element size"):
+        check_node(dataclasses.replace(node, nb=(8, *node.nb[1:])), srcs)

@@ -72,8 +72,8 @@ def dst_is(n: Node, type_: int, ne: tuple[int, ...], contiguous: bool = True) ->
     d = n.dst
     need(d.type == type_, f"dst type {type_name(d.type)}, ggml makes {type_name(type_)}")
     need(tuple(d.ne) == tuple(ne), f"dst shape {d.ne}, ggml makes {tuple(ne)}")
-    if contiguous:
-        need(geo.is_contiguous(d), f"dst strides {d.nb} are not contiguous")
+    if contiguous:                   # as ggml_new_tensor makes it (is_contiguous alone lets ne0 == 1 have any nb0)
+        need(geo.is_contiguous(d) and d.nb[0] == geo.type_size(d), f"dst strides {d.nb} are not contiguous")
 
 
 def like(n: Node, i: int = 0, type_: int | None = None, contiguous: bool = False) -> None:

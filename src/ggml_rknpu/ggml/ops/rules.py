@@ -35,7 +35,7 @@ from ggml_rknpu.ggml.ops import geometry as geo
 from ggml_rknpu.ggml.ops.registry import UnsupportedOp, op_name, type_name
 from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I16, I32, I64, QUANTIZED, Index, Node,
                                          Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,
-                                         types_in)
+                                         types_in, unit_stride)
 from ggml_rknpu.ggml.ops.rules_conv import RULES as CONV_RULES
 from ggml_rknpu.ggml.ops.rules_dsv4 import RULES as DSV4_RULES
 from ggml_rknpu.ggml.ops.rules_training import RULES as TRAINING_RULES
@@ -66,6 +66,12 @@ _GLU_ALL = frozenset({F32, F16, BF16})
 GLU_TYPES = {GgmlGluOp.REGLU: _GLU_ALL, GgmlGluOp.GEGLU: _GLU_ALL, GgmlGluOp.SWIGLU: _GLU_ALL,
              GgmlGluOp.GEGLU_ERF: _GLU_ALL, GgmlGluOp.GEGLU_QUICK: _GLU_ALL,
              GgmlGluOp.SWIGLU_OAI: frozenset({F32}), GgmlGluOp.SWIGLU_CLAMP: frozenset({F32, F16})}
+
+def _unit_strides(n: Node, what: str, *tensors: int) -> None:
+    """Sources (by index) or the dst (DST) whose nb0 the kernel GGML_ASSERTs to be the element size."""
+    for i in tensors:
+        unit_stride(n.dst if i == DST else n.s(i), f"{what} {'dst' if i == DST else f'src{i}'}")
+
 
 # --- element-wise -------------------------------------------------------------------------------
 def binary(n: Node) -> None:
@@ -114,6 +120,7 @@ def leaky_relu(n: Node) -> None:
 
 
 def clamp(n: Node) -> None:
+    _unit_strides(n, "clamp", 0, DST)            # ggml_compute_forward_clamp_f32/_f16 assert nb00, nb0
     unary_same(n, HALF_UNARY_TYPES)     # any bounds (llama.cpp clamps to INFINITY): values, not sizes
 
 
@@ -144,6 +151,7 @@ def add_id(n: Node) -> list[Index]:
     for t, w in ((a, "src0"), (b, "src1")):
         is_type(t, F32, f"add_id {w}")
     is_type(ids, I32, "add_id ids")
+    _unit_strides(n, "add_id", 1, DST)           # ggml_compute_forward_add_id_f32 asserts nb10, nb0
     need(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], "add_id shapes do not fit")
     like(n)
     return [(2, b.ne[1])]
@@ -152,6 +160,7 @@ def add_id(n: Node) -> list[Index]:
 def add1(n: Node) -> None:
     a, b = n.s(0), n.s(1)
     need(geo.is_scalar(b) and geo.is_padded_1d(a), "add1 adds a scalar to a padded tensor")
+    _unit_strides(n, "add1", DST)                # ggml_compute_forward_add1_* assert nb0
     need((a.type, b.type, n.dst.type) in {(F32, F32, F32), (F16, F32, F16), (F16, F16, F16), (BF16, F32, BF16)},
          "add1 types have no kernel")
     like(n)
@@ -198,6 +207,7 @@ def count_equal(n: Node) -> None:
 def repeat(n: Node) -> None:
     a = n.s(0)
     is_type(a, frozenset({F16, BF16, I16, F32, I32}), "repeat src0")
+    _unit_strides(n, "repeat", 0, DST)           # ggml_compute_forward_repeat_* assert nb00, nb0
     need(geo.can_repeat(a, n.dst), f"src0 {a.ne} does not repeat into dst {n.dst.ne}")
     need(n.dst.type == a.type, "repeat keeps the type")
 
@@ -277,6 +287,7 @@ def diag(n: Node) -> None:
     a = n.s(0)
     is_type(a, F32, "diag src0")
     need(a.ne[1] == 1, "diag takes a row vector")
+    _unit_strides(n, "diag", 0, DST)             # ggml_compute_forward_diag_f32 asserts nb00, nb0
     dst_is(n, F32, (a.ne[0], a.ne[0], a.ne[2], a.ne[3]), contiguous=False)
 
 
@@ -340,7 +351,8 @@ def copy(n: Node) -> None:
              and a.ne[0] % geo.block_size(n.dst) == 0, "quantizing copies take float rows into a contiguous dst")
         return
     if src in QUANTIZED:
-        need(dst == F32 and geo.is_contiguous(n.dst), "dequantizing copies write a contiguous f32 dst")
+        need(dst == F32 and geo.is_contiguous(n.dst) and n.dst.nb[0] == 4,   # dup_from_q asserts nb10
+             "dequantizing copies write a contiguous f32 dst")
         return
     need((src, dst) in DUP_FLOAT, f"no ggml-cpu conversion {type_name(src)} -> {type_name(dst)}")
 
@@ -413,6 +425,7 @@ def rope(n: Node) -> None:
     a, pos, ff = n.s(0), n.s(1), n.src[2]
     is_type(a, frozenset({F32, F16}), "rope src0")
     is_type(pos, I32, "rope positions")
+    _unit_strides(n, "rope", DST)                # ggml_compute_forward_rope_flt asserts nb0
     n_dims, mode, n_offs = n.i32(1), n.i32(2), n.i32(15)
     need(mode in ROPE_MODES, f"rope mode {mode} not implemented")
     need(geo.is_vector(pos), "rope positions are a vector")
@@ -439,6 +452,7 @@ def im2col(n: Node) -> None:
     # strides divide (0 would be SIGFPE); padding and dilation only move reads the kernel bounds-checks
     need(s0 >= 1 and (s1 >= 1 or not is_2d), "im2col strides must be >= 1")
     need((n.dst.type, b.type) in {(F32, F32), (F16, F16), (F16, F32)}, "im2col types have no kernel")
+    _unit_strides(n, "im2col", 1)                # ggml_compute_forward_im2col_f32/_f16 assert nb10
     if is_2d:
         need(a.ne[2] == b.ne[2], "im2col channels differ")
         need(b.nb[1] == b.ne[0] * geo.type_size(b), "im2col reads each channel as one contiguous image")
@@ -458,6 +472,7 @@ def argsort(n: Node) -> None:
     is_type(a, F32, "argsort src0")
     need(n.i32(0) in SORT_ORDERS, "argsort order out of range")
     need(a.ne[0] < 1 << 31, "argsort rows too long")
+    _unit_strides(n, "argsort", DST)             # ggml_compute_forward_argsort_f32 asserts nb0
     dst_is(n, I32, a.ne, contiguous=False)
 
 
@@ -465,6 +480,7 @@ def top_k(n: Node) -> None:
     a = n.s(0)
     is_type(a, F32, "top_k src0")
     need(1 <= n.dst.ne[0] <= a.ne[0], "top_k k must be in [1, ne0]")
+    _unit_strides(n, "top_k", DST)               # ggml_compute_forward_top_k_f32 asserts nb0
     dst_is(n, I32, (n.dst.ne[0], *a.ne[1:]), contiguous=False)
 
 
