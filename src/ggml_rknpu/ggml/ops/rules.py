@@ -24,6 +24,12 @@ Why rules as data here rather than calling ggml's builders in a scratch context:
 builders ``GGML_ASSERT`` on bad input (which aborts the server), so their preconditions have
 to be checked first anyway, and the kernels add their own (types, strides) that no builder
 states; once those are written down the expected shape is one line.
+
+Where the rules live: this module has the core ops (element-wise, norms, rows and copies,
+matmul and attention, recurrent) and :data:`RULES`, the one table of every admitted op; the
+families added since have their own modules merged into it: ``rules_conv`` (vision towers:
+direct convolutions, pooling, upscaling), ``rules_training`` (backward pass, loss, optimizer),
+``rules_dsv4`` (DeepSeek-V4). ``rulekit`` is the vocabulary they share.
 """
 
 from __future__ import annotations
