@@ -81,6 +81,8 @@ REFUSALS = [
     ("pool_1d", lambda n, s: (n, with_src(s, 0, nb=(4, 36, 400, 1200))), "dense"),
     ("pool_2d", lambda n, s: (with_params(n, p1=40), s), "too small"),
     ("pool_2d", lambda n, s: (n, with_src(s, 0, type=I32)), "input type"),
+    # a size-1 dim with stride 0 is "contiguous" to ggml, and would make the plane loop spin forever
+    ("pool_2d", lambda n, s: (n, with_src(s, 0, ne=(9, 8, 1, 2), nb=(4, 36, 0, 288))), "contiguous ones"),
     ("upscale bilinear", lambda n, s: (with_params(n, p0=abi.GGML_SCALE_MODE_COUNT), s), "mode"),
     ("upscale bilinear", lambda n, s: (with_params(n, p0=abi.GGML_SCALE_FLAG_ANTIALIAS), s), "antialias"),
     ("upscale bilinear", lambda n, s: (with_params(n, p0=1 << 12), s), "mode"),

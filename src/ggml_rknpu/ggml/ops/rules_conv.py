@@ -207,10 +207,12 @@ def pool_1d(n: Node) -> None:
 def pool_2d(n: Node) -> None:
     """ggml_pool_2d: f32 [OW, OH, ne2, ne3]; op_params op, k0, k1, s0, s1, p0, p1.
     ggml_compute_forward_pool_2d walks the source planes by nb2 up to ggml_nbytes and the dst planes
-    densely: both contiguous."""
+    densely: both contiguous, and the source with ggml_new_tensor's own strides: ggml_is_contiguous
+    ignores the stride of a dim of size 1, and ``while (cdata < data_end) cdata += nb2`` with nb2 = 0
+    never ends."""
     a = n.s(0)
     is_type(a, frozenset({F32, F16}), "pool_2d input")
-    need(geo.is_contiguous(a), "pool_2d needs a contiguous input")
+    need(tuple(a.nb) == geo.contiguous_nb(a.type, a.ne), f"pool_2d input strides {a.nb} are not ggml's contiguous ones")
     _pool_params(n, n.i32(0), (1, 2), (3, 4), (5, 6))
     ow = _pool_out(a.ne[0], n.i32(1), n.i32(3), n.i32(5))
     oh = _pool_out(a.ne[1], n.i32(2), n.i32(4), n.i32(6))
