@@ -7,8 +7,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
-from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlType, GgmlUnaryOp
+import pytest
+
+from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 from ggml_rknpu.ggml.ops import geometry as geo
+from ggml_rknpu.ggml.ops.registry import UnsupportedOp
+from ggml_rknpu.ggml.ops.rules import check_node
 from ggml_rknpu.ggml.tensor import RpcTensor
 from ggml_rknpu.hostggml import abi
 from ggml_rknpu.hostggml.lib import TensorP
@@ -89,6 +93,13 @@ class Scratch:
 
     def close(self):
         self.g.ggml_free(self.ctx)
+
+
+def assert_refused(node: RpcTensor, srcs: tuple, reason: str) -> None:
+    """check_node refuses the node with a reason matching ``reason``, under the node's op name."""
+    with pytest.raises(UnsupportedOp, match=reason) as err:
+        check_node(node, srcs)
+    assert GgmlOp(node.op).name in err.value.signature
 
 
 def with_params(node: RpcTensor, **at: int) -> RpcTensor:

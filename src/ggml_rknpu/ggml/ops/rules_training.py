@@ -118,15 +118,21 @@ def silu_back(n: Node) -> None:
     like(n)
 
 
+def _f32_pair(n: Node, what: str, first: str, second: str) -> tuple:
+    """src0 and src1 f32 of one shape, nb0 the element size (the *_BACK and loss kernels)."""
+    a, b = n.s(0), n.s(1)
+    is_type(a, F32, f"{what} {first}")
+    is_type(b, F32, f"{what} {second}")
+    need(geo.are_same_shape(a, b), f"{what} {first} and {second} differ in shape")
+    unit_stride(a, f"{what} {first}")
+    unit_stride(b, f"{what} {second}")
+    return a, b
+
+
 def rms_norm_back(n: Node) -> None:
     """ggml_rms_norm_back(grad, x, eps) -> dup(grad); ggml_compute_forward_rms_norm_back_f32: f32,
     equal shapes, nb0 = 4, other strides followed."""
-    g, x = n.s(0), n.s(1)
-    is_type(g, F32, "rms_norm_back grad")
-    is_type(x, F32, "rms_norm_back x")
-    need(geo.are_same_shape(g, x), "rms_norm_back grad and x differ in shape")
-    unit_stride(g, "rms_norm_back grad")
-    unit_stride(x, "rms_norm_back x")
+    _f32_pair(n, "rms_norm_back", "grad", "x")
     eps = n.f32(0)
     finite(eps, "rms_norm_back eps")
     need(eps >= 0.0, f"eps {eps} must be >= 0")
@@ -136,10 +142,7 @@ def rms_norm_back(n: Node) -> None:
 def soft_max_back(n: Node) -> None:
     """ggml_soft_max_ext_back(grad, y, scale, max_bias) -> dup/view of grad.
     ggml_compute_forward_soft_max_ext_back_f32: f32, all contiguous, equal shapes, max_bias == 0."""
-    g, y = n.s(0), n.s(1)
-    is_type(g, F32, "soft_max_back grad")
-    is_type(y, F32, "soft_max_back y")
-    need(geo.are_same_shape(g, y), "soft_max_back grad and y differ in shape")
+    g, y = _f32_pair(n, "soft_max_back", "grad", "y")
     need(geo.is_contiguous(g) and geo.is_contiguous(y), "soft_max_back needs contiguous sources")
     need(n.f32(1) == 0.0, "soft_max_back takes max_bias = 0 (ggml-cpu supports_op)")
     like(n, contiguous=True)
@@ -147,12 +150,7 @@ def soft_max_back(n: Node) -> None:
 
 def cross_entropy_loss(n: Node) -> None:
     """ggml_cross_entropy_loss(logits, labels) -> f32 scalar; the kernel walks ggml_nrows rows by nb1."""
-    a, b = n.s(0), n.s(1)
-    is_type(a, F32, "cross_entropy_loss logits")
-    is_type(b, F32, "cross_entropy_loss labels")
-    need(geo.are_same_shape(a, b), "cross_entropy_loss logits and labels differ in shape")
-    unit_stride(a, "cross_entropy_loss logits")
-    unit_stride(b, "cross_entropy_loss labels")
+    a, b = _f32_pair(n, "cross_entropy_loss", "logits", "labels")
     need(geo.is_contiguous_1(a) and geo.is_contiguous_1(b), "cross_entropy_loss needs dense rows")
     dst_is(n, F32, (1, 1, 1, 1))
 
