@@ -126,7 +126,7 @@ SLOTS = (*NO_WARMUP, "-np", "4", "-c", "2048")
 def test_four_slots_in_lockstep_through_the_host_device_equal_the_cpu_server_bit_for_bit(tmp_path: Path,
                                                                                         tiny: tuple[Path, Path]) -> None:
     """With the batch composition fixed and ggml-cpu doing every op, our server's path (RPC,
-    plans and replay, the four slots' KV rows in one cache, buffers) adds no rounding at all:
+    plans and replay, the four slots' KV cache rows, buffers) adds no rounding at all:
     every token and every logprob equals the CPU-only server's."""
     target, _ = tiny
     with llama_server(tmp_path, target, rpc=None, extra=SLOTS) as cpu:
