@@ -79,13 +79,19 @@ def computes(t: RpcTensor) -> bool:
 class IndexCheck:
     """Indices that are data (GET_ROWS rows, MUL_MAT_ID experts, ...), checked before every run."""
 
-    values: np.ndarray       # typed view of the index tensor's bytes
+    values: np.ndarray       # typed view of the index tensor's bytes (signed integers)
     bound: int               # valid values are [0, bound)
     what: str
+    span: tuple[Any, int, int] = (None, 0, 0)   # (buffer, start, end) of those bytes
+    unsigned: np.ndarray = field(init=False)   # the same bytes as unsigned: a negative index is huge
+
+    def __post_init__(self) -> None:
+        self.unsigned = self.values.view(self.values.dtype.str.replace("i", "u"))
 
     def check(self) -> None:
-        v = self.values
-        if v.size and (int(v.min()) < 0 or int(v.max()) >= self.bound):
+        # one reduction instead of min and max: as unsigned, every value outside [0, bound) is >= bound
+        if self.unsigned.size and int(self.unsigned.max()) >= self.bound:
+            v = self.values
             raise OpDataError(f"{self.what}: index outside [0, {self.bound}) "
                               f"(min {int(v.min())}, max {int(v.max())})")
 
@@ -94,7 +100,10 @@ class IndexCheck:
 class HostSegment:
     """A run of nodes between NPU steps: one ggml_graph_compute, prepared once.
 
-    ``counts``: per op counter, (nodes, bytes) this segment adds to it per run."""
+    ``checks``: the index checks that must run just before it (indices a node of the plan
+    writes; the others run once per replay, :func:`_hoist_checks`). ``counts``: per op
+    counter, (nodes, bytes) this segment adds to it per run (a plan's own segments have
+    theirs added once per replay, by the plan)."""
 
     compute: HostCompute
     checks: list[IndexCheck]
@@ -106,9 +115,13 @@ class HostSegment:
         t0 = time.perf_counter()
         self.compute.run()
         stats.host_seconds += time.perf_counter() - t0
-        for counter, n, nbytes in self.counts:
-            counter.ops += n
-            counter.bytes += nbytes
+        _add_counts(self.counts)
+
+
+def _add_counts(counts: list[tuple[OpCounter, int, int]]) -> None:
+    for counter, n, nbytes in counts:
+        counter.ops += n
+        counter.bytes += nbytes
 
 
 @dataclass(eq=False)
@@ -335,16 +348,21 @@ class GraphPlan:
     recovery: NpuRecovery     # the engine and the weights, behind the fault policy
     n_nodes: int
     n_views: int
+    checks: list[IndexCheck] = field(default_factory=list)   # indices no node of the plan writes
+    counts: list[tuple[OpCounter, int, int]] = field(default_factory=list)   # its segments', per replay
     runs: int = 0
 
     def execute(self, stats: ServerStats) -> None:
         start = time.perf_counter()
         recovery = self.recovery
+        for check in self.checks:
+            check.check()
         for step in self.steps:
             if type(step) is HostSegment:
                 step.run(stats)
             else:
                 step.run(stats, recovery)
+        _add_counts(self.counts)
         self.runs += 1
         stats.execute_seconds += time.perf_counter() - start
         stats.graph_runs += 1
@@ -584,6 +602,7 @@ class GraphPlanner:
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
             steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
+            checks = _hoist_checks(steps, runs, checked)
             host.finish()
             planned = group_npu_steps(steps) if self.group else steps
         except BaseException:
@@ -594,7 +613,8 @@ class GraphPlanner:
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
         self.stats.npu_groups_planned += sum(1 for s in planned if type(s) is NpuGroup)
-        return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views)
+        return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views,
+                         checks=checks, counts=_take_counts(planned))
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
@@ -636,8 +656,9 @@ class GraphPlanner:
             t = g.tensors[nid]
             for src, bound in indices[nid]:
                 s = g.tensors[t.src[src]]
-                checks.append(IndexCheck(checked[s.id].ref().as_array(), bound, f"{op_name(t.op)} '{t.name}' "
-                                         f"src{src} '{s.name}'"))
+                c = checked[s.id]
+                checks.append(IndexCheck(c.ref().as_array(), bound, f"{op_name(t.op)} '{t.name}' src{src} '{s.name}'",
+                                         (c.buffer, c.start, c.end)))
             counter = self.stats.counter(op_name(t.op), HOST)
             entry = per_counter.setdefault(id(counter), [counter, 0, 0])
             entry[1] += 1
@@ -660,6 +681,54 @@ class GraphPlanner:
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         return slot
+
+def _hoist_checks(steps: list[Any], runs: list[list[int]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:
+    """The index checks that may run once, at the start of every replay, taken out of the segments.
+
+    ``steps[i]`` runs the nodes ``runs[i]`` (a negative id: a delivery, which writes that
+    node's dst). A check may move to the start when no step before its segment writes bytes
+    of its indices: inputs the client uploaded before the compute, such as the KV-cache
+    slots every layer's SET_ROWS reads, until the allocator reuses their memory. Nothing
+    changes them before the reader then, so checking them first checks what it will read.
+    Identical views are checked once, against the smallest bound. Indices a node computes
+    (ARGSORT -> GET_ROWS, MoE routing) stay in the segment before their reader."""
+    written = [(i, checked[abs(nid)]) for i, run in enumerate(runs) for nid in run]
+    written = [(i, c) for i, c in written if c.buffer is not None]
+    position = np.array([i for i, _ in written], dtype=np.int64)
+    buffer_ids = np.array([id(c.buffer) for _, c in written], dtype=np.int64)
+    starts = np.array([c.start for _, c in written], dtype=np.int64)
+    ends = np.array([c.end for _, c in written], dtype=np.int64)
+    hoisted: dict[tuple, IndexCheck] = {}
+    for i, step in enumerate(steps):
+        if type(step) is not HostSegment:
+            continue
+        kept = []
+        for c in step.checks:
+            buffer, start, end = c.span
+            earlier = (position < i) & (buffer_ids == id(buffer)) & (starts < end) & (start < ends)
+            if buffer is None or bool(earlier.any()):
+                kept.append(c)
+                continue
+            key = (id(buffer), start, end, c.values.dtype.str, c.values.shape, c.values.strides)
+            if key not in hoisted or c.bound < hoisted[key].bound:
+                hoisted[key] = c
+        step.checks = kept
+    return list(hoisted.values())
+
+
+def _take_counts(steps: list[Any]) -> list[tuple[OpCounter, int, int]]:
+    """The plan's segments' counters, merged, to be added once per replay (the segments' cleared)."""
+    merged: dict[int, list] = {}
+    for step in steps:
+        if type(step) is not HostSegment:
+            continue
+        for counter, n, nbytes in step.counts:
+            entry = merged.setdefault(id(counter), [counter, 0, 0])
+            entry[1] += n
+            entry[2] += nbytes
+        step.counts = []
+    return [(c, n, b) for c, n, b in merged.values()]
+
 
 @dataclass
 class DeviceGraphs:

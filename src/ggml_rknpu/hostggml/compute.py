@@ -70,15 +70,22 @@ class Threads:
 
 @dataclass(eq=False)
 class HostCompute:
-    """One ggml_cgraph with its cplan: ``run()`` computes its nodes with ggml-cpu."""
+    """One ggml_cgraph with its cplan: ``run()`` computes its nodes with ggml-cpu.
+
+    The call is prepared once (``Ggml.graph_compute_raw`` with the cplan's address): a
+    replay calls it once per host segment."""
 
     g: Ggml
     graph: int
     cplan: abi.Cplan
     n_nodes: int
+    cplan_address: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cplan_address = ctypes.addressof(self.cplan)
 
     def run(self) -> None:
-        status = self.g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
+        status = self.g.graph_compute_raw(self.graph, self.cplan_address)
         if status != GGML_STATUS_SUCCESS:
             raise HostComputeError(f"ggml_graph_compute returned status {status}")
 

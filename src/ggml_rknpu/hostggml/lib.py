@@ -34,6 +34,7 @@ _FIX = ("rebuild the pinned libraries (scripts/build-llama-cpp), regenerate the 
 TensorP = ctypes.POINTER(abi.Tensor)
 ToFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+GraphComputeRaw = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)   # ggml_graph_compute
 
 GGML_STATUS_SUCCESS = 0  # enum ggml_status (ggml.h): ggml_graph_compute's result when all went well
 
@@ -113,6 +114,9 @@ class Ggml:
                     raise GgmlAbiError(f"{lib._name} has no {name}: {_FIX}") from exc
                 fn.restype, fn.argtypes = restype, argtypes
                 setattr(self, name, fn)
+        # the replay's hot call (hundreds of segments per token): a prototype of plain pointers, called
+        # with the graph's and the cplan's addresses as ints (no byref, no POINTER argument check)
+        self.graph_compute_raw = GraphComputeRaw(ctypes.cast(self.ggml_graph_compute, _VP).value)
         self.ggml_cpu_init()                       # fp16 tables; required before any compute
         check_abi(self)
         self.cpu_device = self.ggml_backend_reg_dev_get(self.ggml_backend_cpu_reg(), 0)
