@@ -470,13 +470,6 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
                                     f"which has {unbacked_reason(u)}")
 
 
-def _view_chain(g: ParsedGraph, tid: int) -> list[int]:
-    chain = [tid]
-    while g.tensors[chain[-1]].view_src:
-        chain.append(g.tensors[chain[-1]].view_src)
-    return chain
-
-
 def _touches(t: RpcTensor, checked: dict[int, CheckedTensor]) -> tuple[list[CheckedTensor], list[CheckedTensor]]:
     """(bytes a node writes, bytes it reads), as checked ranges."""
     reads = [checked[s] for s in t.src if s and checked[s].buffer is not None]
@@ -573,22 +566,23 @@ class GraphPlanner:
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
         order = _gather_siblings(computing, g, slots, checked) if self.group else computing
 
-        # segments: maximal runs of host nodes; a node whose indices are computed in the
-        # current run starts a new one (its indices are checked before that run computes)
+        # segments: maximal runs of host nodes; a node whose index bytes a node of the current
+        # run writes starts a new one (its indices are checked before that run computes): the
+        # node that computes them, or any node whose dst overlaps them
         runs: list[list[int]] = []
         current: list[int] = []
-        computed: set[int] = set()
+        written: list[CheckedTensor] = []
         for nid in order:
             if nid < 0 or slots.get(nid) is not None:       # an NPU step or a delivery marker
                 runs += [current, [nid]] if current else [[nid]]
-                current, computed = [], set()
+                current, written = [], []
                 continue
-            reads = {t for src, _ in indices[nid] for t in _view_chain(g, g.tensors[nid].src[src])}
-            if reads & computed:
+            if _overlap([checked[g.tensors[nid].src[src]] for src, _ in indices[nid]], written):
                 runs.append(current)
-                current, computed = [], set()
+                current, written = [], []
             current.append(nid)
-            computed.add(nid)
+            if checked[nid].buffer is not None:
+                written.append(checked[nid])
         if current:
             runs.append(current)
 
