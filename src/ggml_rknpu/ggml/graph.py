@@ -281,6 +281,80 @@ class Delivery:
             self.member.run(stats, recovery)
 
 
+@dataclass(eq=False)
+class DeliveredRun:
+    """Host segments that only Deliveries separate (ROPE(Q), then K's and V's results, then
+    their own nodes), as one ggml graph with each delivery as a CPY node from the group's
+    kept result: one host segment per replay instead of one per part.
+
+    The merged graph is the same nodes in the same order, so its results are the parts'.
+    It runs when every group it delivers from ran as one step this replay; otherwise (a
+    member not resident, a refused or faulted group: its members run at their Deliveries)
+    the parts run one by one, as they would have without the merge."""
+
+    merged: HostSegment
+    parts: list[HostSegment | Delivery]
+    groups: tuple[NpuGroup, ...]
+
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+        if all(g.ran for g in self.groups):
+            self.merged.run(stats)
+            return
+        for part in self.parts:
+            if type(part) is HostSegment:
+                part.run(stats)
+            else:
+                part.run(stats, recovery)
+
+
+def _delivery_runs(runs: list[list[int]], npu: set[int]) -> list[int]:
+    """Graph sizes of the DeliveredRuns a plan may make (``_merge_deliveries``): per stretch of
+    host runs and delivery markers between NPU steps that holds a marker, its node count."""
+    sizes, size, markers = [], 0, 0
+    for run in [*runs, None]:
+        if run is None or run[0] in npu:
+            if markers:
+                sizes.append(size)
+            size, markers = 0, 0
+            continue
+        size += len(run)
+        markers += run[0] < 0
+    return sizes
+
+
+def _merge_deliveries(steps: list[Any], host: HostContext, ptrs: dict[int, Any]) -> list[Any]:
+    """Each stretch of HostSegments and Deliveries of grouped members (``DeliveredRun``),
+    when its segments have no index check left (those run between parts)."""
+    out: list[Any] = []
+    stretch: list[Any] = []
+
+    def flush() -> None:
+        deliveries = [p for p in stretch if type(p) is Delivery]
+        if deliveries and all(d.group is not None for d in deliveries) and \
+                all(not p.checks for p in stretch if type(p) is HostSegment):
+            nodes = []
+            for part in stretch:
+                if type(part) is HostSegment:
+                    nodes += part.compute.nodes
+                else:
+                    nodes.append(host.copy_node(ptrs[part.node], part.kept, f"delivered {part.member.slot.name}"))
+            merged = HostSegment(host.segment(nodes), [], [])
+            groups = tuple({id(d.group): d.group for d in deliveries}.values())
+            out.append(DeliveredRun(merged, list(stretch), groups))
+        else:
+            out.extend(stretch)
+        stretch.clear()
+
+    for step in steps:
+        if type(step) in (HostSegment, Delivery):
+            stretch.append(step)
+        else:
+            flush()
+            out.append(step)
+    flush()
+    return out
+
+
 def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostSegment | NpuStep | NpuGroup | Delivery]:
     """Runs of consecutive NpuSteps that read the same activation tensor become NpuGroups.
 
@@ -586,7 +660,10 @@ class GraphPlanner:
         if current:
             runs.append(current)
 
-        host = HostContext(self.ggml, self.threads, len(g.tensors), tuple(len(r) for r in runs))
+        merges = _delivery_runs(runs, {nid for nid in order if slots.get(nid) is not None}) if self.group else []
+        n_markers = sum(1 for nid in order if nid < 0)
+        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers,
+                           tuple(len(r) for r in runs) + tuple(merges))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -597,8 +674,11 @@ class GraphPlanner:
                                         "ggml-cpu does not support this combination")
             steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
             checks = _hoist_checks(steps, runs, checked)
-            host.finish()
             planned = group_npu_steps(steps) if self.group else steps
+            counts = _take_counts(planned)
+            if self.group:
+                planned = _merge_deliveries(planned, host, ptrs)
+            host.finish()
         except BaseException:
             host.close()
             raise
@@ -608,7 +688,7 @@ class GraphPlanner:
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
         self.stats.npu_groups_planned += sum(1 for s in planned if type(s) is NpuGroup)
         return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views,
-                         checks=checks, counts=_take_counts(planned))
+                         checks=checks, counts=counts)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
