@@ -115,6 +115,7 @@ class HostSegment:
         t0 = time.perf_counter()
         self.compute.run()
         stats.host_seconds += time.perf_counter() - t0
+        stats.host_segments += 1
         _add_counts(self.counts)
 
 
