@@ -9,7 +9,9 @@ weight), and turns the graph into real ggml tensors in one no-alloc context
 The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
 ``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
 call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
-:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"). Replaying a plan is a loop over those steps: no parsing, no decisions.
+:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"), and host
+segments that only their members' deliveries separate run as one :class:`DeliveredRun`.
+Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
 
@@ -18,9 +20,10 @@ tensor ids, every src / view_src id known, nodes only read nodes that come earli
 (which also rules out cycles), view chains acyclic and consistent with their
 parent's address, every tensor's bytes inside its buffer, every node admitted by a
 rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-checked
-before every run of the segment that reads them (a segment ends before a node whose
-indices the segment itself computes). Bytes written by a node are recorded per buffer
-so they can never be mistaken for a weight.
+on every run before the segment that reads them (a segment ends before a node whose
+index bytes a node of the segment wrote), or once at the start of the replay when no
+earlier step writes them (the client's uploads). Bytes written by a node are recorded
+per buffer so they can never be mistaken for a weight.
 
 Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
 only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
@@ -756,6 +759,7 @@ class GraphPlanner:
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         return slot
+
 
 def _hoist_checks(steps: list[Any], runs: list[list[int]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:
     """The index checks that may run once, at the start of every replay, taken out of the segments.
