@@ -53,6 +53,7 @@ def _more_made_by_ggml(sc: Scratch):
     a = new(F32, 64, 7, 3, 2)
     for name in ("ggml_sqr", "ggml_sqrt", "ggml_log", "ggml_sin", "ggml_cos", "ggml_sum", "ggml_dup"):
         yield name[5:], call(name, [T_], a)
+    yield "cont", call("ggml_cont", [T_], a)
     yield "sub", call("ggml_sub", [T_, T_], a, new(F32, 64, 1, 3, 1))
     yield "add1", call("ggml_add1", [T_, T_], a, new(F32, 1))
     yield "leaky_relu", call("ggml_leaky_relu", [T_, _F, _B], a, 0.1, False)

@@ -466,6 +466,8 @@ def flash_attn_ext(n: Node) -> None:
     _is(q, F32, "flash_attn q")              # the kernel reads Q rows as f32 whatever its type (ops.cpp)
     need(n.i32(3) in (abi.GGML_PREC_DEFAULT, abi.GGML_PREC_F32), "flash_attn precision is default or f32")
     need(k.type == v.type or v.type in (F32, F16), "flash_attn K and V types")
+    _is(k, MATMUL_WEIGHT_TYPES, "flash_attn K")        # K rows go through its vec_dot, V rows its to_float
+    _is(v, MATMUL_WEIGHT_TYPES, "flash_attn V")
     need(q.ne[0] == k.ne[0] and q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3] == v.ne[3]
          and q.ne[2] % v.ne[2] == 0 and v.ne[1] == k.ne[1], "flash_attn shapes do not fit")
     if mask is not None:
