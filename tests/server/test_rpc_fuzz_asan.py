@@ -14,8 +14,8 @@ are not checked (the interpreter keeps its allocations to the end), and the firs
 aborts the server (halt_on_error, abort_on_error), which the test sees as a crash.
 test_sanitizer_sees_an_out_of_bounds_read shows that this set-up does report a real overflow.
 
-The CI test sends every case once per mutation; the slow one sweeps more values and chains
-several mutations per graph.
+The CI test sends every case once per mutation (about 500 graphs, ~10 s here); the slow ones
+sweep 32 values per mutation and chain up to three random mutations per graph.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.ggml.ops.rules import RULES
 from ggml_rknpu.toolchain import llamacpp
-from support.malformed import BAD, MAYBE, MUTATIONS, Case, builder_cases, mutate, send, still_talking
+from support.malformed import BAD, MUTATIONS, Case, builder_cases, mutate, send, still_talking
 from support.rpc_testkit import RpcClient, ServerClosed, T, wait_for_line
 
 pytestmark = pytest.mark.timeout(600)
@@ -259,19 +259,9 @@ def test_every_mutation_of_every_case_is_refused_or_safe(server, cases):
     assert stats["rejected"] + stats["unsupported"] >= tally.refused
 
 
-@pytest.mark.slow
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
-@given(pick=st.integers(0, 10_000), hows=st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3),
-       value=st.integers(0, 1 << 20))
-def test_exhaustive_mutations_slow(asan_server_slow, cases, pick, hows, value):
-    """Many values, and up to three mutations chained in one graph."""
-    server, tally = asan_server_slow
-    _probe(server, tally, cases[pick % len(cases)], tuple(hows), value)
-
-
 @pytest.fixture(scope="module")
-def asan_server_slow(asan_lib_dir, tmp_path_factory, cases):
+def slow_server(asan_lib_dir, tmp_path_factory, cases):
+    """One server and one tally for the slow tests; the figures and the exit checks at the end."""
     s = AsanServer(asan_lib_dir, tmp_path_factory.mktemp("asan-serve-slow"))
     tally = Tally()
     yield s, tally
@@ -283,3 +273,26 @@ def asan_server_slow(asan_lib_dir, tmp_path_factory, cases):
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_every_mutation_with_many_values_slow(slow_server, cases):
+    """Every case under every mutation with 32 values (which source, dimension, type, stride)."""
+    server, tally = slow_server
+    for case in cases:
+        for how in MUTATIONS:
+            for value in range(32):
+                _probe(server, tally, case, (how,), value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(pick=st.integers(0, 10_000), hows=st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3),
+       value=st.integers(0, 1 << 20))
+def test_chained_mutations_slow(slow_server, cases, pick, hows, value):
+    """Random values, and up to three mutations chained in one graph."""
+    server, tally = slow_server
+    _probe(server, tally, cases[pick % len(cases)], tuple(hows), value)
