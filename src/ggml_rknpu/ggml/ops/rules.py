@@ -454,8 +454,10 @@ def mul_mat_id(n: Node) -> list[Index]:
     need(not geo.is_transposed(a) and a.ne[3] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1
          and ids.ne[1] == b.ne[2] and a.ne[0] == b.ne[0] and b.ne[1] >= 1 and ids.ne[0] % b.ne[1] == 0,
          "mul_mat_id shapes do not fit")
-    # ggml-cpu.c mul_mat_id converts only f32 activations (GGML_ASSERT): f32, or already the experts' float type
-    need(b.type == F32 or b.type == a.type in FLOAT, f"mul_mat_id src1 type {type_name(b.type)} has no ggml-cpu path")
+    # ggml-cpu.c mul_mat_id converts only f32 activations (GGML_ASSERT); a float type equal to the
+    # experts' is their vec_dot type already and needs no conversion
+    need(b.type == F32 or (b.type == a.type and a.type in FLOAT),
+         f"mul_mat_id src1 type {type_name(b.type)} has no ggml-cpu path")
     _dst(n, F32, (a.ne[1], ids.ne[0], b.ne[2], 1), contiguous=False)
     _matmul_dst_strides(n)
     return [(2, a.ne[2])]
