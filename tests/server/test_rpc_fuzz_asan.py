@@ -14,7 +14,7 @@ are not checked (the interpreter keeps its allocations to the end), and the firs
 aborts the server (halt_on_error, abort_on_error), which the test sees as a crash.
 test_sanitizer_sees_an_out_of_bounds_read shows that this set-up does report a real overflow.
 
-The CI test sends every case once per mutation (about 500 graphs, ~10 s here); the slow ones
+The CI test sends every case once per mutation (about 500 graphs, ~15 s here); the slow ones
 sweep 32 values per mutation and chain up to three random mutations per graph.
 """
 
@@ -172,6 +172,9 @@ class Tally:
     ops: set = dataclasses.field(default_factory=set)
     by_mutation: Counter = dataclasses.field(default_factory=Counter)
 
+    def __repr__(self) -> str:                          # hypothesis prints the fixture on a failure
+        return f"Tally({self.sent} sent)"
+
     def describe(self) -> str:
         covered = len(self.ops & set(RULES))
         return (f"{self.sent} graphs sent, {self.refused} refused with a logged reason, {self.computed} computed "
@@ -290,9 +293,10 @@ def test_every_mutation_with_many_values_slow(slow_server, cases):
 @pytest.mark.timeout(3600)
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(pick=st.integers(0, 10_000), hows=st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3),
+@given(pick=st.integers(0, 10_000), hows=st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3, unique=True),
        value=st.integers(0, 1 << 20))
 def test_chained_mutations_slow(slow_server, cases, pick, hows, value):
-    """Random values, and up to three mutations chained in one graph."""
+    """Random values, and up to three different mutations chained in one graph (the same one twice
+    could undo itself: a dst type changed and changed back)."""
     server, tally = slow_server
     _probe(server, tally, cases[pick % len(cases)], tuple(hows), value)
