@@ -168,7 +168,7 @@ def _good_graph(server: AsanServer) -> None:
 class Tally:
     sent: int = 0
     refused: int = 0
-    computed: int = 0                                   # only mutations in MAYBE
+    computed: int = 0                                   # graphs a MAYBE mutation left valid
     ops: set = dataclasses.field(default_factory=set)
     by_mutation: Counter = dataclasses.field(default_factory=Counter)
 
