@@ -22,6 +22,9 @@ F32, F16, BF16, I32, I64 = (int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlTyp
 I8, I16 = int(GgmlType.I8), int(GgmlType.I16)
 FLOAT = frozenset({F32, F16, BF16})
 QUANTIZED = frozenset(int(t) for t, (block, _) in TYPE_TRAITS.items() if block > 1)
+# quantized types that exist only as matmul operands: ggml has no to_float and ggml-cpu no vec_dot
+# for them (ggml.c type_traits, ggml-cpu.c type_traits_cpu; a NULL call: test_ops_rules_cpu_traits.py)
+OPERAND_ONLY = frozenset({int(GgmlType.Q8_1), int(GgmlType.Q8_K)})
 
 Index = tuple[int, int]          # (source holding indices, exclusive upper bound)
 

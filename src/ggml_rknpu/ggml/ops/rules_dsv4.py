@@ -9,13 +9,14 @@ tensor (``*(float *)(data + i0*nb0 + ...)``), the indexer asserts nb0 the elemen
 
 from __future__ import annotations
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.ggml.ops import geometry as geo
-from ggml_rknpu.ggml.ops.rulekit import ANY, BF16, F16, F32, QUANTIZED, Node, Rule, dst_is, is_type, need, unit_stride
+from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, F16, F32, OPERAND_ONLY, QUANTIZED, Node, Rule, dst_is, is_type,
+                                         need, unit_stride)
 
 # K types of the indexer: f32 read as is, or a type whose ggml type traits have to_float
-# (ggml.c type_traits: every quantized type but Q8_1 and Q8_K, which only serve as vec_dot inputs)
-INDEXER_K_TYPES = frozenset({F32, F16, BF16}) | (QUANTIZED - {int(GgmlType.Q8_1), int(GgmlType.Q8_K)})
+# (ggml.c type_traits: every quantized type but the operand-only Q8_1 and Q8_K)
+INDEXER_K_TYPES = frozenset({F32, F16, BF16}) | (QUANTIZED - OPERAND_ONLY)
 HC = 4                                  # ggml_dsv4_hc_comb: GGML_ASSERT(hc == 4), the kernel's constexpr
 HC_MIX_DIM = (2 + HC) * HC
 
