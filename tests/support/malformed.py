@@ -98,9 +98,8 @@ def builder_cases(g, more: bool = True) -> list[Case]:
         try:
             for label, t in made(sc):
                 node, srcs = sc.node(t)
-                if any(s is not None and s.view_src for s in srcs) or node.view_src:
-                    continue                    # a node that is a view of its source (OPT_STEP_*) too:
-                                                # send() gives every tensor its own bytes
+                if any(s is not None and s.view_src for s in srcs):
+                    continue
                 out.append(Case(label, node, srcs, dict(check_node(node, srcs))))
         finally:
             sc.close()
@@ -198,7 +197,11 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
             continue
         if separate:
             h, addr = c.alloc_base(max(geo.span(t), 1))
-        placed[t.id] = T(ne=t.ne, nb=t.nb, type=t.type, buffer=h, data=addr, op=t.op if t is node else 0,
+        at_h, at = h, addr
+        if t is node and node.view_src in placed:      # a view node (CPY, SET_ROWS, OPT_STEP_*, inplace
+            base = placed[node.view_src]               # ACC/SET) lives in its source's bytes, as a client's
+            at_h, at = base.buffer, base.data + node.view_offs
+        placed[t.id] = T(ne=t.ne, nb=t.nb, type=t.type, buffer=at_h, data=at, op=t.op if t is node else 0,
                          op_params=t.op_params, src=t.src if t is node else (), id=t.id,
                          # a client's graph node carries COMPUTE (ggml_build_forward_expand); the
                          # builders' tensors were never in a graph
