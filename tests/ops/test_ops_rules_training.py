@@ -103,6 +103,7 @@ REFUSALS = [
     ("lightning_indexer f16 K", lambda n, s: (n, with_src(s, 2, ne=(8, 5, 1, 1))), "do not fit"),
     ("dsv4_hc_comb", lambda n, s: (n, with_src(s, 0, ne=(15, 5, 1, 1))), "mixes must be"),
     ("dsv4_hc_comb", lambda n, s: (with_params(n, p1=0), s), "n_iter"),
+    ("dsv4_hc_comb", lambda n, s: (with_params(n, p1=1 << 30), s), "n_iter"),       # minutes of compute
     ("dsv4_hc_comb", lambda n, s: (n, with_src(s, 1, ne=(2, 1, 1, 1))), "scale"),
     ("dsv4_hc_pre", lambda n, s: (with_params(n, p1=2), s), "gated"),
     ("dsv4_hc_pre", lambda n, s: (with_params(n, p1=1), s), "weights"),

@@ -19,6 +19,9 @@ from ggml_rknpu.ggml.ops.rulekit import (ANY, BF16, F16, F32, OPERAND_ONLY, QUAN
 INDEXER_K_TYPES = frozenset({F32, F16, BF16}) | (QUANTIZED - OPERAND_ONLY)
 HC = 4                                  # ggml_dsv4_hc_comb: GGML_ASSERT(hc == 4), the kernel's constexpr
 HC_MIX_DIM = (2 + HC) * HC
+# Sinkhorn iterations of DSV4_HC_COMB: the builder only asks > 0; DeepSeek-V4 uses 20 (its GGUF's
+# sinkhorn_iters). Bounded so that a malformed n_iter (2**30) cannot hold the server for minutes.
+HC_MAX_ITER = 1024
 
 
 def lightning_indexer(n: Node) -> None:
@@ -49,7 +52,7 @@ def dsv4_hc_comb(n: Node) -> None:
     need(mixes.ne[0] == HC_MIX_DIM and geo.is_matrix(mixes), f"dsv4_hc_comb mixes must be [{HC_MIX_DIM}, tokens]")
     need(scale.ne[0] >= 3 and geo.is_vector(scale), "dsv4_hc_comb scale must be a vector of >= 3")
     need(base.ne[0] == HC_MIX_DIM and geo.is_vector(base), f"dsv4_hc_comb base must be a vector of {HC_MIX_DIM}")
-    need(n.i32(1) > 0, "dsv4_hc_comb n_iter must be > 0")
+    need(0 < n.i32(1) <= HC_MAX_ITER, f"dsv4_hc_comb n_iter {n.i32(1)} must be in [1, {HC_MAX_ITER}]")
     dst_is(n, F32, (HC, HC, mixes.ne[1], 1))
 
 
