@@ -9,7 +9,9 @@ weight), and turns the graph into real ggml tensors in one no-alloc context
 The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
 ``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
 call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
-:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"). Replaying a plan is a loop over those steps: no parsing, no decisions.
+:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"). A MUL_MAT_ID
+whose experts are resident weights is an ``ExpertStep`` (``ggml/expert_step.py``: routing by
+its checked ids, one engine call per selected expert). Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
 
