@@ -11,8 +11,13 @@ Method: ``llama-bench -p 0 -n N -ngl 99 --rpc`` (decode only) against ``rknpu se
 --stats-json`` and then against ``ggml-rpc-server``, both one thread on loopback. From the
 server's counters: host time per node excluding NPU matmul work = (replay wall time - time
 inside NPU MUL_MAT steps) / non-matmul nodes executed (host segments run their nodes in one
-ggml_graph_compute, so host matmuls such as KQ/KQV are part of it), and ggml-cpu's own time per
-host node (``host_seconds`` / host nodes, host matmuls included). With ``--device host`` every
+ggml_graph_compute, so host matmuls such as KQ/KQV are part of it), split into the time inside
+ggml-cpu (``host_seconds``) and the rest, the replay's own bookkeeping (the step loop, index
+checks, counters, deliveries, ctypes calls), both per non-matmul node; host segments (one
+``ggml_graph_compute`` each) per graph; and ggml-cpu's own time per host node (``host_seconds``
+/ host nodes, host matmuls included). On the simulator the NPU steps run the simulator's Python
+in the same process, which evicts the caches between host segments: both halves of the split
+are then larger than they would be beside a real NPU's ioctl. With ``--device host`` every
 op runs on ggml-cpu and the tokens/s beside the C++ server's is the comparison that matters. The replays must be GRAPH_RECOMPUTEs (checked).
 All figures are wall-clock measurements on this host; off a board the NPU matmuls ran on the
 simulator, which is why matmul work is excluded and rknpu serve's own tokens/s is not an NPU
@@ -52,6 +57,8 @@ def decode_overhead(stats: dict) -> dict:
         raise ValueError("the server executed no non-matmul node: nothing was offloaded")
     host_nodes = sum(r["nodes"] for r in per_op if r["engine"] == "host")
     replay = float(stats["execute_seconds"])
+    ggml = float(stats.get("host_seconds", 0.0))
+    runs = stats.get("graph_runs") or 0
     return {
         "nodes_excl_matmul": nodes,
         "matmul_nodes": sum(r["nodes"] for r in per_op if r["op"] == "MUL_MAT"),
@@ -59,6 +66,9 @@ def decode_overhead(stats: dict) -> dict:
         "graph_runs": stats.get("graph_runs"),
         "recomputes": stats.get("recomputes"),
         "host_us_per_node_excl_matmul_measured": (replay - npu_matmul_seconds) / nodes * 1e6,
+        "ggml_us_per_node_excl_matmul_measured": ggml / nodes * 1e6,
+        "bookkeeping_us_per_node_excl_matmul_measured": (replay - npu_matmul_seconds - ggml) / nodes * 1e6,
+        "host_segments_per_graph": stats.get("host_segments", 0) / runs if runs else None,
         "ggml_us_per_host_node_measured": float(stats.get("host_seconds", 0.0)) / host_nodes * 1e6
         if host_nodes else None,
     }
@@ -117,15 +127,21 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rp.Column("server", "server"), rp.Column("test", "test"),
         rp.Column("tok_s_measured", "tokens/s", "{:.2f}", figure=True),
         rp.Column("host_us_per_node_excl_matmul_measured", "host µs/node excl. matmul", "{:.1f}", figure=True),
+        rp.Column("ggml_us_per_node_excl_matmul_measured", "of which in ggml-cpu", "{:.1f}", figure=True),
+        rp.Column("bookkeeping_us_per_node_excl_matmul_measured", "of which replay bookkeeping", "{:.1f}",
+                  figure=True),
+        rp.Column("host_segments_per_graph", "host segments/graph", "{:.0f}"),
         rp.Column("ggml_us_per_host_node_measured", "ggml-cpu µs/host node", "{:.2f}", figure=True),
         rp.Column("nodes_excl_matmul", "non-matmul nodes"), rp.Column("recomputes", "GRAPH_RECOMPUTEs"),
     ], rows, note="one thread each, loopback, same llama-bench arguments (-p 0 -n N -ngl 99)")
     notes = ["host µs/node excl. matmul = (plan replay wall time - time inside NPU MUL_MAT steps) / non-matmul "
              "nodes, from rknpu serve's counters over every decode graph of the run (host KQ/KQV matmuls "
-             "run inside ggml-cpu segments and are included)"]
+             "run inside ggml-cpu segments and are included); it is the sum of the time inside ggml-cpu and "
+             "the replay's bookkeeping (loop, index checks, counters, deliveries, ctypes calls)"]
     if simulated:
         notes.append("rknpu serve ran its matmuls on the NPU simulator on this host, so its tokens/s is the "
-                     "simulator's, not the NPU's; the per-node host figure excludes that matmul work")
+                     "simulator's, not the NPU's; the per-node host figure excludes that matmul work, but the "
+                     "simulator's Python evicts the caches between host segments, which inflates both halves")
     return rp.Report("rpc_overhead", "RPC overhead: rknpu serve vs ggml-rpc-server (gemma3 decode)",
                      rig.to_dict(), meta={"model": str(model), "device": device, "simulated": simulated},
                      tables=[table], raw={"rknpu_serve_stats": stats, "llama_bench": {"ours": ours, "cpp": cpp}},

@@ -9,9 +9,11 @@ weight), and turns the graph into real ggml tensors in one no-alloc context
 The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
 ``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
 call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
-:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"). A MUL_MAT_ID
-whose experts are resident weights is an ``ExpertStep`` (``ggml/expert_step.py``: routing by
-its checked ids, one engine call per selected expert). Replaying a plan is a loop over those steps: no parsing, no decisions.
+:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"), and host
+segments that only their members' deliveries separate run as one :class:`DeliveredRun`. A
+MUL_MAT_ID whose experts are resident weights is an ``ExpertStep`` (``ggml/expert_step.py``:
+routing by its checked ids, one engine call per selected expert).
+Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
 
@@ -20,9 +22,10 @@ tensor ids, every src / view_src id known, nodes only read nodes that come earli
 (which also rules out cycles), view chains acyclic and consistent with their
 parent's address, every tensor's bytes inside its buffer, every node admitted by a
 rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-checked
-before every run of the segment that reads them (a segment ends before a node whose
-indices the segment itself computes). Bytes written by a node are recorded per buffer
-so they can never be mistaken for a weight.
+on every run before the segment that reads them (a segment ends before a node whose
+index bytes a node of the segment wrote), or once at the start of the replay when no
+earlier step writes them (the client's uploads). Bytes written by a node are recorded
+per buffer so they can never be mistaken for a weight.
 
 Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
 only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
@@ -82,13 +85,19 @@ def computes(t: RpcTensor) -> bool:
 class IndexCheck:
     """Indices that are data (GET_ROWS rows, MUL_MAT_ID experts, ...), checked before every run."""
 
-    values: np.ndarray       # typed view of the index tensor's bytes
+    values: np.ndarray       # typed view of the index tensor's bytes (signed integers)
     bound: int               # valid values are [0, bound)
     what: str
+    span: tuple[Any, int, int] = (None, 0, 0)   # (buffer, start, end) of those bytes
+    unsigned: np.ndarray = field(init=False)   # the same bytes as unsigned: a negative index is huge
+
+    def __post_init__(self) -> None:
+        self.unsigned = self.values.view(self.values.dtype.str.replace("i", "u"))
 
     def check(self) -> None:
-        v = self.values
-        if v.size and (int(v.min()) < 0 or int(v.max()) >= self.bound):
+        # one reduction instead of min and max: as unsigned, every value outside [0, bound) is >= bound
+        if self.unsigned.size and int(self.unsigned.max()) >= self.bound:
+            v = self.values
             raise OpDataError(f"{self.what}: index outside [0, {self.bound}) "
                               f"(min {int(v.min())}, max {int(v.max())})")
 
@@ -97,7 +106,10 @@ class IndexCheck:
 class HostSegment:
     """A run of nodes between NPU steps: one ggml_graph_compute, prepared once.
 
-    ``counts``: per op counter, (nodes, bytes) this segment adds to it per run."""
+    ``checks``: the index checks that must run just before it (indices a node of the plan
+    writes; the others run once per replay, :func:`_hoist_checks`). ``counts``: per op
+    counter, (nodes, bytes) this segment adds to it per run (a plan's own segments have
+    theirs added once per replay, by the plan)."""
 
     compute: HostCompute
     checks: list[IndexCheck]
@@ -109,9 +121,14 @@ class HostSegment:
         t0 = time.perf_counter()
         self.compute.run()
         stats.host_seconds += time.perf_counter() - t0
-        for counter, n, nbytes in self.counts:
-            counter.ops += n
-            counter.bytes += nbytes
+        stats.host_segments += 1
+        _add_counts(self.counts)
+
+
+def _add_counts(counts: list[tuple[OpCounter, int, int]]) -> None:
+    for counter, n, nbytes in counts:
+        counter.ops += n
+        counter.bytes += nbytes
 
 
 @dataclass(eq=False)
@@ -271,6 +288,80 @@ class Delivery:
             self.member.run(stats, recovery)
 
 
+@dataclass(eq=False)
+class DeliveredRun:
+    """Host segments that only Deliveries separate (ROPE(Q), then K's and V's results, then
+    their own nodes), as one ggml graph with each delivery as a CPY node from the group's
+    kept result: one host segment per replay instead of one per part.
+
+    The merged graph is the same nodes in the same order, so its results are the parts'.
+    It runs when every group it delivers from ran as one step this replay; otherwise (a
+    member not resident, a refused or faulted group: its members run at their Deliveries)
+    the parts run one by one, as they would have without the merge."""
+
+    merged: HostSegment
+    parts: list[HostSegment | Delivery]
+    groups: tuple[NpuGroup, ...]
+
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+        if all(g.ran for g in self.groups):
+            self.merged.run(stats)
+            return
+        for part in self.parts:
+            if type(part) is HostSegment:
+                part.run(stats)
+            else:
+                part.run(stats, recovery)
+
+
+def _delivery_runs(runs: list[list[int]], npu: set[int]) -> list[int]:
+    """Graph sizes of the DeliveredRuns a plan may make (``_merge_deliveries``): per stretch of
+    host runs and delivery markers between NPU steps that holds a marker, its node count."""
+    sizes, size, markers = [], 0, 0
+    for run in [*runs, None]:
+        if run is None or run[0] in npu:
+            if markers:
+                sizes.append(size)
+            size, markers = 0, 0
+            continue
+        size += len(run)
+        markers += run[0] < 0
+    return sizes
+
+
+def _merge_deliveries(steps: list[Any], host: HostContext, ptrs: dict[int, Any]) -> list[Any]:
+    """Each stretch of HostSegments and Deliveries of grouped members (``DeliveredRun``),
+    when its segments have no index check left (those run between parts)."""
+    out: list[Any] = []
+    stretch: list[Any] = []
+
+    def flush() -> None:
+        deliveries = [p for p in stretch if type(p) is Delivery]
+        if deliveries and all(d.group is not None for d in deliveries) and \
+                all(not p.checks for p in stretch if type(p) is HostSegment):
+            nodes = []
+            for part in stretch:
+                if type(part) is HostSegment:
+                    nodes += part.compute.nodes
+                else:
+                    nodes.append(host.copy_node(ptrs[part.node], part.kept, f"delivered {part.member.slot.name}"))
+            merged = HostSegment(host.segment(nodes), [], [])
+            groups = tuple({id(d.group): d.group for d in deliveries}.values())
+            out.append(DeliveredRun(merged, list(stretch), groups))
+        else:
+            out.extend(stretch)
+        stretch.clear()
+
+    for step in steps:
+        if type(step) in (HostSegment, Delivery):
+            stretch.append(step)
+        else:
+            flush()
+            out.append(step)
+    flush()
+    return out
+
+
 def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostSegment | NpuStep | NpuGroup | Delivery]:
     """Runs of consecutive NpuSteps that read the same activation tensor become NpuGroups.
 
@@ -338,16 +429,21 @@ class GraphPlan:
     recovery: NpuRecovery     # the engine and the weights, behind the fault policy
     n_nodes: int
     n_views: int
+    checks: list[IndexCheck] = field(default_factory=list)   # indices no node of the plan writes
+    counts: list[tuple[OpCounter, int, int]] = field(default_factory=list)   # its segments', per replay
     runs: int = 0
 
     def execute(self, stats: ServerStats) -> None:
         start = time.perf_counter()
         recovery = self.recovery
+        for check in self.checks:
+            check.check()
         for step in self.steps:
             if type(step) is HostSegment:
                 step.run(stats)
             else:
                 step.run(stats, recovery)
+        _add_counts(self.counts)
         self.runs += 1
         stats.execute_seconds += time.perf_counter() - start
         stats.graph_runs += 1
@@ -455,13 +551,6 @@ def _check_backed(g: ParsedGraph, checked: dict[int, CheckedTensor]) -> None:
                                     f"which has {unbacked_reason(u)}")
 
 
-def _view_chain(g: ParsedGraph, tid: int) -> list[int]:
-    chain = [tid]
-    while g.tensors[chain[-1]].view_src:
-        chain.append(g.tensors[chain[-1]].view_src)
-    return chain
-
-
 def _touches(t: RpcTensor, checked: dict[int, CheckedTensor]) -> tuple[list[CheckedTensor], list[CheckedTensor]]:
     """(bytes a node writes, bytes it reads), as checked ranges."""
     reads = [checked[s] for s in t.src if s and checked[s].buffer is not None]
@@ -560,27 +649,31 @@ class GraphPlanner:
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
         order = _gather_siblings(computing, g, slots, checked) if self.group else computing
 
-        # segments: maximal runs of host nodes; a node whose indices are computed in the
-        # current run starts a new one (its indices are checked before that run computes)
+        # segments: maximal runs of host nodes; a node whose index bytes a node of the current
+        # run writes starts a new one (its indices are checked before that run computes): the
+        # node that computes them, or any node whose dst overlaps them
         runs: list[list[int]] = []
         current: list[int] = []
-        computed: set[int] = set()
+        written: list[CheckedTensor] = []
         for nid in order:
             if nid < 0 or slots.get(nid) is not None or nid in experts:   # an NPU step or a delivery marker
                 runs += [current, [nid]] if current else [[nid]]
-                current, computed = [], set()
+                current, written = [], []
                 continue
-            reads = {t for src, _ in indices[nid] for t in _view_chain(g, g.tensors[nid].src[src])}
-            if reads & computed:
+            if _overlap([checked[g.tensors[nid].src[src]] for src, _ in indices[nid]], written):
                 runs.append(current)
-                current, computed = [], set()
+                current, written = [], []
             current.append(nid)
-            computed.add(nid)
+            if checked[nid].buffer is not None:
+                written.append(checked[nid])
         if current:
             runs.append(current)
 
-        host = HostContext(self.ggml, self.threads, len(g.tensors) + HOST_TENSORS * len(experts),
-                           tuple(len(r) for r in runs) + (1,) * len(experts))
+        npu_steps = {nid for nid in order if slots.get(nid) is not None or nid in experts}
+        merges = _delivery_runs(runs, npu_steps) if self.group else []
+        n_markers = sum(1 for nid in order if nid < 0)
+        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts),
+                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * len(experts))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -592,8 +685,12 @@ class GraphPlanner:
             steps = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
                      if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok)
                      for run in runs]
-            host.finish()
+            checks = _hoist_checks(steps, runs, checked)
             planned = group_npu_steps(steps) if self.group else steps
+            counts = _take_counts(planned)
+            if self.group:
+                planned = _merge_deliveries(planned, host, ptrs)
+            host.finish()
         except BaseException:
             host.close()
             raise
@@ -603,7 +700,8 @@ class GraphPlanner:
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
         self.stats.npu_groups_planned += sum(1 for s in planned if type(s) is NpuGroup)
-        return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views)
+        return GraphPlan(g.dev, digest, planned, host, self.recovery, len(g.node_ids), views,
+                         checks=checks, counts=counts)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
@@ -655,8 +753,9 @@ class GraphPlanner:
             t = g.tensors[nid]
             for src, bound in indices[nid]:
                 s = g.tensors[t.src[src]]
-                checks.append(IndexCheck(checked[s.id].ref().as_array(), bound, f"{op_name(t.op)} '{t.name}' "
-                                         f"src{src} '{s.name}'"))
+                c = checked[s.id]
+                checks.append(IndexCheck(c.ref().as_array(), bound, f"{op_name(t.op)} '{t.name}' src{src} '{s.name}'",
+                                         (c.buffer, c.start, c.end)))
             counter = self.stats.counter(op_name(t.op), HOST)
             entry = per_counter.setdefault(id(counter), [counter, 0, 0])
             entry[1] += 1
@@ -696,6 +795,55 @@ class GraphPlanner:
             key = f"MUL_MAT_ID: {reason}"
             self.stats.host_matmul_reasons[key] = self.stats.host_matmul_reasons.get(key, 0) + 1
         return slots
+
+
+def _hoist_checks(steps: list[Any], runs: list[list[int]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:
+    """The index checks that may run once, at the start of every replay, taken out of the segments.
+
+    ``steps[i]`` runs the nodes ``runs[i]`` (a negative id: a delivery, which writes that
+    node's dst). A check may move to the start when no step before its segment writes bytes
+    of its indices: inputs the client uploaded before the compute, such as the KV-cache
+    slots every layer's SET_ROWS reads, until the allocator reuses their memory. Nothing
+    changes them before the reader then, so checking them first checks what it will read.
+    Identical views are checked once, against the smallest bound. Indices a node computes
+    (ARGSORT -> GET_ROWS, MoE routing) stay in the segment before their reader."""
+    written = [(i, checked[abs(nid)]) for i, run in enumerate(runs) for nid in run]
+    written = [(i, c) for i, c in written if c.buffer is not None]
+    position = np.array([i for i, _ in written], dtype=np.int64)
+    buffer_ids = np.array([id(c.buffer) for _, c in written], dtype=np.int64)
+    starts = np.array([c.start for _, c in written], dtype=np.int64)
+    ends = np.array([c.end for _, c in written], dtype=np.int64)
+    hoisted: dict[tuple, IndexCheck] = {}
+    for i, step in enumerate(steps):
+        if type(step) is not HostSegment:
+            continue
+        kept = []
+        for c in step.checks:
+            buffer, start, end = c.span
+            earlier = (position < i) & (buffer_ids == id(buffer)) & (starts < end) & (start < ends)
+            if buffer is None or bool(earlier.any()):
+                kept.append(c)
+                continue
+            key = (id(buffer), start, end, c.values.dtype.str, c.values.shape, c.values.strides)
+            if key not in hoisted or c.bound < hoisted[key].bound:
+                hoisted[key] = c
+        step.checks = kept
+    return list(hoisted.values())
+
+
+def _take_counts(steps: list[Any]) -> list[tuple[OpCounter, int, int]]:
+    """The plan's segments' counters, merged, to be added once per replay (the segments' cleared)."""
+    merged: dict[int, list] = {}
+    for step in steps:
+        if type(step) is not HostSegment:
+            continue
+        for counter, n, nbytes in step.counts:
+            entry = merged.setdefault(id(counter), [counter, 0, 0])
+            entry[1] += n
+            entry[2] += nbytes
+        step.counts = []
+    return [(c, n, b) for c, n, b in merged.values()]
+
 
 @dataclass
 class DeviceGraphs:

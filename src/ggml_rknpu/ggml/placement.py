@@ -126,6 +126,7 @@ class ServerStats:
     plan_seconds: float = 0.0
     execute_seconds: float = 0.0      # wall time of plan replays (steps + the replay loop itself)
     host_seconds: float = 0.0         # inside ggml_graph_compute of the host segments (host ops and host matmuls)
+    host_segments: int = 0            # ggml_graph_compute calls (host segments run)
     bytes_in: int = 0
     npu_device_seconds: float = 0.0   # the engine's own device-time figure for NPU matmuls
     npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
@@ -207,8 +208,8 @@ class ServerStats:
             f"graphs run {self.graph_runs}: plans built {self.plans_built} ({self.plan_seconds * 1e3:.1f} ms), "
             f"identical-graph replays {self.plan_cache_hits}, GRAPH_RECOMPUTE replays {self.recomputes}, "
             f"view nodes skipped {self.view_nodes}",
-            f"host (ggml-cpu) time {self.host_seconds * 1e3:.1f} ms, {per_node:.2f} µs per host node"
-            if per_node is not None else "host time per node: -",
+            f"host (ggml-cpu) time {self.host_seconds * 1e3:.1f} ms, {per_node:.2f} µs per host node, "
+            f"{self.host_segments} host segments" if per_node is not None else "host time per node: -",
             f"replay overhead beyond the ops: {overhead:.2f} µs per node" if overhead is not None else "",
             f"socket: {self.bytes_in / 2**20:.1f} MiB in, {self.bytes_out / 2**20:.1f} MiB out; requests: "
             + (", ".join(f"{Cmd(i).name} {n}" for i, n in enumerate(self.commands) if n) or "none"),

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ggml_rknpu.ggml.enums import GgmlOp
 from ggml_rknpu.hostggml import abi
 from ggml_rknpu.hostggml.lib import GGML_STATUS_SUCCESS, Ggml, TensorP
 
@@ -70,15 +71,26 @@ class Threads:
 
 @dataclass(eq=False)
 class HostCompute:
-    """One ggml_cgraph with its cplan: ``run()`` computes its nodes with ggml-cpu."""
+    """One ggml_cgraph with its cplan: ``run()`` computes its nodes with ggml-cpu.
+
+    The call is prepared once (``Ggml.graph_compute_raw`` with the cplan's address): a
+    replay calls it once per host segment."""
 
     g: Ggml
     graph: int
     cplan: abi.Cplan
-    n_nodes: int
+    nodes: tuple[TensorP, ...]
+    cplan_address: int = field(init=False)
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.nodes)
+
+    def __post_init__(self) -> None:
+        self.cplan_address = ctypes.addressof(self.cplan)
 
     def run(self) -> None:
-        status = self.g.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
+        status = self.g.graph_compute_raw(self.graph, self.cplan_address)
         if status != GGML_STATUS_SUCCESS:
             raise HostComputeError(f"ggml_graph_compute returned status {status}")
 
@@ -126,6 +138,27 @@ class HostContext:
         c.view_src = view_src if view_src is not None else TensorP()
         c.view_offs = view_offs
 
+    def copy_node(self, dst: TensorP, source: np.ndarray, name: str) -> TensorP:
+        """A CPY node writing ``source`` (contiguous, ``dst``'s type and element count) over
+        ``dst``'s bytes, as ``ggml_cpy(source, dst)`` builds it (a view of ``dst``)."""
+        d = dst.contents
+        ne = tuple(d.ne)
+        if not source.flags.c_contiguous or source.nbytes != self.g.ggml_nbytes(dst):
+            raise ValueError(f"copy into '{d.name.decode()}': source is not {self.g.ggml_nbytes(dst)} contiguous bytes")
+        src = self.new_tensor_contiguous(d.type, ne, name, source)
+        node = self.tensor(d.type, ne, tuple(d.nb), GgmlOp.CPY, (), abi.GGML_TENSOR_FLAG_COMPUTE, name, None)
+        node.contents.data = d.data
+        self.link(node, [src, dst], dst, 0)
+        return node
+
+    def new_tensor_contiguous(self, type_: int, ne: tuple[int, ...], name: str, array: np.ndarray) -> TensorP:
+        """A leaf tensor over a whole contiguous numpy array (ggml's default strides)."""
+        t = self.g.new_tensor(self.ctx, type_, ne)
+        t.contents.name = name.encode()[:abi.GGML_MAX_NAME - 1]
+        self.keep[id(array)] = array
+        t.contents.data = array.ctypes.data
+        return t
+
     def segment(self, nodes: list[TensorP]) -> HostCompute:
         """A graph of ``nodes`` in this order, planned for the server's threads."""
         graph = self.g.ggml_new_graph_custom(self.ctx, max(1, len(nodes)), False)
@@ -134,7 +167,7 @@ class HostContext:
         for t in nodes:
             self.g.ggml_graph_add_node(graph, t)
         cplan = self.g.ggml_graph_plan(graph, self.threads.n, self.threads.pool)
-        hc = HostCompute(self.g, graph, cplan, len(nodes))
+        hc = HostCompute(self.g, graph, cplan, tuple(nodes))
         self._computes.append(hc)
         return hc
 
