@@ -251,6 +251,7 @@ class Npu:
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
             "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
         self.last_timing: Timing | None = None
+        self.last_canary_s = 0.0   # host seconds arming and checking the last submit's canaries
         # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
         # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
         self.memory_cap: int | None = None
@@ -405,12 +406,16 @@ class Npu:
         canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion, summed
         hw_elapsed_ns or None)."""
         assert bound.jobs and bound.canaries is not None, "not bound yet"
+        t0 = time.perf_counter()
         bound.canaries.arm(c_bytes)
+        t1 = time.perf_counter()
         hw_ns: int | None = 0
         for job in bound.jobs:
             completion = self._submit_job(job, f"matmul {bound.program.shape}")
             hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
+        t2 = time.perf_counter()
         unwritten = bound.canaries.unwritten(c_bytes)
+        self.last_canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
             self._npu_fault(bound, unwritten)
         return completion, hw_ns

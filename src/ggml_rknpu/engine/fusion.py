@@ -136,6 +136,7 @@ class Step:
                 self.outputs.append((i, n0, n1))
         self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
+        self.canary_s = 0.0   # of the submit: arming and checking the canaries (measured)
         self._chain = _Chain(npu, self) if len(self.weights) > 1 else None
         self.modeled = self._chain.modeled if self._chain else None
 
@@ -168,9 +169,10 @@ class Step:
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
         if self._chain:
-            self._chain.submit(f"decode step {self!r}")
+            self.canary_s = self._chain.submit(f"decode step {self!r}")
         else:   # the engine's bound program: its chains in order, canaries checked
             self.npu._submit_bound(target, target.c_buf.array(np.uint8))
+            self.canary_s = self.npu.last_canary_s
         t2 = time.perf_counter()
         rows = a.shape[0]
         for port, result in zip(r_ports, self._results):
@@ -275,12 +277,17 @@ class _Chain:
         # (engine.canary): a task that never wrote its output is a fault, not a result
         self.canaries = [(Canaries.for_program(p), c_raw[co: co + p.c_bytes]) for p, co in zip(programs, c_offsets)]
 
-    def submit(self, what: str) -> None:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset)."""
+    def submit(self, what: str) -> float:
+        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset);
+        the host seconds the canaries took."""
+        t0 = time.perf_counter()
         for canaries, c_view in self.canaries:
             canaries.arm(c_view)
+        t1 = time.perf_counter()
         self.npu._submit_job(self.job, what)
+        t2 = time.perf_counter()
         unwritten = sum(canaries.unwritten(c_view) for canaries, c_view in self.canaries)
+        canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
             self.npu.counters["npu_faults"] += 1
             try:
@@ -289,6 +296,7 @@ class _Chain:
                 pass
             raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
                               "after the chained submit: a task did not finish; the NPU was reset")
+        return canary_s
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
         buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)

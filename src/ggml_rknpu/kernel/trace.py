@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys as _sys
+import time
 from typing import Callable
 
 from ggml_rknpu.kernel import drm
@@ -103,6 +104,57 @@ class TracingSyscalls:
 
     def munmap(self, view: memoryview) -> None:
         self.log(f"munmap({view.nbytes} bytes)")
+        self.inner.munmap(view)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def read_text(self, path: str) -> str:
+        return self.inner.read_text(path)
+
+
+class TimingSyscalls:
+    """Wraps any ``Syscalls``; counts ioctls by name and the wall time spent inside them.
+
+    WHY: a per-step host budget must tell our own work (packing, the driver wrappers) from
+    the kernel's; off a board the "kernel" is the simulator, whose time is not a host cost
+    of the board (``rknpu bench npu-step``)."""
+
+    def __init__(self, inner: Syscalls) -> None:
+        self.inner = inner
+        self.calls: dict[str, int] = {}
+        self.ns: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
+        t0 = time.perf_counter_ns()
+        try:
+            return self.inner.ioctl(fd, request, arg)
+        finally:
+            spent = time.perf_counter_ns() - t0
+            name = IOCTLS.get(request, (f"ioctl {request:#x}", None))[0]
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.ns[name] = self.ns.get(name, 0) + spent
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.ns.clear()
+
+    def open(self, path: str, flags: int = os.O_RDWR) -> int:
+        return self.inner.open(path, flags)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def mmap(self, fd: int, length: int, offset: int) -> memoryview:
+        return self.inner.mmap(fd, length, offset)
+
+    def munmap(self, view: memoryview) -> None:
         self.inner.munmap(view)
 
     def listdir(self, path: str) -> list[str]:
