@@ -64,6 +64,10 @@ class DriverAbi(Protocol[TableT]):
 
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...
 
+    def release_table(self, table: TableT) -> None:
+        """The device dropped ``table`` (evicted, or rebuilt after a regcmd buffer closed)."""
+        ...
+
     def submit(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:
         """Run ``table`` (inputs already clean), wait, and make ``outputs`` CPU-visible."""

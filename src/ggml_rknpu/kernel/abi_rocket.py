@@ -75,6 +75,9 @@ class RocketAbi:
         jobs = tuple(tuple((t.regcmd_addr, t.body_words + TAIL_WORDS) for t in tasks) for tasks in cores if tasks)
         return RocketSubmitTable(regcmd_buffers, sum(len(j) for j in jobs), jobs)
 
+    def release_table(self, table: RocketSubmitTable) -> None:
+        """Nothing to free: a rocket table is plain data."""
+
     def submit(self, table: RocketSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:
         in_handles = tuple(b.handle for b in (*(r.buffer for r in inputs), *table.regcmd_buffers))

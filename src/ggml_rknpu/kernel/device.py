@@ -4,12 +4,15 @@ The device knows nothing of boards or simulators: it is handed a ``Syscalls`` ob
 an open fd, asks the node's DRM name (DRM_IOCTL_VERSION) and drives it with that ABI's
 class from ``ABIS``. Choosing and opening a device by name is ``ggml_rknpu.devices``.
 
-Invariants: buffers are CPU-cached; ``submit`` cleans every input range and every buffer
-holding a task's regcmd before a submit, and the ABI makes the output ranges CPU-visible
-after it; anything else written by the CPU needs ``Buffer.sync_to_device()`` (weights:
-once, after writing them). A ``Job.cores`` is validated and turned into its ABI's submit
-table once, then replayed. Not thread-safe: one device per thread (the vendor task BO is
-shared by all submits of a device).
+Invariants: buffers are CPU-cached; ``submit`` cleans every input range before a submit,
+and the ABI makes the output ranges CPU-visible after it. A ``Job.cores`` is validated and
+turned into its ABI's submit table once, then replayed; the buffers holding its regcmd are
+cleaned when the table is built, not at every submit: a regcmd the CPU rewrites afterwards
+(a program re-bound to new buffers) needs ``Buffer.sync_to_device()`` like anything else
+the CPU writes outside a job's inputs (weights: once, after writing them). A clean is
+needed after CPU writes only: MEM_SYNC TO_DEVICE / FINI_BO write dirty lines back
+[docs/npu-programming.md §4-§5], and a regcmd written once stays clean. Not thread-safe: one
+device per thread.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class NpuDevice:
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}
         self._tables: dict[tuple[tuple[HwTask, ...], ...], SubmitTable] = {}
+        # the table of a Job replayed as the same object: found without hashing its tasks
+        self._job_tables: dict[int, tuple[Job, SubmitTable]] = {}
+        self._live_tables: set[SubmitTable] = set()   # the tables in _tables (eq=False: by identity)
         self._closed = False
 
     @staticmethod
@@ -152,6 +158,10 @@ class NpuDevice:
 
     def _free(self, buf: Buffer) -> None:
         self._buffers.pop(buf.handle, None)
+        if buf.purpose == "regcmd":   # the tables running it go with it (their task BOs too)
+            for cores in [c for c, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
+                self._drop_table(cores)
+            self._job_tables = {k: v for k, v in self._job_tables.items() if v[1] in self._live_tables}
         self.driver.free(buf.allocation)
 
     def _buffer_at(self, dma_addr: int) -> Buffer | None:
@@ -162,15 +172,34 @@ class NpuDevice:
 
     # ------------------------------------------------------------------ jobs
     def _submit_table(self, job: Job) -> SubmitTable:
-        """The ABI's submit table for ``job.cores``: built and validated once, replayed after."""
+        """The ABI's submit table for ``job.cores``: built and validated once (its regcmd
+        buffers cleaned then), replayed after."""
+        known = self._job_tables.get(id(job))
+        if known is not None and known[0] is job and known[1] in self._live_tables:
+            table = known[1]
+            if not any(b.closed for b in table.regcmd_buffers):
+                return table
         table = self._tables.get(job.cores)
-        if table is not None and not any(b.closed for b in table.regcmd_buffers):
-            return table
-        table = self.driver.submit_table(job.cores, check_cores(job.cores, self.n_cores, self._buffer_at))
-        if len(self._tables) >= MAX_CACHED_TABLES:
-            self._tables.pop(next(iter(self._tables)))
-        self._tables[job.cores] = table
+        if table is None or any(b.closed for b in table.regcmd_buffers):
+            if table is not None:
+                self._drop_table(job.cores)
+            regcmd = check_cores(job.cores, self.n_cores, self._buffer_at)
+            for b in regcmd:
+                b.sync_to_device()
+            table = self.driver.submit_table(job.cores, regcmd)
+            if len(self._tables) >= MAX_CACHED_TABLES:
+                self._drop_table(next(iter(self._tables)))
+            self._tables[job.cores] = table
+            self._live_tables.add(table)
+        if len(self._job_tables) >= MAX_CACHED_TABLES:
+            self._job_tables.pop(next(iter(self._job_tables)))
+        self._job_tables[id(job)] = (job, table)
         return table
+
+    def _drop_table(self, cores: tuple[tuple[HwTask, ...], ...]) -> None:
+        table = self._tables.pop(cores)
+        self._live_tables.discard(table)
+        self.driver.release_table(table)
 
     def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
         """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
@@ -181,8 +210,6 @@ class NpuDevice:
                 raise NpuError(f"{r.buffer!r} is closed or belongs to another device", errno.EBADF)
         for r in job.inputs:
             r.buffer.sync_to_device(r.offset, r.size)
-        for b in table.regcmd_buffers:
-            b.sync_to_device()
         done = self.driver.submit(table, job.inputs, job.outputs, timeout_ms)
         return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
 
