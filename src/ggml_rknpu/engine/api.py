@@ -171,6 +171,9 @@ class _BoundProgram:
     canaries: Canaries | None = None
     ports: Any = None            # (ActivationPort, ResultPort) of engine.hostpath
     ports_bound_to: Any = None   # the (A, C) scratch buffers the ports view
+    label: str = ""              # what a timeout names (formatted once, not per submit)
+    cells: Any = None            # the canaries bound to the C scratch buffer (engine.canary.CanaryCells)
+    cells_bound_to: Any = None   # the C scratch buffer they view
 
     def write_words(self) -> None:
         """Bind the register commands to the current buffers and make them visible to the NPU;
@@ -405,16 +408,21 @@ class Npu:
         """Run a bound program: canaries armed in C, its jobs (one per chain) in order, the
         canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion, summed
         hw_elapsed_ns or None)."""
-        assert bound.jobs and bound.canaries is not None, "not bound yet"
+        assert bound.jobs and bound.canaries is not None and bound.c_buf is not None, "not bound yet"
         t0 = time.perf_counter()
-        bound.canaries.arm(c_bytes)
+        cells = bound.cells
+        if cells is None or bound.cells_bound_to is not bound.c_buf.scratch.buf:
+            # (re)bound when the shared C buffer was replaced by a larger one
+            cells = bound.cells = bound.canaries.over(c_bytes)
+            bound.cells_bound_to = bound.c_buf.scratch.buf
+        cells.arm()
         t1 = time.perf_counter()
         hw_ns: int | None = 0
         for job in bound.jobs:
-            completion = self._submit_job(job, f"matmul {bound.program.shape}")
+            completion = self._submit_job(job, bound.label)
             hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
         t2 = time.perf_counter()
-        unwritten = bound.canaries.unwritten(c_bytes)
+        unwritten = cells.unwritten()
         self.last_canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
             self._npu_fault(bound, unwritten)
@@ -486,7 +494,7 @@ class Npu:
     def _bind(self, program: Any, m: int, w: Weight) -> _BoundProgram:
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
-        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled)
+        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled, label=f"matmul {program.shape}")
         try:
             # Each step may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
