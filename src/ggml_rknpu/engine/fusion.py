@@ -176,16 +176,22 @@ class Step:
             self.canary_s = self.npu.last_canary_s
         t2 = time.perf_counter()
         rows = a.shape[0]
-        for port, result in zip(r_ports, self._results):
-            port.read(result, rows, act_scales)
-        if outs is None:
-            results = [v[:rows] for v in self._views]
-        else:
-            if len(outs) != len(self._views):
-                raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
-            for dst, v in zip(outs, self._views):
-                np.copyto(dst[:rows], v[:rows], casting="same_kind")
+        if outs is not None and len(outs) != len(self._views):
+            raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
+        if outs is not None and self._direct(outs, rows):
+            # each output is one weight's whole result: read C straight into the caller's rows
+            for port, dst in zip(r_ports, outs):
+                port.read(dst, rows, act_scales)
             results = [o[:rows] for o in outs]
+        else:
+            for port, result in zip(r_ports, self._results):
+                port.read(result, rows, act_scales)
+            if outs is None:
+                results = [v[:rows] for v in self._views]
+            else:
+                for dst, v in zip(outs, self._views):
+                    np.copyto(dst[:rows], v[:rows], casting="same_kind")
+                results = [o[:rows] for o in outs]
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
         c = self.npu.counters
@@ -194,6 +200,17 @@ class Step:
         if self._chain:
             c["chained_submits"] += 1
         return results
+
+    def _direct(self, outs: Sequence[np.ndarray], rows: int) -> bool:
+        """Whether ``outs`` can take the results straight from C: one output per weight (no
+        fused siblings), each of the result's type and width with C-contiguous rows."""
+        if len(outs) != len(self.weights):
+            return False
+        for dst, w in zip(outs, self.weights):
+            if (dst.dtype != self._result_dtype or dst.ndim != 2 or dst.shape[0] < rows
+                    or dst.shape[1] != w.shape[0] or not dst.flags.c_contiguous):
+                return False
+        return True
 
     def close(self) -> None:
         """Release the step (a chained step's private buffers); idempotent."""
