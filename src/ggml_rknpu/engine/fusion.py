@@ -242,7 +242,9 @@ def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
 
 
 class _Chain:
-    """Private A, C and regcmd buffers of a chained step (fixed for its life)."""
+    """Private buffers of a chained step (fixed for its life): one holding A and the members'
+    C regions (one clean covers what the CPU wrote, one invalidate what the NPU wrote) and
+    the chained regcmd image (cleaned once, here)."""
 
     def __init__(self, npu: Any, step: Step) -> None:
         from ggml_rknpu.kernel.job import BufferRange, HwTask, Job

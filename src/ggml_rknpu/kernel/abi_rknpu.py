@@ -30,6 +30,10 @@ from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
 from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.kernel.syscalls import Syscalls
+def _nothing() -> None:
+    """No sync needed."""
+
+
 MAX_PACKED_SYNCS = 4096   # packed MEM_SYNC arguments kept (a model's jobs name a few hundred ranges)
 _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GET_FREQ),
           ("npu_volt_uv", rk.Action.GET_VOLT), ("iommu_enabled", rk.Action.GET_IOMMU_EN),
@@ -78,15 +82,20 @@ class RknpuAbi:
         self.driver.mem_destroy(allocation.handle, allocation.obj_addr)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        if allocation.cached and size:
-            key = (allocation.obj_addr, offset, size, 1 if to_device else 2)
-            call = self._syncs.get(key)
-            if call is None:
-                if len(self._syncs) >= MAX_PACKED_SYNCS:
-                    self._syncs.clear()
-                flag = rk.SyncFlag.TO_DEVICE if to_device else rk.SyncFlag.FROM_DEVICE
-                call = self._syncs[key] = self.driver.mem_sync_call(allocation.obj_addr, offset, size, flag)
-            call()
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """The MEM_SYNC of one range, packed once (an uncached buffer or an empty range needs none)."""
+        if not (allocation.cached and size):
+            return _nothing
+        key = (allocation.obj_addr, offset, size, 1 if to_device else 2)
+        call = self._syncs.get(key)
+        if call is None:
+            if len(self._syncs) >= MAX_PACKED_SYNCS:
+                self._syncs.clear()
+            flag = rk.SyncFlag.TO_DEVICE if to_device else rk.SyncFlag.FROM_DEVICE
+            call = self._syncs[key] = self.driver.mem_sync_call(allocation.obj_addr, offset, size, flag)
+        return call
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less the never-mapped page 0) minus our own objects; other
@@ -135,8 +144,8 @@ class RknpuAbi:
                 flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=table.core_mask,
                 subcore_tasks=table.subcore)
         result = submit()
-        for r in outputs:
-            r.buffer.sync_from_device(r.offset, r.size)
+        for r in outputs:   # open and inside their buffers: the device checked them
+            self.sync_call(r.buffer.allocation, r.offset, r.size, to_device=False)()
         # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
         # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
         return Finished(hw_elapsed_ns=result.hw_elapse_time or None, task_counter=result.task_counter)

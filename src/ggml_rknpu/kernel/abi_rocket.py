@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 from ggml_rknpu.hw.regcmd import TAIL_WORDS
@@ -60,10 +62,11 @@ class RocketAbi:
         self.driver.gem_close(allocation.handle)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        if to_device:
-            self.driver.fini_bo(allocation.handle)  # rocket syncs whole BOs
-        else:
-            self.driver.prep_bo(allocation.handle)
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """FINI_BO (to the device) or PREP_BO (to the CPU) of the whole BO: rocket syncs whole BOs."""
+        return partial(self.driver.fini_bo if to_device else self.driver.prep_bo, allocation.handle)
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less page 0) minus our objects (rocket: one domain per open file)."""

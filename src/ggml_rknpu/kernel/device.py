@@ -103,6 +103,17 @@ def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> "Npu
         raise
 
 
+@dataclass(frozen=True, eq=False)
+class _Replay:
+    """A Job as its submits replay it: the ABI's table, every buffer it names (checked open
+    per submit), the cleans of its input ranges as packed ioctls."""
+
+    job: Job
+    table: SubmitTable
+    buffers: tuple[Buffer, ...]
+    cleans: tuple[Callable[[], Any], ...]
+
+
 class NpuDevice:
     def __init__(self, syscalls: Syscalls, fd: int, path: str, *, simulated: bool = False) -> None:
         name = self._driver_name(syscalls, fd, path)
@@ -115,8 +126,8 @@ class NpuDevice:
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}
         self._tables: dict[tuple[tuple[HwTask, ...], ...], SubmitTable] = {}
-        # the table of a Job replayed as the same object: found without hashing its tasks
-        self._job_tables: dict[int, tuple[Job, SubmitTable]] = {}
+        # Jobs replayed as the same object (the engine's): found without hashing their tasks
+        self._replays: dict[int, _Replay] = {}
         self._live_tables: set[SubmitTable] = set()   # the tables in _tables (eq=False: by identity)
         self._closed = False
 
@@ -161,7 +172,7 @@ class NpuDevice:
         if buf.purpose == "regcmd":   # the tables running it go with it (their task BOs too)
             for cores in [c for c, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
                 self._drop_table(cores)
-            self._job_tables = {k: v for k, v in self._job_tables.items() if v[1] in self._live_tables}
+            self._replays = {k: v for k, v in self._replays.items() if v.table in self._live_tables}
         self.driver.free(buf.allocation)
 
     def _buffer_at(self, dma_addr: int) -> Buffer | None:
@@ -174,11 +185,6 @@ class NpuDevice:
     def _submit_table(self, job: Job) -> SubmitTable:
         """The ABI's submit table for ``job.cores``: built and validated once (its regcmd
         buffers cleaned then), replayed after."""
-        known = self._job_tables.get(id(job))
-        if known is not None and known[0] is job and known[1] in self._live_tables:
-            table = known[1]
-            if not any(b.closed for b in table.regcmd_buffers):
-                return table
         table = self._tables.get(job.cores)
         if table is None or any(b.closed for b in table.regcmd_buffers):
             if table is not None:
@@ -191,9 +197,6 @@ class NpuDevice:
                 self._drop_table(next(iter(self._tables)))
             self._tables[job.cores] = table
             self._live_tables.add(table)
-        if len(self._job_tables) >= MAX_CACHED_TABLES:
-            self._job_tables.pop(next(iter(self._job_tables)))
-        self._job_tables[id(job)] = (job, table)
         return table
 
     def _drop_table(self, cores: tuple[tuple[HwTask, ...], ...]) -> None:
@@ -201,16 +204,35 @@ class NpuDevice:
         self._live_tables.discard(table)
         self.driver.release_table(table)
 
-    def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
-        """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
-        self._check_open()
+    def _replay(self, job: Job) -> "_Replay":
+        """``job`` planned for replay: found by identity (no hashing of its tasks), else its
+        table, its ranges checked and the cleans of its inputs packed once."""
+        replay = self._replays.get(id(job))
+        if replay is not None and replay.job is job and replay.table in self._live_tables:
+            return replay
         table = self._submit_table(job)
         for r in (*job.inputs, *job.outputs):
             if r.buffer.closed or r.buffer.device is not self:
                 raise NpuError(f"{r.buffer!r} is closed or belongs to another device", errno.EBADF)
-        for r in job.inputs:
-            r.buffer.sync_to_device(r.offset, r.size)
-        done = self.driver.submit(table, job.inputs, job.outputs, timeout_ms)
+            r.buffer._range(r.offset, r.size)
+        cleans = tuple(self.driver.sync_call(r.buffer.allocation, r.offset, r.size, to_device=True)
+                       for r in job.inputs)
+        replay = _Replay(job, table, tuple(r.buffer for r in (*job.inputs, *job.outputs)), cleans)
+        if len(self._replays) >= MAX_CACHED_TABLES:
+            self._replays.pop(next(iter(self._replays)))
+        self._replays[id(job)] = replay
+        return replay
+
+    def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
+        """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
+        self._check_open()
+        replay = self._replay(job)
+        for b in replay.buffers:
+            if b.closed:
+                raise NpuError(f"{b!r} is closed", errno.EBADF)
+        for clean in replay.cleans:
+            clean()
+        done = self.driver.submit(replay.table, job.inputs, job.outputs, timeout_ms)
         return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
 
     # ------------------------------------------------------------------ power and reset
