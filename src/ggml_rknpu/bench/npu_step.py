@@ -6,8 +6,8 @@ into the NPU layout, the canaries, the cache syncs and the submit through the Py
 wrappers, reading the results back) adds straight to the token time, and a Cortex-A76 runs
 this Python 2-3x slower than the x86 box it is measured on.
 
-Method: the decode steps of one token as the server issues them (``Npu.step``: Q/K/V and
-gate/up chained, O and down alone; M = 1; gemma-3-270m's shapes by default: hidden 640,
+Method: the decode steps of one token as the server issues them (Q/K/V and gate/up as a
+chained ``Npu.step``, O and down alone through ``Npu.matmul``; M = 1; gemma-3-270m's shapes by default: hidden 640,
 Q 1024, K/V 256, FFN 2048), replayed ``--tokens`` times on the simulated device, whose
 syscalls go through ``kernel.trace.TimingSyscalls``. Per step and phase, measured with
 ``perf_counter`` on this host:
@@ -59,6 +59,24 @@ class LayerShape:
                 ("gate+up", self.hidden, [self.ffn, self.ffn]), ("down", self.ffn, [self.hidden])]
 
 
+class _ServerStep:
+    """One decode step as ``ggml.graph`` issues it: several siblings as a chained
+    ``Npu.step(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
+    ``ggml.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
+
+    def __init__(self, npu, weights: list) -> None:
+        self.npu, self.weights = npu, weights
+        self.step = npu.step(weights) if len(weights) > 1 else None
+
+    def run(self, a: np.ndarray, outs: list[np.ndarray]) -> tuple[float, float, float, float]:
+        if self.step is not None:
+            self.step.run(a, outs=outs)
+            return (*self.step.timing, self.step.canary_s)
+        outs[0][...] = self.npu.matmul(a, self.weights[0])
+        t = self.npu.last_timing
+        return t.pack_s, t.submit_s, t.unpack_s, self.npu.last_canary_s
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-out/npu-step", metavar="DIR", help="report directory")
     p.add_argument("--device", default="sim-rknpu", choices=("sim-rknpu", "sim-rocket"))
@@ -96,9 +114,9 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
                            for n in ns]
                 a = rng.standard_normal((1, k)).astype(np.float32)
                 outs = [np.empty((1, n), np.float32) for n in ns]
-                plan.append((name, npu.step(weights), a, outs))
+                plan.append((name, _ServerStep(npu, weights), a, outs))
         for _name, step, a, outs in plan:   # warm: programs compiled, tables built
-            step.run(a, outs=outs)
+            step.run(a, outs)
         kinds = list(dict.fromkeys(name for name, *_ in plan))
         per_token: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "npu_model", "sim_driver")}
                                                         for k in kinds}
@@ -108,14 +126,13 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
             for name, step, a, outs in plan:
                 kernel.reset()
                 sim0 = kernel.simulation_seconds
-                step.run(a, outs=outs)
+                pack_s, submit_s, unpack_s, canary_s = step.run(a, outs)
                 model_s = kernel.simulation_seconds - sim0
                 in_kernel_s = sum(kernel.ns.values()) * 1e-9
-                pack_s, submit_s, unpack_s = step.timing
                 s = sums[name]
                 s["pack"] += pack_s
-                s["canaries"] += step.canary_s
-                s["syncs_submit"] += submit_s - step.canary_s - in_kernel_s
+                s["canaries"] += canary_s
+                s["syncs_submit"] += submit_s - canary_s - in_kernel_s
                 s["unpack"] += unpack_s
                 s["npu_model"] += model_s
                 s["sim_driver"] += in_kernel_s - model_s
