@@ -15,6 +15,5 @@ def test_npu_step_splits_every_step_into_host_phases_and_simulator_time():
         assert all(v > 0 for v in phases)
         assert r["npu_model_us_measured"] > 0 and r["sim_driver_us_measured"] > 0
         assert r["host_min_us_measured"] <= r["host_us_measured"]
-    # the chained steps clean one buffer holding A and C; the single ones the shared A and C
-    assert rows[0]["ioctls"] == "2 RKNPU_MEM_SYNC, 1 RKNPU_SUBMIT"
-    assert rows[1]["ioctls"] == "3 RKNPU_MEM_SYNC, 1 RKNPU_SUBMIT"
+    # every step cleans one buffer holding A and C, and invalidates C
+    assert {r["ioctls"] for r in rows} == {"2 RKNPU_MEM_SYNC, 1 RKNPU_SUBMIT"}
