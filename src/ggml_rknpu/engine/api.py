@@ -530,7 +530,30 @@ class Npu:
         bound.jobs = program_jobs(program, bound.regcmd_buf.dma_addr, self.device.n_cores,
                                   bound.a_buf.range(), bound.c_buf.range())
         bound.canaries = Canaries.for_program(program)
+        try:
+            self._prepare_jobs(bound.jobs, what)
+        except BaseException:
+            bound.close()
+            raise
         return bound
+
+    def _prepare_jobs(self, jobs: tuple[Job, ...], what: str) -> None:
+        """Plan ``jobs`` on the device now: the memory its submit tables take (the vendor
+        driver's task BO, a page per job) is allocated here, under ``memory_cap`` and with
+        eviction like every other allocation, not at a later submit."""
+        for job in jobs:
+            while True:
+                try:
+                    need = self.device.table_bytes(job)
+                    if need and self.memory_cap is not None and self.memory_used() + need > self.memory_cap:
+                        raise NpuOutOfMemory(f"{need} more bytes would exceed the NPU memory cap of "
+                                             f"{self.memory_cap} bytes", errno.ENOMEM)
+                    self.device.prepare(job)
+                    break
+                except NpuOutOfMemory as exc:
+                    if not self._evict_one():
+                        raise NpuOutOfMemory(f"out of NPU memory planning the submits of {what}; free weights "
+                                             "you no longer need", exc.errno) from exc
 
     def _join_scratch(self, bound: _BoundProgram, a_bytes: int, c_bytes: int, what: str
                       ) -> tuple[_ScratchShare, _ScratchShare]:

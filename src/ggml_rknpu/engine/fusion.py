@@ -285,6 +285,11 @@ class _Chain:
         # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote its canaries
         self.job = Job(cores=tuple(cores), inputs=(BufferRange(self.data, 0, pos),),
                        outputs=(BufferRange(self.data, c_base, pos - c_base),))
+        try:
+            npu._prepare_jobs((self.job,), what)
+        except BaseException:
+            self.close()
+            raise
         a_port = ActivationPort(programs[0].shape, quantize=step.dtype == "int8")
         raw = self.data.array(np.uint8)
         a_port.bind(raw[: programs[0].a_bytes])

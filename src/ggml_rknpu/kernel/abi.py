@@ -68,6 +68,10 @@ class DriverAbi(Protocol[TableT]):
 
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...
 
+    def table_bytes(self, cores: Cores) -> int:
+        """NPU bytes ``submit_table(cores)`` allocates (the vendor task BO; 0 for rocket)."""
+        ...
+
     def release_table(self, table: TableT) -> None:
         """The device dropped ``table`` (evicted, or rebuilt after a regcmd buffer closed)."""
         ...

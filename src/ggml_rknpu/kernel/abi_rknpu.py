@@ -16,6 +16,7 @@ The SUBMIT and every MEM_SYNC of a range are packed once (``drm.PreparedIoctl``)
 
 from __future__ import annotations
 
+import ctypes
 import errno
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -128,6 +129,11 @@ class RknpuAbi:
                                  core_mask=sum(1 << core for core, _ in used), subcore=tuple(subcore), task_bo=bo)
         self._tables.add(table)
         return table
+
+    def table_bytes(self, cores: Cores) -> int:
+        """The task BO ``submit_table(cores)`` allocates: whole pages of rknpu_task records."""
+        n = sum(len(tasks) for tasks in cores)
+        return -(-n * ctypes.sizeof(rk.rknpu_task) // PAGE_BYTES) * PAGE_BYTES
 
     def release_table(self, table: RknpuSubmitTable) -> None:
         """The device no longer replays ``table``: free its task BO."""

@@ -78,6 +78,10 @@ class RocketAbi:
         jobs = tuple(tuple((t.regcmd_addr, t.body_words + TAIL_WORDS) for t in tasks) for tasks in cores if tasks)
         return RocketSubmitTable(regcmd_buffers, sum(len(j) for j in jobs), jobs)
 
+    def table_bytes(self, cores: Cores) -> int:
+        """Nothing: a rocket table allocates no NPU memory."""
+        return 0
+
     def release_table(self, table: RocketSubmitTable) -> None:
         """Nothing to free: a rocket table is plain data."""
 

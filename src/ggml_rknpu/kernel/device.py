@@ -40,7 +40,10 @@ __all__ = ["ABIS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask"
 ABIS: dict[str, Callable[[Syscalls, int], DriverAbi[Any]]] = {rk.DRIVER_NAME: RknpuAbi, ro.DRIVER_NAME: RocketAbi}
 NODE_PATTERNS = (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME))
 PURPOSES = ("data", "regcmd", "task")
-MAX_CACHED_TABLES = 256  # distinct Job.cores kept as submit tables (a model has a few per layer shape)
+# distinct Job.cores kept as submit tables. A table also goes when its regcmd buffer is freed
+# (the engine's programs hold theirs), so this only bounds callers that never free them; it
+# must stay above a model's live programs (a table rebuilt per submit would allocate a task BO)
+MAX_CACHED_TABLES = 4096
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,19 @@ class NpuDevice:
             self._replays.pop(next(iter(self._replays)))
         self._replays[id(job)] = replay
         return replay
+
+    def table_bytes(self, job: Job) -> int:
+        """NPU bytes ``prepare(job)`` (or its first submit) would allocate for its submit table."""
+        table = self._tables.get(job.cores)
+        if table is not None and not any(b.closed for b in table.regcmd_buffers):
+            return 0
+        return self.driver.table_bytes(job.cores)
+
+    def prepare(self, job: Job) -> None:
+        """Plan ``job`` for replay now (its table and whatever the ABI allocates for it), so
+        that a caller bounding its NPU memory sees the allocation where it can account for it."""
+        self._check_open()
+        self._replay(job)
 
     def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
         """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
