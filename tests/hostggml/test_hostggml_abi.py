@@ -67,7 +67,7 @@ def test_mismatch_refuses_with_the_fix(host_ggml, fake, what):
 
 
 def test_missing_library_names_the_build(tmp_path):
-    with pytest.raises(lib.GgmlLibraryMissing, match="scripts/build-llama-cpp"):
+    with pytest.raises(lib.GgmlLibraryMissing, match="scripts/build-ggml"):
         lib.Ggml(tmp_path)
 
 

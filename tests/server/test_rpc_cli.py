@@ -72,3 +72,12 @@ def test_serve_start_up_line_names_the_envelope(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=20)
+
+
+def test_serve_without_the_ggml_libraries_says_where_it_looked(tmp_path):
+    """$RKNPU_GGML_LIB_DIR names a directory without them: exit 1, no build, the directory named."""
+    env = {**os.environ, "RKNPU_GGML_LIB_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0", "--device", "host"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot start the host backend" in proc.stderr and f"RKNPU_GGML_LIB_DIR={tmp_path}" in proc.stderr

@@ -36,9 +36,9 @@ PREDICATES = ("ggml_is_contiguous", "ggml_is_contiguous_1", "ggml_is_contiguous_
 class Scratch:
     """A no-alloc ggml context for builder calls; tensors read back as RpcTensor."""
 
-    def __init__(self, g):
+    def __init__(self, g, n_tensors: int = 64):
         self.g = g
-        self.ctx = g.context(64, ())
+        self.ctx = g.context(n_tensors, ())
         self._ids: dict[int, int] = {}
 
     def fn(self, name: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,62 @@ def test_completion_output_is_complete_under_cpu_load(tmp_path: Path) -> None:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+
+
+def _fake_ggml(bin_dir: Path) -> Path:
+    bin_dir.mkdir(parents=True)
+    for name in llamacpp.GGML_LIBS:
+        (bin_dir / name).touch()
+    return bin_dir
+
+
+def test_ggml_libraries_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$RKNPU_GGML_LIB_DIR (alone), then the full pinned build, then the ggml-only build; missing
+    everywhere names scripts/build-ggml."""
+    monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))
+    monkeypatch.delenv(llamacpp.GGML_LIB_DIR_ENV, raising=False)
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="run scripts/build-ggml"):
+        llamacpp.ggml_library_dir()
+    only_ggml = _fake_ggml(tmp_path / "ggml-build" / "bin")
+    assert llamacpp.ggml_library_dir() == only_ggml == llamacpp.ggml_build_dir()
+    full = _fake_ggml(tmp_path / "llama.cpp-build" / "bin")
+    assert llamacpp.ggml_library_dir() == full
+    chosen = tmp_path / "chosen"
+    chosen.mkdir()
+    monkeypatch.setenv(llamacpp.GGML_LIB_DIR_ENV, str(chosen))
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="RKNPU_GGML_LIB_DIR"):
+        llamacpp.ggml_library_dir()                          # never silently another build
+    _fake_ggml(chosen / "bin")
+    monkeypatch.setenv(llamacpp.GGML_LIB_DIR_ENV, str(chosen / "bin"))
+    assert llamacpp.ggml_library_dir() == chosen / "bin"
+
+
+def test_ggml_build_variants_match_the_build_script() -> None:
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "build-ggml").read_text()
+    for variant, build_dir in llamacpp.GGML_BUILDS.items():
+        assert f"build_name={build_dir}\n" in script, variant
+    bad = subprocess.run([str(Path(__file__).resolve().parents[2] / "scripts" / "build-ggml"), "--nosuch"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: scripts/build-ggml [--asan]" in bad.stderr
+
+
+def test_first_run_builds_only_the_ggml_libraries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rknpu serve` on a machine with no build runs scripts/build-ggml once (here a stand-in that
+    makes the two files), and never when $RKNPU_GGML_LIB_DIR names the build to use."""
+    from ggml_rknpu.toolchain import launch
+
+    monkeypatch.setenv("RKNPU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(llamacpp.GGML_LIB_DIR_ENV, raising=False)
+    script = tmp_path / "repo" / "scripts" / "build-ggml"
+    script.parent.mkdir(parents=True)
+    script.write_text('#!/bin/sh\nd="$RKNPU_CACHE/ggml-build/bin"; mkdir -p "$d"\n'
+                      'touch "$d/libggml-base.so" "$d/libggml-cpu.so"; echo ran >> "$RKNPU_CACHE/runs"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(launch, "REPO_ROOT", tmp_path / "repo")
+    assert launch.ensure_ggml_built() == tmp_path / "cache" / "ggml-build" / "bin"
+    assert launch.ensure_ggml_built() == tmp_path / "cache" / "ggml-build" / "bin"
+    assert (tmp_path / "cache" / "runs").read_text() == "ran\n"              # built once
+    monkeypatch.setenv(llamacpp.GGML_LIB_DIR_ENV, str(tmp_path / "elsewhere"))
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="RKNPU_GGML_LIB_DIR"):
+        launch.ensure_ggml_built()
+    assert (tmp_path / "cache" / "runs").read_text() == "ran\n"

