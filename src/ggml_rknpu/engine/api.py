@@ -738,7 +738,8 @@ def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a: BufferRange, c
 def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
     """``jobs`` naming the scratch ranges ``a`` and ``c`` (again, after a scratch buffer grew).
     A and C in one buffer, A first: one input range from A to the end of C (one clean)."""
-    if a.buffer is c.buffer and a.offset + a.size <= c.offset:
+    if (isinstance(a, BufferRange) and isinstance(c, BufferRange) and a.buffer is c.buffer
+            and a.offset + a.size <= c.offset):
         inputs: tuple[BufferRange, ...] = (BufferRange(a.buffer, a.offset, c.offset + c.size - a.offset),)
     else:
         inputs = (a, c)
