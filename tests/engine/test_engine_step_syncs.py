@@ -35,11 +35,11 @@ def test_a_replayed_step_syncs_exactly_its_ranges(kind, chained_calls, single_ca
         a, b = rng.standard_normal((1, 64)).astype(np.float32), rng.standard_normal((1, 32)).astype(np.float32)
         chained.run(a), single.run(b)   # planned: tables, task BOs, regcmd cleaned
         for _ in range(3):              # alternating, as a decode token's steps do
-            kernel.reset()
+            kernel.clear()
             got = chained.run(a)
             # one clean of A and C (one buffer), one invalidate of C, the submit
             assert kernel.calls == chained_calls
-            kernel.reset()
+            kernel.clear()
             one = single.run(b)[0]
             # the bucket's shared scratch buffer, A then C: one clean, one invalidate of C, the submit
             assert kernel.calls == single_calls

@@ -124,7 +124,7 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
         for _ in range(tokens):
             sums = {k: dict.fromkeys((*PHASES, "npu_model", "sim_driver"), 0.0) for k in kinds}
             for name, step, a, outs in plan:
-                kernel.reset()
+                kernel.clear()
                 sim0 = kernel.simulation_seconds
                 pack_s, submit_s, unpack_s, canary_s = step.run(a, outs)
                 model_s = kernel.simulation_seconds - sim0

@@ -95,23 +95,9 @@ class RknpuDriver:
     def mmap(self, offset: int, length: int) -> memoryview:
         return self.syscalls.mmap(self.fd, length, offset)
 
-    def submit(
-        self,
-        *,
-        task_obj_addr: int,
-        task_number: int,
-        flags: int = abi.JobFlag.PC,
-        timeout_ms: int = 6000,
-        task_start: int = 0,
-        core_mask: int = 0,
-        subcore_tasks: tuple[tuple[int, int], ...] = (),
-        task_base_addr: int = 0,
-        priority: int = 0,
-    ) -> SubmitResult:
-        """One blocking SUBMIT. ``subcore_tasks`` fills ``subcore_task[0..]`` as (start, number)."""
-        return self.submit_call(task_obj_addr=task_obj_addr, task_number=task_number, flags=flags,
-                                timeout_ms=timeout_ms, task_start=task_start, core_mask=core_mask,
-                                subcore_tasks=subcore_tasks, task_base_addr=task_base_addr, priority=priority)()
+    def submit(self, **fields: int | tuple[tuple[int, int], ...]) -> SubmitResult:
+        """One blocking SUBMIT; the arguments of ``submit_call``."""
+        return self.submit_call(**fields)()  # type: ignore[arg-type]
 
     def submit_call(
         self,
@@ -126,8 +112,9 @@ class RknpuDriver:
         task_base_addr: int = 0,
         priority: int = 0,
     ) -> Callable[[], SubmitResult]:
-        """The SUBMIT of ``submit`` as a callable with its argument packed once: a job planned
-        once replays the same bytes every time."""
+        """One blocking SUBMIT as a callable with its argument packed once (a job planned once
+        replays the same bytes every time). ``subcore_tasks`` fills ``subcore_task[0..]`` as
+        (start, number)."""
         s = self.submit_struct(
             flags=int(flags), timeout=timeout_ms, task_start=task_start, task_number=task_number,
             priority=priority, task_obj_addr=task_obj_addr, task_base_addr=task_base_addr,
