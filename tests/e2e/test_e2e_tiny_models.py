@@ -85,7 +85,8 @@ ARCH_OPS = {"qwen3moe": ("MUL_MAT_ID", "ARGSORT"), "mamba": ("SSM_CONV", "SSM_SC
 @pytest.mark.parametrize("arch", MORE_ARCHES)
 def test_moe_ssm_hybrid_greedy_tokens_equal_cpu(tmp_path: Path, arch: str) -> None:
     """A MoE (qwen3moe), an SSM (mamba) and a hybrid (jamba: mamba + attention + MoE layers) with
-    fp16 weights: the same greedy text through --rpc as CPU-only, their own ops run by the server."""
+    fp16 weights: the same greedy text through --rpc as CPU-only, their own ops run by the server;
+    the MoE experts resident on the NPU, every MUL_MAT_ID and expert matmul run there."""
     tool_or_skip("llama-completion")
     model = write_tiny_gguf(tmp_path / f"tiny-{arch}-f16.gguf", arch, "f16")
     cpu_text, cpu = completion(model, PROMPT, n_predict=N_PREDICT)
@@ -97,6 +98,11 @@ def test_moe_ssm_hybrid_greedy_tokens_equal_cpu(tmp_path: Path, arch: str) -> No
     for op in ARCH_OPS[arch]:
         assert server.nodes(op) > 0, (op, server.stats()["per_op"])
     assert server.weight_uploads() > 0, server.log()
+    if "MUL_MAT_ID" in ARCH_OPS[arch]:
+        stats = server.stats()
+        moe = {r["engine"]: r["nodes"] for r in stats["per_op"] if r["op"] == "MUL_MAT_ID"}
+        assert moe.get("npu", 0) > 0 and "host" not in moe, moe
+        assert stats["expert_matmuls_npu"] > 0 and stats["expert_matmuls_host"] == 0, stats
     assert cpu_text.strip(), cpu.stderr[-2000:]
     assert text == cpu_text, f"RPC {text!r} != CPU {cpu_text!r}\n--- server ---\n{server.log()}"
 

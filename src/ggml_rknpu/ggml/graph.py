@@ -10,7 +10,9 @@ The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
 ``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
 call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
 :class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"), and host
-segments that only their members' deliveries separate run as one :class:`DeliveredRun`.
+segments that only their members' deliveries separate run as one :class:`DeliveredRun`. A
+MUL_MAT_ID whose experts are resident weights is an ``ExpertStep`` (``ggml/expert_step.py``:
+routing by its checked ids, one engine call per selected expert).
 Replaying a plan is a loop over those steps: no parsing, no decisions.
 Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
 covers clients whose graph uid changes while the graph does not.
@@ -47,9 +49,10 @@ import numpy as np
 from ggml_rknpu.engine.contract import EngineStep, MatmulEngine, stepping
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
+from ggml_rknpu.ggml.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.ggml.ops.rules import check_node, signature
-from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, matmul_host_reason
+from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
 from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, unbacked_reason
@@ -642,6 +645,8 @@ class GraphPlanner:
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
+        experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
+                   and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
         order = _gather_siblings(computing, g, slots, checked) if self.group else computing
 
         # segments: maximal runs of host nodes; a node whose index bytes a node of the current
@@ -651,7 +656,7 @@ class GraphPlanner:
         current: list[int] = []
         written: list[CheckedTensor] = []
         for nid in order:
-            if nid < 0 or slots.get(nid) is not None:       # an NPU step or a delivery marker
+            if nid < 0 or slots.get(nid) is not None or nid in experts:   # an NPU step or a delivery marker
                 runs += [current, [nid]] if current else [[nid]]
                 current, written = [], []
                 continue
@@ -664,10 +669,11 @@ class GraphPlanner:
         if current:
             runs.append(current)
 
-        merges = _delivery_runs(runs, {nid for nid in order if slots.get(nid) is not None}) if self.group else []
+        npu_steps = {nid for nid in order if slots.get(nid) is not None or nid in experts}
+        merges = _delivery_runs(runs, npu_steps) if self.group else []
         n_markers = sum(1 for nid in order if nid < 0)
-        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers,
-                           tuple(len(r) for r in runs) + tuple(merges))
+        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts),
+                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * len(experts))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -676,7 +682,9 @@ class GraphPlanner:
                     t = g.tensors[nid]
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
-            steps = [self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok) for run in runs]
+            steps = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
+                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok)
+                     for run in runs]
             checks = _hoist_checks(steps, runs, checked)
             planned = group_npu_steps(steps) if self.group else steps
             counts = _take_counts(planned)
@@ -686,7 +694,8 @@ class GraphPlanner:
         except BaseException:
             host.close()
             raise
-        self.weights.stage_all(s for s in slots.values() if s is not None)   # timed in the weight stats
+        staged = [*slots.values(), *(s for e in experts.values() for s in e)]
+        self.weights.stage_all(s for s in staged if s is not None)   # timed in the weight stats
         self.stats.plans_built += 1
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
@@ -726,6 +735,16 @@ class GraphPlanner:
                        nbytes=self._span(t, checked) - slot.nbytes,
                        npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id)
 
+    def _expert_step(self, t: RpcTensor, slots: tuple[WeightSlot | None, ...], checked: dict[int, CheckedTensor],
+                     ptrs: dict[int, Any], host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> ExpertStep:
+        """A MUL_MAT_ID with resident experts (``ggml/expert_step.py``); its ids checked as the rule says."""
+        (src, bound), = indices[t.id]
+        ids = checked[t.src[src]]
+        check = IndexCheck(ids.ref().as_array(), bound, f"MUL_MAT_ID '{t.name}' src{src} '{ids.rpc.name}'")
+        w = checked[t.src[0]].rpc
+        on_host = HostExperts.plan(host, ptrs[w.id], w.ne[0], w.ne[1], t.ne[1] * t.ne[2], t.name)
+        return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats)
+
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:
         checks = []
@@ -759,6 +778,23 @@ class GraphPlanner:
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         return slot
+
+    def _expert_slots(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
+                      checked: dict[int, CheckedTensor]) -> tuple[WeightSlot | None, ...] | None:
+        """The staged-weight slots of this MUL_MAT_ID's experts, or None when it runs on the host."""
+        s0 = t.src[0]
+        c0 = checked[s0]
+        reason = experts_host_reason(
+            t, g.tensors[s0], g.tensors[t.src[1]], engine=self.npu is not None, w_computed=s0 in position,
+            w_backed=c0.buffer is not None,
+            w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end))
+        slots = expert_slots(c0, self.weights) if reason is None else None
+        if slots is not None and all(s is None for s in slots):
+            slots, reason = None, "weight type or engine refused it"
+        if reason is not None:
+            key = f"MUL_MAT_ID: {reason}"
+            self.stats.host_matmul_reasons[key] = self.stats.host_matmul_reasons.get(key, 0) + 1
+        return slots
 
 
 def _hoist_checks(steps: list[Any], runs: list[list[int]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:

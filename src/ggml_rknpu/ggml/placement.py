@@ -37,14 +37,16 @@ def _contiguous_2d(t: RpcTensor) -> bool:
     return t.ne[2] == 1 and t.ne[3] == 1 and t.nb[0] == type_size and t.nb[1] == t.ne[0] // block * type_size
 
 
-def matmul_host_reason(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, engine: bool, w_computed: bool,
-                       w_backed: bool, w_graph_written: bool) -> str | None:
-    """Why this MUL_MAT (dst = a @ w^T) runs on the host, or None: its src0 is a weight for the NPU.
+def _contiguous_3d(t: RpcTensor) -> bool:
+    """[K, N, n_expert] with each expert's [K, N] slice right after the previous one."""
+    block, type_size = TYPE_TRAITS[GgmlType(t.type)]
+    row = t.ne[0] // block * type_size
+    return t.ne[3] == 1 and t.nb[0] == type_size and t.nb[1] == row and t.nb[2] == row * t.ne[1]
 
-    A weight is a leaf (not computed by the graph), not a view (the KV cache is reached
-    through views), not a graph input, 2-D and contiguous, never written by a graph node,
-    and the activations are float with matching shapes.
-    """
+
+def _leaf_weight_reason(dst: RpcTensor, w: RpcTensor, *, engine: bool, w_computed: bool,
+                        w_backed: bool) -> str | None:
+    """What rules src0 out as a resident weight whatever its shape (MUL_MAT and MUL_MAT_ID alike)."""
     if not engine:
         return "no NPU engine"
     if 0 in dst.ne or 0 in w.ne:
@@ -57,6 +59,20 @@ def matmul_host_reason(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, engine: bo
         return "src0 is a graph input"
     if not w_backed:
         return "src0 not on this server"
+    return None
+
+
+def matmul_host_reason(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, engine: bool, w_computed: bool,
+                       w_backed: bool, w_graph_written: bool) -> str | None:
+    """Why this MUL_MAT (dst = a @ w^T) runs on the host, or None: its src0 is a weight for the NPU.
+
+    A weight is a leaf (not computed by the graph), not a view (the KV cache is reached
+    through views), not a graph input, 2-D and contiguous, never written by a graph node,
+    and the activations are float with matching shapes.
+    """
+    reason = _leaf_weight_reason(dst, w, engine=engine, w_computed=w_computed, w_backed=w_backed)
+    if reason is not None:
+        return reason
     if not _contiguous_2d(w):
         return "src0 not 2-D contiguous"
     if w_graph_written:
@@ -65,6 +81,23 @@ def matmul_host_reason(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, engine: bo
         return "activation/output type"
     if a.ne[0] != w.ne[0] or dst.ne[0] != w.ne[1] or dst.ne[1:] != a.ne[1:]:
         return "broadcast shapes"
+    return None
+
+
+def experts_host_reason(dst: RpcTensor, w: RpcTensor, b: RpcTensor, *, engine: bool, w_computed: bool,
+                        w_backed: bool, w_graph_written: bool) -> str | None:
+    """Why this MUL_MAT_ID keeps all its experts on the host, or None: each expert slice
+    of src0 ``[K, N, n_expert]`` can be a resident weight (same rules as a MUL_MAT's src0,
+    3-D contiguous; shapes were checked by the validator rule)."""
+    reason = _leaf_weight_reason(dst, w, engine=engine, w_computed=w_computed, w_backed=w_backed)
+    if reason is not None:
+        return reason
+    if not _contiguous_3d(w):
+        return "src0 not 3-D contiguous"
+    if w_graph_written:
+        return "src0 written by a graph"
+    if b.type not in _FLOAT_ACTIVATIONS or dst.type != GgmlType.F32:
+        return "activation/output type"
     return None
 
 
@@ -100,6 +133,8 @@ class ServerStats:
     npu_matmuls_by_m: dict[int, int] = field(default_factory=dict)  # NPU MUL_MATs by rows M (batch, spec, slots)
     npu_groups_planned: int = 0       # NpuGroups in the plans built (sibling matmuls as one submit)
     npu_grouped_runs: int = 0         # replays of a group that ran as one engine step
+    expert_matmuls_npu: int = 0       # MUL_MAT_ID: one per selected expert run on the NPU (M = its rows)
+    expert_matmuls_host: int = 0      # ... per selected expert whose rows ran on ggml-cpu
     bytes_out: int = 0
 
     def counter(self, op: str, engine: str) -> OpCounter:
@@ -185,6 +220,9 @@ class ServerStats:
         if self.npu_matmuls_by_m:
             lines.append("NPU matmuls by rows M: " + ", ".join(
                 f"M={m} {n}" for m, n in sorted(self.npu_matmuls_by_m.items())))
+        if self.expert_matmuls_npu or self.expert_matmuls_host:
+            lines.append(f"MUL_MAT_ID expert matmuls: {self.expert_matmuls_npu} on the NPU, "
+                         f"{self.expert_matmuls_host} on the host")
         if self.npu_device_seconds:
             lines.append(f"NPU device time of the matmuls: {self.npu_device_seconds * 1e3:.1f} ms "
                          f"({self.npu_device_label})")
@@ -195,6 +233,8 @@ class ServerStats:
                 f"{weights.uploads} uploads ({weights.upload_seconds:.2f} s), {weights.invalidations} invalidated, "
                 f"{weights.demoted} demoted to host, {weights.failures} refused by the engine"
             )
+            if weights.experts_staged or weights.experts_host:
+                lines.append(f"MoE experts: {weights.experts_staged} resident, {weights.experts_host} on the host")
             lines.append(
                 f"weight reuse across clients: {weights.reused} reused, {weights.retired} retired, "
                 f"{weights.evicted} evicted; {weights.retired_now} retired now "

@@ -101,6 +101,7 @@ class WeightSlot:
     volatile: bool = False           # demoted for good: runs on the host
     failed: str | None = None        # why the engine refused it: runs on the host
     content_key: tuple | None = None  # RetiredWeights key of the staged copy (None: reuse off)
+    expert: bool = False             # one expert's slice of a MUL_MAT_ID weight (counted apart)
 
     @property
     def on_npu(self) -> bool:
@@ -129,6 +130,8 @@ class WeightStats:
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
     host_now: int = 0                # weights of live buffers the engine refused or demoted: on the host
     host_bytes_now: int = 0          # ... their ggml bytes
+    experts_staged: int = 0          # MUL_MAT_ID expert slices resident now (included in ``staged``)
+    experts_host: int = 0            # expert slices of live buffers refused or demoted: on the host
 
 
 def _free_handle(handle: EngineWeight, name: str) -> None:
@@ -207,8 +210,11 @@ class WeightStore:
         if self.fmt not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, not {self.fmt!r}")
 
-    def slot_for(self, t: CheckedTensor) -> WeightSlot | None:
-        """The slot for a candidate weight, or None if it cannot be an NPU weight."""
+    def slot_for(self, t: CheckedTensor, expert: bool = False) -> WeightSlot | None:
+        """The slot for a candidate weight, or None if it cannot be an NPU weight.
+
+        ``expert``: ``t`` is one expert's [K, N] slice of a MUL_MAT_ID weight (``ggml.expert_step``);
+        it is keyed, staged, invalidated and reused exactly like a 2-D weight, only counted apart."""
         r = t.rpc
         if self.npu is None or t.buffer is None or r.type not in self.types:
             return None
@@ -216,7 +222,8 @@ class WeightStore:
         slot = self._slots.get(key)
         if slot is None:
             slot = WeightSlot(buffer=t.buffer, start=t.start, end=t.end, type=r.type,
-                              n=r.ne[1], k=r.ne[0], name=r.name, layout=(tuple(r.ne), tuple(r.nb)))
+                              n=r.ne[1], k=r.ne[0], name=r.name, layout=(tuple(r.ne), tuple(r.nb)),
+                              expert=expert)
             self._slots[key] = slot
             self._by_buffer.setdefault(t.buffer.handle, []).append(slot)
         return slot if slot.on_npu else None
@@ -251,6 +258,7 @@ class WeightStore:
         self.stats.failures += 1
         self.stats.host_now += 1
         self.stats.host_bytes_now += slot.nbytes
+        self.stats.experts_host += slot.expert
 
     def _forget(self, slot: WeightSlot) -> None:
         """The slot's buffer is gone: its staged copy is retired (or freed), its host count dropped."""
@@ -258,6 +266,7 @@ class WeightStore:
         if slot.failed is not None:
             self.stats.host_now -= 1
             self.stats.host_bytes_now -= slot.nbytes
+            self.stats.experts_host -= slot.expert
 
     def restage(self, lost: Callable[[EngineWeight], bool]) -> int:
         """Forget the staged copies ``lost(handle)`` names (an NPU reset destroyed them); the
@@ -269,6 +278,7 @@ class WeightStore:
                     slot.handle = None
                     self.stats.staged -= 1
                     self.stats.staged_bytes -= slot.nbytes
+                    self.stats.experts_staged -= slot.expert
                     n += 1
         return n
 
@@ -331,6 +341,7 @@ class WeightStore:
         self.stats.staged += 1
         self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
         self.stats.staged_bytes += slot.nbytes
+        self.stats.experts_staged += slot.expert
 
     def _unstage(self, slot: WeightSlot, retire: bool = False) -> None:
         """Free the staged copy, or with ``retire`` hand it to the retired LRU (buffer freed)."""
@@ -340,6 +351,7 @@ class WeightStore:
         key, slot.content_key = slot.content_key, None
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
+        self.stats.experts_staged -= slot.expert
         if retire and key is not None and self.retired is not None:
             nbytes = handle.packed_bytes
             if self.retired.retire(key, handle, nbytes, slot.name):
