@@ -165,8 +165,10 @@ def test_program_cache_hit_on_repeat_and_weights_stay_resident(npu):
 
 
 def _plan_bytes(npu, w) -> int:
-    """w's regcmd buffers and the shared A/C buffers (w is the only weight with programs)."""
-    return sum(p.regcmd_buf.capacity for p in w.programs.values()) + npu.scratch_bytes()
+    """w's regcmd buffers, the vendor driver's task BO of each of their jobs (a page each) and
+    the shared A/C buffers (w is the only weight with programs)."""
+    task_bos = sum(len(p.jobs) for p in w.programs.values()) * 4096 if npu.abi == "rknpu" else 0
+    return sum(p.regcmd_buf.capacity for p in w.programs.values()) + task_bos + npu.scratch_bytes()
 
 
 def test_free_returns_memory(npu):

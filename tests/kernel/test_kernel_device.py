@@ -155,7 +155,8 @@ def test_vendor_submit_three_cores_core_major_with_subcore_i_plus_2():
     out = dev.alloc(4096)
     done = dev.submit(Job(cores=((t1, t2), (t2,), (t1, t2)), outputs=(out,)))
     assert done.task_counter == 5 and done.hw_elapsed_ns is None and done.simulated
-    tasks = (rk.rknpu_task * 5).from_buffer_copy(dev.driver.task_bo.view[:200])
+    (table,) = dev._tables.values()
+    tasks = (rk.rknpu_task * 5).from_buffer_copy(table.task_bo.view[:200])
     assert [t.regcmd_addr for t in tasks] == [t1.regcmd_addr, t2.regcmd_addr, t2.regcmd_addr,
                                              t1.regcmd_addr, t2.regcmd_addr]
     assert [t.regcfg_amount for t in tasks] == [10, 12, 12, 10, 12]
@@ -321,19 +322,25 @@ def test_probe_exit_code_1_on_mismatch(monkeypatch, capsys):
     assert out["round_trip"]["mismatched_bytes"] == 3 and out["ok"] is False
 
 
-def test_task_bo_is_reused_while_the_tasks_fit_in_its_pages():
+def test_each_submit_table_owns_a_task_bo_of_whole_pages_freed_with_the_table():
     dev, k, npu = sim_device("rknpu")
     regcmd = dev.alloc(4096, purpose="regcmd")
     put_regcmd(regcmd, regcmd_words(10))
     t = HwTask(regcmd.dma_addr, 10)
-    dev.submit(Job(cores=((t,),)))
-    first = dev.driver.task_bo
-    dev.submit(Job(cores=((t,), (t,), (t,))))
-    assert dev.driver.task_bo is first and first.capacity == 4096
     objects = k.stats()["objects"]
+    dev.submit(Job(cores=((t,),)))
+    dev.submit(Job(cores=((t,), (t,), (t,))))
     dev.submit(Job(cores=((t,) * 103,)))  # 103 * 40 bytes > one page
-    assert dev.driver.task_bo is not first and dev.driver.task_bo.capacity == 8192
-    assert k.stats()["objects"] == objects  # the one-page task BO was freed
+    bos = [table.task_bo for table in dev._tables.values()]
+    assert [bo.capacity for bo in bos] == [4096, 4096, 8192] and len({bo.obj_addr for bo in bos}) == 3
+    assert k.stats()["objects"] == objects + 3
+    regcmd.close()   # the tables running it go with it, their task BOs too
+    assert dev._tables == {} and k.stats()["objects"] == objects - 1
+    again = dev.alloc(4096, purpose="regcmd")
+    put_regcmd(again, regcmd_words(10))
+    dev.submit(Job(cores=((HwTask(again.dma_addr, 10),),)))
+    assert len(dev._tables) == 1 and k.stats()["objects"] == objects + 1
+    dev.close()
 
 
 def test_a_replayed_job_reuses_its_submit_table_and_task_array():
@@ -343,21 +350,22 @@ def test_a_replayed_job_reuses_its_submit_table_and_task_array():
     put_regcmd(regcmd, regcmd_words(10))
     job = Job(cores=((HwTask(regcmd.dma_addr, 10),), (HwTask(regcmd.dma_addr, 10),)))
     dev.submit(job)
-    task_syncs = []
+    syncs = []
     real = dev.driver.sync
-    task_bo = dev.driver.task_bo
 
     def counting_sync(allocation, offset, size, *, to_device):
-        if allocation is task_bo:
-            task_syncs.append((offset, size))
+        syncs.append((allocation.handle, offset, size, to_device))
         real(allocation, offset, size, to_device=to_device)
 
     dev.driver.sync = counting_sync
     dev.submit(job)
     dev.submit(Job(cores=job.cores))  # an equal job built anew is the same submit table
-    assert task_syncs == [] and len(dev._tables) == 1
+    # a replayed table: no task BO rewrite and no regcmd clean (both were cleaned when it was built)
+    assert syncs == [] and len(dev._tables) == 1
     dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),)))
-    assert len(task_syncs) == 1 and len(dev._tables) == 2
+    new_table = dev._tables[((HwTask(regcmd.dma_addr, 10),),)]
+    assert syncs == [(regcmd.handle, 0, regcmd.size, True), (new_table.task_bo.handle, 0, 40, True)]
+    assert len(dev._tables) == 2
     assert [npu.executed_tasks(c) for c in range(3)] == [4, 3, 0]
     regcmd.close()
     with pytest.raises(NpuError, match="not inside any buffer"):

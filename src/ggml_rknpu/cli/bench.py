@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_arguments(sub.add_parser(
         "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
         _common)
+    from ggml_rknpu.bench import npu_step
+    npu_step.add_arguments(sub.add_parser(
+        "npu-step", help="host work per NPU decode step by phase (pack, canaries, syncs+submit, unpack; simulator)"))
     from ggml_rknpu.bench import sim as sim_bench
     sim_bench.add_arguments(sub.add_parser(
         "sim", help="simulated matmul through the public API vs numpy on this host (simulator speed)"))
@@ -343,6 +346,10 @@ def run(args: argparse.Namespace) -> int:
         from ggml_rknpu.bench import sim as sim_bench
 
         return sim_bench.run(args, console)
+    if args.bench == "npu-step":   # host-only, simulated device: no rig to check
+        from ggml_rknpu.bench import npu_step
+
+        return npu_step.run(args, console)
     try:
         rig = rig_gate(args, console)
     except FileNotFoundError as exc:

@@ -11,8 +11,8 @@ and packed into its native layout once, into a device buffer that stays resident
 buffers once. A call then only packs A into the resident A buffer, submits, waits and
 unpacks C.
 
-Scratch memory: A and C are shared, one A and one C buffer per M bucket, grown to the
-largest program of that bucket. Matmuls run strictly one after another (one thread, every
+Scratch memory: A and C are shared, one buffer per M bucket holding A then C (one clean
+covers both), grown to the largest A and the largest C of that bucket. Matmuls run strictly one after another (one thread, every
 call waits for completion), so no two programs use them at once. Per-program buffers made
 C (which grows with the K chunk count) scale with the number of cached programs: a 7B
 prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must grow, the
@@ -118,13 +118,28 @@ class Timing:
         return self.pack_s + self.submit_s + self.unpack_s
 
 
-class _Scratch:
-    """One shared A or C buffer of an M bucket and the bound programs using it."""
+C_ALIGN = 64   # C starts this far into a bucket's scratch buffer: no cache line holds A and C bytes
 
-    def __init__(self, pool: dict[tuple[str, int], "_Scratch"], key: tuple[str, int], buf: Any) -> None:
+
+def _c_base(a_cap: int) -> int:
+    return -(-a_cap // C_ALIGN) * C_ALIGN
+
+
+class _Scratch:
+    """The shared scratch buffer of an M bucket, A then C, and the bound programs using it:
+    A at 0 (``a_cap`` bytes, the largest A of its programs), C from ``c_base`` (``c_cap``
+    bytes), so one clean covers what the CPU writes into both (A, the canaries in C)."""
+
+    def __init__(self, pool: dict[tuple[str, int], "_Scratch"], key: tuple[str, int], buf: Any,
+                 a_cap: int, c_cap: int) -> None:
         self.pool, self.key, self.buf = pool, key, buf
+        self.a_cap, self.c_cap = a_cap, c_cap
         self.users: set[_BoundProgram] = set()
         pool[key] = self
+
+    @property
+    def c_base(self) -> int:
+        return _c_base(self.a_cap)
 
     def leave(self, bound: "_BoundProgram") -> None:
         """``bound`` no longer uses this buffer; the last user frees it."""
@@ -135,24 +150,29 @@ class _Scratch:
 
 
 class _ScratchShare:
-    """The first ``size`` bytes of a shared scratch buffer that one program uses. It follows
-    the scratch buffer when that is replaced by a larger one; ``range()`` is what the
-    program's job reads or writes, so a submit syncs that, not the whole shared buffer."""
+    """The first ``size`` bytes of a shared scratch buffer's A or C region that one program
+    uses. It follows the scratch buffer when that is replaced by a larger one; ``range()``
+    is what the program's job reads or writes, so a submit syncs that, not the whole buffer."""
 
-    __slots__ = ("scratch", "size")
+    __slots__ = ("scratch", "role", "size")
 
-    def __init__(self, scratch: _Scratch, size: int) -> None:
-        self.scratch, self.size = scratch, size
+    def __init__(self, scratch: _Scratch, role: str, size: int) -> None:
+        self.scratch, self.role, self.size = scratch, role, size
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.role == "A" else self.scratch.c_base
 
     @property
     def dma_addr(self) -> int:
-        return self.scratch.buf.dma_addr
+        return self.scratch.buf.dma_addr + self.offset
 
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
-        return self.scratch.buf.array(dtype)[: self.size // np.dtype(dtype).itemsize]
+        start, item = self.offset, np.dtype(dtype).itemsize
+        return self.scratch.buf.array(np.uint8)[start: start + self.size // item * item].view(dtype)
 
     def range(self) -> BufferRange:
-        return BufferRange(self.scratch.buf, 0, self.size)
+        return BufferRange(self.scratch.buf, self.offset, self.size)
 
 
 @dataclass(eq=False)
@@ -171,6 +191,9 @@ class _BoundProgram:
     canaries: Canaries | None = None
     ports: Any = None            # (ActivationPort, ResultPort) of engine.hostpath
     ports_bound_to: Any = None   # the (A, C) scratch buffers the ports view
+    label: str = ""              # what a timeout names (formatted once, not per submit)
+    cells: Any = None            # the canaries bound to the C scratch buffer (engine.canary.CanaryCells)
+    cells_bound_to: Any = None   # the C scratch buffer they view
 
     def write_words(self) -> None:
         """Bind the register commands to the current buffers and make them visible to the NPU;
@@ -184,9 +207,8 @@ class _BoundProgram:
             self.jobs = _with_ranges(self.jobs, self.a_buf.range(), self.c_buf.range())
 
     def close(self) -> None:
-        for share in (self.a_buf, self.c_buf):
-            if share is not None:
-                share.scratch.leave(self)
+        for share in {id(s.scratch): s for s in (self.a_buf, self.c_buf) if s is not None}.values():
+            share.scratch.leave(self)
         if self.regcmd_buf is not None:
             self.regcmd_buf.close()
 
@@ -251,12 +273,13 @@ class Npu:
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
             "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
         self.last_timing: Timing | None = None
+        self.last_canary_s = 0.0   # host seconds arming and checking the last submit's canaries
         # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
         # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
         self.memory_cap: int | None = None
         self._weights: list[Weight] = []
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
-        self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("A" | "C", M bucket)
+        self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("AC", M bucket)
         self._steps: set[Any] = set()                           # live Steps (engine.fusion)
         self._closed = False
 
@@ -404,13 +427,22 @@ class Npu:
         """Run a bound program: canaries armed in C, its jobs (one per chain) in order, the
         canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion, summed
         hw_elapsed_ns or None)."""
-        assert bound.jobs and bound.canaries is not None, "not bound yet"
-        bound.canaries.arm(c_bytes)
+        assert bound.jobs and bound.canaries is not None and bound.c_buf is not None, "not bound yet"
+        t0 = time.perf_counter()
+        cells = bound.cells
+        if cells is None or bound.cells_bound_to is not bound.c_buf.scratch.buf:
+            # (re)bound when the shared C buffer was replaced by a larger one
+            cells = bound.cells = bound.canaries.over(c_bytes)
+            bound.cells_bound_to = bound.c_buf.scratch.buf
+        cells.arm()
+        t1 = time.perf_counter()
         hw_ns: int | None = 0
         for job in bound.jobs:
-            completion = self._submit_job(job, f"matmul {bound.program.shape}")
+            completion = self._submit_job(job, bound.label)
             hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
-        unwritten = bound.canaries.unwritten(c_bytes)
+        t2 = time.perf_counter()
+        unwritten = cells.unwritten()
+        self.last_canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
             self._npu_fault(bound, unwritten)
         return completion, hw_ns
@@ -481,12 +513,11 @@ class Npu:
     def _bind(self, program: Any, m: int, w: Weight) -> _BoundProgram:
         what = f"program M={m} for {w!r}"
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
-        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled)
+        bound = _BoundProgram(program, m, w.buffer.dma_addr, modeled, label=f"matmul {program.shape}")
         try:
             # Each step may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
-            bound.a_buf = self._join_scratch(bound, "A", program.a_bytes, what)
-            bound.c_buf = self._join_scratch(bound, "C", program.c_bytes, what)
+            bound.a_buf, bound.c_buf = self._join_scratch(bound, program.a_bytes, program.c_bytes, what)
             bound.regcmd_buf = self._alloc(program.words.nbytes, "regcmd", what)
             bound.write_words()
         except BaseException:
@@ -499,27 +530,53 @@ class Npu:
         bound.jobs = program_jobs(program, bound.regcmd_buf.dma_addr, self.device.n_cores,
                                   bound.a_buf.range(), bound.c_buf.range())
         bound.canaries = Canaries.for_program(program)
+        try:
+            self._prepare_jobs(bound.jobs, what)
+        except BaseException:
+            bound.close()
+            raise
         return bound
 
-    def _join_scratch(self, bound: _BoundProgram, role: str, nbytes: int, what: str) -> _ScratchShare:
-        """A share of ``nbytes`` on the bucket's shared ``role`` buffer, growing it if needed:
-        the larger buffer is allocated first, the programs on the old one re-bound to it,
-        then the old one freed (so no program ever points at freed memory)."""
-        key = (role, bound.m)
+    def _prepare_jobs(self, jobs: tuple[Job, ...], what: str) -> None:
+        """Plan ``jobs`` on the device now: the memory its submit tables take (the vendor
+        driver's task BO, a page per job) is allocated here, under ``memory_cap`` and with
+        eviction like every other allocation, not at a later submit."""
+        for job in jobs:
+            while True:
+                try:
+                    need = self.device.table_bytes(job)
+                    if need and self.memory_cap is not None and self.memory_used() + need > self.memory_cap:
+                        raise NpuOutOfMemory(f"{need} more bytes would exceed the NPU memory cap of "
+                                             f"{self.memory_cap} bytes", errno.ENOMEM)
+                    self.device.prepare(job)
+                    break
+                except NpuOutOfMemory as exc:
+                    if not self._evict_one():
+                        raise NpuOutOfMemory(f"out of NPU memory planning the submits of {what}; free weights "
+                                             "you no longer need", exc.errno) from exc
+
+    def _join_scratch(self, bound: _BoundProgram, a_bytes: int, c_bytes: int, what: str
+                      ) -> tuple[_ScratchShare, _ScratchShare]:
+        """Shares of ``a_bytes`` (A) and ``c_bytes`` (C) of the bucket's scratch buffer, growing
+        it if needed: the larger buffer is allocated first, the programs on the old one
+        re-bound to it, then the old one freed (so no program ever points at freed memory)."""
+        key = ("AC", bound.m)
         scratch = self._scratch.get(key)
-        if scratch is None or scratch.buf.size < nbytes:
-            buf = self._alloc(nbytes, "data", what)
+        if scratch is None or scratch.a_cap < a_bytes or scratch.c_cap < c_bytes:
+            a_cap = max(a_bytes, scratch.a_cap if scratch else 0)
+            c_cap = max(c_bytes, scratch.c_cap if scratch else 0)
+            buf = self._alloc(_c_base(a_cap) + c_cap, "data", what)
             scratch = self._scratch.get(key)            # the allocation may have evicted its users
             if scratch is None:
-                scratch = _Scratch(self._scratch, key, buf)
+                scratch = _Scratch(self._scratch, key, buf, a_cap, c_cap)
             else:
-                old, scratch.buf = scratch.buf, buf
+                old, scratch.buf, scratch.a_cap, scratch.c_cap = scratch.buf, buf, a_cap, c_cap
                 for user in scratch.users:
                     user.write_words()
                 old.close()
                 self.counters["scratch_grown"] += 1
         scratch.users.add(bound)
-        return _ScratchShare(scratch, nbytes)
+        return _ScratchShare(scratch, "A", a_bytes), _ScratchShare(scratch, "C", c_bytes)
 
     def scratch_bytes(self) -> int:
         """NPU bytes held by the shared A and C buffers."""
@@ -679,8 +736,14 @@ def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a: BufferRange, c
 
 
 def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
-    """``jobs`` naming the scratch ranges ``a`` and ``c`` (again, after a scratch buffer grew)."""
-    return tuple(Job(cores=job.cores, inputs=(a, c) if i == 0 else (), outputs=(c,))
+    """``jobs`` naming the scratch ranges ``a`` and ``c`` (again, after a scratch buffer grew).
+    A and C in one buffer, A first: one input range from A to the end of C (one clean)."""
+    if (isinstance(a, BufferRange) and isinstance(c, BufferRange) and a.buffer is c.buffer
+            and a.offset + a.size <= c.offset):
+        inputs: tuple[BufferRange, ...] = (BufferRange(a.buffer, a.offset, c.offset + c.size - a.offset),)
+    else:
+        inputs = (a, c)
+    return tuple(Job(cores=job.cores, inputs=inputs if i == 0 else (), outputs=(c,))
                  for i, job in enumerate(jobs))
 
 

@@ -67,6 +67,26 @@ class Canaries:
         pattern = PATTERN[out]
         return cls(np.concatenate(atoms) * (_ATOM // pattern.itemsize), pattern)
 
+    def at(self, byte_offset: int) -> "Canaries":
+        """The same canaries for a C region that starts ``byte_offset`` bytes into a larger
+        buffer (a chained step's members share one)."""
+        width = self.pattern.itemsize
+        if byte_offset % width:
+            raise ValueError(f"a C region offset must be a multiple of {width} bytes, got {byte_offset}")
+        return Canaries(self.elements + byte_offset // width, self.pattern)
+
+    @classmethod
+    def combined(cls, parts: "list[Canaries]") -> "Canaries":
+        """The canaries of several programs over one buffer, armed and checked as one."""
+        patterns = {(p.pattern.dtype, int(p.pattern)) for p in parts}
+        if len(patterns) != 1:
+            raise ValueError("combined canaries need one output precision")
+        return cls(np.concatenate([p.elements for p in parts]), parts[0].pattern)
+
+    def over(self, c_bytes: np.ndarray) -> "CanaryCells":
+        """These canaries bound to the bytes of one C buffer (views made once)."""
+        return CanaryCells(self, c_bytes)
+
     def _view(self, c_bytes: np.ndarray) -> np.ndarray:
         flat = c_bytes.reshape(-1)
         width = self.pattern.itemsize
@@ -79,3 +99,25 @@ class Canaries:
     def unwritten(self, c_bytes: np.ndarray) -> int:
         """How many canary atoms the NPU left untouched (0: every task finished)."""
         return int(np.count_nonzero(self._view(c_bytes)[self.elements] == self.pattern))
+
+
+class CanaryCells:
+    """Canaries bound to one buffer's bytes: ``arm`` and ``unwritten`` are one vectorised
+    store and one vectorised compare over views made once (per bound buffer, not per call)."""
+
+    __slots__ = ("canaries", "_cells", "_elements", "_pattern")
+
+    def __init__(self, canaries: Canaries, c_bytes: np.ndarray) -> None:
+        self.canaries = canaries
+        self._cells = canaries._view(c_bytes)
+        if canaries.elements.size and int(canaries.elements.max()) >= self._cells.size:
+            raise ValueError("the canaries lie beyond the buffer they are bound to")
+        self._elements, self._pattern = canaries.elements, canaries.pattern
+
+    def arm(self) -> None:
+        """Write the canaries into the (CPU view of the) buffer before a submit."""
+        self._cells[self._elements] = self._pattern
+
+    def unwritten(self) -> int:
+        """How many canary atoms the NPU left untouched (0: every task finished)."""
+        return int(np.count_nonzero(self._cells[self._elements] == self._pattern))

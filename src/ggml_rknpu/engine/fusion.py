@@ -136,7 +136,9 @@ class Step:
                 self.outputs.append((i, n0, n1))
         self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
+        self.canary_s = 0.0   # of the submit: arming and checking the canaries (measured)
         self._chain = _Chain(npu, self) if len(self.weights) > 1 else None
+        self._label = f"decode step {self!r}"   # what a timeout names (formatted once)
         self.modeled = self._chain.modeled if self._chain else None
 
     # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
@@ -168,21 +170,28 @@ class Step:
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
         if self._chain:
-            self._chain.submit(f"decode step {self!r}")
+            self.canary_s = self._chain.submit(self._label)
         else:   # the engine's bound program: its chains in order, canaries checked
             self.npu._submit_bound(target, target.c_buf.array(np.uint8))
+            self.canary_s = self.npu.last_canary_s
         t2 = time.perf_counter()
         rows = a.shape[0]
-        for port, result in zip(r_ports, self._results):
-            port.read(result, rows, act_scales)
-        if outs is None:
-            results = [v[:rows] for v in self._views]
-        else:
-            if len(outs) != len(self._views):
-                raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
-            for dst, v in zip(outs, self._views):
-                np.copyto(dst[:rows], v[:rows], casting="same_kind")
+        if outs is not None and len(outs) != len(self._views):
+            raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
+        if outs is not None and self._direct(outs, rows):
+            # each output is one weight's whole result: read C straight into the caller's rows
+            for port, dst in zip(r_ports, outs):
+                port.read(dst, rows, act_scales)
             results = [o[:rows] for o in outs]
+        else:
+            for port, result in zip(r_ports, self._results):
+                port.read(result, rows, act_scales)
+            if outs is None:
+                results = [v[:rows] for v in self._views]
+            else:
+                for dst, v in zip(outs, self._views):
+                    np.copyto(dst[:rows], v[:rows], casting="same_kind")
+                results = [o[:rows] for o in outs]
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
         c = self.npu.counters
@@ -191,6 +200,17 @@ class Step:
         if self._chain:
             c["chained_submits"] += 1
         return results
+
+    def _direct(self, outs: Sequence[np.ndarray], rows: int) -> bool:
+        """Whether ``outs`` can take the results straight from C: one output per weight (no
+        fused siblings), each of the result's type and width with C-contiguous rows."""
+        if len(outs) != len(self.weights):
+            return False
+        for dst, w in zip(outs, self.weights):
+            if (dst.dtype != self._result_dtype or dst.ndim != 2 or dst.shape[0] < rows
+                    or dst.shape[1] != w.shape[0] or not dst.flags.c_contiguous):
+                return False
+        return True
 
     def close(self) -> None:
         """Release the step (a chained step's private buffers); idempotent."""
@@ -222,7 +242,9 @@ def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
 
 
 class _Chain:
-    """Private A, C and regcmd buffers of a chained step (fixed for its life)."""
+    """Private buffers of a chained step (fixed for its life): one holding A and the members'
+    C regions (one clean covers what the CPU wrote, one invalidate what the NPU wrote) and
+    the chained regcmd image (cleaned once, here)."""
 
     def __init__(self, npu: Any, step: Step) -> None:
         from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
@@ -234,20 +256,23 @@ class _Chain:
         self.modeled = (None if npu.npu_mhz is None
                         else modeled_time(step_workload(programs), npu_mhz=npu.npu_mhz))
         what = repr(step)
-        c_offsets, pos = [], 0
+        # A and the members' C regions share one buffer, C from a cache-line boundary after A:
+        # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then
+        # one invalidate of C; no cache line holds both A bytes and C bytes
+        c_base = -(-programs[0].a_bytes // C_ALIGN) * C_ALIGN
+        c_offsets, pos = [], c_base
         for p in programs:
             c_offsets.append(pos)
             pos += -(-p.c_bytes // C_ALIGN) * C_ALIGN
         self.buffers: list[Any] = []
         try:
-            self.a = self._alloc(programs[0].a_bytes, "data", what)
-            self.c = self._alloc(pos, "data", what)
+            self.data = self._alloc(pos, "data", what)
             self.regcmd = self._alloc(image_words(programs) * 8, "regcmd", what)
         except BaseException:
             self.close()
             raise
         offsets = member_offsets(programs)
-        bound = [p.bind(a=self.a.dma_addr, b=w.buffer.dma_addr, c=self.c.dma_addr + co,
+        bound = [p.bind(a=self.data.dma_addr, b=w.buffer.dma_addr, c=self.data.dma_addr + co,
                         regcmd=self.regcmd.dma_addr + ro * 8)
                  for p, w, co, ro in zip(programs, step.weights, c_offsets, offsets)]
         image, per_core = chain_image(programs, bound, self.regcmd.dma_addr)
@@ -257,13 +282,18 @@ class _Chain:
                               int_mask=t.int_mask, enable_mask=t.enable_mask) for t in tasks)
                  for tasks in per_core]
         cores += [()] * (npu.device.n_cores - len(cores))
-        a_range = BufferRange(self.a, 0, self.a.size)
-        c_range = BufferRange(self.c, 0, self.c.size)
-        # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote it last
-        self.job = Job(cores=tuple(cores), inputs=(a_range, c_range), outputs=(c_range,))
+        # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote its canaries
+        self.job = Job(cores=tuple(cores), inputs=(BufferRange(self.data, 0, pos),),
+                       outputs=(BufferRange(self.data, c_base, pos - c_base),))
+        try:
+            npu._prepare_jobs((self.job,), what)
+        except BaseException:
+            self.close()
+            raise
         a_port = ActivationPort(programs[0].shape, quantize=step.dtype == "int8")
-        a_port.bind(self.a.array(np.uint8))
-        c_raw = self.c.array(np.uint8)
+        raw = self.data.array(np.uint8)
+        a_port.bind(raw[: programs[0].a_bytes])
+        c_raw = raw
         r_ports = []
         for p, w, co in zip(programs, step.weights, c_offsets):
             port = ResultPort(p, w.scales, step._result_dtype)
@@ -273,14 +303,20 @@ class _Chain:
         self._ports = (a_port, r_ports, self.job)
         # each member's canaries in its own C region, as the engine's own submits
         # (engine.canary): a task that never wrote its output is a fault, not a result
-        self.canaries = [(Canaries.for_program(p), c_raw[co: co + p.c_bytes]) for p, co in zip(programs, c_offsets)]
+        # checked as one set over the shared buffer: one store before, one compare after
+        self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
+                                          ).over(c_raw)
 
-    def submit(self, what: str) -> None:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset)."""
-        for canaries, c_view in self.canaries:
-            canaries.arm(c_view)
+    def submit(self, what: str) -> float:
+        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset);
+        the host seconds the canaries took."""
+        t0 = time.perf_counter()
+        self.canaries.arm()
+        t1 = time.perf_counter()
         self.npu._submit_job(self.job, what)
-        unwritten = sum(canaries.unwritten(c_view) for canaries, c_view in self.canaries)
+        t2 = time.perf_counter()
+        unwritten = self.canaries.unwritten()
+        canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
             self.npu.counters["npu_faults"] += 1
             try:
@@ -289,6 +325,7 @@ class _Chain:
                 pass
             raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
                               "after the chained submit: a task did not finish; the NPU was reset")
+        return canary_s
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
         buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)

@@ -8,7 +8,7 @@ that object. A third ABI is a third class plus one entry in ``device.ABIS``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.drm import DrmVersion
@@ -58,11 +58,23 @@ class DriverAbi(Protocol[TableT]):
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None: ...
 
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """``sync`` of that range as a callable planned once (a replayed job's cleans)."""
+        ...
+
     def iova_budget(self) -> tuple[int, int]:
         """(free, total) bytes of NPU address space as far as this process can tell."""
         ...
 
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...
+
+    def table_bytes(self, cores: Cores) -> int:
+        """NPU bytes ``submit_table(cores)`` allocates (the vendor task BO; 0 for rocket)."""
+        ...
+
+    def release_table(self, table: TableT) -> None:
+        """The device dropped ``table`` (evicted, or rebuilt after a regcmd buffer closed)."""
+        ...
 
     def submit(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:

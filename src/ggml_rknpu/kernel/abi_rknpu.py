@@ -1,19 +1,25 @@
 """``RknpuAbi``: the vendor ``rknpu`` DRM driver as a ``DriverAbi`` [docs/npu-programming.md §3-§4].
 
-Submit: one SUBMIT per job. The task BO (KERNEL_MAPPING, owned here, reused while the tasks
-fit its pages) holds the ``rknpu_task`` array core-major; ``core_mask`` has a bit per used
+Submit: one SUBMIT per job. Each submit table has its own task BO (KERNEL_MAPPING, owned
+here, one page for up to 102 tasks), written and cleaned once when the table is built, so a
+replayed table costs the SUBMIT alone; it holds the ``rknpu_task`` array core-major; ``core_mask`` has a bit per used
 core; core i's range goes in ``subcore_task[i]`` when 1-2 cores are used and
 ``subcore_task[i+2]`` when 3 are [VEND rknpu_job_commit_pc]. Flags are PC|PINGPONG like
 the RKNN runtime's (0x5) [capture pw_c256_h14]. Later tasks of a core are reached through
 the regcmd tails, so only the first task's regcmd and amount and the int_mask of the first
 and last matter to the kernel. Buffers are CPU-cached (flags 0x403, as the RKNN runtime
-allocates them) and synced with MEM_SYNC.
+allocates them) and synced with MEM_SYNC, whose TO_DEVICE cleans and FROM_DEVICE
+invalidates exactly the requested range [VEND ``rknpu_gem_sync_ioctl``:
+dma_sync_single_range_for_device / _for_cpu over offset, size; docs/npu-programming.md §4].
+The SUBMIT and every MEM_SYNC of a range are packed once (``drm.PreparedIoctl``) and replayed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,6 +31,11 @@ from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
 from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
 from ggml_rknpu.kernel.syscalls import Syscalls
+def _nothing() -> None:
+    """No sync needed."""
+
+
+MAX_PACKED_SYNCS = 4096   # packed MEM_SYNC arguments kept (a model's jobs name a few hundred ranges)
 _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GET_FREQ),
           ("npu_volt_uv", rk.Action.GET_VOLT), ("iommu_enabled", rk.Action.GET_IOMMU_EN),
           ("sram_total_bytes", rk.Action.GET_TOTAL_SRAM_SIZE), ("sram_free_bytes", rk.Action.GET_FREE_SRAM_SIZE))
@@ -39,6 +50,8 @@ class RknpuSubmitTable:
     task_array: bytes  # the rknpu_task array, core-major
     core_mask: int
     subcore: tuple[tuple[int, int], ...]  # subcore_task[0..4]
+    task_bo: Allocation   # this table's own task BO, holding task_array (cleaned once)
+    submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMIT
 
 
 class RknpuAbi:
@@ -48,8 +61,9 @@ class RknpuAbi:
         self.driver = RknpuDriver(syscalls, fd)
         self.drm, self.version = self.driver.drm, self.driver.version
         self._live: dict[int, int] = {}  # handle -> capacity of every object we hold
-        self.task_bo: Allocation | None = None
-        self._task_bo_table: RknpuSubmitTable | None = None  # whose task array the task BO holds
+        self._tables: set[RknpuSubmitTable] = set()   # live tables: each owns its task BO
+        # (obj_addr, offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed)
+        self._syncs: dict[tuple[int, int, int, int], Callable[[], Any]] = {}
 
     # ------------------------------------------------------------------ memory
     def alloc(self, size: int, purpose: str) -> Allocation:
@@ -69,9 +83,20 @@ class RknpuAbi:
         self.driver.mem_destroy(allocation.handle, allocation.obj_addr)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        if allocation.cached and size:
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """The MEM_SYNC of one range, packed once (an uncached buffer or an empty range needs none)."""
+        if not (allocation.cached and size):
+            return _nothing
+        key = (allocation.obj_addr, offset, size, 1 if to_device else 2)
+        call = self._syncs.get(key)
+        if call is None:
+            if len(self._syncs) >= MAX_PACKED_SYNCS:
+                self._syncs.clear()
             flag = rk.SyncFlag.TO_DEVICE if to_device else rk.SyncFlag.FROM_DEVICE
-            self.driver.mem_sync(allocation.obj_addr, offset, size, flag)
+            call = self._syncs[key] = self.driver.mem_sync_call(allocation.obj_addr, offset, size, flag)
+        return call
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less the never-mapped page 0) minus our own objects; other
@@ -91,35 +116,42 @@ class RknpuAbi:
                 flags=0, op_idx=1, enable_mask=t.enable_mask, int_mask=t.int_mask, int_clear=INT_CLEAR_ALL,
                 int_status=0, regcfg_amount=t.body_words, regcfg_offset=0, regcmd_addr=t.regcmd_addr,
             ) for t in tasks)
-        return RknpuSubmitTable(regcmd_buffers=regcmd_buffers, n_tasks=len(records),
-                                task_array=b"".join(bytes(r) for r in records),
-                                core_mask=sum(1 << core for core, _ in used), subcore=tuple(subcore))
+        task_array = b"".join(bytes(r) for r in records)
+        # whole pages; written and cleaned once: the kernel reads it at every submit of the table
+        bo = self.alloc(-(-len(task_array) // PAGE_BYTES) * PAGE_BYTES, "task")
+        try:
+            np.frombuffer(bo.view, np.uint8)[: len(task_array)] = np.frombuffer(task_array, np.uint8)
+            self.sync(bo, 0, len(task_array), to_device=True)
+        except BaseException:
+            self.free(bo)
+            raise
+        table = RknpuSubmitTable(regcmd_buffers=regcmd_buffers, n_tasks=len(records), task_array=task_array,
+                                 core_mask=sum(1 << core for core, _ in used), subcore=tuple(subcore), task_bo=bo)
+        self._tables.add(table)
+        return table
 
-    def _load_task_array(self, table: RknpuSubmitTable) -> Allocation:
-        """The task BO holding ``table``'s task array (a replayed table finds it in place)."""
-        task_bytes = len(table.task_array)
-        bo = self.task_bo
-        if bo is None or bo.capacity < task_bytes:
-            if bo is not None:
-                self.free(bo)
-            # whole pages, so the BO is reused until a submit needs more than fits in them
-            bo = self.task_bo = self.alloc(-(-task_bytes // PAGE_BYTES) * PAGE_BYTES, "task")
-            self._task_bo_table = None
-        if self._task_bo_table is not table:
-            np.frombuffer(bo.view, np.uint8)[:task_bytes] = np.frombuffer(table.task_array, np.uint8)
-            self.sync(bo, 0, task_bytes, to_device=True)
-            self._task_bo_table = table
-        return bo
+    def table_bytes(self, cores: Cores) -> int:
+        """The task BO ``submit_table(cores)`` allocates: whole pages of rknpu_task records."""
+        n = sum(len(tasks) for tasks in cores)
+        return -(-n * ctypes.sizeof(rk.rknpu_task) // PAGE_BYTES) * PAGE_BYTES
+
+    def release_table(self, table: RknpuSubmitTable) -> None:
+        """The device no longer replays ``table``: free its task BO."""
+        if table in self._tables:
+            self._tables.discard(table)
+            self.free(table.task_bo)
 
     def submit(self, table: RknpuSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:
-        bo = self._load_task_array(table)
-        result = self.driver.submit(
-            task_obj_addr=bo.obj_addr, task_number=table.n_tasks, flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG,
-            timeout_ms=timeout_ms, core_mask=table.core_mask, subcore_tasks=table.subcore,
-        )
-        for r in outputs:
-            r.buffer.sync_from_device(r.offset, r.size)
+        submit = table.submits.get(timeout_ms)
+        if submit is None:
+            submit = table.submits[timeout_ms] = self.driver.submit_call(
+                task_obj_addr=table.task_bo.obj_addr, task_number=table.n_tasks,
+                flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=table.core_mask,
+                subcore_tasks=table.subcore)
+        result = submit()
+        for r in outputs:   # open and inside their buffers: the device checked them
+            self.sync_call(r.buffer.allocation, r.offset, r.size, to_device=False)()
         # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
         # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
         return Finished(hw_elapsed_ns=result.hw_elapse_time or None, task_counter=result.task_counter)
@@ -148,6 +180,5 @@ class RknpuAbi:
         return DriverFacts(iommu_enabled=None if iommu is None else bool(iommu), **values)
 
     def close(self) -> None:
-        if self.task_bo is not None:
-            self.free(self.task_bo)
-            self.task_bo = None
+        for table in list(self._tables):
+            self.release_table(table)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 from ggml_rknpu.hw.regcmd import TAIL_WORDS
@@ -60,10 +62,11 @@ class RocketAbi:
         self.driver.gem_close(allocation.handle)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        if to_device:
-            self.driver.fini_bo(allocation.handle)  # rocket syncs whole BOs
-        else:
-            self.driver.prep_bo(allocation.handle)
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """FINI_BO (to the device) or PREP_BO (to the CPU) of the whole BO: rocket syncs whole BOs."""
+        return partial(self.driver.fini_bo if to_device else self.driver.prep_bo, allocation.handle)
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less page 0) minus our objects (rocket: one domain per open file)."""
@@ -74,6 +77,13 @@ class RocketAbi:
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RocketSubmitTable:
         jobs = tuple(tuple((t.regcmd_addr, t.body_words + TAIL_WORDS) for t in tasks) for tasks in cores if tasks)
         return RocketSubmitTable(regcmd_buffers, sum(len(j) for j in jobs), jobs)
+
+    def table_bytes(self, cores: Cores) -> int:
+        """Nothing: a rocket table allocates no NPU memory."""
+        return 0
+
+    def release_table(self, table: RocketSubmitTable) -> None:
+        """Nothing to free: a rocket table is plain data."""
 
     def submit(self, table: RocketSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
                timeout_ms: int) -> Finished:

@@ -4,12 +4,15 @@ The device knows nothing of boards or simulators: it is handed a ``Syscalls`` ob
 an open fd, asks the node's DRM name (DRM_IOCTL_VERSION) and drives it with that ABI's
 class from ``ABIS``. Choosing and opening a device by name is ``ggml_rknpu.devices``.
 
-Invariants: buffers are CPU-cached; ``submit`` cleans every input range and every buffer
-holding a task's regcmd before a submit, and the ABI makes the output ranges CPU-visible
-after it; anything else written by the CPU needs ``Buffer.sync_to_device()`` (weights:
-once, after writing them). A ``Job.cores`` is validated and turned into its ABI's submit
-table once, then replayed. Not thread-safe: one device per thread (the vendor task BO is
-shared by all submits of a device).
+Invariants: buffers are CPU-cached; ``submit`` cleans every input range before a submit,
+and the ABI makes the output ranges CPU-visible after it. A ``Job.cores`` is validated and
+turned into its ABI's submit table once, then replayed; the buffers holding its regcmd are
+cleaned when the table is built, not at every submit: a regcmd the CPU rewrites afterwards
+(a program re-bound to new buffers) needs ``Buffer.sync_to_device()`` like anything else
+the CPU writes outside a job's inputs (weights: once, after writing them). A clean is
+needed after CPU writes only: MEM_SYNC TO_DEVICE / FINI_BO write dirty lines back
+[docs/npu-programming.md §4-§5], and a regcmd written once stays clean. Not thread-safe: one
+device per thread.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ __all__ = ["ABIS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask"
 ABIS: dict[str, Callable[[Syscalls, int], DriverAbi[Any]]] = {rk.DRIVER_NAME: RknpuAbi, ro.DRIVER_NAME: RocketAbi}
 NODE_PATTERNS = (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME))
 PURPOSES = ("data", "regcmd", "task")
-MAX_CACHED_TABLES = 256  # distinct Job.cores kept as submit tables (a model has a few per layer shape)
+# distinct Job.cores kept as submit tables. A table also goes when its regcmd buffer is freed
+# (the engine's programs hold theirs), so this only bounds callers that never free them; it
+# must stay above a model's live programs (a table rebuilt per submit would allocate a task BO)
+MAX_CACHED_TABLES = 4096
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,17 @@ def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> "Npu
         raise
 
 
+@dataclass(frozen=True, eq=False)
+class _Replay:
+    """A Job as its submits replay it: the ABI's table, every buffer it names (checked open
+    per submit), the cleans of its input ranges as packed ioctls."""
+
+    job: Job
+    table: SubmitTable
+    buffers: tuple[Buffer, ...]
+    cleans: tuple[Callable[[], Any], ...]
+
+
 class NpuDevice:
     def __init__(self, syscalls: Syscalls, fd: int, path: str, *, simulated: bool = False) -> None:
         name = self._driver_name(syscalls, fd, path)
@@ -112,6 +129,9 @@ class NpuDevice:
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}
         self._tables: dict[tuple[tuple[HwTask, ...], ...], SubmitTable] = {}
+        # Jobs replayed as the same object (the engine's): found without hashing their tasks
+        self._replays: dict[int, _Replay] = {}
+        self._live_tables: set[SubmitTable] = set()   # the tables in _tables (eq=False: by identity)
         self._closed = False
 
     @staticmethod
@@ -152,6 +172,10 @@ class NpuDevice:
 
     def _free(self, buf: Buffer) -> None:
         self._buffers.pop(buf.handle, None)
+        if buf.purpose == "regcmd":   # the tables running it go with it (their task BOs too)
+            for cores in [c for c, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
+                self._drop_table(cores)
+            self._replays = {k: v for k, v in self._replays.items() if v.table in self._live_tables}
         self.driver.free(buf.allocation)
 
     def _buffer_at(self, dma_addr: int) -> Buffer | None:
@@ -162,28 +186,69 @@ class NpuDevice:
 
     # ------------------------------------------------------------------ jobs
     def _submit_table(self, job: Job) -> SubmitTable:
-        """The ABI's submit table for ``job.cores``: built and validated once, replayed after."""
+        """The ABI's submit table for ``job.cores``: built and validated once (its regcmd
+        buffers cleaned then), replayed after."""
         table = self._tables.get(job.cores)
-        if table is not None and not any(b.closed for b in table.regcmd_buffers):
-            return table
-        table = self.driver.submit_table(job.cores, check_cores(job.cores, self.n_cores, self._buffer_at))
-        if len(self._tables) >= MAX_CACHED_TABLES:
-            self._tables.pop(next(iter(self._tables)))
-        self._tables[job.cores] = table
+        if table is None or any(b.closed for b in table.regcmd_buffers):
+            if table is not None:
+                self._drop_table(job.cores)
+            regcmd = check_cores(job.cores, self.n_cores, self._buffer_at)
+            for b in regcmd:
+                b.sync_to_device()
+            table = self.driver.submit_table(job.cores, regcmd)
+            if len(self._tables) >= MAX_CACHED_TABLES:
+                self._drop_table(next(iter(self._tables)))
+            self._tables[job.cores] = table
+            self._live_tables.add(table)
         return table
 
-    def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
-        """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
-        self._check_open()
+    def _drop_table(self, cores: tuple[tuple[HwTask, ...], ...]) -> None:
+        table = self._tables.pop(cores)
+        self._live_tables.discard(table)
+        self.driver.release_table(table)
+
+    def _replay(self, job: Job) -> "_Replay":
+        """``job`` planned for replay: found by identity (no hashing of its tasks), else its
+        table, its ranges checked and the cleans of its inputs packed once."""
+        replay = self._replays.get(id(job))
+        if replay is not None and replay.job is job and replay.table in self._live_tables:
+            return replay
         table = self._submit_table(job)
         for r in (*job.inputs, *job.outputs):
             if r.buffer.closed or r.buffer.device is not self:
                 raise NpuError(f"{r.buffer!r} is closed or belongs to another device", errno.EBADF)
-        for r in job.inputs:
-            r.buffer.sync_to_device(r.offset, r.size)
-        for b in table.regcmd_buffers:
-            b.sync_to_device()
-        done = self.driver.submit(table, job.inputs, job.outputs, timeout_ms)
+            r.buffer._range(r.offset, r.size)
+        cleans = tuple(self.driver.sync_call(r.buffer.allocation, r.offset, r.size, to_device=True)
+                       for r in job.inputs)
+        replay = _Replay(job, table, tuple(r.buffer for r in (*job.inputs, *job.outputs)), cleans)
+        if len(self._replays) >= MAX_CACHED_TABLES:
+            self._replays.pop(next(iter(self._replays)))
+        self._replays[id(job)] = replay
+        return replay
+
+    def table_bytes(self, job: Job) -> int:
+        """NPU bytes ``prepare(job)`` (or its first submit) would allocate for its submit table."""
+        table = self._tables.get(job.cores)
+        if table is not None and not any(b.closed for b in table.regcmd_buffers):
+            return 0
+        return self.driver.table_bytes(job.cores)
+
+    def prepare(self, job: Job) -> None:
+        """Plan ``job`` for replay now (its table and whatever the ABI allocates for it), so
+        that a caller bounding its NPU memory sees the allocation where it can account for it."""
+        self._check_open()
+        self._replay(job)
+
+    def submit(self, job: Job, timeout_ms: int = 6000) -> Completion:
+        """Run ``job`` and wait for it. Raises NpuTimeout (hang), NpuFault, NpuError."""
+        self._check_open()
+        replay = self._replay(job)
+        for b in replay.buffers:
+            if b.closed:
+                raise NpuError(f"{b!r} is closed", errno.EBADF)
+        for clean in replay.cleans:
+            clean()
+        done = self.driver.submit(replay.table, job.inputs, job.outputs, timeout_ms)
         return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
 
     # ------------------------------------------------------------------ power and reset

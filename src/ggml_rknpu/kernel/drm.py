@@ -144,6 +144,28 @@ def gem_close(syscalls: Syscalls, fd: int, handle: int) -> None:
     syscalls.ioctl(fd, DRM_IOCTL_GEM_CLOSE, bytearray(bytes(drm_gem_close(handle=handle))))
 
 
+class PreparedIoctl:
+    """One ioctl whose argument bytes are packed once and replayed: the per-submit calls of a
+    planned job (its MEM_SYNCs, its SUBMIT) skip building a ctypes struct each time. Each
+    call passes a fresh copy of the bytes (the kernel may write into it) and returns that
+    copy, or raises the NpuError ``call`` would."""
+
+    __slots__ = ("syscalls", "fd", "request", "template", "what", "name", "hints")
+
+    def __init__(self, syscalls: Syscalls, fd: int, request: int, struct: ctypes.Structure, what: str, name: str,
+                 hints: dict[tuple[str, int], str]) -> None:
+        self.syscalls, self.fd, self.request, self.template = syscalls, fd, request, bytes(struct)
+        self.what, self.name, self.hints = what, name, hints
+
+    def __call__(self) -> bytearray:
+        arg = bytearray(self.template)
+        try:
+            self.syscalls.ioctl(self.fd, self.request, arg)
+        except OSError as exc:
+            raise ioctl_error(self.what, self.name, exc, self.hints) from exc
+        return arg
+
+
 def call(syscalls: Syscalls, fd: int, request: int, struct: ctypes.Structure, what: str, name: str,
          hints: dict[tuple[str, int], str]) -> ctypes.Structure:
     """One driver ioctl on a copy of ``struct``: the struct as the kernel wrote it back, or the

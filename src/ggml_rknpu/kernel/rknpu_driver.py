@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel import rknpu_abi as abi
@@ -81,15 +82,24 @@ class RknpuDriver:
         self._call("MEM_DESTROY", abi.DRM_IOCTL_RKNPU_MEM_DESTROY, abi.rknpu_mem_destroy(handle=handle, obj_addr=obj_addr))
 
     def mem_sync(self, obj_addr: int, offset: int, size: int, flags: abi.SyncFlag) -> None:
-        self._call(
-            "MEM_SYNC", abi.DRM_IOCTL_RKNPU_MEM_SYNC,
-            abi.rknpu_mem_sync(flags=int(flags), obj_addr=obj_addr, offset=offset, size=size),
-        )
+        self.mem_sync_call(obj_addr, offset, size, flags)()
+
+    def mem_sync_call(self, obj_addr: int, offset: int, size: int, flags: abi.SyncFlag) -> Callable[[], Any]:
+        """MEM_SYNC of one range as a callable with its argument packed once (replayed per submit)."""
+        return self._prepared("MEM_SYNC", abi.DRM_IOCTL_RKNPU_MEM_SYNC,
+                              abi.rknpu_mem_sync(flags=int(flags), obj_addr=obj_addr, offset=offset, size=size))
+
+    def _prepared(self, name: str, request: int, struct: ctypes.Structure) -> drm.PreparedIoctl:
+        return drm.PreparedIoctl(self.syscalls, self.fd, request, struct, f"RKNPU {name}", name, _HINTS)
 
     def mmap(self, offset: int, length: int) -> memoryview:
         return self.syscalls.mmap(self.fd, length, offset)
 
-    def submit(
+    def submit(self, **fields: int | tuple[tuple[int, int], ...]) -> SubmitResult:
+        """One blocking SUBMIT; the arguments of ``submit_call``."""
+        return self.submit_call(**fields)()  # type: ignore[arg-type]
+
+    def submit_call(
         self,
         *,
         task_obj_addr: int,
@@ -101,8 +111,10 @@ class RknpuDriver:
         subcore_tasks: tuple[tuple[int, int], ...] = (),
         task_base_addr: int = 0,
         priority: int = 0,
-    ) -> SubmitResult:
-        """One blocking SUBMIT. ``subcore_tasks`` fills ``subcore_task[0..]`` as (start, number)."""
+    ) -> Callable[[], SubmitResult]:
+        """One blocking SUBMIT as a callable with its argument packed once (a job planned once
+        replays the same bytes every time). ``subcore_tasks`` fills ``subcore_task[0..]`` as
+        (start, number)."""
         s = self.submit_struct(
             flags=int(flags), timeout=timeout_ms, task_start=task_start, task_number=task_number,
             priority=priority, task_obj_addr=task_obj_addr, task_base_addr=task_base_addr,
@@ -112,6 +124,13 @@ class RknpuDriver:
             raise ValueError(f"at most {abi.N_SUBCORE_TASKS} subcore_task entries")
         for i, (start, number) in enumerate(subcore_tasks):
             s.subcore_task[i].task_start, s.subcore_task[i].task_number = start, number
-        out = self._call("SUBMIT", abi.DRM_IOCTL_RKNPU_SUBMIT, s)
-        elapsed = out.hw_elapse_time if hasattr(out, "hw_elapse_time") else None
-        return SubmitResult(task_counter=out.task_counter, hw_elapse_time=elapsed)
+        ioctl = self._prepared("SUBMIT", abi.DRM_IOCTL_RKNPU_SUBMIT, s)
+        struct = self.submit_struct
+        has_elapsed = hasattr(struct, "hw_elapse_time")
+
+        def submit() -> SubmitResult:
+            out = struct.from_buffer(ioctl())
+            return SubmitResult(task_counter=out.task_counter,
+                                hw_elapse_time=out.hw_elapse_time if has_elapsed else None)
+
+        return submit

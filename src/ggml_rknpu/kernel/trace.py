@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys as _sys
+import time
 from typing import Callable
 
 from ggml_rknpu.kernel import drm
@@ -59,15 +60,47 @@ def format_struct(s: ctypes.Structure) -> str:
     return " ".join(parts)
 
 
-class TracingSyscalls:
+class _Wrapping:
+    """A ``Syscalls`` around another one: every call passes through unless overridden."""
+
+    def __init__(self, inner: Syscalls) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        # simulator extras (stats, dmesg, address_space, simulation_seconds...) stay reachable
+        return getattr(self.inner, name)
+
+    def open(self, path: str, flags: int = os.O_RDWR) -> int:
+        return self.inner.open(path, flags)
+
+    def close(self, fd: int) -> None:
+        self.inner.close(fd)
+
+    def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
+        return self.inner.ioctl(fd, request, arg)
+
+    def mmap(self, fd: int, length: int, offset: int) -> memoryview:
+        return self.inner.mmap(fd, length, offset)
+
+    def munmap(self, view: memoryview) -> None:
+        self.inner.munmap(view)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def read_text(self, path: str) -> str:
+        return self.inner.read_text(path)
+
+
+class TracingSyscalls(_Wrapping):
     """Wraps any ``Syscalls``; calls ``log`` with one decoded line per call."""
 
     def __init__(self, inner: Syscalls, log: Callable[[str], None]) -> None:
-        self.inner, self.log = inner, log
-
-    def __getattr__(self, name: str):
-        # simulator extras (stats, dmesg, address_space...) stay reachable
-        return getattr(self.inner, name)
+        super().__init__(inner)
+        self.log = log
 
     def open(self, path: str, flags: int = os.O_RDWR) -> int:
         try:
@@ -105,14 +138,33 @@ class TracingSyscalls:
         self.log(f"munmap({view.nbytes} bytes)")
         self.inner.munmap(view)
 
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
 
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
+class TimingSyscalls(_Wrapping):
+    """Wraps any ``Syscalls``; counts ioctls by name and the wall time spent inside them.
 
-    def read_text(self, path: str) -> str:
-        return self.inner.read_text(path)
+    WHY: a per-step host budget must tell our own work (packing, the driver wrappers) from
+    the kernel's; off a board the "kernel" is the simulator, whose time is not a host cost
+    of the board (``rknpu bench npu-step``)."""
+
+    def __init__(self, inner: Syscalls) -> None:
+        super().__init__(inner)
+        self.calls: dict[str, int] = {}
+        self.ns: dict[str, int] = {}
+
+    def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
+        t0 = time.perf_counter_ns()
+        try:
+            return self.inner.ioctl(fd, request, arg)
+        finally:
+            spent = time.perf_counter_ns() - t0
+            name = IOCTLS.get(request, (f"ioctl {request:#x}", None))[0]
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.ns[name] = self.ns.get(name, 0) + spent
+
+    def clear(self) -> None:
+        """Start counting afresh."""
+        self.calls.clear()
+        self.ns.clear()
 
 
 def from_environment(inner: Syscalls) -> Syscalls:

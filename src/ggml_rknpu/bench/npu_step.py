@@ -1,0 +1,201 @@
+"""NPU-step host benchmark: the host work around each submit of single-stream decode, by phase.
+
+WHY: decode is DRAM-bound on the board (~60 ms per token for RKLLM on a 1B-class model), so
+the engine's own work around each of a token's ~4 x layers submits (writing the activation
+into the NPU layout, the canaries, the cache syncs and the submit through the Python driver
+wrappers, reading the results back) adds straight to the token time, and a Cortex-A76 runs
+this Python 2-3x slower than the x86 box it is measured on.
+
+Method: the decode steps of one token as the server issues them (Q/K/V and gate/up as a
+chained ``Npu.step``, O and down alone through ``Npu.matmul``; M = 1; gemma-3-270m's shapes by default: hidden 640,
+Q 1024, K/V 256, FFN 2048), replayed ``--tokens`` times on the simulated device, whose
+syscalls go through ``kernel.trace.TimingSyscalls``. Per step and phase, measured with
+``perf_counter`` on this host:
+
+* pack: the activation into the NPU's A layout (``Step.run`` up to the submit);
+* canaries: arming and checking them (``engine.canary``);
+* syncs + submit (our side): the submit call less the canaries and less the time inside
+  the kernel's ioctl handlers, i.e. the device/ABI/driver wrappers building and issuing
+  the ioctls (MEM_SYNC of the job's ranges, SUBMIT);
+* unpack: the results out of the C layout into the caller's arrays.
+
+Shown apart, *not a host cost on a board*: the time inside the simulated kernel's ioctl
+handlers, split into the NPU model's execution (``SimKernel.simulation_seconds``) and the
+simulated driver's own handling (argument checks, its cache-sync copies). A board's kernel
+spends its own time there (cache maintenance, the real job), which this box cannot measure.
+Each figure is the median (and min) over the tokens of the per-step mean; the box is shared,
+so the load average is reported with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from rich.console import Console
+
+from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.matmul import host_description
+
+PHASES = ("pack", "canaries", "syncs_submit", "unpack")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The weight shapes of one decoder layer (gemma-3-270m by default)."""
+
+    hidden: int = 640
+    q: int = 1024
+    kv: int = 256
+    ffn: int = 2048
+
+    def steps(self) -> list[tuple[str, int, list[int]]]:
+        """(name, K, N of each chained member) of the 4 decode steps, as the server groups them."""
+        return [("q+k+v", self.hidden, [self.q, self.kv, self.kv]), ("o", self.q, [self.hidden]),
+                ("gate+up", self.hidden, [self.ffn, self.ffn]), ("down", self.ffn, [self.hidden])]
+
+
+class _ServerStep:
+    """One decode step as ``ggml.graph`` issues it: several siblings as a chained
+    ``Npu.step(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
+    ``ggml.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
+
+    def __init__(self, npu, weights: list) -> None:
+        self.npu, self.weights = npu, weights
+        self.step = npu.step(weights) if len(weights) > 1 else None
+
+    def run(self, a: np.ndarray, outs: list[np.ndarray]) -> tuple[float, float, float, float]:
+        if self.step is not None:
+            self.step.run(a, outs=outs)
+            return (*self.step.timing, self.step.canary_s)
+        outs[0][...] = self.npu.matmul(a, self.weights[0])
+        t = self.npu.last_timing
+        return t.pack_s, t.submit_s, t.unpack_s, self.npu.last_canary_s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench-out/npu-step", metavar="DIR", help="report directory")
+    p.add_argument("--device", default="sim-rknpu", choices=("sim-rknpu", "sim-rocket"))
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "int8"))
+    p.add_argument("--layers", type=int, default=4, help="decoder layers replayed per token (default 4)")
+    p.add_argument("--tokens", type=int, default=50, help="tokens replayed (default 50)")
+    p.add_argument("--hidden", type=int, default=640)
+    p.add_argument("--q", type=int, default=1024)
+    p.add_argument("--kv", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=2048)
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int, rng: np.random.Generator) -> dict:
+    """Per step kind: per-phase µs (median and min over tokens), ioctls per step, and the
+    simulator's µs per step (NPU model; simulated driver)."""
+    from ggml_rknpu.devices import open_simulated
+    from ggml_rknpu.engine.api import Npu
+    from ggml_rknpu.kernel.trace import TimingSyscalls
+    from ggml_rknpu.sim.kernel import SimKernel
+
+    kernel = TimingSyscalls(SimKernel(device.removeprefix("sim-")))  # type: ignore[arg-type]
+    npu = Npu(open_simulated(device.removeprefix("sim-"), kernel=kernel))
+    try:
+        plan = []
+        for _ in range(layers):
+            for name, k, ns in shape.steps():
+                weights = [npu.upload_weight((rng.standard_normal((n, k)) * 0.05).astype(np.float32), dtype)
+                           for n in ns]
+                a = rng.standard_normal((1, k)).astype(np.float32)
+                outs = [np.empty((1, n), np.float32) for n in ns]
+                plan.append((name, _ServerStep(npu, weights), a, outs))
+        for _name, step, a, outs in plan:   # warm: programs compiled, tables built
+            step.run(a, outs)
+        kinds = list(dict.fromkeys(name for name, *_ in plan))
+        per_token: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "npu_model", "sim_driver")}
+                                                        for k in kinds}
+        calls: dict[str, dict[str, int]] = {k: {} for k in kinds}
+        for _ in range(tokens):
+            sums = {k: dict.fromkeys((*PHASES, "npu_model", "sim_driver"), 0.0) for k in kinds}
+            for name, step, a, outs in plan:
+                kernel.clear()
+                sim0 = kernel.simulation_seconds
+                pack_s, submit_s, unpack_s, canary_s = step.run(a, outs)
+                model_s = kernel.simulation_seconds - sim0
+                in_kernel_s = sum(kernel.ns.values()) * 1e-9
+                s = sums[name]
+                s["pack"] += pack_s
+                s["canaries"] += canary_s
+                s["syncs_submit"] += submit_s - canary_s - in_kernel_s
+                s["unpack"] += unpack_s
+                s["npu_model"] += model_s
+                s["sim_driver"] += in_kernel_s - model_s
+                for ioctl, n in kernel.calls.items():
+                    calls[name][ioctl] = n
+            for name in kinds:
+                for phase, total in sums[name].items():
+                    per_token[name][phase].append(total / layers * 1e6)
+    finally:
+        npu.close()
+    rows = []
+    for name in kinds:
+        row: dict = {"step": name, "K": next(k for n, k, _ in shape.steps() if n == name),
+                     "N": "+".join(str(n) for n in next(ns for n, _, ns in shape.steps() if n == name)),
+                     "ioctls": ", ".join(f"{n} {c}" for c, n in sorted(calls[name].items()))}
+        for phase, values in per_token[name].items():
+            row[f"{phase}_us_measured"] = statistics.median(values)
+            row[f"{phase}_min_us_measured"] = min(values)
+        host = [sum(per_token[name][p][i] for p in PHASES) for i in range(tokens)]
+        row["host_us_measured"] = statistics.median(host)
+        row["host_min_us_measured"] = min(host)
+        rows.append(row)
+    return {"rows": rows}
+
+
+COLUMNS = [
+    rp.Column("step", "step"), rp.Column("K", "K"), rp.Column("N", "N"),
+    rp.Column("pack_us_measured", "pack µs", "{:.1f}", figure=True),
+    rp.Column("canaries_us_measured", "canaries µs", "{:.1f}", figure=True),
+    rp.Column("syncs_submit_us_measured", "syncs+submit µs (ours)", "{:.1f}", figure=True),
+    rp.Column("unpack_us_measured", "unpack µs", "{:.1f}", figure=True),
+    rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True),
+    rp.Column("host_min_us_measured", "host µs (min)", "{:.1f}"),
+    rp.Column("npu_model_us_measured", "sim: NPU model µs", "{:.0f}"),
+    rp.Column("sim_driver_us_measured", "sim: driver µs", "{:.1f}"),
+    rp.Column("ioctls", "ioctls per step"),
+]
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    shape = LayerShape(args.hidden, args.q, args.kv, args.ffn)
+    load0 = _loadavg()
+    t0 = time.perf_counter()
+    result = measure(args.device, args.dtype, shape, args.layers, args.tokens, np.random.default_rng(0))
+    wall = time.perf_counter() - t0
+    load1 = _loadavg()
+    rows = result["rows"]
+    per_step = statistics.mean(r["host_us_measured"] for r in rows)
+    meta = {"device": args.device, "dtype": args.dtype, "layers": args.layers, "tokens": args.tokens,
+            "shape": {"hidden": shape.hidden, "q": shape.q, "kv": shape.kv, "ffn": shape.ffn}, "host": host_description(),
+            "load_average": [load0, load1], "wall_s": wall}
+    notes = [f"measured on this host ({meta['host']}), load average {load0} -> {load1}; not a board figure. "
+             f"Median over {args.tokens} tokens of the per-step mean ({args.layers} layers, M = 1, {args.dtype})",
+             "host µs = pack + canaries + syncs+submit (ours: the device/ABI/driver wrappers, outside the "
+             "kernel's ioctl handlers) + unpack",
+             "sim columns: time inside the simulated kernel's ioctl handlers (the NPU model's execution; the "
+             "simulated driver's checks and cache copies): not a host cost on a board",
+             f"mean host µs per NPU step over the 4 step kinds: {per_step:.1f}; per token at 4 steps per layer: "
+             f"{per_step * 4:.0f} µs per layer"]
+    report = rp.Report("npu-step", f"Host work per NPU decode step ({args.device}, {args.dtype})", rig={},
+                       meta=meta, tables=[rp.Table("Host µs per NPU step, by phase (median over tokens)",
+                                                   COLUMNS, rows)], raw=result, notes=notes)
+    report.print(console)
+    paths = report.write(args.out)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
