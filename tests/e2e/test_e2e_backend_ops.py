@@ -57,7 +57,8 @@ CI_CASES: dict[str, str | None] = {
     "GET_ROWS": r"^type=(f32|f16|q8_0|q4_K|q6_K),n=256,m=5,r=4,be1=1,be2=1,v=0",
     "ROPE": r"^type=f32,ne_a=\[(128,32|64,8),2,1\],n_dims=(128|64),mode=(0|2),n_ctx=512,fs=1\.0+,ef=(0\.0+|0\.7465)",
     "FLASH_ATTN_EXT": r"^hsk=(64|128),hsv=(64|128),nh=4,nr23=\[(1|4),1\],kv=113,nb=(1|3),mask=1,sinks=0,"
-                      r"max_bias=0\.0+,logit_softcap=(0|10)\.0+,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]",
+                      r"max_bias=0\.0+,logit_softcap=(0|10)\.0+,prec=f32,type_K=f16,type_V=f16,permute=\[0,1,2,3\]"
+                      r"|type_K=q8_0,type_V=q4_0,",   # a mixed K/V cache (-ctk q8_0 -ctv q4_0)
     "CPY": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q6_K|iq4_nl|iq4_xs|mxfp4),",
     "SET_ROWS": r"^type_src=f32,type_dst=(f16|q8_0|q4_K|q5_K|iq4_nl|iq4_xs),",
     # the long lists of the newer rules (CONV_2D 2030 cases, IM2COL_3D 2051, LIGHTNING_INDEXER 156, ROPE_BACK

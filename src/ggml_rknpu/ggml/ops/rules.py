@@ -405,7 +405,6 @@ def flash_attn_ext(n: Node) -> None:
     q, k, v, mask, sinks = n.s(0), n.s(1), n.s(2), n.src[3], n.src[4]
     is_type(q, F32, "flash_attn q")              # the kernel reads Q rows as f32 whatever its type (ops.cpp)
     need(n.i32(3) in (abi.GGML_PREC_DEFAULT, abi.GGML_PREC_F32), "flash_attn precision is default or f32")
-    need(k.type == v.type or v.type in (F32, F16), "flash_attn K and V types")
     is_type(k, MATMUL_WEIGHT_TYPES, "flash_attn K")        # K rows go through its vec_dot, V rows its to_float
     is_type(v, MATMUL_WEIGHT_TYPES, "flash_attn V")
     need(q.ne[0] == k.ne[0] and q.ne[2] % k.ne[2] == 0 and q.ne[3] == k.ne[3] == v.ne[3]
