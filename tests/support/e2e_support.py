@@ -93,7 +93,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            launch.stop(self.proc, timeout=10)
+            launch.stop(self.proc, timeout=30)   # under CI load the exit path (stats, frees) can take a while
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -111,6 +111,9 @@ class RknpuServer(Server):
 
     def stats(self) -> dict:
         """The counters the server last wrote (after each client and at exit)."""
+        if not self.stats_path.is_file():
+            code = self.proc.returncode if self.proc is not None else None
+            raise AssertionError(f"no --stats-json from the server (exit status {code}):\n{self.log()}")
         return json.loads(self.stats_path.read_text())
 
     def nodes(self, op: str) -> int:
