@@ -162,11 +162,7 @@ class ExpertStep:
                 continue
             self.out[self.tok[pairs], self.use[pairs]] = c
             ran += 1
-            stats.npu_matmuls_by_m[len(pairs)] = stats.npu_matmuls_by_m.get(len(pairs), 0) + 1
-            timing = npu.last_timing
-            if timing is not None and timing.device_s is not None:
-                stats.npu_device_seconds += timing.device_s
-                stats.npu_device_label = timing.device_label
+            stats.count_npu_matmuls(len(pairs), 1, npu.last_timing)
         if ran:
             stats.expert_matmuls_npu += ran
             self.npu_counter.ops += 1

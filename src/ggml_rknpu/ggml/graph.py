@@ -157,11 +157,7 @@ class NpuStep:
         c = recovery.matmul(self.slot, lambda: _as_f32_rows(self.a, self.a_type, self.slot.k))
         if c is not None and npu is not None:
             self.out[...] = c.reshape(self.out.shape)
-            _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0)
-            timing = npu.last_timing
-            if timing is not None and timing.device_s is not None:
-                stats.npu_device_seconds += timing.device_s
-                stats.npu_device_label = timing.device_label
+            _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0, npu.last_timing)
             return
         if self.host is None:
             raise UnsupportedOp(f"MUL_MAT '{self.slot.name}' on the host",
@@ -169,14 +165,15 @@ class NpuStep:
         self.host.run(stats)
 
 
-def _count_npu(stats: ServerStats, members: tuple[NpuStep, ...], rows: int, seconds: float) -> None:
+def _count_npu(stats: ServerStats, members: tuple[NpuStep, ...], rows: int, seconds: float,
+               timing: Any = None) -> None:
     """Counters of NPU MUL_MATs that ran (one call for a group: its seconds are shared)."""
     for member in members:
         counter = member.npu_counter
         counter.ops += 1
         counter.bytes += member.nbytes
     members[0].npu_counter.seconds += seconds
-    stats.npu_matmuls_by_m[rows] = stats.npu_matmuls_by_m.get(rows, 0) + len(members)
+    stats.count_npu_matmuls(rows, len(members), timing)
 
 
 GROUP_MAX_ROWS = 16

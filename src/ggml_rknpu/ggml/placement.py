@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from typing import Any
 
 from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlType
 from ggml_rknpu.ggml.rpc.wire import N_COMMANDS, Cmd
@@ -136,6 +137,14 @@ class ServerStats:
     expert_matmuls_npu: int = 0       # MUL_MAT_ID: one per selected expert run on the NPU (M = its rows)
     expert_matmuls_host: int = 0      # ... per selected expert whose rows ran on ggml-cpu
     bytes_out: int = 0
+
+    def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:
+        """``n`` NPU MUL_MATs of M = ``rows`` ran, and the engine's device time for them when its
+        ``last_timing`` has one (every NPU step kind counts through here)."""
+        self.npu_matmuls_by_m[rows] = self.npu_matmuls_by_m.get(rows, 0) + n
+        if timing is not None and timing.device_s is not None:
+            self.npu_device_seconds += timing.device_s
+            self.npu_device_label = timing.device_label
 
     def counter(self, op: str, engine: str) -> OpCounter:
         key = (op, engine)
