@@ -64,7 +64,8 @@ def expert_slots(w: CheckedTensor, weights: WeightStore) -> tuple[WeightSlot | N
 
 
 def as_f32_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
-    """Gathered src1 rows [M, K] as float32 (bf16 arrives as its raw uint16 view)."""
+    """src1 rows of a MUL_MAT or gathered for MUL_MAT_ID, as contiguous float32 (bf16 arrives as
+    its raw uint16 view)."""
     if type_id == GgmlType.BF16:
         return (rows.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(rows, dtype=np.float32)

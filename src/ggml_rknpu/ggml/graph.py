@@ -48,8 +48,8 @@ import numpy as np
 
 from ggml_rknpu.engine.contract import EngineStep, MatmulEngine, stepping
 from ggml_rknpu.ggml.buffers import BufferTable
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
-from ggml_rknpu.ggml.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag
+from ggml_rknpu.ggml.expert_step import HOST_TENSORS, ExpertStep, HostExperts, as_f32_rows, expert_slots
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.ggml.ops.rules import check_node, signature
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
@@ -67,13 +67,6 @@ PLANS_PER_DEVICE = 1024
 # speculative decoding / parallel slots send each split at every batch size they alternate
 # between (1..n_draft+1): 90 x 4 already overflowed 256 and re-planned every split every step.
 # 1024 is also upstream's graph cache size in RPC protocol 8 (docs/architecture.md).
-
-
-def _as_f32_rows(view: np.ndarray, type_id: int, k: int) -> np.ndarray:
-    """src1 of a MUL_MAT as float32 [M, K] (bf16 arrives as its raw uint16 view)."""
-    if type_id == GgmlType.BF16:
-        return (view.astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
-    return np.ascontiguousarray(view, dtype=np.float32).reshape(-1, k)
 
 
 def computes(t: RpcTensor) -> bool:
@@ -154,7 +147,7 @@ class NpuStep:
     def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         t0 = time.perf_counter()
         npu = recovery.npu
-        c = recovery.matmul(self.slot, lambda: _as_f32_rows(self.a, self.a_type, self.slot.k))
+        c = recovery.matmul(self.slot, lambda: as_f32_rows(self.a, self.a_type).reshape(-1, self.slot.k))
         if c is not None and npu is not None:
             self.out[...] = c.reshape(self.out.shape)
             _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0, npu.last_timing)
@@ -218,7 +211,7 @@ class NpuGroup:
             return
         first = self.members[0]
         try:
-            run_step(step, _as_f32_rows(first.a, first.a_type, first.slot.k), self.outs)
+            run_step(step, as_f32_rows(first.a, first.a_type).reshape(-1, first.slot.k), self.outs)
         except Exception as exc:  # a fault in the chained submit: reset, drop the step, one by one
             recovery.step_failed(self.names(), exc)
             self.drop()
