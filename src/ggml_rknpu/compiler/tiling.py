@@ -25,6 +25,9 @@ Rules, each with its source:
     compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
     1536/1536/1024; 64x1536x8960 in 2x768 [docs/rknn-toolkit.md §1.6]); the count is our choice
     by the cost model, which does not price the host's sum of the partials.
+  - Decode rows (M <= 16) whose tiling re-streams the weights may also split K *inside* a
+    weight chunk, one kernel group per task, where the model prices it cheaper
+    (``group_split``): the layout, and so M = 1 programs and the goldens, stay as they are.
 * **N** -- split across cores first (contiguous kernel-group ranges; no automatic
   intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
   channel fields are 13 bits holding N-1 [registers.xml; §9]. Tasks take whole kernel
