@@ -175,7 +175,53 @@ def test_server_rounds_under_ggml_and_leaves_fp16_as_it_was(g):
 def test_grouped_matmuls_share_one_rounding(g):
     """Q/K/V of one activation are one engine step only when their vec_dot types agree."""
     for types, groups in ((("Q4_0", "Q8_0"), 1), (("Q4_0", "Q4_K"), 0)):
-        _, stats, _ = run_matmuls(SteppingFakeNpu(), "ggml", types)
+        results, stats, expected = run_matmuls(SteppingFakeNpu(), "ggml", types)
         assert stats["npu_groups_planned"] == groups, types
+        for got, (_, want) in zip(results, expected):
+            np.testing.assert_array_equal(got, want)
         _, stats, _ = run_matmuls(SteppingFakeNpu(), "fp16", types)
         assert stats["npu_groups_planned"] == 1, types
+
+
+def run_experts(npu, mode: str | None) -> tuple[np.ndarray, dict, np.ndarray, np.ndarray, np.ndarray]:
+    """MUL_MAT_ID with Q8_0 experts [K, N, E], b [K, 1, TOK] (broadcast over the slots), ids
+    [USED, TOK]: the result [TOK, USED, N], stats, and the dequantized experts, b and ids."""
+    e, used, tok = 4, 2, 3
+    rng = np.random.default_rng(7)
+    ids = np.array([[2, 0], [0, 3], [2, 3]], np.int32)
+    b = activations(tok, seed=8)
+    for st in serve(npu=npu):
+        if mode is not None:
+            st.state.activations = ActivationRounding(st.state.host, mode)
+        g = st.state.host
+        q8_0 = int(GgmlType.Q8_0)
+        wq = quantize(g, q8_0, rng.standard_normal((e * N, K)).astype(np.float32))
+        experts = dequantized(g, q8_0, wq, e * N).reshape(e, N, K)
+        with st.client() as c:
+            wh, wb = c.alloc_base(1 << 20)
+            ch, cb = c.alloc_base(1 << 16)
+            w = T(ne=(K, N, e, 1), buffer=wh, data=wb, type=q8_0, name="blk.0.ffn_up_exps.weight")
+            bt = T(ne=(K, 1, tok, 1), buffer=ch, data=cb, name="b")
+            it = T(ne=(used, tok, 1, 1), buffer=ch, data=cb + 8192, type=int(GgmlType.I32), name="ids")
+            out = T(ne=(N, used, tok, 1), buffer=ch, data=cb + 12288, op=int(GgmlOp.MUL_MAT_ID),
+                    src=(w.id, bt.id, it.id), name="ffn_moe_up")
+            c.set_tensor(w, wq.tobytes())
+            c.set_array(bt, b)
+            c.set_array(it, ids)
+            c.graph_compute([out], [w, bt, it, out])
+            result = np.frombuffer(c.get_tensor(out), np.float32).reshape(tok, used, N)
+        return result, st.state.stats_dict(), experts, b, ids
+    raise AssertionError("unreachable")
+
+
+def test_experts_on_the_npu_get_the_same_rounding(g):
+    host, *_ = run_experts(None, None)
+    plain, *_ = run_experts(FakeNpu(), "fp16")
+    ours, stats, experts, b, ids = run_experts(FakeNpu(), "ggml")
+    assert stats["activations"]["rounded_steps"] == {"q8_0": 3}        # one call per selected expert
+    w16 = experts.astype(np.float16).astype(np.float32)
+    rounded = ggml_rounded(g, int(GgmlType.Q8_0), b)
+    want = np.stack([np.stack([w16[ids[t, s]].astype(np.float64) @ rounded[t] for s in range(ids.shape[1])])
+                     for t in range(len(b))])
+    np.testing.assert_allclose(ours, want, rtol=0, atol=1e-6 * np.abs(want).max())   # f32 sums, any order
+    assert np.abs(ours - host).max() * 10 <= np.abs(plain - host).max()
