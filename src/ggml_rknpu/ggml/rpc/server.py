@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.ggml.activations import ActivationRounding
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
@@ -41,7 +42,6 @@ from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
 from ggml_rknpu.ggml.weights import RetiredWeights, WeightStats, WeightStore
 from ggml_rknpu.hostggml import lib as hostggml
-from ggml_rknpu.ggml.activations import ActivationRounding
 from ggml_rknpu.hostggml.compute import Threads, default_threads
 
 log = logging.getLogger("ggml_rknpu.rpc")
