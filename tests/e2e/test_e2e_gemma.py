@@ -122,6 +122,25 @@ def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str]
     assert text.split()[:AGREE_WORDS] == cpu_text.split()[:AGREE_WORDS], f"RPC {text!r} != CPU {cpu_text!r}"
 
 
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_greedy_text_through_the_host_device_equals_the_cpu_run(tmp_path: Path, gemma: Path, client: str) -> None:
+    """Issue 16, the protocol path alone: with ``--device host`` every node (the matmuls too) runs
+    on ggml-cpu in our process, so all 16 greedy tokens must equal the client's own CPU-only run
+    on the same kernels (``--no-repack``: RPC buffers are never repacked) — any byte the server
+    read differently from ggml's deserializer would show here, with either client."""
+    tool_or_skip("llama-completion", client)
+    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client,
+                               extra=("--no-repack",), timeout=600)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with rknpu_server(tmp_path, device="host") as server:
+        text, proc = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, rpc=server.endpoint,
+                                client=client, timeout=900)
+        assert proc.returncode == 0, f"{client}: {proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    assert server.weight_uploads() == 0 and server.nodes("MUL_MAT") > 0, server.stats()
+    assert text == cpu_text, f"{client}: host device {text!r} != CPU-only {cpu_text!r}"
+
+
 def _greedy_top2(api) -> list[tuple[str, float, str]]:
     """(token, its log-probability minus the runner-up's, the runner-up) per greedy token."""
     reply = api.post("/completion", {"prompt": GREEDY_PROMPT, "n_predict": GREEDY_TOKENS, "temperature": 0,
