@@ -45,6 +45,10 @@ class FakeWeight:
         self.engine.frees += 1
 
 
+MATMUL_DEVICE_S = 1e-3    # what a FakeNpu.matmul reports as its device time
+STEP_DEVICE_S = 0.25e-3   # what a FakeStep run reports as its device time (FakeNpu.matmul: 1 ms)
+
+
 class FakeNpu:
     """A ``MatmulEngine`` (engine/contract.py) computing on the host, with counters."""
 
@@ -70,7 +74,7 @@ class FakeNpu:
         if self.fail_matmul:
             raise RuntimeError("injected NPU fault")
         self.matmuls += 1
-        self.last_timing = SimpleNamespace(device_s=1e-3, device_label="modeled")
+        self.last_timing = SimpleNamespace(device_s=MATMUL_DEVICE_S, device_label="modeled")
         return a.astype(np.float32) @ w.b.T
 
     def memory_budget(self) -> tuple[int, int]:
@@ -92,6 +96,8 @@ class FakeStep:
         if self.engine.fail_step:
             raise RuntimeError("injected fault in a chained submit")
         self.engine.counters["submits"] = self.engine.counters.get("submits", 0) + 1
+        # one submit's device time, apart from a lone matmul's 1 ms so that tests can tell them apart
+        self.engine.last_timing = SimpleNamespace(device_s=STEP_DEVICE_S, device_label="modeled")
         results = [a.astype(np.float32) @ w.b.T for w in self.weights]
         for dst, r in zip(outs, results):
             dst[...] = r

@@ -150,6 +150,17 @@ def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int, envelope=None)
                         npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
 
+def stream_bound(dtype: str, cores: int) -> float:
+    """Bytes/s the cost model lets one job of decode rows (M <= 16) stream on ``cores``:
+    each core's share of the DRAM stream, its compute on 16 padded rows overlapped but for
+    ``OVERLAP_PENALTY`` of it (docs/decode.md, the goals' arithmetic)."""
+    from ggml_rknpu.cost import model as cm
+
+    per_core = min(cm.CORE_STREAM_BYTES_PER_CYCLE * NPU_MHZ * 1e6, dram_bandwidth(DRAM_MHZ) / cores)
+    compute_per_byte = cm.M_ATOM / cm.MACS_PER_CYCLE_PER_CORE[dtype] / (NPU_MHZ * 1e6) / cm.IN_BYTES[dtype]
+    return cores * per_core / (1 + cm.OVERLAP_PENALTY * compute_per_byte * per_core)
+
+
 def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
     """Modeled NPU figures of one decode step of ``m`` sequences."""
     b = 1 if dtype == "int8" else 2
@@ -165,6 +176,9 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
         "stream_gb_s_modeled": weight_bytes / seconds / 1e9,
         "submit_ms_modeled": submits * OWN_DRIVER.per_submit_s * 1e3,
         "weight_mb": weight_bytes / 1e6,
+        # the most these submits allow: the weights at the DRAM ceiling, or at the model's bound
+        "tok_s_at_ceiling_modeled": m / (weight_bytes / dram_bandwidth(DRAM_MHZ) + submits * OWN_DRIVER.per_submit_s),
+        "tok_s_at_bound_modeled": m / (weight_bytes / stream_bound(dtype, cores) + submits * OWN_DRIVER.per_submit_s),
     }
 
 
@@ -298,6 +312,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rp.Column("tok_s_modeled", "tok/s", "{:.1f}", figure=True),
         rp.Column("stream_gb_s_modeled", "weight stream GB/s", "{:.1f}", figure=True),
         rp.Column("submit_ms_modeled", "of which submits ms", "{:.1f}", figure=True),
+        rp.Column("tok_s_at_ceiling_modeled", "tok/s at most: DRAM ceiling, same submits", "{:.2f}", figure=True),
+        rp.Column("tok_s_at_bound_modeled", "tok/s at most: model's job bound, same submits", "{:.2f}", figure=True),
         rp.Column("host_us_per_step_measured", "host µs per NPU step", "{:.1f}", figure=True),
         rp.Column("host_ms_per_step_measured", "host ms/step", "{:.2f}", figure=True),
         rp.Column("anchor_tok_s", "published tok/s (board)"), rp.Column("anchor_source", "by"),

@@ -67,14 +67,19 @@ def ow_size_e(shape: MatmulShape, c_dtype: str) -> int:
 
 
 def buffer_offsets(shape: MatmulShape, tile: TaskTile, c_dtype: str) -> dict[str, int]:
-    """Byte offsets of the task's first A/B/C element inside the native buffers (layout.py)."""
+    """Byte offsets of the task's first A/B/C element inside the native buffers (layout.py).
+    B: the task's kernel group inside its weight chunk ``(Np/g, Kc/32, g, 32)``, then its
+    first channel inside the group's run (non-zero only for a one-group task of part of
+    the chunk, ``tiling.group_split``)."""
     b = shape.in_bytes
     atom = limits.ATOM_BYTES
     c2_out = limits.c2(c_dtype)
     c_region = (shape.Np // c2_out) * shape.M * atom
+    block = tile.block or tile.chunk
     return {
         "A": (tile.chunk.k0 // shape.c2_in) * shape.M * atom + tile.m0 * atom,
-        "B": shape.Np * tile.chunk.k0 * b + tile.n0 * tile.chunk.size * b,
+        "B": (shape.Np * block.k0 * b + tile.n0 * block.size * b
+              + (tile.chunk.k0 - block.k0) * shape.kernel_group * b),
         "C": tile.chunk.index * c_region + (tile.n0 // c2_out) * shape.M * atom + tile.m0 * atom,
     }
 

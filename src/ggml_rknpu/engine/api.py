@@ -460,11 +460,23 @@ class Npu:
         return bound.ports
 
     def _device_time(self, bound: _BoundProgram, completion: Any, hw_ns: int | None) -> tuple[float | None, str]:
+        return self._device_seconds(bound.modeled, completion, hw_ns)
+
+    @staticmethod
+    def _device_seconds(modeled: Any, completion: Any, hw_ns: int | None) -> tuple[float | None, str]:
+        """(seconds, label) of one call on the device: the board's summed hw_elapsed_ns
+        ("measured"), else the cost model's figure for its programs ("modeled"), else unknown."""
         if hw_ns is not None and not completion.simulated:
             return hw_ns * 1e-9, "measured"
-        if bound.modeled is not None:
-            return bound.modeled.total_s, "modeled"
+        if modeled is not None:
+            return modeled.total_s, "modeled"
         return None, "unknown"
+
+    def _record_step_timing(self, times: tuple[float, float, float], modeled: Any, completion: Any,
+                            hw_ns: int | None, submits: int) -> None:
+        """``last_timing`` of a decode step (``engine.fusion.Step.run``), as a matmul's."""
+        dev, label = self._device_seconds(modeled, completion, hw_ns)
+        self.last_timing = Timing(*times, device_s=dev, device_label=label, submits=submits)
 
     def _out_dtype(self, w: Weight, out: str | None) -> str:
         if out is None:

@@ -170,10 +170,12 @@ class Step:
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
         if self._chain:
-            self.canary_s = self._chain.submit(self._label)
+            self.canary_s, completion = self._chain.submit(self._label)
+            hw_ns, submits = completion.hw_elapsed_ns, 1
         else:   # the engine's bound program: its chains in order, canaries checked
-            self.npu._submit_bound(target, target.c_buf.array(np.uint8))
+            completion, hw_ns = self.npu._submit_bound(target, target.c_buf.array(np.uint8))
             self.canary_s = self.npu.last_canary_s
+            submits = len(target.jobs)
         t2 = time.perf_counter()
         rows = a.shape[0]
         if outs is not None and len(outs) != len(self._views):
@@ -194,6 +196,7 @@ class Step:
                 results = [o[:rows] for o in outs]
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
+        self.npu._record_step_timing(self.timing, self.modeled, completion, hw_ns, submits)
         c = self.npu.counters
         c["matmuls"] += len(self.weights)
         c["step_runs"] += 1
@@ -307,13 +310,13 @@ class _Chain:
         self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
                                           ).over(c_raw)
 
-    def submit(self, what: str) -> float:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset);
-        the host seconds the canaries took."""
+    def submit(self, what: str) -> tuple[float, Any]:
+        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset):
+        (the host seconds the canaries took, the submit's completion)."""
         t0 = time.perf_counter()
         self.canaries.arm()
         t1 = time.perf_counter()
-        self.npu._submit_job(self.job, what)
+        completion = self.npu._submit_job(self.job, what)
         t2 = time.perf_counter()
         unwritten = self.canaries.unwritten()
         canary_s = t1 - t0 + time.perf_counter() - t2
@@ -325,7 +328,7 @@ class _Chain:
                 pass
             raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
                               "after the chained submit: a task did not finish; the NPU was reset")
-        return canary_s
+        return canary_s, completion
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
         buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)

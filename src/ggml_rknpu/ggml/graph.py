@@ -219,7 +219,7 @@ class NpuGroup:
             self.drop()
             self._one_by_one(stats, recovery)
             return
-        _count_npu(stats, self.members, self.rows, time.perf_counter() - t0)
+        _count_npu(stats, self.members, self.rows, time.perf_counter() - t0, npu.last_timing)
         stats.npu_grouped_runs += 1
         self.ran = True
 
