@@ -182,3 +182,26 @@ def test_decode_rows_of_long_k_split_k_over_one_group_tasks(env, M, K, N, before
 def test_no_split_where_it_is_not_cheaper_or_not_decode(env, M, K, N):
     shape = MatmulShape(M, K, N, "fp16", "fp32")
     assert tile(shape, 3, env) == _plain(shape, 3, env)
+
+
+@pytest.mark.parametrize("M,K,N", [(16, 8192, 2048), (16, 6912, 1152)])
+def test_split_k_tasks_read_the_bytes_of_a_chunk_of_their_own(M, K, N):
+    """A one-group task reading part of a weight chunk in place sees, byte for byte, what a
+    weight packed with that K range as a chunk of its own holds: the hardware reads the same
+    stream as a K-chunked program (what hardware-run streams cover), not a new layout."""
+    from ggml_rknpu.compiler.emit import buffer_offsets
+    from ggml_rknpu.compiler.layout import pack_b
+
+    shape = MatmulShape(M, K, N, "fp16", "fp32")
+    t = tile(shape, 3, PROVEN)
+    assert t.partials and all(task.block is not None for task in t.tasks)
+    w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    native = pack_b(w, "fp16", shape, envelope=PROVEN)
+    g, b = shape.kernel_group, shape.in_bytes
+    for task in t.tasks:
+        k0, kc = task.chunk.k0, task.chunk.size
+        start = buffer_offsets(shape, task, "fp32")["B"]
+        own = pack_b(w[task.n0: task.n0 + g, k0: k0 + kc], "fp16", MatmulShape(1, kc, g, "fp16", "fp32"),
+                     envelope=PROVEN)
+        assert own.size == kc * g * b
+        assert np.array_equal(native[start: start + own.size], own), (task.n0, k0, kc)
