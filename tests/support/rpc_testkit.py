@@ -123,6 +123,37 @@ class SteppingFakeNpu(FakeNpu):
         return FakeStep(self, list(weights), m)
 
 
+
+class FaultyNpu(FakeNpu):
+    """FakeNpu whose matmuls raise the queued faults first; ``reset`` optionally loses weights."""
+
+    def __init__(self, faults=(), reset_loses_weights=False) -> None:
+        super().__init__()
+        self.faults = list(faults)
+        self.resets = 0
+        self.reset_loses_weights = reset_loses_weights
+        self.live: list = []
+
+    def upload_weight(self, b, dtype="fp16"):
+        w = super().upload_weight(b, dtype)
+        self.live.append(w)
+        return w
+
+    def matmul(self, a, w, *, out=None):
+        if self.faults:
+            raise self.faults.pop(0)
+        return super().matmul(a, w, out=out)
+
+    def reset(self):
+        self.resets += 1
+        if not self.reset_loses_weights:
+            return []
+        lost, self.live = self.live, []
+        for w in lost:
+            w.freed = True
+        return lost
+
+
 # --- tensors and graphs ------------------------------------------------------------------------
 _ids = iter(range(0x1000, 1 << 40, 0x10))
 

@@ -1,29 +1,13 @@
-"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode
-step runs, the host time per NPU step measured here, and the published figures beside it.
+"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode step
+runs, the host time per NPU step measured here, and the published figures beside it.
 
-WHY: single-stream decode on RK3588 is DRAM-bound (every token streams every weight once),
-so the two things that decide tokens/s are how close the NPU programs stream to the DRAM
-ceiling and how many submits (and how much host work) a token pays. No board has run our
-streams yet; this command states, per model, what our own cost model says the programs
-would take, next to what RKLLM and the open qwen3.c engine measured on boards.
-
-What is priced (modeled, ``cost.model``): per token, each transformer layer's weight
-matmuls as NPU steps (``decode_steps``): fused (the default): Q/K/V as one fused weight,
-O, gate/up as one fused weight, down: 4 submits per layer, plus the output head; unfused:
-one submit per matmul (what the server ran before fusion). Each step's programs are the
-engine's own (``Npu._program_for`` -> ``compile_matmul`` at the engine's M bucket); a step
-costs ``modeled_time`` of its tasks plus one submit (``OWN_DRIVER``). Attention,
-norms, RoPE and the other host ops are not priced (host, not NPU). tokens/s at M rows is M
-tokens per step (M sequences decoded together).
-
-What is measured (this host, not the board): the engine's host work per NPU step on the
-lean path (``engine.fusion.Step``: writing A through its views, reading C through its
-views, scales), run on the simulator with random weights of the step's shape; the
-``NpuDevice.submit`` call (which on the simulator executes the program) is excluded.
-
-Model shapes: from a GGUF's tensors (``blk.N.attn_q.weight`` ...), or the presets below
-(each model's published config.json on Hugging Face).
-"""
+Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
+bucket, per decode step (fused by default: 4 submits per layer plus the head; unfused: one
+per matmul), each step a submit (``OWN_DRIVER``); host ops are not priced; the host time is
+*measured* on this host, on the lean path (``engine.fusion.Step``), the submit itself
+excluded. Shapes come from a GGUF or the presets (each model's published config.json).
+Why: docs/decisions.md "bench/decode.py";
+figures: docs/decode.md."""
 
 from __future__ import annotations
 

@@ -1,59 +1,13 @@
 """Split a matmul into hardware tasks: K chunks, N ranges per core and per task, M tiles.
 
-Rules, each with its source:
-
-* **K** -- one task takes at most ``MAX_TASK_K = 10240`` channels, the SDK's own matmul
-  K limit [SDK rknn_matmul_api.h; docs/npu-programming.md §9; docs/rknn-toolkit.md]. This also
-  keeps one kernel's weights within one CBUF bank (Kp*b <= 32 KiB [§9, MTX check]) and a
-  whole kernel group within 10 of the 12 banks (16*10240*2 = 32*10240*1 = 10 banks; that the
-  SDK limit is chosen for this is our *inference*). K is cut into balanced chunks of whole
-  32-channel atoms; each chunk's fp32/int32 partial result lands in its own C region and
-  the host sums them (``layout.unpack_c``) -- there is no proven on-NPU accumulation
-  across tasks [§9]. Chunking depends on (K, dtype) only, so weights are packed once
-  whatever M is. How many chunks:
-
-  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [docs/rknn-toolkit.md
-    §4.4]) and the 15 hardware-validated MTX single-task streams [golden] do. The model
-    would prefer chunks for prefill here too (512x4096x11008); left so, to keep the
-    single-task streams the MTX goldens pin down.
-  - Kp > 8192: the count, between the fewest chunks of <= MAX_TASK_K and chunks of
-    ``MIN_CHUNK_K``, whose tiling of a reference prefill (``TUNE_M`` x K x ``TUNE_N``, one
-    core) is modeled (``cost.model``) within ``CHUNK_SLACK`` of the least time. WHY: a
-    kernel group of a long chunk fills most weight banks (K=8960 fp16: 9 banks), leaving
-    ~5 rows of A per task, and every M tile re-streams the weights. Shorter chunks trade that for one more fp32
-    partial C per chunk. Cutting K well below the SDK limit is what Rockchip's own
-    compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
-    1536/1536/1024; 64x1536x8960 in 2x768 [docs/rknn-toolkit.md §1.6]); the count is our choice
-    by the cost model, which does not price the host's sum of the partials.
-  - Decode rows (M <= 16) whose tiling re-streams the weights may also split K *inside* a
-    weight chunk, one kernel group per task, where the model prices it cheaper
-    (``group_split``): the layout, and so M = 1 programs and the goldens, stay as they are.
-* **N** -- split across cores first (contiguous kernel-group ranges; no automatic
-  intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
-  channel fields are 13 bits holding N-1 [registers.xml; §9]. Tasks take whole kernel
-  groups; unaligned N is zero-padded to the group [§6].
-* **M** -- a task's whole input, M_t*Kc*b bytes, must fit its DATA_BANK banks, and
-  DATA_BANK + WEIGHT_BANK = 12 [§7, §9]. We keep WEIGHT_BANK large enough for one whole
-  kernel group (g*Kc*b bytes). That is a *guess* on the safe side: the golden and blob
-  streams all satisfy it [golden; capture c1024_h1_oc1001: WEIGHT_BANK 11], and no public
-  stream shows a group split across refills (in all 683 decoded capture task rows,
-  min(g, kernels) * WEIGHT_SIZE1 <= WEIGHT_BANK * 32 KiB; the one kernel larger than a
-  bank, 38400 B in c768_h20_oc768_s1pvalid, runs alone with WEIGHT_BANK=2). Rows per task
-  therefore come from shorter K chunks (above), not from fewer weight banks.
-  M_t <= 1022 so that FEATURE_GRAINS = M_t+1 (MTX's validated value [§7]) fits its
-  10-bit field.
-* **Cores** -- N ranges when N has at least one kernel group per core, else M ranges.
-* <= 4095 tasks per core (PC TASK_NUMBER, 12 bits [§3, §9]); more is an error telling the
-  caller to split the call.
-
-**Envelope** (``hw.envelope``): every rule above is bounded by the envelope the plan is
-made in -- ``PROVEN`` by default (what hardware-run streams cover: one core, rows <= 544,
-a kernel group at most 8/11 of WEIGHT_BANK, data banks sized by 64-byte entries, split K
-chunks of multiples of 256, K <= 8192 fp16 / 4096 int8 and N <= 8192 / 4096 per task),
-``EXTENDED`` (the field widths, today's former default) on request. Cores beyond the
-envelope's are not used (the plan runs on fewer). The K chunking depends on (K, dtype,
-envelope), so a weight is packed for the envelope its engine plans in.
-"""
+Invariants: one task takes at most ``MAX_TASK_K`` channels and its whole input must fit its
+data banks beside a weight bank that holds one whole kernel group; N is split across cores
+first, then per task to at most 8192 kernels; M tiles are at most 1022 rows; at most 4095
+tasks per core, else an error; decode rows (M <= 16) may split K inside a weight chunk,
+one kernel group per task, where the model prices it cheaper (``group_split``); K chunking
+depends on (K, dtype, envelope) only, so a weight is packed once whatever M is; every rule is bounded by the envelope the plan is
+made in (``PROVEN`` by default, ``hw.envelope``). Each rule with its source:
+docs/compiler.md "Tiling"."""
 
 from __future__ import annotations
 

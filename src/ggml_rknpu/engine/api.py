@@ -4,62 +4,12 @@
     w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
     c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
 
-WHY this shape (docs/architecture.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
-the CPU because it converted and uploaded weights on every call; here a weight is converted
-and packed into its native layout once, into a device buffer that stays resident, and each
-(weight, M bucket) gets one compiled program whose register commands are bound to fixed
-buffers once. A call then only packs A into the resident A buffer, submits, waits and
-unpacks C.
-
-Scratch memory: A and C are shared, one buffer per M bucket holding A then C (one clean
-covers both), grown to the largest A and the largest C of that bucket. Matmuls run strictly one after another (one thread, every
-call waits for completion), so no two programs use them at once. Per-program buffers made
-C (which grows with the K chunk count) scale with the number of cached programs: a 7B
-prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must grow, the
-new one is allocated first, every program using it is re-bound (``Program.bind``) and the
-old one freed, so regcmd words always point at live buffers; a shared buffer is freed
-with the last program using it (eviction, ``Weight.free``). Regcmd buffers stay per
-program. A job lists the range of a shared buffer its program uses (``BufferRange``), so
-a submit cleans/invalidates what that program uses, not the whole shared buffer.
-
-Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
-``SimNpu``, the same submit path a board takes.
-
-Host path: a call that fits one program (float activations, or int8 on an int8 weight)
-writes A and reads C through views made once per plan (``engine.hostpath``); others take
-the general path (``stage_activation``, ``pack_a``, ``unpack_c``), with the same bits.
-Decode steps (``Npu.step``, ``Npu.upload_fused_weight``; ``engine.fusion``) replay a
-planned submit for one weight, a fused weight, or sibling programs chained in one submit.
-
-M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
-``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
-in a bucket are zero and their outputs discarded.
-
-Timing (``last_timing``): host seconds for pack / submit / unpack are measured on this
-host. ``submit_s`` is the whole ``NpuDevice.submit`` call: the cache clean of A, the
-blocking submit (the driver waits for completion inside it) and the cache invalidate of C;
-the engine adds no cache maintenance of its own (the device owns it). Device seconds are *measured* from
-``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` at the NPU clock
-the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``device_label``).
-A bucket the compiler refuses (more tasks than one hardware run chains) halves the
-weight's largest bucket, and the call is split along M.
-
-Envelope (``hw.envelope``): programs are compiled inside ``envelope``: by default the
-proven one widened by what this board's ``rknpu selftest`` ladder recorded
-(``engine.envelope_record``), and cores are capped by it (one core until the ladder says
-otherwise). A program the envelope cuts into several chains runs as several submits, in
-order (``Program.n_submits``).
-
-Canaries (``engine.canary``): every call arms C with values the NPU cannot write and
-checks them after the submits; one left means a task never finished (a rocket job killed
-at its 500 ms timeout returns stale output with no error) and the call raises
-``canary.StaleOutput`` (an NpuFault) after a reset, so the caller runs the step on the
-host: a fault costs time, never a wrong result.
-
-Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
-already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
-weights.
-"""
+Invariants: a weight is converted and packed once into a resident buffer; each (weight, M
+bucket) has one program bound to fixed buffers; regcmd words only ever point at live
+buffers (a shared scratch that grows re-binds its programs first); every call goes through
+``NpuDevice.submit`` and checks its canaries, so an unfinished task raises ``StaleOutput``
+after a reset; programs stay inside ``envelope``. Why, and scratch, buckets, timing:
+docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
 

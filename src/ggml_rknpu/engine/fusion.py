@@ -1,27 +1,11 @@
 """Fused NPU jobs for the decode path: sibling weights as one resident weight, several
 programs in one submit, and ``Step``, a submit planned once and replayed.
 
-WHY: a decode token is a few hundred small matmuls and the NPU is fed from DRAM; one submit
-per matmul costs its fixed overhead every time (``cost.model.OWN_DRIVER``: 79 us, bounded
-from qwen3.c), and a small matmul alone leaves cores idle and pays a task overhead per core
-(K/V projections of a GQA model are 256-1024 outputs). Matmuls that read the same activation
-with no host op between them (Q/K/V; gate/up) can run as one NPU job, two ways:
-
-* **fused weight** (``Npu.upload_fused_weight``): the siblings' rows concatenated into one
-  resident weight [sum N_i, K]; one program; the result splits into one column view per
-  sibling. Exact: each output row is the same dot product either way (int8 scales are per
-  output row, so they concatenate too). Costs a second resident copy unless the caller
-  drops the siblings' own.
-* **chained programs** (``Npu.step`` with several weights): each sibling keeps its own
-  resident weight and program; the programs' regcmd are chained into one submit
-  (``compiler.chain``), reading one A and writing disjoint regions of one C.
-
-Residency stays exact: the engine holds no host copy of a weight, so it cannot see writes
-to the siblings' source bytes; the caller names each fused weight by its siblings' keys in a
-``FusedWeights`` cache, and ``FusedWeights.invalidate(key)`` (called wherever the caller
-invalidates a sibling: SET_TENSOR, COPY_TENSOR, ...) frees every fused copy built from it.
-Freeing a member weight closes the chained steps that use it (``Npu._forget``).
-"""
+Invariants: a fused weight is exact (each output row is the same dot product; int8 scales
+are per row and concatenate too); chained programs read one A and write disjoint regions
+of one C; residency stays exact because the caller invalidates every fused copy built from
+a sibling it invalidates (``FusedWeights.invalidate``), and freeing a member closes the
+chained steps using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
 
 from __future__ import annotations
 

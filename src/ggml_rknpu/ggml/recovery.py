@@ -1,28 +1,12 @@
 """What an NPU matmul step does when the NPU faults: reset, retry once, else the host.
 
-The graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else; this
-module holds the whole policy, so the host data plane can change without touching it.
-
-A *fault* is what a board's NPU does to a correct job: a timeout (hang, or a core that
-stopped responding), a DMA fault, or output it never wrote (``engine.canary.StaleOutput``,
-an ``NpuFault``: a canary survived the submits). On a fault the step
-
-1. resets the NPU (``npu.reset()``: vendor ACT_RESET; rocket resets the core itself; the
-   engine has already reset once before raising ``StaleOutput``, the second is one more
-   ioctl on a rare path, kept so every fault takes the same steps) and re-stages every weight the reset destroyed (neither driver frees buffers on reset, so
-   this is for an engine that reports some),
-2. retries once on the NPU with the same activations,
-3. if that faults too, computes this step on the host from the weight's ggml bytes (the
-   caller's host fallback) - the graph completes with the right result.
-
-The next step tries the NPU again. A weight is demoted to the host for good only after
-``DEMOTE_AFTER`` (8) faulted attempts in a row with no success between them (the log says
-so and why): random faults hit every weight alike and must not strip the NPU of its
-model, a weight whose program faults every time must not cost a reset per token forever.
-
-Anything that is not a fault (the engine refusing a shape, out of NPU memory, a bug) keeps
-the store's earlier policy, ``WeightStore.matmul_failed``.
-"""
+Invariants: the graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else,
+and this module holds the whole policy; a *fault* (timeout, DMA fault, or
+``engine.canary.StaleOutput``) resets the NPU and re-stages what the reset destroyed,
+retries once, and then computes the step on the host, so the graph completes with the right
+result; a weight is demoted for good only after ``DEMOTE_AFTER`` faulted attempts in a row;
+anything that is not a fault keeps ``WeightStore.matmul_failed``'s policy. How: docs/faults.md
+"Recovery"; why: docs/decisions.md "ggml/recovery.py"."""
 
 from __future__ import annotations
 
