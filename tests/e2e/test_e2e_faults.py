@@ -62,6 +62,7 @@ def _check_counters(stats: dict) -> None:
             observed[OBSERVED_AS[kind]] += n
     assert recovery["faults"] == observed, (injected, recovery)
     assert recovery["resets"] == sum(observed.values()) > 0
+    assert stats["engine"]["resets"] == recovery["resets"], stats["engine"]   # one reset per fault, never two
     assert recovery["demoted"] == 0
     assert recovery["retried_ok"] + recovery["host_fallbacks"] == recovery["retries"]
 

@@ -67,7 +67,7 @@ import errno
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -596,17 +596,22 @@ class Npu:
         dev, label = self._device_time(bound, completion, hw_ns)
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
 
-    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> None:
-        """Stale output: reset where the driver lets us (rocket resets a core itself after a
-        job timeout) and raise, so the caller runs this step on the host."""
+    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> NoReturn:
+        self.stale_output(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
+                          f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
+                          "killed at its 500 ms timeout?)")
+
+    def stale_output(self, what: str) -> NoReturn:
+        """A submit left canaries unwritten: reset where the driver lets us (rocket resets a core
+        itself after a job timeout) and raise StaleOutput carrying what the reset destroyed, so
+        the caller runs the step on the host and does not reset a second time."""
         self.counters["npu_faults"] += 1
         try:
-            self.reset()
+            lost: list | None = self.reset()
         except NpuError:
-            pass
-        raise StaleOutput(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
-                       f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
-                       "killed at its 500 ms timeout?); the NPU was reset, run this step on the host")
+            lost = None
+        raise StaleOutput(f"{what}; " + ("the NPU was reset, run this step on the host" if lost is not None
+                                         else "resetting the NPU failed"), lost=lost)
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
