@@ -8,9 +8,10 @@ dead core persists until the reset the recovery does before its retry), so the r
 count per kind equals the injector's - a stale output that went unnoticed would show as a
 missing "stale" count (and, most likely, different text).
 
-CI: a tiny random llama (15 matmul weights, ~15 matmuls a token) with all four kinds at once
-(~13 s). ``slow``: each kind alone at 0.2 per submit on the tiny model (~13 s each), and the real
-gemma-3-270m with all kinds at once, 4 tokens (~80 s).
+CI: a tiny random llama (15 matmul weights, 9 submits a token) with all four kinds at once,
+and a tiny MoE (qwen3moe: MUL_MAT_ID experts resident, ``ggml.expert_step``) whose faulted
+expert matmuls recover the same way (a few s each). ``slow``: each kind alone at 0.2 per
+submit on the tiny model, and the real gemma-3-270m with all kinds at once, 4 tokens (~15 s).
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ def reference(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     return text
 
 
-def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout: float) -> tuple[str, dict]:
+def _faulted_run(tmp_path: Path, model: Path, spec: str, n_predict: int, timeout: float,
+                 log: list[str] | None = None) -> tuple[str, dict]:
     with rknpu_server(tmp_path, extra=("--sim-faults", spec)) as server:
         text, proc = completion(model, PROMPT, n_predict=n_predict, rpc=server.endpoint, timeout=timeout)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
         assert server.alive(), server.log()
+    if log is not None:
+        log.append(server.log_path.read_text(errors="replace"))
     return text, server.stats()           # written at exit: every counter of the run
 
 
@@ -75,6 +79,27 @@ def test_every_fault_kind_at_once_leaves_the_text_unchanged(tmp_path: Path, tiny
     injected = stats["faults_injected"]
     assert all(injected[kind] >= 3 for kind in OBSERVED_AS), injected
     _check_counters(stats)
+    assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
+
+
+@pytest.mark.timeout(900)
+def test_faults_in_moe_expert_matmuls_leave_the_text_unchanged(tmp_path: Path) -> None:
+    """MUL_MAT_ID experts on the NPU (``ggml.expert_step``) run each expert behind the same
+    recovery: a faulted expert matmul is reset and retried, else its rows join the host's
+    MUL_MAT_ID, and the text equals the fault-free run."""
+    moe = write_tiny_gguf(tmp_path / "tiny-qwen3moe-f16.gguf", "qwen3moe", "f16")
+    with rknpu_server(tmp_path, name="fault-free") as server:
+        reference, proc = completion(moe, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=600)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    assert server.stats()["expert_matmuls_npu"] > 0, server.stats()
+    logs: list[str] = []
+    spec = ",".join(f"{kind}:0.05" for kind in OBSERVED_AS) + ",seed=4"
+    text, stats = _faulted_run(tmp_path, moe, spec, N_PREDICT, 600, logs)
+    _check_counters(stats)
+    expert_faults = [line for line in logs[0].splitlines() if "in a matmul with" in line and "_exps.weight[" in line]
+    assert len(expert_faults) >= 3, logs[0][-3000:]                # faults hit expert matmuls
+    print(f"{len(expert_faults)} faulted expert matmuls")
+    assert stats["expert_matmuls_npu"] > 0, stats
     assert text == reference, f"with faults {text!r} != fault-free {reference!r}"
 
 
