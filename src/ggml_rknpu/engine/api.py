@@ -296,6 +296,7 @@ class Npu:
         self.memory_cap: int | None = None
         self.peak_memory = 0   # most NPU bytes in use at once, tracked while memory_cap is set
         self._weights: list[Weight] = []
+        self._rooms: Headroom | None = Headroom(0, 0, 0)   # the resident weights' headrooms combined (None: stale)
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("AC", M bucket)
         self._steps: set[Any] = set()                           # live Steps (engine.fusion)
@@ -349,6 +350,7 @@ class Npu:
         weight = cls(self, staged.without_data(), buffer, nbytes)
         weight.headroom = headroom
         self._weights.append(weight)
+        self._add_room(headroom)
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes
         return weight
@@ -689,13 +691,19 @@ class Npu:
         ``extra``'s) programs, plus each one's own register commands and submit tables. With
         it, a matmul of a resident weight at up to ``RESERVE_ROWS`` rows always finds memory,
         and those of every weight at once fit side by side (no eviction per token)."""
-        rooms = [w.headroom for w in self._weights if w.headroom is not None]
+        if self._rooms is None:   # after a free: summed again once (an upload adds its own in O(1))
+            self._rooms = Headroom(0, 0, 0)
+            for w in self._weights:
+                self._add_room(w.headroom)
+        a, c, own = self._rooms.a, self._rooms.c, self._rooms.own
         if extra is not None:
-            rooms.append(extra)
-        if not rooms:
-            return 0
-        return (_pages(_c_base(max(r.a for r in rooms)) + max(r.c for r in rooms))
-                + sum(r.own for r in rooms))
+            a, c, own = max(a, extra.a), max(c, extra.c), own + extra.own
+        return _pages(_c_base(a) + c) + own if a or c or own else 0
+
+    def _add_room(self, room: Headroom | None) -> None:
+        if room is not None and self._rooms is not None:
+            r = self._rooms
+            self._rooms = Headroom(max(r.a, room.a), max(r.c, room.c), r.own + room.own)
 
     def _headroom(self, n: int, k: int, dtype: str) -> Headroom:
         """``Headroom`` of an [n, k] weight: its program at ``RESERVE_ROWS`` compiled (the
@@ -729,6 +737,8 @@ class Npu:
         for key in [k for k, weight in self._lru.items() if weight is w]:
             del self._lru[key]
         self._weights.remove(w)
+        if w.headroom is not None:
+            self._rooms = None
         self.counters["weights_freed"] += 1
 
     # -- faults ----------------------------------------------------------------------
