@@ -164,15 +164,15 @@ def test_out_of_memory_while_growing_splits_along_m_and_loses_nothing():
     npu.close()
 
 
-@pytest.mark.parametrize("cap_mib", (1, 2, 3))
-def test_resident_weights_under_a_cap_leave_room_for_their_matmuls(cap_mib):
+@pytest.mark.parametrize("device,cap_mib", [("sim-rknpu", 1), ("sim-rknpu", 2), ("sim-rknpu", 3), ("sim-rocket", 1)])
+def test_resident_weights_under_a_cap_leave_room_for_their_matmuls(device, cap_mib):
     """--npu-memory: weights are staged only while the reserve for their programs (one shared
     scratch at RESERVE_ROWS, each weight's register commands and tables) stays free, so every
     resident weight then runs at 1 and RESERVE_ROWS rows without an out-of-memory (which the
     server would turn into a host fallback for good), and a round at one bucket once all are
     bound evicts nothing. Before the reserve, weights filled the cap and the first matmul failed."""
     rng = np.random.default_rng(7)
-    npu = open_engine("sim-rknpu")
+    npu = open_engine(device)
     npu.memory_cap = cap_mib << 20
     shapes = [(1024, 256), (256, 1024), (768, 256)] * 4      # N x K: 256-512 KiB fp16 each
     resident, refused = [], 0
