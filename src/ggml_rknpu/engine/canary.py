@@ -24,7 +24,14 @@ PATTERN: dict[str, np.generic] = {"int32": np.uint32(0x8000_0000), "fp32": np.ui
 
 
 class StaleOutput(NpuFault):
-    """The submits reported success but a canary survived: a task never wrote its output."""
+    """The submits reported success but a canary survived: a task never wrote its output.
+
+    The engine resets the NPU before raising this; ``lost`` is what that reset returned (the
+    weights it destroyed), or None when the engine did not reset and the caller must."""
+
+    def __init__(self, message: str, lost: list | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,10 +17,9 @@ import numpy as np
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
-from ggml_rknpu.engine.canary import Canaries, StaleOutput
+from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.hw import limits
-from ggml_rknpu.kernel.errors import NpuError
 
 C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
 
@@ -305,17 +304,13 @@ class _Chain:
         unwritten = self.canaries.unwritten()
         canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
-            self.npu.counters["npu_faults"] += 1
-            try:
-                self.npu.reset()
-            except NpuError:
-                pass
-            raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
-                              "after the chained submit: a task did not finish; the NPU was reset")
+            self.npu.stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
+                                  "unwritten after the chained submit: a task did not finish")
         return canary_s, completion
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)
+        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what,
+                              resident=True)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf
 

@@ -2,11 +2,12 @@
 
 Invariants: the graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else,
 and this module holds the whole policy; a *fault* (timeout, DMA fault, or
-``engine.canary.StaleOutput``) resets the NPU and re-stages what the reset destroyed,
-retries once, and then computes the step on the host, so the graph completes with the right
-result; a weight is demoted for good only after ``DEMOTE_AFTER`` faulted attempts in a row;
-anything that is not a fault keeps ``WeightStore.matmul_failed``'s policy. How: docs/faults.md
-"Recovery"; why: docs/decisions.md "ggml/recovery.py"."""
+``engine.canary.StaleOutput``, whose reset the engine has already done, so it is not done
+twice) resets the NPU and re-stages what the reset destroyed, retries once, and then
+computes the step on the host, so the graph completes with the right result; a weight is
+demoted for good only after ``DEMOTE_AFTER`` faulted attempts in a row; anything that is
+not a fault keeps ``WeightStore.matmul_failed``'s policy. How: docs/faults.md "Recovery";
+why: docs/decisions.md "ggml/recovery.py"."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class RecoveryStats:
     """Server-wide counters (``--stats-json`` "recovery")."""
 
     faults: dict[str, int] = field(default_factory=lambda: {kind: 0 for _, kind in FAULT_KINDS})
-    resets: int = 0
+    resets: int = 0                  # NPU resets after faults (one per fault: the engine's own after stale output)
     retries: int = 0                 # second NPU attempts
     retried_ok: int = 0              # ... that succeeded
     host_fallbacks: int = 0          # steps computed on the host after two faulted attempts
@@ -110,7 +111,7 @@ class NpuRecovery:
             return
         self.stats.faults[kind] += 1
         log.warning("NPU %s in the grouped step %s: %s; its matmuls run one by one this time", kind, what, exc)
-        self._reset()
+        self._reset(exc)
 
     def _recover(self, slot: WeightSlot, kind: str, exc: BaseException) -> bool:
         """Count, reset, re-stage; False once the weight is demoted for good."""
@@ -118,7 +119,7 @@ class NpuRecovery:
         streak = self._streak.get(slot, 0) + 1
         self._streak[slot] = streak
         log.warning("NPU %s in a matmul with '%s' (%d in a row): %s", kind, slot.name, streak, exc)
-        self._reset()
+        self._reset(exc)
         if streak >= DEMOTE_AFTER:
             self._streak.pop(slot, None)
             self.stats.demoted += 1
@@ -126,15 +127,18 @@ class NpuRecovery:
             return False
         return True
 
-    def _reset(self) -> None:
-        reset = getattr(self.npu, "reset", None)
-        if reset is None:
-            return
-        try:
-            lost = reset()
-        except Exception as exc:   # the reset itself failed: the retry will tell whether the NPU is back
-            log.error("NPU reset failed: %s", exc)
-            return
+    def _reset(self, exc: BaseException) -> None:
+        """The NPU reset after ``exc``: the engine's own (stale output) or one done here."""
+        lost = exc.lost if isinstance(exc, StaleOutput) else None
+        if lost is None:
+            reset = getattr(self.npu, "reset", None)
+            if reset is None:
+                return
+            try:
+                lost = reset()
+            except Exception as err:   # the reset itself failed: the retry will tell whether the NPU is back
+                log.error("NPU reset failed: %s", err)
+                return
         self.stats.resets += 1
         lost_ids = {id(h) for h in lost or ()}
         if lost_ids:

@@ -100,6 +100,7 @@ class WeightStats:
     invalidations: int = 0
     demoted: int = 0
     failures: int = 0
+    matmul_failures: int = 0         # ... of them sent to the host by a failed NPU matmul (not a fault), e.g. out of NPU memory
     upload_seconds: float = 0.0
     digest_seconds: float = 0.0      # hashing candidate bytes for the reuse key
     reused: int = 0                  # stagings served from a retired copy (no conversion)
@@ -224,6 +225,7 @@ class WeightStore:
         if isinstance(exc, NpuOutOfMemory) and self.retired is not None and self.retired.evict_one():
             log.info("NPU out of memory in a matmul with '%s': evicted a retired weight", slot.name)
             return
+        self.stats.matmul_failures += 1
         self.demote(slot, f"{type(exc).__name__}: {exc}")
 
     def demote(self, slot: WeightSlot, reason: str) -> None:

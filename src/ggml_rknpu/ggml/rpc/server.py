@@ -164,7 +164,8 @@ class ServerState:
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
         if hasattr(self.npu, "memory_used"):
-            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap}
+            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap,
+                                 "peak_bytes": getattr(self.npu, "peak_memory", None)}
         return out
 
     def render_stats(self) -> str:
