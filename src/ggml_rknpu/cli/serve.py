@@ -232,11 +232,11 @@ def run(args: argparse.Namespace) -> int:
 
     def terminate(signum: int, _frame: object) -> None:
         # The first SIGTERM / SIGINT hangs up on the client and lets its session free everything
-        # on its own path (RpcServer.stop_from_signal); a second one exits at once.
+        # on its own path (RpcServer.stop); a second one exits at once.
         signals.append(signum)
         if len(signals) > 1:
             raise SystemExit(0)
-        server.stop_from_signal()
+        server.stop()
 
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)

@@ -218,7 +218,7 @@ class Session:
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations)
         self.hello = False
-        self.hung_up = False              # the server is stopping (RpcServer.stop_from_signal)
+        self.hung_up = False              # the server is stopping (RpcServer.stop)
         self._plans_at_start = state.stats.plans_built
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
@@ -583,12 +583,8 @@ class RpcServer:
             self.listener.close()
 
     def stop(self) -> None:
-        """Return from ``serve_forever`` once the current client is done (from any thread)."""
-        self._stop.set()
-
-    def stop_from_signal(self) -> None:
-        """Stop now, for SIGTERM / SIGINT handlers: hang up on the current client, whose session
-        then frees everything through its own path, and return from ``serve_forever``.
+        """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on the current client,
+        whose session then frees everything through its own path, and return from ``serve_forever``.
 
         A handler must not raise instead: CPython runs it between any two bytecodes of the main
         thread, so its exception would unwind the data plane anywhere, e.g. between a free and
