@@ -31,11 +31,11 @@ Numerics (documented choices; see ``docs`` of each function):
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
@@ -255,12 +255,17 @@ class DmaWrite(DmaRead):
 def _planes(memory: DeviceMemory, base: int, n_planes: int, pitch: int, plane_bytes: int,
             what: str, error: type[DmaRead]) -> np.ndarray:
     """(n_planes, plane_bytes) uint8 view of equally spaced planes, one DMA range check."""
-    span = (n_planes - 1) * pitch + plane_bytes
+    flat = _mapped(memory, base, (n_planes - 1) * pitch + plane_bytes, what, error)
+    return np.ndarray((n_planes, plane_bytes), np.uint8, flat, 0, (pitch, 1))
+
+
+def _mapped(memory: DeviceMemory, base: int, nbytes: int, what: str,
+            error: type[DmaRead]) -> np.ndarray:
+    """The DMA range check of [base, base+nbytes): its uint8 view, or ``error``."""
     try:
-        flat = memory.view(base, span)
+        return memory.view(base, nbytes)
     except DmaFault as fault:
         raise error(what, fault) from None
-    return as_strided(flat, shape=(n_planes, plane_bytes), strides=(pitch, 1), writeable=True)
 
 
 def _feature_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
@@ -275,13 +280,26 @@ def _output_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
                    f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
 
 
+def _check_features(memory: DeviceMemory, task: ConvTask) -> None:
+    """The DMA range check of ``_feature_planes``, without building the view."""
+    _mapped(memory, task.feature_addr, feature_span(task),
+            f"feature data (CNA_FEATURE_DATA_ADDR=0x{task.feature_addr:08X})", DmaRead)
+
+
+def _check_output(memory: DeviceMemory, task: ConvTask) -> None:
+    """The DMA range check of ``_output_planes``, without building the view."""
+    _mapped(memory, task.dst_addr, output_span(task),
+            f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
+
+
 def read_features(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
-    """(M, C) float32 feature matrix of the task from NC1HWC2 memory."""
+    """(M, C) float32 feature matrix of the task from NC1HWC2 memory (one converting copy)."""
     c2 = limits.c2(task.precision)
-    planes = _feature_planes(memory, task)
-    typed = np.ascontiguousarray(planes).view(_NUMPY_DTYPE[task.precision])
-    return typed.reshape(-1, task.rows, c2).transpose(1, 0, 2).reshape(task.rows, task.channels) \
-        .astype(np.float32)
+    n_planes = task.channels // c2
+    typed = _feature_planes(memory, task).view(_NUMPY_DTYPE[task.precision])
+    out = np.empty((task.rows, task.channels), dtype=np.float32)
+    out.reshape(task.rows, n_planes, c2)[...] = typed.reshape(n_planes, task.rows, c2).transpose(1, 0, 2)
+    return out
 
 
 def _weight_fault(task: ConvTask, fault: DmaFault) -> DmaRead:
@@ -321,13 +339,66 @@ def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
     return a @ b_nk.T
 
 
+# A one-row fp16 GEMM over at least this many bytes of decoded weights streams them from
+# DRAM (~0.3 ms on one core of the x86 dev box): worth splitting across host threads.
+SPLIT_MIN_WEIGHT_BYTES = 4 << 20
+SPLIT_ROW_ALIGN = 64
+
+
+class Gemm:
+    """``multiply`` of a task, on up to ``threads`` host threads.
+
+    With ``threads`` > 1 a one-row (M=1) fp16 task over large weights runs as one BLAS call
+    per contiguous block of weight rows, on that many threads (numpy releases the GIL in
+    BLAS). Bit-identical to one call: every output element is the dot product of the one
+    feature row with one weight row, and BLAS computes it the same way whichever rows share
+    the call (tests/sim/test_sim_bulk.py checks split against unsplit, bit for bit). Other
+    tasks (M > 1, int8) run as ``multiply``. The host threads are a speed of this simulator
+    on a multi-core host; they say nothing about the NPU."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self.split_calls = 0
+
+    def __call__(self, task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+        n = b_nk.shape[0]
+        if (self.threads == 1 or task.precision != "fp16" or a.shape[0] != 1
+                or b_nk.nbytes < SPLIT_MIN_WEIGHT_BYTES or n < 2 * SPLIT_ROW_ALIGN):
+            return multiply(task, a, b_nk)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
+        step = -(-n // self.threads // SPLIT_ROW_ALIGN) * SPLIT_ROW_ALIGN
+        bounds = [(j, min(j + step, n)) for j in range(0, n, step)]
+        out = np.empty((1, n), dtype=np.float32)
+        futures = [self._pool.submit(np.matmul, a, b_nk[j0:j1].T, out=out[:, j0:j1])
+                   for j0, j1 in bounds[1:]]
+        j0, j1 = bounds[0]
+        np.matmul(a, b_nk[j0:j1].T, out=out[:, j0:j1])
+        for f in futures:
+            f.result()
+        self.split_calls += 1
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
 def write_output(memory: DeviceMemory, task: ConvTask, acc: np.ndarray) -> None:
     """Convert to the output precision and write NC1HWC2 planes at DST_SURF_STRIDE pitch."""
+    c2 = limits.c2(task.out_precision)
+    n_planes = task.out_channels // c2
+    if task.kernels == task.out_channels:     # no zero channels: convert straight into the planes
+        typed = _output_planes(memory, task).view(_NUMPY_DTYPE[task.out_precision])
+        with np.errstate(over="ignore"):
+            np.copyto(typed.reshape(n_planes, task.rows, c2),
+                      acc.reshape(task.rows, n_planes, c2).transpose(1, 0, 2), casting="unsafe")
+        return
     out = np.zeros((task.rows, task.out_channels), dtype=_NUMPY_DTYPE[task.out_precision])
     with np.errstate(over="ignore"):
         out[:, : task.kernels] = acc.astype(out.dtype)
-    c2 = limits.c2(task.out_precision)
-    n_planes = task.out_channels // c2
     atoms = np.ascontiguousarray(out.reshape(task.rows, n_planes, c2).transpose(1, 0, 2))
     planes = _output_planes(memory, task)
     planes[...] = atoms.view(np.uint8).reshape(n_planes, -1)
@@ -418,7 +489,7 @@ class OperandCache:
 
     def features(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
         start, nbytes = task.feature_addr, feature_span(task)
-        _feature_planes(memory, task)          # the range check (and fault) of read_features
+        _check_features(memory, task)          # the range check (and fault) of read_features
         token = content_token(memory, start, nbytes)
         return self._features.get(task.data_key, token, _extent(start, nbytes),
                                   lambda: read_features(memory, task))
@@ -449,10 +520,11 @@ def output_span(task: ConvTask) -> int:
         + task.rows * limits.ATOM_BYTES
 
 
-def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache) -> None:
+def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache,
+                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
     a = cache.features(memory, task)
     b = cache.weights(memory, task)
-    write_output(memory, task, multiply(task, a, b))
+    write_output(memory, task, gemm(task, a, b))
     span = output_span(task)
     cache.invalidate(task.dst_addr, span)
     note_device_write(memory, task.dst_addr, span)
@@ -483,8 +555,9 @@ class BulkConv:
     its own task (BLAS rows are independent); tests/sim/test_sim_bulk.py checks it bit for bit.
     """
 
-    def __init__(self, memory: DeviceMemory, cache: OperandCache) -> None:
-        self.memory, self.cache = memory, cache
+    def __init__(self, memory: DeviceMemory, cache: OperandCache,
+                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
+        self.memory, self.cache, self.gemm = memory, cache, gemm
         self.pending: list[ConvTask] = []
         self.tasks_merged = 0
 
@@ -493,12 +566,12 @@ class BulkConv:
             self.flush()
         if not _cannot_fail_once_mapped(task):
             self.flush()
-            execute_conv(self.memory, task, self.cache)
+            execute_conv(self.memory, task, self.cache, self.gemm)
             return
         try:
-            _feature_planes(self.memory, task)
+            _check_features(self.memory, task)
             self.cache.weights(self.memory, task)
-            _output_planes(self.memory, task)
+            _check_output(self.memory, task)
         except DmaRead:
             self.flush()
             raise
@@ -515,7 +588,7 @@ class BulkConv:
         if not self.pending:
             return
         tasks, self.pending = self.pending, []
-        execute_conv(self.memory, self._merged(tasks), self.cache)
+        execute_conv(self.memory, self._merged(tasks), self.cache, self.gemm)
         self.tasks_merged += len(tasks) - 1
 
     @staticmethod
@@ -547,8 +620,8 @@ class BulkConv:
         if any(_overlap(writes, r) for r in reads):
             return False
         try:
-            _feature_planes(self.memory, merged)
-            _output_planes(self.memory, merged)
+            _check_features(self.memory, merged)
+            _check_output(self.memory, merged)
         except DmaRead:   # the rows run across two buffers: keep them apart
             return False
         return True
