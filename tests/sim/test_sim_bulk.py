@@ -84,6 +84,35 @@ def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
     assert _same_bits(bulk, reference)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k32=st.integers(1, 20), n=st.integers(8193, 40000), out=st.sampled_from((None, "fp16")),
+       seed=st.integers(0, 2**16))
+def test_one_row_n_tiles_in_bulk_equal_per_task_bit_for_bit(engine, k32, n, out, seed):
+    """Decode (M=1) over weights wider than one N tile (8192): the tiles of a run merge
+    into one GEMM on the vendor ABI."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((1, 32 * k32)).astype(np.float32)
+    b = rng.standard_normal((n, 32 * k32)).astype(np.float32)
+    bulk, reference, merged = _both_paths(engine, a, b, "fp16", out)
+    event(f"tasks merged: {'some' if merged else 'none'}")
+    assert _same_bits(bulk, reference)
+
+
+@pytest.mark.slow
+def test_output_projection_tiles_merge_into_one_gemm(engine):
+    """gemma3-270m's output projection (K=640, N=262144) at one row: on the vendor ABI the
+    tiles of each core's run become one GEMM, with the per-task path's bits (slow: 30 s and
+    2.7 GB of decoded weights; the one-row sweep above covers the merge in CI)."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((1, 640)).astype(np.float32)
+    b = rng.standard_normal((262144, 640)).astype(np.float32)
+    bulk, reference, merged = _both_paths(engine, a, b, "fp16", None)
+    assert _same_bits(bulk, reference)
+    if engine.device.kind == "rknpu":
+        assert merged > 0
+    _model(engine).operands.clear()      # 1.3 GB of decoded weights
+
+
 @pytest.mark.parametrize("dtype", ("fp16", "int8"))
 def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
     """fp16 M=512 is several M tiles per core on the vendor ABI (one PC run per core): the

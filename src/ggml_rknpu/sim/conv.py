@@ -479,11 +479,17 @@ class OperandCache:
         self._weights = _Decoded(weight_bytes)
         self._features = _Decoded(feature_bytes)
 
-    def weights(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    def check_weights(self, memory: DeviceMemory, task: ConvTask) -> object | None:
+        """The DMA range check of the task's weights (``_weight_fault``); their token."""
         try:
-            token = content_token(memory, task.weight_addr, task.weight_bytes)
+            if not hasattr(memory, "content_token"):
+                memory.view(task.weight_addr, task.weight_bytes)
+            return content_token(memory, task.weight_addr, task.weight_bytes)
         except DmaFault as fault:
             raise _weight_fault(task, fault) from None
+
+    def weights(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        token = self.check_weights(memory, task)
         return self._weights.get(task.weight_key, token, _extent(task.weight_addr, task.weight_bytes),
                                  lambda: read_weights(memory, task))
 
@@ -540,10 +546,18 @@ def _cannot_fail_once_mapped(task: ConvTask) -> bool:
 
 
 class BulkConv:
-    """Execute the conv tasks of one run in bulk: consecutive tasks that tile M over the
-    same weights (the compiler's M tiles on one core: the same kernels, the next rows of
-    the same feature and output planes) run as one task of all their rows - one feature
-    read, one GEMM, one output write - instead of one small set of numpy calls each.
+    """Execute the conv tasks of one run in bulk, as one task of all their rows or kernels -
+    one feature read, one GEMM, one output write - instead of one small set of numpy calls
+    each. Two kinds of batch:
+
+    * M tiles: consecutive tasks over the same weights (the same kernels, the next rows of
+      the same feature and output planes);
+    * N tiles of one row: consecutive one-row tasks over the same features whose weights
+      follow each other in memory (whole kernel groups, packed exactly) and whose outputs
+      are the next channel planes (e.g. gemma3-270m's output projection: 32 tiles of 8192
+      kernels become one GEMM over 262144). Only for one row: then each output element is
+      the same BLAS dot product whatever kernels share the call; for several rows BLAS may
+      choose another kernel for another N (seen on this host), so those never merge.
 
     Equivalent to ``execute_conv`` task by task, because a task joins the pending batch
     only if (a) nothing can fail once its addresses are mapped (fp16; int8 with K < 2^17),
@@ -551,8 +565,7 @@ class BulkConv:
     fault flushes the batch first, then raises the same error ``execute_conv`` would);
     (b) the batch's outputs overlap none of its inputs; (c) the caller flushes before
     anything else reads memory the batch writes (``writes_into``: the next regcmd fetch)
-    and at the end of the run. Each output element is the same fp32 GEMM dot product as in
-    its own task (BLAS rows are independent); tests/sim/test_sim_bulk.py checks it bit for bit.
+    and at the end of the run. tests/sim/test_sim_bulk.py checks it bit for bit.
     """
 
     def __init__(self, memory: DeviceMemory, cache: OperandCache,
@@ -570,7 +583,7 @@ class BulkConv:
             return
         try:
             _check_features(self.memory, task)
-            self.cache.weights(self.memory, task)
+            self.cache.check_weights(self.memory, task)
             _check_output(self.memory, task)
         except DmaRead:
             self.flush()
@@ -596,23 +609,25 @@ class BulkConv:
         if len(tasks) == 1:
             return tasks[0]
         first = tasks[0]
-        return replace(first, width=1, height=sum(t.rows for t in tasks),
-                       plane_height=first.feature_plane_bytes // limits.ATOM_BYTES)
+        if tasks[1].weight_key == first.weight_key:      # M tiles
+            return replace(first, width=1, height=sum(t.rows for t in tasks),
+                           plane_height=first.feature_plane_bytes // limits.ATOM_BYTES)
+        return replace(first, kernels=sum(t.kernels for t in tasks),      # N tiles
+                       out_channels=sum(t.out_channels for t in tasks),
+                       weight_bytes=sum(t.weight_bytes for t in tasks))
 
     def _joins(self, task: ConvTask) -> bool:
-        first, last = self.pending[0], self.pending[-1]
-        atom = limits.ATOM_BYTES
-        same = (task.weight_key == first.weight_key and task.out_precision == first.out_precision
-                and task.out_channels == first.out_channels
-                and task.feature_plane_bytes == first.feature_plane_bytes
-                and task.dst_plane_bytes == first.dst_plane_bytes
-                and task.feature_addr == last.feature_addr + last.rows * atom
-                and task.dst_addr == last.dst_addr + last.rows * atom
-                and _cannot_fail_once_mapped(task))
-        if not same:
+        first = self.pending[0]
+        if not (_cannot_fail_once_mapped(task) and task.out_precision == first.out_precision
+                and task.dst_plane_bytes == first.dst_plane_bytes):
+            return False
+        # the batch's kind is set by its second task: M tiles share the first one's weights
+        second = self.pending[1] if len(self.pending) > 1 else task
+        n_tiles = second.weight_key != first.weight_key
+        if not (self._next_n_tile(task) if n_tiles else self._next_m_tile(task)):
             return False
         merged = self._merged([*self.pending, task])
-        if merged.rows * atom > min(merged.feature_plane_bytes, merged.dst_plane_bytes):
+        if merged.rows * limits.ATOM_BYTES > min(merged.feature_plane_bytes, merged.dst_plane_bytes):
             return False
         reads = (_extent(merged.feature_addr, feature_span(merged)),
                  _extent(merged.weight_addr, merged.weight_bytes))
@@ -622,6 +637,26 @@ class BulkConv:
         try:
             _check_features(self.memory, merged)
             _check_output(self.memory, merged)
-        except DmaRead:   # the rows run across two buffers: keep them apart
+            self.cache.check_weights(self.memory, merged)
+        except DmaRead:   # the rows or kernels run across two buffers: keep them apart
             return False
         return True
+
+    def _next_m_tile(self, task: ConvTask) -> bool:
+        first, last = self.pending[0], self.pending[-1]
+        atom = limits.ATOM_BYTES
+        return (task.weight_key == first.weight_key and task.out_channels == first.out_channels
+                and task.feature_plane_bytes == first.feature_plane_bytes
+                and task.feature_addr == last.feature_addr + last.rows * atom
+                and task.dst_addr == last.dst_addr + last.rows * atom)
+
+    def _next_n_tile(self, task: ConvTask) -> bool:
+        first, last = self.pending[0], self.pending[-1]
+        kernel_bytes = last.channels * np.dtype(_NUMPY_DTYPE[last.precision]).itemsize
+        return (task.rows == 1 and task.data_key == first.data_key
+                and last.kernels == last.out_channels
+                and last.kernels % limits.KERNEL_GROUP[last.precision] == 0
+                and last.weight_bytes == last.kernels * kernel_bytes
+                and task.weight_addr == last.weight_addr + last.weight_bytes
+                and task.dst_addr == last.dst_addr
+                + last.out_channels // limits.c2(last.out_precision) * last.dst_plane_bytes)
