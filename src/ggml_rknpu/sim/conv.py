@@ -351,9 +351,10 @@ class Gemm:
     With ``threads`` > 1 a one-row (M=1) fp16 task over large weights runs as one BLAS call
     per contiguous block of weight rows, on that many threads (numpy releases the GIL in
     BLAS). Bit-identical to one call: every output element is the dot product of the one
-    feature row with one weight row, and BLAS computes it the same way whichever rows share
-    the call (tests/sim/test_sim_bulk.py checks split against unsplit, bit for bit). Other
-    tasks (M > 1, int8) run as ``multiply``. The host threads are a speed of this simulator
+    feature row with one weight row, and BLAS's gemv computes it the same way whichever
+    rows share the call (tests/sim/test_sim_bulk.py checks split against unsplit, bit for
+    bit). No block has one row: numpy computes a 1 x 1 result with sdot, whose summation
+    order differs (found by that sweep). Other tasks (M > 1, int8) run as ``multiply``. The host threads are a speed of this simulator
     on a multi-core host; they say nothing about the NPU."""
 
     def __init__(self, threads: int = 1) -> None:
@@ -368,8 +369,9 @@ class Gemm:
             return multiply(task, a, b_nk)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
-        step = -(-n // self.threads // SPLIT_ROW_ALIGN) * SPLIT_ROW_ALIGN
-        bounds = [(j, min(j + step, n)) for j in range(0, n, step)]
+        step = -(-n // (self.threads * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+        cuts = [j for j in range(step, n, step) if n - j >= 2]   # no one-row block (see above)
+        bounds = list(zip([0, *cuts], [*cuts, n]))
         out = np.empty((1, n), dtype=np.float32)
         futures = [self._pool.submit(np.matmul, a, b_nk[j0:j1].T, out=out[:, j0:j1])
                    for j0, j1 in bounds[1:]]
@@ -556,8 +558,9 @@ class BulkConv:
       follow each other in memory (whole kernel groups, packed exactly) and whose outputs
       are the next channel planes (e.g. gemma3-270m's output projection: 32 tiles of 8192
       kernels become one GEMM over 262144). Only for one row: then each output element is
-      the same BLAS dot product whatever kernels share the call; for several rows BLAS may
-      choose another kernel for another N (seen on this host), so those never merge.
+      the same gemv dot product whatever kernels share the call (``Gemm``); for several
+      rows BLAS may choose another kernel for another N (seen on this host), so those never
+      merge, and neither does a one-kernel task (numpy computes its 1 x 1 result with sdot).
 
     Equivalent to ``execute_conv`` task by task, because a task joins the pending batch
     only if (a) nothing can fail once its addresses are mapped (fp16; int8 with K < 2^17),
@@ -654,6 +657,7 @@ class BulkConv:
         first, last = self.pending[0], self.pending[-1]
         kernel_bytes = last.channels * np.dtype(_NUMPY_DTYPE[last.precision]).itemsize
         return (task.rows == 1 and task.data_key == first.data_key
+                and task.kernels >= 2 and first.kernels >= 2   # one kernel alone: numpy's sdot
                 and last.kernels == last.out_channels
                 and last.kernels % limits.KERNEL_GROUP[last.precision] == 0
                 and last.weight_bytes == last.kernels * kernel_bytes
