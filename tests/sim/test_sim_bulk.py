@@ -189,6 +189,9 @@ def test_decode_shape_splits_through_the_public_api_and_matches(engine):
         assert two.split_calls > 0
         sim.gemm = conv.Gemm(1)
         assert _same_bits(split, engine.matmul(a, w))
+        sim.gemm = two
+        bulk, reference, _ = _both_paths(engine, a, b, "fp16", None)   # bulk=False: one call
+        assert _same_bits(bulk, split) and _same_bits(reference, split)
     finally:
         two.close()
         sim.gemm = default

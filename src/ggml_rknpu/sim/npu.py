@@ -95,14 +95,14 @@ class SimNpu:
         self.operands = OperandCache()
         self.decoded = DecodeCache()
         self.busy_seconds = 0.0
-        # True: conv tasks of a run that tile M over one weight block execute as one
-        # (conv.BulkConv); False: every task on its own, the reference the bulk path is
-        # tested against (tests/sim/test_sim_bulk.py).
+        # True: conv tasks of a run that tile M over one weight block, or N at one row,
+        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run on
+        # several host threads (conv.Gemm); False: every task on its own, one BLAS call
+        # each: the reference the fast paths are tested against (tests/sim/test_sim_bulk.py).
         self.bulk = True
         self.merged_tasks = 0
-        # One-row GEMMs over large weights on several host threads (conv.Gemm: bit-identical
-        # to one BLAS call); threads=1 is the single-threaded reference.
         self.gemm = Gemm(host_threads())
+        self._one_call = Gemm(1)
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -176,7 +176,8 @@ class SimNpu:
         t0 = time.perf_counter()
         try:
             result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
-                                    self.decoded, self.bulk, self.gemm).run()
+                                    self.decoded, self.bulk,
+                                    self.gemm if self.bulk else self._one_call).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
         self.merged_tasks += result.merged_tasks
