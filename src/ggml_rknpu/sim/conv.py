@@ -345,6 +345,10 @@ SPLIT_MIN_WEIGHT_BYTES = 4 << 20
 SPLIT_ROW_ALIGN = 64
 
 
+def _gemv_into(a: np.ndarray, b_kn: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b_kn, out=out)
+
+
 class Gemm:
     """``multiply`` of a task, on up to ``threads`` host threads.
 
@@ -373,12 +377,14 @@ class Gemm:
         cuts = [j for j in range(step, n, step) if n - j >= 2]   # no one-row block (see above)
         bounds = list(zip([0, *cuts], [*cuts, n]))
         out = np.empty((1, n), dtype=np.float32)
-        futures = [self._pool.submit(np.matmul, a, b_nk[j0:j1].T, out=out[:, j0:j1])
-                   for j0, j1 in bounds[1:]]
-        j0, j1 = bounds[0]
-        np.matmul(a, b_nk[j0:j1].T, out=out[:, j0:j1])
-        for f in futures:
-            f.result()
+        blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in bounds]
+        futures = [self._pool.submit(_gemv_into, *block) for block in blocks[1:]]
+        _gemv_into(*blocks[0])
+        for block, future in zip(blocks[1:], futures):
+            if future.cancel():        # no idle core took it (a loaded host): do it here
+                _gemv_into(*block)
+            else:
+                future.result()
         self.split_calls += 1
         return out
 
