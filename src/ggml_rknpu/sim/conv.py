@@ -342,6 +342,8 @@ def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
 # A one-row fp16 GEMM over at least this many bytes of decoded weights streams them from
 # DRAM (~0.3 ms on one core of the x86 dev box): worth splitting across host threads.
 SPLIT_MIN_WEIGHT_BYTES = 4 << 20
+SPLIT_BLOCK_BYTES = 2 << 20      # the threads share out blocks of at least this size,
+SPLIT_MAX_BLOCKS = 16            # at most this many (each costs a hand-off)
 SPLIT_ROW_ALIGN = 64
 
 
@@ -353,13 +355,14 @@ class Gemm:
     """``multiply`` of a task, on up to ``threads`` host threads.
 
     With ``threads`` > 1 a one-row (M=1) fp16 task over large weights runs as one BLAS call
-    per contiguous block of weight rows, on that many threads (numpy releases the GIL in
-    BLAS). Bit-identical to one call: every output element is the dot product of the one
-    feature row with one weight row, and BLAS's gemv computes it the same way whichever
-    rows share the call (tests/sim/test_sim_bulk.py checks split against unsplit, bit for
-    bit). No block has one row: numpy computes a 1 x 1 result with sdot, whose summation
-    order differs (found by that sweep). Other tasks (M > 1, int8) run as ``multiply``. The host threads are a speed of this simulator
-    on a multi-core host; they say nothing about the NPU."""
+    per contiguous block of weight rows, shared out between that many threads (numpy
+    releases the GIL in BLAS). Bit-identical to one call: every output element is the dot
+    product of the one feature row with one weight row, and BLAS's gemv computes it the
+    same way whichever rows share the call (tests/sim/test_sim_bulk.py checks split against
+    unsplit, bit for bit). No block has one row: numpy computes a 1 x 1 result with sdot,
+    whose summation order differs (found by that sweep). Other tasks (M > 1, int8) run as
+    ``multiply``. The host threads are a speed of this simulator on a multi-core host;
+    they say nothing about the NPU."""
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = max(1, threads)
@@ -373,17 +376,21 @@ class Gemm:
             return multiply(task, a, b_nk)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
-        step = -(-n // (self.threads * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
-        cuts = [j for j in range(step, n, step) if n - j >= 2]   # no one-row block (see above)
-        bounds = list(zip([0, *cuts], [*cuts, n]))
+        n_blocks = min(SPLIT_MAX_BLOCKS, max(2, b_nk.nbytes // SPLIT_BLOCK_BYTES))
+        rows = -(-n // (n_blocks * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+        cuts = [j for j in range(rows, n, rows) if n - j >= 2]   # no one-row block (see above)
         out = np.empty((1, n), dtype=np.float32)
-        blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in bounds]
-        futures = [self._pool.submit(_gemv_into, *block) for block in blocks[1:]]
-        _gemv_into(*blocks[0])
-        for block, future in zip(blocks[1:], futures):
-            if future.cancel():        # no idle core took it (a loaded host): do it here
-                _gemv_into(*block)
-            else:
+        blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in zip([0, *cuts], [*cuts, n])]
+        # The workers take blocks from the front, this thread from the back: on a loaded
+        # host it waits for at most the blocks a worker has started.
+        futures = [self._pool.submit(_gemv_into, *block) for block in blocks[:-1]]
+        _gemv_into(*blocks[-1])
+        for block, future in zip(reversed(blocks[:-1]), reversed(futures)):
+            if not future.cancel():
+                break          # a worker has got this far: the blocks before are started
+            _gemv_into(*block)
+        for future in futures:
+            if not future.cancelled():
                 future.result()
         self.split_calls += 1
         return out
