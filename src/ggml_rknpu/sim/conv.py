@@ -339,9 +339,11 @@ def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
     return a @ b_nk.T
 
 
-# A one-row fp16 GEMM over at least this many bytes of decoded weights streams them from
-# DRAM (~0.3 ms on one core of the x86 dev box): worth splitting across host threads.
-SPLIT_MIN_WEIGHT_BYTES = 4 << 20
+# A one-row fp16 GEMM over at least this many bytes of decoded weights is split across host
+# threads: it streams them from DRAM for >= 2 ms on one core of the x86 dev box (gemma3-270m's
+# output projection: 671 MB, ~42 ms), long enough that the hand-offs cost nothing; smaller
+# ones (its 5 MB FFN weights) gained less than the hand-offs cost on a loaded host.
+SPLIT_MIN_WEIGHT_BYTES = 32 << 20
 SPLIT_BLOCK_BYTES = 2 << 20      # the threads share out blocks of at least this size,
 SPLIT_MAX_BLOCKS = 16            # at most this many (each costs a hand-off)
 SPLIT_ROW_ALIGN = 64
