@@ -177,16 +177,18 @@ def monkeypatch_module():
 
 
 def test_decode_shape_splits_through_the_public_api_and_matches(engine):
-    """gemma3-270m's output projection tile (K=640, N=8192: 21 MB of decoded weights)."""
+    """Two of gemma3-270m's output projection tiles (K=640, N=16384: 42 MB of decoded
+    weights, over ``conv.SPLIT_MIN_WEIGHT_BYTES`` once the tiles merge on the vendor ABI;
+    rocket runs one tile per PC run, so nothing merges or splits there)."""
     rng = np.random.default_rng(5)
-    a, b = _fp16_valued(rng, (1, 640)), _fp16_valued(rng, (8192, 640))
+    a, b = _fp16_valued(rng, (1, 640)), _fp16_valued(rng, (16384, 640))
     sim = _model(engine)
     w = engine.upload_weight(b)
     default, two = sim.gemm, conv.Gemm(2)
     try:
         sim.gemm = two
         split = engine.matmul(a, w)
-        assert two.split_calls > 0
+        assert (two.split_calls > 0) == (engine.device.kind == "rknpu")
         sim.gemm = conv.Gemm(1)
         assert _same_bits(split, engine.matmul(a, w))
         sim.gemm = two
