@@ -2,11 +2,14 @@
 as the device: coherent text via llama-completion and llama-server's OpenAI-style chat API, and
 llama-perplexity's KL divergence against a CPU-only baseline on the same text.
 
-Why KLD and not text equality: the CPU backend repacks Q4_K/Q5_0 and uses f16/q8 dot products,
-so greedy text drifts apart after a few tokens even between two correct devices (ggml-rpc.md
-§5.1). The per-token KL divergence of the full output distribution is the accuracy measure; for
-the fp16 weight format it must stay ≤ 0.01. The int8 figure is printed (run pytest with -s).
-All of these take about a minute together on this box, so they run in CI.
+Why KLD and not only text equality: ggml-cpu rounds every quantized matmul's activations to 8-bit
+blocks (Q8_0/Q8_K), and any difference upstream, even 1e-7, moves some of those roundings, so two
+correct devices draw different rounding noise (docs/server.md "Activation numerics": ggml-cpu with
+and without its repacked kernels differ by a KLD of 0.0065 on this text, more than our NPU does).
+Greedy text then agrees until the CPU's own top two tokens are a near-tie. The per-token KL
+divergence of the full output distribution is the accuracy measure; for the fp16 weight format it
+must stay ≤ 0.0055. The int8 figure is printed (run pytest with -s). All of these take about a
+minute together on this box, so they run in CI.
 """
 
 from __future__ import annotations
@@ -63,11 +66,17 @@ def test_completion_is_coherent(tmp_path: Path, gemma: Path, fa: str, attention_
 
 
 GREEDY_TOKENS = 16
-# Our host ops compute MUL_MAT in f32 from the dequantized weights; ggml-cpu (CPU-only runs and
-# the C++ ggml-rpc-server) quantizes the activations to Q8_K for its dot products. The greedy
-# texts agree for the first 15 of 16 tokens here (" France." vs " France and" at the 16th, with
-# either client); exact equality waits for the host data plane on ggml-cpu (issue 9).
+# Host ops are ggml-cpu itself; the MUL_MATs run on the NPU: fp16 weights (dequantized by ggml)
+# times fp16 activations, where ggml-cpu multiplies the quantized weights by activations it
+# rounded to Q8_0/Q8_K. With either client the texts agree for 15 of 16 tokens (" France." vs
+# " France and" at the 16th, where the CPU's top two differ by 0.074 nats). No rounding of ours
+# can make that exact (docs/server.md "Activation numerics"): the first 12 words are asserted
+# here, and test_the_first_token_unlike_the_cpus_is_a_near_tie says why the rest may differ.
 AGREE_WORDS = 12
+# Two ggml-cpu runs of this model, with and without its repacked kernels (llama.cpp -nr), give
+# the same 16 tokens, but their log-probabilities differ by up to 0.16 nats (measured on this
+# prompt): a CPU top-2 gap below this is a coin toss between correct devices.
+NEAR_TIE_NATS = 0.2
 GREEDY_PROMPT = "The capital of France is"
 
 
@@ -111,6 +120,54 @@ def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str]
     print(f"\n{client}: CPU {cpu_text!r}\n{client}: RPC {text!r}")
     assert len(cpu_text.split()) >= AGREE_WORDS
     assert text.split()[:AGREE_WORDS] == cpu_text.split()[:AGREE_WORDS], f"RPC {text!r} != CPU {cpu_text!r}"
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_greedy_text_through_the_host_device_equals_the_cpu_run(tmp_path: Path, gemma: Path, client: str) -> None:
+    """Issue 16, the protocol path alone: with ``--device host`` every node (the matmuls too) runs
+    on ggml-cpu in our process, so all 16 greedy tokens must equal the client's own CPU-only run
+    on the same kernels (``--no-repack``: RPC buffers are never repacked) — any byte the server
+    read differently from ggml's deserializer would show here, with either client."""
+    tool_or_skip("llama-completion", client)
+    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client,
+                               extra=("--no-repack",), timeout=600)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with rknpu_server(tmp_path, device="host") as server:
+        text, proc = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, rpc=server.endpoint,
+                                client=client, timeout=900)
+        assert proc.returncode == 0, f"{client}: {proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+    assert server.weight_uploads() == 0 and server.nodes("MUL_MAT") > 0, server.stats()
+    assert text == cpu_text, f"{client}: host device {text!r} != CPU-only {cpu_text!r}"
+
+
+def _greedy_top2(api) -> list[tuple[str, float, str]]:
+    """(token, its log-probability minus the runner-up's, the runner-up) per greedy token."""
+    reply = api.post("/completion", {"prompt": GREEDY_PROMPT, "n_predict": GREEDY_TOKENS, "temperature": 0,
+                                     "n_probs": 2, "seed": 1}, timeout=1500)
+    steps = []
+    for position in reply["completion_probabilities"]:
+        (first, second) = position["top_logprobs"][:2]
+        steps.append((first["token"], first["logprob"] - second["logprob"], second["token"]))
+    return steps
+
+
+@pytest.mark.timeout(1800)
+def test_the_first_token_unlike_the_cpus_is_a_near_tie(tmp_path: Path, gemma: Path) -> None:
+    """Through rknpu serve, greedy tokens follow a CPU-only llama-server's until the CPU's own
+    top two are within NEAR_TIE_NATS; the token that differs there is the CPU's runner-up."""
+    tool_or_skip("llama-server")
+    with llama_server(tmp_path, gemma, rpc=None) as api:
+        cpu = _greedy_top2(api)
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server, \
+            llama_server(tmp_path, gemma, rpc=server.endpoint) as api:
+        npu = _greedy_top2(api)
+    print(f"\nCPU {[(t, round(gap, 3)) for t, gap, _ in cpu]}\nNPU {[t for t, _, _ in npu]}")
+    assert len(cpu) == len(npu) == GREEDY_TOKENS
+    differ = next((i for i, (c, n) in enumerate(zip(cpu, npu)) if c[0] != n[0]), None)
+    if differ is not None:
+        token, gap, runner_up = cpu[differ]
+        assert gap < NEAR_TIE_NATS and npu[differ][0] == runner_up, (differ, cpu[differ], npu[differ])
 
 
 @pytest.mark.timeout(1800)

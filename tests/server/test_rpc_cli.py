@@ -43,6 +43,7 @@ def test_serve_process_answers_and_reports(tmp_path):
         assert "connections 2" in rest, rest                          # printed at exit too
         stats = json.loads((tmp_path / "stats.json").read_text())
         assert stats["connections"] == 2 and stats["graph_runs"] == 1 and stats["rejected"] == 0 and stats["weights"]["uploads"] == 0
+        assert stats["activations"] == {"mode": "fp16", "rounded_steps": {}}
     finally:
         proc.kill()
         proc.wait()
@@ -58,17 +59,20 @@ def test_non_loopback_bind_warns(caplog):
     assert any("NO authentication" in r.message for r in caplog.records)
 
 
-def test_serve_start_up_line_names_the_envelope(tmp_path):
-    """A first-time board (no ladder record) serves in the proven envelope, one core, and says so."""
+@pytest.mark.parametrize("flags,activations", [((), "activations fp16"),
+                                               (("--activations", "ggml"), "activations rounded to ggml-cpu's")])
+def test_serve_start_up_line_names_the_envelope(tmp_path, flags, activations):
+    """A first-time board (no ladder record) serves in the proven envelope, one core, and says so;
+    the line names the activation rounding too."""
     env = {**os.environ, "RKNPU_ENVELOPE_FILE": str(tmp_path / "none.json")}
     env.pop("RKNPU_ENVELOPE", None)
     proc = subprocess.Popen([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0",
-                             "--device", "sim-rknpu"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             "--device", "sim-rknpu", *flags], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env=env)
     lines: list[str] = []
     try:
         line = wait_for_line(proc, r"on 127\.0\.0\.1:\d+.*", lines).group(0)
-        assert "envelope proven: 1 core(s)" in line and "rknpu selftest" in line, line
+        assert "envelope proven: 1 core(s)" in line and "rknpu selftest" in line and activations in line, line
     finally:
         proc.kill()
         proc.wait(timeout=20)

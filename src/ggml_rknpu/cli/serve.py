@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fuse", action="store_true",
                    help="one NPU submit per matmul: do not chain the matmuls that read one activation "
                         "(Q/K/V, gate/up) into one submit (for comparison; the results are the same)")
+    p.add_argument("--activations", choices=("fp16", "ggml"), default="fp16",
+                   help="what NPU matmuls multiply: fp16 (default) converts the f32 activations to fp16 as "
+                        "they are; ggml first rounds them as ggml-cpu does for the weight's type (Q8_K for "
+                        "the k-quants, Q8_0/Q8_1 for the legacy quants), so each matmul is ~50x closer to "
+                        "ggml-cpu's, the model as a whole not (docs/server.md 'Activation numerics')")
     p.add_argument("--npu-memory", type=int, default=None, metavar="MIB",
                    help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
                         "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
@@ -151,6 +156,12 @@ def _ensure_host_libraries() -> None:
         raise GgmlLibraryMissing(f"scripts/build-ggml failed (exit {exc.returncode}; its output is above)") from None
 
 
+def _activations_text(args: argparse.Namespace) -> str:
+    if args.device == "host":
+        return "n/a (no NPU)"
+    return "rounded to ggml-cpu's vec_dot types" if args.activations == "ggml" else "fp16"
+
+
 def run(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -188,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
-                          threads=args.threads, group_matmuls=not args.no_fuse)
+                          threads=args.threads, group_matmuls=not args.no_fuse,
+                          activations=args.activations)
     from ggml_rknpu.hostggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:
@@ -222,9 +234,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     free, total = state.memory.report()
-    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, device memory %.0f/%.0f MiB free, "
-             "host ops on ggml-cpu with %d thread(s)",
-             args.host, server.port, engine, args.weights, free / 2**20, total / 2**20, state.threads.n)
+    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
+             "free, host ops on ggml-cpu with %d thread(s)",
+             args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
+             state.threads.n)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

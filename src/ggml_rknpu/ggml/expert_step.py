@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from ggml_rknpu.ggml.activations import ActivationRounder
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats
 from ggml_rknpu.ggml.recovery import NpuRecovery
@@ -69,6 +70,12 @@ def as_f32_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
     if type_id == GgmlType.BF16:
         return (rows.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def npu_rows(rows: np.ndarray, type_id: int, k: int, rounder: ActivationRounder | None) -> np.ndarray:
+    """An NPU step's activations as float32 [M, K], rounded as ggml-cpu would for the weight."""
+    a = as_f32_rows(rows, type_id).reshape(-1, k)
+    return a if rounder is None else rounder(a)
 
 
 @dataclass(eq=False)
@@ -132,10 +139,12 @@ class ExpertStep:
     tok: np.ndarray                        # pair p = t * n_used + s -> t
     use: np.ndarray                        # ... -> s
     brow: np.ndarray                       # ... -> s % ne11, the src1 row of the pair
+    rounder: ActivationRounder | None = None   # ggml-cpu's activation rounding for the experts' type
 
     @classmethod
     def plan(cls, name: str, slots: tuple[WeightSlot | None, ...], ids: IndexChecker, b: CheckedTensor,
-             out: CheckedTensor, host: HostExperts, stats: ServerStats) -> "ExpertStep":
+             out: CheckedTensor, host: HostExperts, stats: ServerStats,
+             rounder: ActivationRounder | None = None) -> "ExpertStep":
         b_view = b.ref().as_array()[0]
         out_view = out.ref().as_array()[0]
         n_tokens, n_used = out_view.shape[0], out_view.shape[1]
@@ -143,7 +152,7 @@ class ExpertStep:
         tok, use = np.divmod(pairs, n_used)
         return cls(name, slots, ids, b_view, b.rpc.type, out_view, host,
                    (b.end - b.start) + (out.end - out.start), stats.counter("MUL_MAT_ID", NPU),
-                   stats.counter("MUL_MAT_ID", HOST), tok, use, use % b_view.shape[1])
+                   stats.counter("MUL_MAT_ID", HOST), tok, use, use % b_view.shape[1], rounder)
 
     def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         self.ids.check()
@@ -157,7 +166,7 @@ class ExpertStep:
         npu = recovery.npu
         for pairs in np.split(order, cuts):
             slot = self.slots[int(flat[pairs[0]])]
-            c = None if slot is None else recovery.matmul(slot, self._gatherer(pairs))
+            c = None if slot is None else recovery.matmul(slot, self._npu_rows(pairs))
             if c is None or npu is None:
                 host_groups.append(pairs)
                 continue
@@ -175,6 +184,11 @@ class ExpertStep:
 
     def _gatherer(self, pairs: np.ndarray) -> Callable[[], np.ndarray]:
         return lambda: as_f32_rows(self.b[self.tok[pairs], self.brow[pairs]], self.b_type)
+
+    def _npu_rows(self, pairs: np.ndarray) -> Callable[[], np.ndarray]:
+        """The pairs' rows for the NPU (rounded; the host's rows are not: ggml-cpu rounds them)."""
+        gather = self._gatherer(pairs)
+        return gather if self.rounder is None else lambda: self.rounder(gather())
 
     def _on_host(self, pairs: np.ndarray, flat: np.ndarray, stats: ServerStats) -> None:
         t0 = time.perf_counter()

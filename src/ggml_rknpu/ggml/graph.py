@@ -47,9 +47,10 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.engine.contract import EngineStep, MatmulEngine, stepping
+from ggml_rknpu.ggml.activations import ActivationRounder, ActivationRounding
 from ggml_rknpu.ggml.buffers import BufferTable
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag
-from ggml_rknpu.ggml.expert_step import HOST_TENSORS, ExpertStep, HostExperts, as_f32_rows, expert_slots
+from ggml_rknpu.ggml.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots, npu_rows
 from ggml_rknpu.ggml.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.ggml.ops.rules import check_node, signature
 from ggml_rknpu.ggml.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
@@ -143,11 +144,12 @@ class NpuStep:
     npu_counter: OpCounter
     a_id: int = 0            # the activation tensor's id (NpuSteps reading one id may be grouped)
     node: int = 0            # the MUL_MAT's tensor id
+    rounder: ActivationRounder | None = None   # ggml-cpu's activation rounding for this weight type
 
     def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         t0 = time.perf_counter()
         npu = recovery.npu
-        c = recovery.matmul(self.slot, lambda: as_f32_rows(self.a, self.a_type).reshape(-1, self.slot.k))
+        c = recovery.matmul(self.slot, lambda: npu_rows(self.a, self.a_type, self.slot.k, self.rounder))
         if c is not None and npu is not None:
             self.out[...] = c.reshape(self.out.shape)
             _count_npu(stats, (self,), c.shape[0], time.perf_counter() - t0, npu.last_timing)
@@ -211,7 +213,7 @@ class NpuGroup:
             return
         first = self.members[0]
         try:
-            run_step(step, as_f32_rows(first.a, first.a_type).reshape(-1, first.slot.k), self.outs)
+            run_step(step, npu_rows(first.a, first.a_type, first.slot.k, first.rounder), self.outs)
         except Exception as exc:  # a fault in the chained submit: reset, drop the step, one by one
             recovery.step_failed(self.names(), exc)
             self.drop()
@@ -356,8 +358,8 @@ def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostS
     """Runs of consecutive NpuSteps that read the same activation tensor become NpuGroups.
 
     Same src1 tensor means same view, type and K; one weight store means one weight
-    format. Members must write float32 destinations that are plain [M, N] views. A member
-    with a Delivery (moved up by ``_gather_siblings``) writes its result there; if it ends
+    format; the same rounder, one activation rounding (``ggml/activations.py``). Members must
+    write float32 destinations that are plain [M, N] views. A member with a Delivery (moved up by ``_gather_siblings``) writes its result there; if it ends
     up in no group it runs there, not where it was moved."""
     deliveries = {d.node: d for d in steps if type(d) is Delivery}
     out: list[HostSegment | NpuStep | NpuGroup | Delivery] = []
@@ -366,7 +368,8 @@ def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostS
         step = steps[i]
         j = i + 1
         if type(step) is NpuStep:
-            while j < len(steps) and type(nxt := steps[j]) is NpuStep and nxt.a_id == step.a_id:
+            while j < len(steps) and type(nxt := steps[j]) is NpuStep and nxt.a_id == step.a_id \
+                    and nxt.rounder is step.rounder:
                 j += 1
         run = steps[i:j]
         group = _group(run, deliveries) if len(run) > 1 else None
@@ -606,7 +609,8 @@ class GraphPlanner:
     """Turns GRAPH_COMPUTE payloads into plans for one connection."""
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
-                 host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True) -> None:
+                 host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True,
+                 activations: ActivationRounding | None = None) -> None:
         self.buffers = buffers
         self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
@@ -615,6 +619,7 @@ class GraphPlanner:
         self.ggml = host
         self.threads = threads
         self.recovery = recovery or NpuRecovery(npu, weights, RecoveryStats())
+        self.activations = activations or ActivationRounding(host)
 
     def build(self, payload: bytes | memoryview, digest: bytes) -> GraphPlan:
         t0 = time.perf_counter()
@@ -719,11 +724,12 @@ class GraphPlanner:
             return self._segment(run, g, checked, ptrs, host, indices)
         t = g.tensors[run[0]]
         segment = self._segment(run, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
-        a = checked[t.src[1]]
-        return NpuStep(slot=slot, a=a.ref().as_array(), a_type=g.tensors[t.src[1]].type,
+        a, a_type = checked[t.src[1]].ref().as_array(), g.tensors[t.src[1]].type
+        return NpuStep(slot=slot, a=a, a_type=a_type,
                        out=checked[t.id].ref().as_array(), host=segment,
                        nbytes=self._span(t, checked) - slot.nbytes,
-                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id)
+                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id,
+                       rounder=self.activations.for_step(slot.type, a_type, a.size))
 
     def _expert_step(self, t: RpcTensor, slots: tuple[WeightSlot | None, ...], checked: dict[int, CheckedTensor],
                      ptrs: dict[int, Any], host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> ExpertStep:
@@ -733,7 +739,8 @@ class GraphPlanner:
         check = IndexCheck(ids.ref().as_array(), bound, f"MUL_MAT_ID '{t.name}' src{src} '{ids.rpc.name}'")
         w = checked[t.src[0]].rpc
         on_host = HostExperts.plan(host, ptrs[w.id], w.ne[0], w.ne[1], t.ne[1] * t.ne[2], t.name)
-        return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats)
+        rounder = self.activations.for_step(w.type, checked[t.src[1]].rpc.type, w.ne[0] * t.ne[1] * t.ne[2])
+        return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats, rounder)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:

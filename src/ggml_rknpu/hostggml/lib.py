@@ -83,6 +83,8 @@ _BASE_FUNCS: dict[str, tuple] = {
     "ggml_glu_op_name": (ctypes.c_char_p, [_I]),
     "ggml_get_type_traits": (ctypes.POINTER(abi.TypeTraits), [_I]),
     "ggml_threadpool_params_init": (None, [ctypes.POINTER(abi.ThreadpoolParams), _I]),
+    # ggml-quants.h (GGML_API): Q8_K, ggml-cpu's activation type for the k-quants, has no to_float trait
+    "dequantize_row_q8_K": (None, [_VP, _VP, _I64]),
 }
 _CPU_FUNCS: dict[str, tuple] = {
     "ggml_cpu_init": (None, []),
@@ -153,6 +155,11 @@ class Ggml:
         """ggml-cpu's quantizer of a type (``type_traits_cpu.from_float``), or None."""
         fn = self.ggml_get_type_traits_cpu(type_).contents.from_float
         return FromFloat(fn) if fn else None
+
+    def vec_dot_type(self, type_: int) -> int:
+        """The type ggml-cpu converts f32 activations to before its dot products with a
+        ``type_`` weight (``type_traits_cpu.vec_dot_type``, ggml-cpu.c)."""
+        return int(self.ggml_get_type_traits_cpu(type_).contents.vec_dot_type)
 
     def supports_op(self, t: "ctypes._Pointer[abi.Tensor]") -> bool:
         """The CPU backend's own ``supports_op`` (types with a quantizer, matmul vec_dot types...)."""

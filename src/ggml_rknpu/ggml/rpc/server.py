@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.ggml.activations import ActivationRounding
 from ggml_rknpu.ggml.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
@@ -130,6 +131,7 @@ class ServerConfig:
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
     threads: int | None = None        # ggml-cpu host threads (None: hostggml.compute.default_threads())
     group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (graph.NpuGroup)
+    activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
 
 
 @dataclass
@@ -146,11 +148,14 @@ class ServerState:
     threads: Threads | None = None
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
+    activations: ActivationRounding | None = None   # shared by the sessions (they run one at a time)
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
             self.retired = RetiredWeights(self.weight_stats)
             self.memory.reclaimable = lambda: self.retired.npu_bytes
+        if self.activations is None:
+            self.activations = ActivationRounding(self.host, self.config.activations)
         if self.threads is None:
             self.threads = Threads(self.host, self.config.threads or default_threads())
 
@@ -164,6 +169,7 @@ class ServerState:
         """Every counter, machine-readable (``--stats-json``)."""
         out = self.stats.as_dict(self.weight_stats, getattr(self.npu, "counters", None))
         out["recovery"] = self.recovery.as_dict()
+        out["activations"] = self.activations.as_dict()
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
         if hasattr(self.npu, "memory_used"):
@@ -218,7 +224,7 @@ class Session:
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
-                                    group=state.config.group_matmuls)
+                                    group=state.config.group_matmuls, activations=state.activations)
         self.hello = False
         self._plans_at_start = state.stats.plans_built
         self.commands_after_hello = 0
