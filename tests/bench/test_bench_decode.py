@@ -67,6 +67,20 @@ def test_every_fused_decode_step_streams_near_the_model_ceiling():
                     assert stream > 0.9 * ceiling, (name, dtype, step.names, m, stream / 1e9)
 
 
+@pytest.mark.parametrize("name,dtype,at_ceiling,at_bound", [
+    # docs/decode.md, the goals' arithmetic: 113 submits x 79 us on top of the weights' stream
+    ("Qwen2.5-1.5B", "int8", 16.98, 15.90), ("Qwen3-0.6B", "fp16", 21.05, 19.76), ("Qwen3-0.6B", "int8", 35.44, 33.59)])
+def test_goal_bounds_are_the_weights_at_the_ceiling_plus_the_submits(name, dtype, at_ceiling, at_bound):
+    from ggml_rknpu.cost import model as cm
+
+    row = dec.forecast(dec.PRESETS[name], dtype, 1, cores=3)
+    seconds = row["submits_per_token"] * OWN_DRIVER.per_submit_s
+    assert row["tok_s_at_ceiling_modeled"] == pytest.approx(1 / (row["weight_mb"] * 1e6 / cm.dram_bandwidth(2112) + seconds))
+    assert dec.stream_bound(dtype, 3) / 1e9 == pytest.approx(28.60, abs=0.005)
+    assert (round(row["tok_s_at_ceiling_modeled"], 2), round(row["tok_s_at_bound_modeled"], 2)) == (at_ceiling, at_bound)
+    assert row["tok_s_modeled"] <= row["tok_s_at_bound_modeled"] < row["tok_s_at_ceiling_modeled"]
+
+
 def test_gguf_shape_and_cli_report(tmp_path):
     pytest.importorskip("ggml_rknpu.sim.npu")
     from support.gguf_models import TinyConfig, write_tiny_gguf

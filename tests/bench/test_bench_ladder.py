@@ -13,9 +13,7 @@ from ggml_rknpu.bench import ladder as ld
 from ggml_rknpu.engine import open_engine
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs, load, record_path, save_passed
 from ggml_rknpu.hw.envelope import PROVEN
-
-SMALL_GOLDEN = ((1, 32, 16, "fp16", "fp32"), (1, 32, 16, "fp16", "fp16"), (1, 64, 64, "int8", "int32"),
-                (544, 544, 4096, "int8", "int32"))
+from support.bench_support import SMALL_GOLDEN
 
 
 @pytest.fixture

@@ -3,53 +3,15 @@ runs on the simulator through the real engine (small sizes) producing JSON + Mar
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from ggml_rknpu.bench import matmul as mm
 from ggml_rknpu.cli import bench as cli
 from ggml_rknpu.cost.anchors import ANCHORS
-
-RIGS = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
-
-
-def run_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return cli.run(parser.parse_args(list(argv)))
-
-
-def valid_png(path: Path) -> tuple[int, int]:
-    with Image.open(path) as img:
-        img.verify()
-    with Image.open(path) as img:
-        assert img.format == "PNG"
-        return img.size
-
-
-def engine_or_skip(device: str = "sim-rknpu"):
-    """The real engine on the simulator; skipped only while its layers are genuinely absent."""
-    import numpy as np
-
-    import ggml_rknpu
-    from ggml_rknpu.kernel.errors import NpuError
-
-    try:
-        npu = ggml_rknpu.open(device=device, cores=1)
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"engine dependency not in the tree yet: {exc}")
-    try:
-        npu.matmul(np.ones((1, 32), np.float32), npu.upload_weight(np.ones((16, 32), np.float32)))
-    except NpuError as exc:
-        if "no NPU model attached" in str(exc):
-            pytest.skip(f"simulated NPU (sim/npu.py) not in the tree yet: {exc}")
-        raise
-    finally:
-        npu.close()
+from support.bench_support import RIGS, engine_or_skip, valid_png
+from support.bench_support import run_bench_cli as run_cli
 
 
 def test_modeled_prints_seed_figures_beside_modeled(tmp_path):

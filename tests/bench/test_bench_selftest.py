@@ -14,6 +14,7 @@ import pytest
 
 from ggml_rknpu.bench import selftest as st
 from ggml_rknpu.cli import selftest as cli
+from support.bench_support import SMALL_GOLDEN, engine_or_skip
 
 RIGS = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
 SMALL = ((1, 64, 16), (3, 100, 40))
@@ -26,8 +27,6 @@ def run_cli(*argv: str) -> int:
 
 
 def sim_or_skip():
-    from test_bench_matmul import engine_or_skip
-
     engine_or_skip()
 
 
@@ -36,7 +35,6 @@ def fast_ladder(monkeypatch):
     """The bring-up ladder with cheap golden shapes and without the long rocket job (both
     run in full in tests/bench/test_bench_ladder.py)."""
     from ggml_rknpu.bench import ladder as ld
-    from test_bench_ladder import SMALL_GOLDEN
 
     rungs = tuple(dataclasses.replace(r, cases=SMALL_GOLDEN) if r.name == "golden" else r
                   for r in ld.LADDER if r.name != "long_rocket_job")

@@ -9,7 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, k_chunks, tile
+from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, _tile, k_chunks, modeled_seconds, tile
+from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
+from ggml_rknpu.hw.envelope import PROVEN
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import BY_OFFSET
@@ -32,13 +34,20 @@ def check_tiling(M, K, N, mode, cores, envelope="extended"):
         assert ch.size * b <= limits.CBUF_BANK_BYTES          # one kernel fits one bank [§9]
         k0 += ch.size
     assert k0 == shape.Kp
+    # the partial C regions (K ranges the tasks compute) partition [0, Kp) too
+    partials = t.partials or t.chunks
+    assert [p.index for p in partials] == list(range(t.k_splits))
+    assert sum(p.size for p in partials) == shape.Kp and [p.k0 for p in partials] == sorted(p.k0 for p in partials)
     per_core: dict[int, int] = {}
-    cover = {ch.index: np.zeros((shape.M, shape.Np // g), np.int32) for ch in t.chunks}
+    cover = {ch.index: np.zeros((shape.M, shape.Np // g), np.int32) for ch in partials}
     for task in t.tasks:
         per_core[task.core] = per_core.get(task.core, 0) + 1
         kc = task.chunk.size
         assert 1 <= task.m <= 1022 and task.n % g == 0 and 0 < task.n <= 8192
         assert task.n0 % g == 0
+        if task.block is not None:       # part of a weight chunk: one kernel group, inside its chunk
+            assert task.n == g and task.block in t.chunks
+            assert task.block.k0 <= task.chunk.k0 and task.chunk.k0 + kc <= task.block.k0 + task.block.size
         # input fits the data banks, DATA_BANK + WEIGHT_BANK = 12 [§7, §9]
         assert task.m * kc * b <= task.data_banks * limits.CBUF_BANK_BYTES
         assert 1 <= task.data_banks <= 11 and task.data_banks + task.weight_banks == 12
@@ -135,3 +144,64 @@ def test_refuses_what_cannot_run():
         MatmulShape(0, 64, 32, "fp16", "fp32")
     with pytest.raises(ValueError, match="4095"):
         tile(MatmulShape(1022 * 4096, 32, 16, "fp16", "fp32"), 1)
+
+
+LADDERED = envelope_for_rungs(list(RUNGS), "rknpu")   # the forecast's envelope (bench decode)
+
+
+def _plain(shape, cores, env):
+    return _tile(shape, min(cores, env.max_cores), k_chunks(shape.K, shape.dtype, env), env)
+
+
+@pytest.mark.parametrize("env,M,K,N,before_ms,after_ms", [
+    # modeled (cost.model, 1 GHz, DRAM 2112 MHz, 79 us per submit); docs/engine.md records them
+    (PROVEN, 16, 8192, 2048, 26.855, 7.271),      # Llama-3.2-1B down: 8 M tiles of 2 rows -> 2 runs of 4096
+    (PROVEN, 16, 6912, 1152, 6.456, 3.585),       # Gemma3-1B down
+    (PROVEN, 8, 8192, 2048, 13.467, 5.720),
+    (LADDERED, 9, 8192, 2048, 2.465, 2.133),      # M = 9 compiled as such (the engine buckets it to 16)
+])
+def test_decode_rows_of_long_k_split_k_over_one_group_tasks(env, M, K, N, before_ms, after_ms):
+    shape = MatmulShape(M, K, N, "fp16", "fp32")
+    plain, t = _plain(shape, 3, env), tile(shape, 3, env)
+    assert plain.k_splits == 1 and t.k_splits == 2 and t.chunks == plain.chunks     # same weight layout
+    assert all(task.n == 16 and task.block == plain.chunks[0] for task in t.tasks)
+    assert {task.m for task in t.tasks} == {M}                                    # no re-streaming
+    assert {p.size for p in t.partials} <= {4096, 3584, 3328} and all(p.size % 256 == 0 for p in t.partials)
+    assert modeled_seconds(plain, env) * 1e3 == pytest.approx(before_ms, abs=5e-4)
+    assert modeled_seconds(t, env) * 1e3 == pytest.approx(after_ms, abs=5e-4)
+    check_tiling(M, K, N, ("fp16", "fp32"), 3, env)
+
+
+@pytest.mark.parametrize("env,M,K,N", [
+    (LADDERED, 16, 8192, 2048),    # one-group tasks re-read A (16 rows = as many bytes as the group's weights)
+    (LADDERED, 16, 6912, 1152),
+    (PROVEN, 16, 6144, 2048),      # 2 M tiles, but the split streams A per group: modeled slower
+    (PROVEN, 1, 8192, 8192),       # the golden shape: one task, one chunk
+    (PROVEN, 17, 8192, 2048),      # beyond decode rows: not evaluated
+])
+def test_no_split_where_it_is_not_cheaper_or_not_decode(env, M, K, N):
+    shape = MatmulShape(M, K, N, "fp16", "fp32")
+    assert tile(shape, 3, env) == _plain(shape, 3, env)
+
+
+@pytest.mark.parametrize("M,K,N", [(16, 8192, 2048), (16, 6912, 1152)])
+def test_split_k_tasks_read_the_bytes_of_a_chunk_of_their_own(M, K, N):
+    """A one-group task reading part of a weight chunk in place sees, byte for byte, what a
+    weight packed with that K range as a chunk of its own holds: the hardware reads the same
+    stream as a K-chunked program (what hardware-run streams cover), not a new layout."""
+    from ggml_rknpu.compiler.emit import buffer_offsets
+    from ggml_rknpu.compiler.layout import pack_b
+
+    shape = MatmulShape(M, K, N, "fp16", "fp32")
+    t = tile(shape, 3, PROVEN)
+    assert t.partials and all(task.block is not None for task in t.tasks)
+    w = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
+    native = pack_b(w, "fp16", shape, envelope=PROVEN)
+    g, b = shape.kernel_group, shape.in_bytes
+    for task in t.tasks:
+        k0, kc = task.chunk.k0, task.chunk.size
+        start = buffer_offsets(shape, task, "fp32")["B"]
+        own = pack_b(w[task.n0: task.n0 + g, k0: k0 + kc], "fp16", MatmulShape(1, kc, g, "fp16", "fp32"),
+                     envelope=PROVEN)
+        assert own.size == kc * g * b
+        assert np.array_equal(native[start: start + own.size], own), (task.n0, k0, kc)

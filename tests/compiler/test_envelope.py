@@ -170,3 +170,13 @@ def test_extended_is_wider_than_proven_in_every_field():
     assert all(EXTENDED.max_chain_tasks[d] >= PROVEN.max_chain_tasks[d] for d in ("fp16", "int8"))
     widened = PROVEN.widen(max_cores=3)
     assert widened.max_cores == 3 and widened.max_feature_grains == 545 and "max_cores" in widened.name
+
+
+@pytest.mark.parametrize("abi", ["rknpu", "rocket"])
+@pytest.mark.parametrize("M,K,N", [(16, 8192, 2048), (16, 6912, 1152), (9, 8192, 2048), (12, 7000, 100)])
+def test_split_k_of_decode_rows_stays_inside_the_proven_envelope(M, K, N, abi):
+    """One-group tasks over parts of a weight chunk (tiling.group_split): chunks of
+    multiples of 256, chains of at most 65 fp16 tasks, fill within 8/11, one core."""
+    program = compile_matmul(M, K, N, dtype="fp16", out="fp32", cores=3, abi=abi)
+    assert program.k_splits == 2 and program.n_submits >= (2 if abi == "rknpu" and N >= 1024 else 1)
+    assert_inside(program, PROVEN, abi)

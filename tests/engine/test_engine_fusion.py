@@ -87,6 +87,32 @@ def test_chained_step_is_one_submit_and_counted(npu):
         w.free()
 
 
+def test_step_run_reports_its_modeled_device_time_like_a_matmul(npu):
+    """A step sets the engine's ``last_timing`` as ``Npu.matmul`` does (the server counts it
+    into npu_device_seconds): the cost model's figure for exactly the programs it submitted."""
+    rng = np.random.default_rng(4)
+    parts = _parts(rng, 256, (64, 32, 32))
+    ws = [npu.upload_weight(p) for p in parts]
+    a = rng.standard_normal((2, 256)).astype(np.float32)
+    chained = npu.step(ws, m=2)
+    chained.run(a)
+    t = npu.last_timing
+    want = modeled_time(step_workload(chained._chain.programs), npu_mhz=npu.npu_mhz).total_s
+    assert t.device_label == "modeled" and t.submits == 1
+    assert t.device_s == pytest.approx(want, rel=1e-12) and t.device_s > 0
+    assert (t.pack_s, t.submit_s, t.unpack_s) == chained.timing
+    single = npu.step([ws[0]], m=2)
+    single.run(a)
+    npu.matmul(a, ws[0])                     # the same program through the matmul path
+    assert single.modeled is not None
+    alone = npu.last_timing.device_s
+    single.run(a)
+    assert npu.last_timing.device_s == alone == single.modeled.total_s
+    assert alone < t.device_s                # the chained step streams three weights
+    for w in ws:
+        w.free()
+
+
 def test_chain_image_links_each_core_through_every_member():
     progs = [compile_matmul(1, 256, n, cores=3) for n in (48, 160)]
     base = 0x10000

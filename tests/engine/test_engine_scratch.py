@@ -15,6 +15,7 @@ pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py (engineer SIM) not 
 
 from ggml_rknpu.engine import Npu, open_engine  # noqa: E402
 from ggml_rknpu.engine import api  # noqa: E402
+from ggml_rknpu.engine.api import RESERVE_ROWS  # noqa: E402
 from ggml_rknpu.kernel.errors import NpuOutOfMemory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -136,18 +137,60 @@ def test_growth_under_memory_pressure_evicts_and_stays_exact():
     npu.close()
 
 
-def test_out_of_memory_while_growing_is_clear_and_loses_nothing():
+def test_out_of_memory_while_growing_splits_along_m_and_loses_nothing():
+    """A bucket above RESERVE_ROWS whose scratch does not fit (after evicting every cached
+    program) halves the weight's largest bucket and the call runs as several submits: exact,
+    and nothing held beyond what the smaller programs use. A bucket at or below RESERVE_ROWS
+    that cannot fit is a clear error that loses nothing."""
     rng = np.random.default_rng(6)
     npu = _small_engine(8 << 20)
     b1 = _ints(rng, (512, 1024))
     w1 = npu.upload_weight(b1, "int8")
     a = _ints(rng, (256, 1024))
     _exact(npu, a, w1, b1)
-    filler = npu.upload_weight(np.ones((5 << 10, 1024), np.int8), "int8")   # 5 MiB
-    with pytest.raises(NpuOutOfMemory, match="out of NPU memory allocating .* bytes for program M=256.*free weights"):
-        npu.matmul(a, filler)                                 # C needs 5 MiB more
-    assert not filler.programs and not w1.programs and not npu._scratch   # evicted, then nothing held
-    _exact(npu, _ints(rng, (2, 1024)), w1, b1)                # the engine still works
+    b_fill = _ints(rng, (5 << 10, 1024))
+    filler = npu.upload_weight(b_fill, "int8")                # 5 MiB: C of M=256 (5 MiB more) cannot fit
+    _exact(npu, a, filler, b_fill)
+    assert npu.counters["memory_splits"] >= 1 and RESERVE_ROWS <= filler.max_program_m < 256
+    assert npu.last_timing.submits > 1 and not w1.programs    # evicted on the way
+    _exact(npu, a, w1, b1)
+    hog = npu.upload_weight(np.ones((9 << 8, 1024), np.int8), "int8")   # 2.25 MiB: 256 KiB left, < one M=16 program
+    with pytest.raises(NpuOutOfMemory, match="out of NPU memory allocating .* bytes for program M=16.*free weights"):
+        npu.matmul(_ints(rng, (16, 1024)), filler)
+    hog.free()
+    _exact(npu, _ints(rng, (16, 1024)), filler, b_fill)       # the engine still works
     filler.free()
     _exact(npu, a, w1, b1)
+    npu.close()
+
+
+@pytest.mark.parametrize("device,cap_mib", [("sim-rknpu", 1), ("sim-rknpu", 2), ("sim-rknpu", 3), ("sim-rocket", 1)])
+def test_resident_weights_under_a_cap_leave_room_for_their_matmuls(device, cap_mib):
+    """--npu-memory: weights are staged only while the reserve for their programs (one shared
+    scratch at RESERVE_ROWS, each weight's register commands and tables) stays free, so every
+    resident weight then runs at 1 and RESERVE_ROWS rows without an out-of-memory (which the
+    server would turn into a host fallback for good), and a round at one bucket once all are
+    bound evicts nothing. Before the reserve, weights filled the cap and the first matmul failed."""
+    rng = np.random.default_rng(7)
+    npu = open_engine(device)
+    npu.memory_cap = cap_mib << 20
+    shapes = [(1024, 256), (256, 1024), (768, 256)] * 4      # N x K: 256-512 KiB fp16 each
+    resident, refused = [], 0
+    for n, k in shapes:
+        b = rng.standard_normal((n, k)).astype(np.float32)
+        try:
+            resident.append((npu.upload_weight(b), b))
+        except NpuOutOfMemory as exc:
+            assert "kept for the matmul programs" in str(exc)
+            refused += 1
+    assert resident and refused, (len(resident), refused)
+    assert npu.memory_used() + npu.reserve_bytes() <= npu.memory_cap
+    for rows in ((1, RESERVE_ROWS), (RESERVE_ROWS,), (RESERVE_ROWS,)):
+        evicted = npu.counters["programs_evicted"]
+        for w, b in resident:
+            for m in rows:
+                a = rng.standard_normal((m, b.shape[1])).astype(np.float32)
+                np.testing.assert_allclose(npu.matmul(a, w), a @ b.T, rtol=2e-2, atol=5e-2)
+                assert npu.memory_used() <= npu.memory_cap
+    assert npu.counters["programs_evicted"] == evicted   # one bucket's programs all fit side by side
     npu.close()

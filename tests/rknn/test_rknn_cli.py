@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 import pytest
+from support.bench_support import RIGS, engine_or_skip, valid_png
+from support.bench_support import run_bench_cli as run_cli
 from support.rknn_support import standin_path  # noqa: F401  (fixture)
 from support.rpc_testkit import RpcClient, T, wait_for_line
 
@@ -146,8 +148,6 @@ def test_serve_engine_rknn_runs_a_matmul_through_the_standin(standin_path, tmp_p
 # --- rknpu bench matmul --engines ours,rknn -----------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_bench_matmul_rows_for_both_engines(monkeypatch, standin_path, tmp_path):
-    from test_bench_matmul import RIGS, engine_or_skip, run_cli, valid_png
-
     engine_or_skip()
     monkeypatch.setenv("LIBRKNNRT_PATH", str(standin_path))
     out = tmp_path / "bench"
@@ -187,8 +187,6 @@ def test_bench_matmul_rows_for_both_engines(monkeypatch, standin_path, tmp_path)
 
 
 def test_bench_matmul_rknn_missing_library_fails_clearly(monkeypatch, tmp_path, capsys):
-    from test_bench_matmul import RIGS, run_cli
-
     monkeypatch.setenv("LIBRKNNRT_PATH", str(tmp_path / "absent" / "librknnrt.so"))
     out = tmp_path / "bench"
     assert run_cli("matmul", "--engines", "rknn", "--shapes", "small", "--out", str(out),

@@ -10,7 +10,7 @@ import pytest
 
 import ggml_rknpu
 from ggml_rknpu.ggml.enums import GgmlOp
-from support.rpc_testkit import SteppingFakeNpu, T, serve
+from support.rpc_testkit import MATMUL_DEVICE_S, STEP_DEVICE_S, SteppingFakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
 MUL_MAT, ADD = int(GgmlOp.MUL_MAT), int(GgmlOp.ADD)
@@ -97,9 +97,13 @@ def test_siblings_run_as_one_step_with_the_results_of_one_submit_each():
     assert npu.matmuls == 2                                               # o alone, both runs
     assert stats["npu_groups_planned"] == 1 and stats["npu_grouped_runs"] == 2
     assert stats["npu_matmuls_by_m"] == {M: 8}
+    # device time: each grouped run counts its step's figure once, like a lone matmul's
+    assert stats["npu_device_seconds"] == pytest.approx(2 * STEP_DEVICE_S + 2 * MATMUL_DEVICE_S, rel=1e-12)
+    assert stats["npu_device_label"] == "modeled"
     ungrouped_npu = SteppingFakeNpu()
     ungrouped, stats = run_graph(ungrouped_npu, group=False)
     assert ungrouped_npu.steps_built == 0 and ungrouped_npu.matmuls == 8 and stats["npu_groups_planned"] == 0
+    assert stats["npu_device_seconds"] == pytest.approx(8 * MATMUL_DEVICE_S, rel=1e-12)
     for a, b in zip(grouped, ungrouped):
         same(a, b)
 

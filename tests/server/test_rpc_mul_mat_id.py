@@ -13,8 +13,7 @@ import pytest
 from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.ggml.placement import HOST, NPU
 from ggml_rknpu.kernel.errors import NpuOutOfMemory, NpuTimeout
-from support.rpc_testkit import FakeNpu, T, serve
-from test_rpc_recovery import FaultyNpu
+from support.rpc_testkit import FakeNpu, FaultyNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)
 MUL_MAT_ID = int(GgmlOp.MUL_MAT_ID)

@@ -45,6 +45,10 @@ class FakeWeight:
         self.engine.frees += 1
 
 
+MATMUL_DEVICE_S = 1e-3    # what a FakeNpu.matmul reports as its device time
+STEP_DEVICE_S = 0.25e-3   # what a FakeStep run reports as its device time (FakeNpu.matmul: 1 ms)
+
+
 class FakeNpu:
     """A ``MatmulEngine`` (engine/contract.py) computing on the host, with counters."""
 
@@ -70,7 +74,7 @@ class FakeNpu:
         if self.fail_matmul:
             raise RuntimeError("injected NPU fault")
         self.matmuls += 1
-        self.last_timing = SimpleNamespace(device_s=1e-3, device_label="modeled")
+        self.last_timing = SimpleNamespace(device_s=MATMUL_DEVICE_S, device_label="modeled")
         return a.astype(np.float32) @ w.b.T
 
     def memory_budget(self) -> tuple[int, int]:
@@ -92,6 +96,8 @@ class FakeStep:
         if self.engine.fail_step:
             raise RuntimeError("injected fault in a chained submit")
         self.engine.counters["submits"] = self.engine.counters.get("submits", 0) + 1
+        # one submit's device time, apart from a lone matmul's 1 ms so that tests can tell them apart
+        self.engine.last_timing = SimpleNamespace(device_s=STEP_DEVICE_S, device_label="modeled")
         results = [a.astype(np.float32) @ w.b.T for w in self.weights]
         for dst, r in zip(outs, results):
             dst[...] = r
@@ -115,6 +121,37 @@ class SteppingFakeNpu(FakeNpu):
             raise ValueError("too many tasks for one chain (injected)")
         self.steps_built += 1
         return FakeStep(self, list(weights), m)
+
+
+
+class FaultyNpu(FakeNpu):
+    """FakeNpu whose matmuls raise the queued faults first; ``reset`` optionally loses weights."""
+
+    def __init__(self, faults=(), reset_loses_weights=False) -> None:
+        super().__init__()
+        self.faults = list(faults)
+        self.resets = 0
+        self.reset_loses_weights = reset_loses_weights
+        self.live: list = []
+
+    def upload_weight(self, b, dtype="fp16"):
+        w = super().upload_weight(b, dtype)
+        self.live.append(w)
+        return w
+
+    def matmul(self, a, w, *, out=None):
+        if self.faults:
+            raise self.faults.pop(0)
+        return super().matmul(a, w, out=out)
+
+    def reset(self):
+        self.resets += 1
+        if not self.reset_loses_weights:
+            return []
+        lost, self.live = self.live, []
+        for w in lost:
+            w.freed = True
+        return lost
 
 
 # --- tensors and graphs ------------------------------------------------------------------------

@@ -1,29 +1,13 @@
-"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode
-step runs, the host time per NPU step measured here, and the published figures beside it.
+"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode step
+runs, the host time per NPU step measured here, and the published figures beside it.
 
-WHY: single-stream decode on RK3588 is DRAM-bound (every token streams every weight once),
-so the two things that decide tokens/s are how close the NPU programs stream to the DRAM
-ceiling and how many submits (and how much host work) a token pays. No board has run our
-streams yet; this command states, per model, what our own cost model says the programs
-would take, next to what RKLLM and the open qwen3.c engine measured on boards.
-
-What is priced (modeled, ``cost.model``): per token, each transformer layer's weight
-matmuls as NPU steps (``decode_steps``): fused (the default): Q/K/V as one fused weight,
-O, gate/up as one fused weight, down: 4 submits per layer, plus the output head; unfused:
-one submit per matmul (what the server ran before fusion). Each step's programs are the
-engine's own (``Npu._program_for`` -> ``compile_matmul`` at the engine's M bucket); a step
-costs ``modeled_time`` of its tasks plus one submit (``OWN_DRIVER``). Attention,
-norms, RoPE and the other host ops are not priced (host, not NPU). tokens/s at M rows is M
-tokens per step (M sequences decoded together).
-
-What is measured (this host, not the board): the engine's host work per NPU step on the
-lean path (``engine.fusion.Step``: writing A through its views, reading C through its
-views, scales), run on the simulator with random weights of the step's shape; the
-``NpuDevice.submit`` call (which on the simulator executes the program) is excluded.
-
-Model shapes: from a GGUF's tensors (``blk.N.attn_q.weight`` ...), or the presets below
-(each model's published config.json on Hugging Face).
-"""
+Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
+bucket, per decode step (fused by default: 4 submits per layer plus the head; unfused: one
+per matmul), each step a submit (``OWN_DRIVER``); host ops are not priced; the host time is
+*measured* on this host, on the lean path (``engine.fusion.Step``), the submit itself
+excluded. Shapes come from a GGUF or the presets (each model's published config.json).
+Why: docs/decisions.md "bench/decode.py";
+figures: docs/decode.md."""
 
 from __future__ import annotations
 
@@ -150,6 +134,17 @@ def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int, envelope=None)
                         npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
 
+def stream_bound(dtype: str, cores: int) -> float:
+    """Bytes/s the cost model lets one job of decode rows (M <= 16) stream on ``cores``:
+    each core's share of the DRAM stream, its compute on 16 padded rows overlapped but for
+    ``OVERLAP_PENALTY`` of it (docs/decode.md, the goals' arithmetic)."""
+    from ggml_rknpu.cost import model as cm
+
+    per_core = min(cm.CORE_STREAM_BYTES_PER_CYCLE * NPU_MHZ * 1e6, dram_bandwidth(DRAM_MHZ) / cores)
+    compute_per_byte = cm.M_ATOM / cm.MACS_PER_CYCLE_PER_CORE[dtype] / (NPU_MHZ * 1e6) / cm.IN_BYTES[dtype]
+    return cores * per_core / (1 + cm.OVERLAP_PENALTY * compute_per_byte * per_core)
+
+
 def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
     """Modeled NPU figures of one decode step of ``m`` sequences."""
     b = 1 if dtype == "int8" else 2
@@ -165,6 +160,9 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
         "stream_gb_s_modeled": weight_bytes / seconds / 1e9,
         "submit_ms_modeled": submits * OWN_DRIVER.per_submit_s * 1e3,
         "weight_mb": weight_bytes / 1e6,
+        # the most these submits allow: the weights at the DRAM ceiling, or at the model's bound
+        "tok_s_at_ceiling_modeled": m / (weight_bytes / dram_bandwidth(DRAM_MHZ) + submits * OWN_DRIVER.per_submit_s),
+        "tok_s_at_bound_modeled": m / (weight_bytes / stream_bound(dtype, cores) + submits * OWN_DRIVER.per_submit_s),
     }
 
 
@@ -298,6 +296,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rp.Column("tok_s_modeled", "tok/s", "{:.1f}", figure=True),
         rp.Column("stream_gb_s_modeled", "weight stream GB/s", "{:.1f}", figure=True),
         rp.Column("submit_ms_modeled", "of which submits ms", "{:.1f}", figure=True),
+        rp.Column("tok_s_at_ceiling_modeled", "tok/s at most: DRAM ceiling, same submits", "{:.2f}", figure=True),
+        rp.Column("tok_s_at_bound_modeled", "tok/s at most: model's job bound, same submits", "{:.2f}", figure=True),
         rp.Column("host_us_per_step_measured", "host µs per NPU step", "{:.1f}", figure=True),
         rp.Column("host_ms_per_step_measured", "host ms/step", "{:.2f}", figure=True),
         rp.Column("anchor_tok_s", "published tok/s (board)"), rp.Column("anchor_source", "by"),

@@ -1,23 +1,11 @@
 """The bring-up ladder: rungs from safest to riskiest, each run through the real engine with
-canary-armed outputs and compared with numpy; it stops at the first failure and records
-the rungs a board passed, which is what widens the envelope the engine plans in
-(``engine.envelope_record``).
+canary-armed outputs and compared with numpy, stopping at the first failure.
 
-WHY: nothing of ours has run on silicon. The first run on a board must take the smallest
-possible step past what is known to work, show the result of each step, and stop at the
-first one that fails, with enough said about how it failed (the symptom table) to tell a
-hang from a dropped task from a wrong tile.
-
-Each rung compiles its matmuls in the envelope the rungs below it proved plus its own
-widening, checks (from the compiled words) that the program really exercises that
-widening, so a rung can never pass without testing what it claims, and runs the program
-itself through the device (``run_program``: the same Jobs and canaries as the engine, but
-no M buckets, so the golden rung submits exactly the golden single-task streams).
-
-Test hooks: ``RKNPU_SELFTEST_CORRUPT=<rung>`` flips one output element of that rung after
-the NPU returns (symptom "wrong values"); ``RKNPU_SELFTEST_FAULT=<rung>:<stale|timeout>``
-makes the simulator drop that rung's last task silently or hang it (simulator only).
-"""
+Invariants: a rung compiles in the envelope the rungs below it proved plus its own
+widening, and checks from the compiled words that the program really exercises that
+widening; the rungs a board passed are recorded (``engine.envelope_record``) and are what
+widens the envelope the engine plans in. Why and the test hooks: docs/decisions.md
+"bench/ladder.py"; the rungs: docs/envelope.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """Matmul benchmarks on the engine: GEMV and GEMM over the seed's and real models' shapes,
-fp16 and int8, 1 and 3 cores; burst and sustained; plus modeled figures beside the seed's.
+fp16 and int8, 1 and 3 cores, burst and sustained, with modeled figures beside the seed's.
 
-WHY these modes (the seed log's lessons):
-  * burst (a few calls) vs sustained (per-second windows for a duration): a 30-call burst
-    measured cold clocks and flipped the ranking of CPU, GPU and NPU (seed log, Milestone 12 [docs/decisions.md]);
-  * a per-call breakdown (pack A, submit, unpack C on the host; device time from the
-    driver's ``hw_elapse_time`` on a board, from the cost model elsewhere), because the
-    seed's per-call overheads, not the MAC array, decided its results (Milestones 9-10, 16);
-  * GEMV (M=1, decode) and GEMM (prefill) separately: their throughput differs ~60x
-    (Milestone 7).
-
-Figure keys follow ``bench.report``: ``*_measured`` is a clock read on this machine,
-``*_modeled`` comes from ``cost.model``. On the simulator the device time is modeled and
-the host columns are this host's (an x86 running the simulator), which the report says.
-The seed's own measured figures are taken from ``cost.anchors.ANCHORS`` (copied there from
-the seed log, Milestones 7 and 8, with their citation) rather than copied a second time.
-
-Engines (``Case.engine``): ``ours`` (our register commands) and ``rknn`` (Rockchip's
-librknnrt, ``rknn.engine.RknnNpu``). Rows of both sit side by side with an ``engine`` column.
-The rknn engine cannot read the NPU's clock: its device time is always *modeled* (cost model,
-librknnrt profile); on a board only its wall time per call is a measurement. Through the
-test stand-in its host columns are wall time of host C code (``ran_on`` "stand-in").
-"""
+Invariants: ``*_measured`` keys are clocks read on this machine, ``*_modeled`` come from
+``cost.model`` (``bench.report``); the seed's figures come from ``cost.anchors.ANCHORS``,
+never a second copy; rows of the ``ours`` and ``rknn`` engines sit side by side, and the
+rknn engine's device time is always modeled. Why these modes: docs/decisions.md
+"bench/matmul.py"."""
 
 from __future__ import annotations
 

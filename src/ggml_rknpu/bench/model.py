@@ -1,22 +1,9 @@
 """Real-model benchmark: ``llama-bench`` on one GGUF, CPU-only and through ``rknpu serve``.
 
-WHY: every microbenchmark in the seed log flattered the accelerator; only the real-model
-``llama-bench`` settled anything (seed log, Milestone 13 [docs/decisions.md]). Fair fights need (seed log,
-Milestones 15-16):
-  * the same binary (the pinned llama.cpp build), the same GGUF and the same arguments on
-    both sides; the NPU side only adds ``-ngl 99 --rpc <server>``;
-  * the CPU pinned to the 4 big A76 cores on a board (``taskset -c 4-7 -t 4``; 6 threads
-    spill onto the A55s and lose, Milestone 16); off a board ``-t 1`` (a shared CI box);
-  * a note of the quant types on each side: the CPU computes the GGUF's own types, while the
-    server converts matmul weights for the NPU (fp16/int8), so the bytes per token differ
-    (Milestone 15: a w8a8 vs q4 fight was a 2x handicap);
-  * optionally a quality column: KL divergence of the NPU side's logits against the CPU's
-    (``llama-perplexity --kl-divergence``).
-
-Figures: tokens/s are wall-clock rates ``llama-bench`` measured (``*_measured``). Off a board
-the NPU side ran on the simulator on this host: its rate is the simulator's, which the report
-says, and it is not a statement about NPU speed.
-"""
+Invariants: both sides run the same pinned binary, GGUF and arguments, the NPU side only
+adding ``-ngl 99 --rpc``; tokens/s are ``llama-bench``'s wall-clock rates (``*_measured``),
+and off a board the NPU side ran on the simulator, which the report says. Why (the seed's
+fair-fight rules): docs/decisions.md "bench/model.py"."""
 
 from __future__ import annotations
 

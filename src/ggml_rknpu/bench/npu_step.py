@@ -1,31 +1,10 @@
-"""NPU-step host benchmark: the host work around each submit of single-stream decode, by phase.
+"""NPU-step host benchmark: the host work around each submit of single-stream decode, by phase
+(pack, canaries, syncs + submit on our side, unpack), measured on this host.
 
-WHY: decode is DRAM-bound on the board (~60 ms per token for RKLLM on a 1B-class model), so
-the engine's own work around each of a token's ~4 x layers submits (writing the activation
-into the NPU layout, the canaries, the cache syncs and the submit through the Python driver
-wrappers, reading the results back) adds straight to the token time, and a Cortex-A76 runs
-this Python 2-3x slower than the x86 box it is measured on.
-
-Method: the decode steps of one token as the server issues them (Q/K/V and gate/up as a
-chained ``Npu.step``, O and down alone through ``Npu.matmul``; M = 1; gemma-3-270m's shapes by default: hidden 640,
-Q 1024, K/V 256, FFN 2048), replayed ``--tokens`` times on the simulated device, whose
-syscalls go through ``kernel.trace.TimingSyscalls``. Per step and phase, measured with
-``perf_counter`` on this host:
-
-* pack: the activation into the NPU's A layout (``Step.run`` up to the submit);
-* canaries: arming and checking them (``engine.canary``);
-* syncs + submit (our side): the submit call less the canaries and less the time inside
-  the kernel's ioctl handlers, i.e. the device/ABI/driver wrappers building and issuing
-  the ioctls (MEM_SYNC of the job's ranges, SUBMIT);
-* unpack: the results out of the C layout into the caller's arrays.
-
-Shown apart, *not a host cost on a board*: the time inside the simulated kernel's ioctl
-handlers, split into the NPU model's execution (``SimKernel.simulation_seconds``) and the
-simulated driver's own handling (argument checks, its cache-sync copies). A board's kernel
-spends its own time there (cache maintenance, the real job), which this box cannot measure.
-Each figure is the median (and min) over the tokens of the per-step mean; the box is shared,
-so the load average is reported with it.
-"""
+Invariants: the steps are one token's as the server issues them, replayed on the simulated
+device through ``kernel.trace.TimingSyscalls``; the time inside the simulated kernel's
+ioctl handlers is shown apart and is *not* a host cost on a board. Why and the method:
+docs/decisions.md "bench/npu_step.py"."""
 
 from __future__ import annotations
 

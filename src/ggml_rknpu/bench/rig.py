@@ -1,32 +1,10 @@
 """Is this board fit to be benchmarked? Read its clocks, governors, temperatures and NPU driver.
 
-WHY: the seed log's most expensive mistake was a benchmark taken with the DRAM parked at
-528 MHz of 2112 (seed log, retraction + Milestone 15 [docs/decisions.md]): every decode figure was wrong and
-the CPU-vs-NPU ranking inverted. Burst numbers taken before the clocks ramp lie too
-(seed log, Milestone 12). So every benchmark runs these checks first and stamps the result
-into its report, and a FAIL refuses to benchmark unless overridden.
-
-Everything is read under a filesystem ``root`` (default ``/``) so a copied or fake sysfs
-tree can be diagnosed offline and tested (tests/fixtures/rigs/). Nothing here writes to
-sysfs: each finding carries the command that fixes it, for the user to run.
-
-Sources of paths and thresholds (each check also carries its own ``source``):
-  * DMC devfreq ``/sys/class/devfreq/dmc``: seed log Milestone 15; docs/anchors.md §3.2
-    pitfalls (geerlingguy/sbc-reviews#2: DMC governor drops DRAM to 528 MHz of 2112;
-    rknn-llm#532: bootloaders without DMC DVFS).
-  * cpufreq policies: seed log Milestone 15 ("dmc + cpufreq governors -> performance"),
-    docs/anchors.md §2 (rknn-llm#27, #29: governor/frequency pinning), §3.1 (4xA76 up to
-    2.4 GHz + 4xA55 at 1.8 GHz); big cores = cpus 4-7 (seed log Milestone 16,
-    ``taskset -c 4-7``).
-  * NPU devfreq ``/sys/class/devfreq/fdab0000.npu``: the node name is the RK3588 NPU's
-    MMIO base (our brief; TRM NPU chapter base 0xfdab0000); 1 GHz under the vendor driver
-    (seed log "Target interface"; docs/anchors.md §3.1), mainline rocket boots at 200 MHz
-    (docs/anchors.md §3.1).
-  * thermal: the kernel's own trip points (``trip_point_*``) when exposed; otherwise
-    fallback thresholds that are GUESSES (marked below).
-  * driver: docs/anchors.md §2 "Kernel driver versions" (runtime coupled to rknpu 0.9.6-0.9.8)
-    and the §4 gotcha that ``hw_elapse_time`` exists from rknpu 0.9.8 on.
-"""
+Invariants: everything is read under a filesystem ``root`` (default ``/``), so a copied or
+fake sysfs tree (tests/fixtures/rigs/) is diagnosed the same way; nothing here writes to
+sysfs: each finding carries its source and the command that fixes it, for the user to run.
+Thermal fallback thresholds are guesses, marked. Why and the sources of every path and
+threshold: docs/decisions.md "bench/rig.py"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""RPC-overhead benchmark: what ``rknpu serve`` costs per graph node when it replays a decode graph.
+"""RPC-overhead benchmark: what ``rknpu serve`` costs per graph node when it replays a decode
+graph, beside the C++ ``ggml-rpc-server``'s decode tokens/s on the same machine and run.
 
-WHY: on a board the matmuls run on the NPU, so the server's own host work per node (numpy ops,
-the replay loop, counters) is what stands between it and llama.cpp's C++ ``ggml-rpc-server``
-(docs/ggml-rpc.md §6: the prototype lost ~45 ms per gemma token to ~0.1 ms of Python per node). This
-benchmark measures that figure where it matters, gemma3-270m decode with GRAPH_RECOMPUTE (one
-token per graph, the plan replayed), and prints beside it the C++ server's decode tokens/s on
-the same machine in the same run, so the two are read together.
-
-Method: ``llama-bench -p 0 -n N -ngl 99 --rpc`` (decode only) against ``rknpu serve
---stats-json`` and then against ``ggml-rpc-server``, both one thread on loopback. From the
-server's counters: host time per node excluding NPU matmul work = (replay wall time - time
-inside NPU MUL_MAT steps) / non-matmul nodes executed (host segments run their nodes in one
-ggml_graph_compute, so host matmuls such as KQ/KQV are part of it), split into the time inside
-ggml-cpu (``host_seconds``) and the rest, the replay's own bookkeeping (the step loop, index
-checks, counters, deliveries, ctypes calls), both per non-matmul node; host segments (one
-``ggml_graph_compute`` each) per graph; and ggml-cpu's own time per host node (``host_seconds``
-/ host nodes, host matmuls included). On the simulator the NPU steps run the simulator's Python
-in the same process, which evicts the caches between host segments: both halves of the split
-are then larger than they would be beside a real NPU's ioctl. With ``--device host`` every
-op runs on ggml-cpu and the tokens/s beside the C++ server's is the comparison that matters. The replays must be GRAPH_RECOMPUTEs (checked).
-All figures are wall-clock measurements on this host; off a board the NPU matmuls ran on the
-simulator, which is why matmul work is excluded and rknpu serve's own tokens/s is not an NPU
-speed (it is shown, labelled).
-"""
+Invariants: ``llama-bench -p 0`` (decode only) against both servers, one thread, loopback;
+every replay must be a GRAPH_RECOMPUTE (checked); NPU matmul work is excluded from the
+per-node figure, and off a board ``rknpu serve``'s own tokens/s is labelled as the
+simulator's. All figures are wall-clock on this host. The split it reports and why:
+docs/decisions.md "bench/rpc_overhead.py"."""
 
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """The board owner's kit: probe, check-rig, the bring-up ladder (bench/ladder.py), a
-correctness sweep against numpy, a timing sweep, and one archive (JSON + Markdown) to attach
-to an issue.
+correctness sweep against numpy, a timing sweep, and one archive (JSON + Markdown) to
+attach to an issue.
 
-The ladder runs first, rung by rung from the safest (the golden streams) to the riskiest
-(three cores, a long rocket job); it stops at the first failure and records the rungs this
-board and driver passed (engine.envelope_record), which is the envelope the engine, the
-sweeps below and ``rknpu serve`` then plan in. If a rung fails, the sweeps do not run.
-
-WHY: nobody on this project has the board; the first person who runs it on silicon must be
-able to say in one command whether our register programs compute the right numbers there,
-how fast, and under which clocks, and hand that back as a file. On the simulator the same
-sweep runs and says so (its device times are modeled).
-
-Correctness rules: int8 x int8 -> int32 must equal numpy exactly; fp16 x fp16 -> fp32 must be
-within ``FP16_RTOL * (|A| @ |B|^T) + FP16_ATOL`` of numpy's float64 product of the
-fp16-rounded inputs. Products of fp16 values are exact in fp32 and the sum is accumulated
-in fp32 (docs/rknn-toolkit.md §1, simulator numerics in issue 3); the error of an fp32 sum of K
-terms is bounded by ~K * 2^-24 * sum|a_k b_k|, so 1e-3 leaves room for K up to ~16k while a
-single wrong element (a sign, a lost tile) is caught.
-
-Test hooks: ``RKNPU_SELFTEST_CORRUPT=1`` (or ``corrupt=True``) flips one output element of the
-first sweep case after the NPU returns, so the sweep must fail loudly; it proves the
-comparison can fail. ``RKNPU_SELFTEST_CORRUPT=<rung>`` and ``RKNPU_SELFTEST_FAULT=<rung>:
-<stale|timeout>`` do the same for a ladder rung (bench/ladder.py).
-"""
+Invariants: the ladder runs first and the sweeps only if every rung passed, inside the
+envelope it recorded; int8 results must equal numpy exactly, fp16 ones lie within
+``FP16_RTOL * (|A| @ |B|^T) + FP16_ATOL`` of numpy's float64 product of the fp16-rounded
+inputs; on the simulator device times are modeled and the report says so. Why and the
+tolerance's derivation: docs/decisions.md "bench/selftest.py"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Soak benchmark: ``llama-server --rpc`` with parallel slots, many concurrent chat requests,
-NPU faults injected at a low rate - zero failed requests, zero wrong answers, latency and RSS
-over time.
+NPU faults injected at a low rate: zero failed requests, zero wrong answers, latency and
+RSS over time.
 
-WHY: a board owner runs one ``llama-server`` that several people use for hours; a fault must
-cost time, never a wrong token, and the server must still be there tomorrow. This is the
-bounded version of that day: ``--requests`` chat completions from ``--concurrency`` client
-threads against ``llama-server -np N`` on loopback, with ``rknpu serve --sim-faults SPEC`` as
-its device.
-
-Method: first a fault-free ``rknpu serve`` and the same llama-server answer each distinct prompt
-once, one request at a time, at temperature 0: the reference answers. Then a fresh ``rknpu
-serve --sim-faults`` and llama-server take the concurrent loop; every answer is compared with
-its prompt's reference. ``rknpu serve``'s RSS is sampled every second. Latency is wall-clock per
-request, *measured* on this host; off a board the matmuls run on the NPU simulator, so latency
-is the simulator's, not the NPU's (the report says so). Not a CI test.
-"""
+Invariants: every answer is compared with its prompt's reference, answered first one at a
+time at temperature 0 by a fault-free ``rknpu serve``; latency is wall-clock per request,
+*measured* on this host (off a board the matmuls ran on the simulator, which the report
+says); RSS is sampled every second. Not a CI test. Why and the method:
+docs/decisions.md "bench/soak.py"; use: docs/faults.md "Soak"."""
 
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
 """``rknpu bench spec``: the regime where the NPU wins, several rows per weight pass.
 
-WHY: single-stream decode is DRAM-bound (every token streams every weight once), and RKLLM
-already sits near that bound (16.7 tok/s for Qwen2.5-1.5B w8a8 [docs/anchors.md A4]). A matmul with M rows streams the weights once for all M rows, and the
-MAC array works on 16 rows per weight load anyway [cost/model.py ``M_ATOM``], so by the cost
-model an M=16 step costs about what an M=1 step does. llama.cpp produces such steps itself:
-speculative decoding verifies a draft of several tokens in one target step, and
-``llama-server -np N`` batches the slots' tokens into one step.
-
-Three parts, each labelled with its basis:
-
-1. *modeled*: NPU time of one step (all matmul weights of the model once, at the M bucket the
-   engine would use, ``engine.api.m_bucket``) for M = 1, 2, 4, ..., from our compiler's
-   programs priced by ``cost.model`` -- and the tokens/s that gives with M tokens per step.
-   Host ops (attention, norms), RPC and the host's pack/unpack are NOT in this figure.
-2. *measured* on this host: acceptance of speculative decoding by llama.cpp's own
-   ``llama-server`` on the client's CPU backend (``-ngl 0``), real gemma-3-270m as the target,
-   for a draft model (``--spec-type draft-simple -md``) and an n-gram mode
-   (``--spec-type ngram-simple``), on a repetitive, a non-repetitive and a prose prompt. Acceptance
-   depends on the models and the text, not on the device that computes the matmuls, so the
-   CPU backend gives the acceptance the NPU would (the NPU simulator runs gemma3 at under
-   1 tok/s today). Every speculative answer is also compared with the plain greedy answer.
-   The draft is an *early-exit* gemma-3-270m (the real model's first 12 of 18 layers, then its
-   own final norm and head, written here with ``gguf``): the only other model with gemma3's
-   vocabulary is the target itself, and a draft equal to the target would accept everything
-   by construction.
-3. the product, *modeled*: effective decode tokens/s of a preset target (Qwen2.5-1.5B int8)
-   with speculation at the measured acceptance, beside RKLLM's published single-stream
-   figure. The acceptance was measured for gemma3 pairs: applying it to Qwen2.5-1.5B with a
-   Qwen2.5-0.5B draft is an assumption, and the report says so.
-"""
+Three parts, each labelled with its basis: the *modeled* NPU time of one step per M
+bucket (host ops, RPC and pack/unpack not included); speculative-decoding acceptance
+*measured* with llama.cpp's own ``llama-server`` on the CPU backend (every speculative
+answer compared with the plain greedy one); and the *modeled* product, effective decode
+tokens/s of a preset target beside RKLLM's published figure, which applies gemma3's
+acceptance to another model (an assumption the report states). Why: docs/decisions.md
+"bench/spec.py"; figures: docs/speculative.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Several bound programs as one regcmd image: one submit runs them all.
 
-WHY: a decode token runs a few hundred small matmuls, and every submit costs tens of
-microseconds of ioctl, interrupt and wake-up (``cost.model.OWN_DRIVER``). Matmuls with no
-host op between them (siblings reading the same activation, say) can share one submit.
-
-How: the members' bound words are laid out one after another in one regcmd buffer. Per
-core, each member's tasks are already chained through their 4-word tails
-(``program.py``); the last task of a member on a core gets a tail pointing at the first
-task of the next member that uses that core, so the PC walks every member's tasks on that
-core in order [docs/npu-programming.md §2, §3: PC_BASE_ADDRESS / PC_REGISTER_AMOUNTS of the
-tail fetch the next task]. The vendor driver then gets TASK_NUMBER = all of the core's
-tasks; rocket gets one job per core listing them all and ignores the tails [§5], so the
-same words serve both ABIs.
-
-Rule the caller keeps: members are independent. The cores run in parallel and nothing
-orders one core's tasks against another's, so no member may read another member's
-output. Running tasks of different shapes back to back on one core in one submit is what
-the vendor runtime does for a whole network [capture c1024_h1_oc1001: several layers per
-submit]; our own chained streams have run on the simulator only.
-"""
+Invariants: the members' bound words are laid out one after another; per core, the last
+task of a member gets a tail pointing at the first task of the next member that uses that
+core, so the same words serve both ABIs (the vendor driver follows the tails, rocket gets
+one job per core listing all the tasks). The caller keeps the one rule: members are
+independent, since nothing orders one core's tasks against another's. How and why:
+docs/compiler.md "Chained programs"."""
 
 from __future__ import annotations
 

@@ -1,30 +1,12 @@
-"""Register values of one matmul task, by name, following the §7 single-task recipe.
+"""Register values of one matmul task, by name, following the single-task recipe
+[docs/npu-programming.md §7].
 
-Every task writes the full register set the hardware-validated MTX streams write (104
-body words, same registers, same order) -- never relying on values left from an earlier
-task, which may be stale by ping-pong inheritance [docs/npu-programming.md §2]. All values are
-built from named fields through ``hw.registers``; no shifts here.
-
-Where a task is a tile of a larger matmul, plane pitches keep the *full* M: CNA
-SURF_STRIDE = W*(H_full-4), DPU DST_SURF_STRIDE = H_full*W and SURFACE_ADD = that * S.
-Source: the vendor's tiled convs keep the full-plane values on every tile
-[capture c1280_h10_oc24: tiles of height 3/4/5/10 all carry DST_SURF_STRIDE 100,
-SURFACE_ADD 200, SURF_STRIDE 60 for a 10x10 plane; §7 field notes; §9].
-
-Deliberate choices where the golden streams give no single answer:
-
-* Unaligned K or N are treated as real zero channels/kernels (DATAIN_CHANNEL_REAL =
-  Kc-1, WEIGHT_KERNELS = ORIG_CHANNEL+1 = padded count), so a padded task is exactly an
-  aligned MTX task. The vendor instead passes the true N as WEIGHT_KERNELS and N-1 as
-  ORIG_CHANNEL [capture c1024_h1_oc1001]; both read zero padding, ours is the validated form.
-* CORE_MISC_CFG.QD_EN = 1 for fp16, 0 for int8 as MTX [§7]; the vendor blob writes 0 for
-  fp16 [capture pw_c256_h14: 0x200]. We follow the golden streams.
-* FEATURE_GRAINS = M_t + 1 as MTX for every tile (tiles are <= 1022 rows, tiling.py;
-  MTX ran up to 545 on a board [golden int8 544x544x4096]). The vendor writes small values
-  unrelated to the tile height in its tiled convs (e.g. 15 for 50-row tiles [capture
-  c32_h112_oc32]; tile+1 for small FC/1x1 layers [capture c1024_h1_oc1001]); the field does
-  not change the arithmetic [§7 field notes], so we keep the golden rule.
-"""
+Invariants: every task writes the full register set the hardware-validated golden streams
+write (104 body words, same registers, same order), never relying on a value left by an
+earlier task (ping-pong inheritance, §2); every value is built from named fields through
+``hw.registers``, no shifts here; a tile of a larger matmul keeps the full-M plane
+pitches. The choices where the golden streams and the vendor differ, with sources:
+docs/compiler.md "Register values"."""
 
 from __future__ import annotations
 
@@ -67,14 +49,19 @@ def ow_size_e(shape: MatmulShape, c_dtype: str) -> int:
 
 
 def buffer_offsets(shape: MatmulShape, tile: TaskTile, c_dtype: str) -> dict[str, int]:
-    """Byte offsets of the task's first A/B/C element inside the native buffers (layout.py)."""
+    """Byte offsets of the task's first A/B/C element inside the native buffers (layout.py).
+    B: the task's kernel group inside its weight chunk ``(Np/g, Kc/32, g, 32)``, then its
+    first channel inside the group's run (non-zero only for a one-group task of part of
+    the chunk, ``tiling.group_split``)."""
     b = shape.in_bytes
     atom = limits.ATOM_BYTES
     c2_out = limits.c2(c_dtype)
     c_region = (shape.Np // c2_out) * shape.M * atom
+    block = tile.block or tile.chunk
     return {
         "A": (tile.chunk.k0 // shape.c2_in) * shape.M * atom + tile.m0 * atom,
-        "B": shape.Np * tile.chunk.k0 * b + tile.n0 * tile.chunk.size * b,
+        "B": (shape.Np * block.k0 * b + tile.n0 * block.size * b
+              + (tile.chunk.k0 - block.k0) * shape.kernel_group * b),
         "C": tile.chunk.index * c_region + (tile.n0 // c2_out) * shape.M * atom + tile.m0 * atom,
     }
 

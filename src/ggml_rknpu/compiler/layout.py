@@ -1,17 +1,12 @@
-"""Native NPU layouts of A, B and C, packed and unpacked with vectorised numpy.
-
-[docs/npu-programming.md §6; SDK native layouts; MTX feature_data/weight_fp16/weight_int8]:
+"""Native NPU layouts of A, B and C, packed and unpacked with vectorised numpy
+[docs/npu-programming.md §6].
 
 * A [M, K]: NC1HWC2 with C2 = 16 / bytes: fp16 ``(Kp/8, M, 8)``, int8 ``(Kp/16, M, 16)``.
-* B, ggml's [N, K] (one row per output): fp16 ``(Np/16, Kc/32, 16, 32)``, int8
-  ``(Np/32, Kc/32, 32, 32)``, stored once per K chunk, chunks one after another
-  (``tiling.k_chunks``; with one chunk this is exactly the SDK layout). Each chunk must be
-  contiguous because a task's CNA reads its weights as one run of WEIGHT_BYTES [§7].
-* C: ``(k_splits, Np/C2, M, C2)``, C2 = 4 for fp32/int32, 8 for fp16; one region per K
-  chunk, summed here.
+* B, ggml's [N, K]: fp16 ``(Np/16, Kc/32, 16, 32)``, int8 ``(Np/32, Kc/32, 32, 32)``, one
+  contiguous block per K chunk (a task reads its weights as one run of WEIGHT_BYTES, §7).
+* C: ``(k_splits, Np/C2, M, C2)``, C2 = 4 for fp32/int32, 8 for fp16; chunks summed here.
 
-Padding channels (K -> Kp) and kernels (N -> Np) are zero, so they add nothing [§6, §10].
-"""
+Invariant: padding channels (K -> Kp) and kernels (N -> Np) are zero [§6, §10]."""
 
 from __future__ import annotations
 

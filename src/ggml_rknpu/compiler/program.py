@@ -1,29 +1,11 @@
-"""``Program``: the whole regcmd buffer image of a matmul, its task table and the
-relocations that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
+"""``Program``: the whole regcmd buffer image of a matmul, its task table and the relocations
+that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
 
-Layout of the regcmd buffer: tasks grouped by core, in execution order; every task
-starts 64-byte aligned (MESA's alignment [docs/npu-programming.md §2]; the vendor blob spaces
-its 108-word tasks 0x380 bytes apart too [capture c1024_h1_oc1001]); padding words are 0
-(a NOP [§11]), so a fetch that runs one word past an odd-length task reads a NOP.
-
-Chaining: each task's 4-word tail points at the next task *of the same core* with the
-fetch amount of that task's body [§2: ceil((body+4)/2)-1]; the last task of a core has
-the (0, 0) tail. The vendor driver starts core i at its first task and reaches the rest
-through these tails (core_mask + subcore_task [§3, §4]). Rocket runs one task per
-hardware start (TASK_NUMBER=1) and ignores the in-stream pointers [§5], so the very same
-words serve both ABIs; the tails are kept valid anyway.
-
-Chains (``ProgramTask.chain``): a core's tasks are cut into consecutive chains, each run as
-its own submit, so that no vendor PC chain is longer than the envelope allows
-(``max_chain_tasks``: 65 fp16, 1 int8 in the proven envelope) and no rocket job is modeled
-longer than ``max_job_ms`` at ``job_model_mhz``, rocket's boot clock (mainline kills a job after 500 ms and
-leaves its outputs stale [rocket_job.c JOB_TIMEOUT_MS]). The last task of every chain has
-the (0, 0) tail. Submit j runs chain j of every core.
-
-Deviation from contract D [docs/decisions.md] (additive): ``Program`` also carries ``c_dtype`` (precision the
-NPU writes C in; fp32 for a K-split fp16 matmul, see layout.partial_dtype), ``abi``,
-``k_chunks`` and the convenience ``regcmd_bytes`` / ``core_tasks``.
-"""
+Invariants: tasks are grouped by core in execution order, each 64-byte aligned, padding
+words 0 (a NOP); each task's tail points at the next task of the same core and the last
+task of every chain has the (0, 0) tail, so the same words serve both ABIs; no chain is
+longer than the envelope allows (``max_chain_tasks``, ``max_job_ms``); submit j runs
+chain j of every core. Sources: docs/compiler.md "Program layout and chains"."""
 
 from __future__ import annotations
 

@@ -1,56 +1,13 @@
 """Split a matmul into hardware tasks: K chunks, N ranges per core and per task, M tiles.
 
-Rules, each with its source:
-
-* **K** -- one task takes at most ``MAX_TASK_K = 10240`` channels, the SDK's own matmul
-  K limit [SDK rknn_matmul_api.h; docs/npu-programming.md §9; docs/rknn-toolkit.md]. This also
-  keeps one kernel's weights within one CBUF bank (Kp*b <= 32 KiB [§9, MTX check]) and a
-  whole kernel group within 10 of the 12 banks (16*10240*2 = 32*10240*1 = 10 banks; that the
-  SDK limit is chosen for this is our *inference*). K is cut into balanced chunks of whole
-  32-channel atoms; each chunk's fp32/int32 partial result lands in its own C region and
-  the host sums them (``layout.unpack_c``) -- there is no proven on-NPU accumulation
-  across tasks [§9]. Chunking depends on (K, dtype) only, so weights are packed once
-  whatever M is. How many chunks:
-
-  - Kp <= 8192: one chunk, as the SDK (it splits B only when K > 8192 [docs/rknn-toolkit.md
-    §4.4]) and the 15 hardware-validated MTX single-task streams [golden] do. The model
-    would prefer chunks for prefill here too (512x4096x11008); left so, to keep the
-    single-task streams the MTX goldens pin down.
-  - Kp > 8192: the count, between the fewest chunks of <= MAX_TASK_K and chunks of
-    ``MIN_CHUNK_K``, whose tiling of a reference prefill (``TUNE_M`` x K x ``TUNE_N``, one
-    core) is modeled (``cost.model``) within ``CHUNK_SLACK`` of the least time. WHY: a
-    kernel group of a long chunk fills most weight banks (K=8960 fp16: 9 banks), leaving
-    ~5 rows of A per task, and every M tile re-streams the weights. Shorter chunks trade that for one more fp32
-    partial C per chunk. Cutting K well below the SDK limit is what Rockchip's own
-    compiler does for these shapes (1x8960x1536 fp16 in 6 K tiles; 16x4096x4096 in K tiles
-    1536/1536/1024; 64x1536x8960 in 2x768 [docs/rknn-toolkit.md §1.6]); the count is our choice
-    by the cost model, which does not price the host's sum of the partials.
-* **N** -- split across cores first (contiguous kernel-group ranges; no automatic
-  intra-op split exists [§9]), then per task to <= 8192 kernels: DPU cube channel and WDMA
-  channel fields are 13 bits holding N-1 [registers.xml; §9]. Tasks take whole kernel
-  groups; unaligned N is zero-padded to the group [§6].
-* **M** -- a task's whole input, M_t*Kc*b bytes, must fit its DATA_BANK banks, and
-  DATA_BANK + WEIGHT_BANK = 12 [§7, §9]. We keep WEIGHT_BANK large enough for one whole
-  kernel group (g*Kc*b bytes). That is a *guess* on the safe side: the golden and blob
-  streams all satisfy it [golden; capture c1024_h1_oc1001: WEIGHT_BANK 11], and no public
-  stream shows a group split across refills (in all 683 decoded capture task rows,
-  min(g, kernels) * WEIGHT_SIZE1 <= WEIGHT_BANK * 32 KiB; the one kernel larger than a
-  bank, 38400 B in c768_h20_oc768_s1pvalid, runs alone with WEIGHT_BANK=2). Rows per task
-  therefore come from shorter K chunks (above), not from fewer weight banks.
-  M_t <= 1022 so that FEATURE_GRAINS = M_t+1 (MTX's validated value [§7]) fits its
-  10-bit field.
-* **Cores** -- N ranges when N has at least one kernel group per core, else M ranges.
-* <= 4095 tasks per core (PC TASK_NUMBER, 12 bits [§3, §9]); more is an error telling the
-  caller to split the call.
-
-**Envelope** (``hw.envelope``): every rule above is bounded by the envelope the plan is
-made in -- ``PROVEN`` by default (what hardware-run streams cover: one core, rows <= 544,
-a kernel group at most 8/11 of WEIGHT_BANK, data banks sized by 64-byte entries, split K
-chunks of multiples of 256, K <= 8192 fp16 / 4096 int8 and N <= 8192 / 4096 per task),
-``EXTENDED`` (the field widths, today's former default) on request. Cores beyond the
-envelope's are not used (the plan runs on fewer). The K chunking depends on (K, dtype,
-envelope), so a weight is packed for the envelope its engine plans in.
-"""
+Invariants: one task takes at most ``MAX_TASK_K`` channels and its whole input must fit its
+data banks beside a weight bank that holds one whole kernel group; N is split across cores
+first, then per task to at most 8192 kernels; M tiles are at most 1022 rows; at most 4095
+tasks per core, else an error; decode rows (M <= 16) may split K inside a weight chunk,
+one kernel group per task, where the model prices it cheaper (``group_split``); K chunking
+depends on (K, dtype, envelope) only, so a weight is packed once whatever M is; every rule is bounded by the envelope the plan is
+made in (``PROVEN`` by default, ``hw.envelope``). Each rule with its source:
+docs/compiler.md "Tiling"."""
 
 from __future__ import annotations
 
@@ -96,8 +53,11 @@ class TaskTile:
     m: int         # rows (DATAIN_HEIGHT)
     n0: int        # first kernel, a multiple of the kernel group
     n: int         # kernels, a multiple of the kernel group
-    chunk: KChunk
+    chunk: KChunk  # the K range the task computes; its partial C region is chunk.index
     data_banks: int
+    block: KChunk | None = None   # the weight layout chunk holding the task's weights, when
+    #                               the task computes only part of it (one kernel group: split K
+    #                               of a decode step, ``group_split``); None: ``chunk`` itself
 
     @property
     def weight_banks(self) -> int:
@@ -107,13 +67,15 @@ class TaskTile:
 @dataclass(frozen=True)
 class Tiling:
     shape: MatmulShape
-    chunks: tuple[KChunk, ...]
+    chunks: tuple[KChunk, ...]      # the weight layout's K chunks (``layout.pack_b``)
     tasks: tuple[TaskTile, ...]     # grouped by core, in execution order
     cores_used: int
+    partials: tuple[KChunk, ...] = ()   # the K ranges with a C region each; () = ``chunks``
 
     @property
     def k_splits(self) -> int:
-        return len(self.chunks)
+        """Partial C regions the host sums (``layout.unpack_c``)."""
+        return len(self.partials or self.chunks)
 
 
 def k_chunks(K: int, dtype: str, envelope: Envelope | str = PROVEN) -> tuple[KChunk, ...]:
@@ -198,26 +160,41 @@ def tile(shape: MatmulShape, cores: int = 1, envelope: Envelope | str = PROVEN) 
     if not 1 <= cores <= limits.N_CORES:
         raise ValueError(f"cores must be 1..{limits.N_CORES}, got {cores}")
     envelope = by_name(envelope)
-    return _tile(shape, min(cores, envelope.max_cores), k_chunks(shape.K, shape.dtype, envelope), envelope)
+    plain = _tile(shape, min(cores, envelope.max_cores), k_chunks(shape.K, shape.dtype, envelope), envelope)
+    if shape.M > GROUP_SPLIT_MAX_ROWS or not _restreams(plain):
+        return plain
+    return _cheapest_group_split(plain, envelope)
+
+
+def _core_ranges(shape: MatmulShape, cores: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per core ((m0, rows), (n0, kernels)): N ranges of whole kernel groups when N has a
+    group per core, else M ranges [module doc, Cores]."""
+    g = shape.kernel_group
+    groups = shape.Np // g
+    if groups >= cores:
+        return [((0, shape.M), (s * g, n * g)) for s, n in _split(groups, cores)]
+    if shape.M >= cores:
+        return [((s, n), (0, shape.Np)) for s, n in _split(shape.M, cores)]
+    used = max(groups, shape.M)
+    if groups >= shape.M:
+        return [((0, shape.M), (s * g, n * g)) for s, n in _split(groups, used)]
+    return [((s, n), (0, shape.Np)) for s, n in _split(shape.M, used)]
+
+
+def _check_task_count(shape: MatmulShape, core: int, count: int) -> None:
+    if count > limits.MAX_TASKS_PER_SUBMIT:
+        raise ValueError(
+            f"matmul {shape.M}x{shape.K}x{shape.N} needs {count} tasks on core {core}, "
+            f"more than the {limits.MAX_TASKS_PER_SUBMIT} one hardware run can chain; "
+            "split the call along M"
+        )
 
 
 def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...], envelope: Envelope) -> Tiling:
     g = shape.kernel_group
-    groups = shape.Np // g
     m_max = max_task_rows(max(c.size for c in chunks), shape, envelope)
     max_n = min(MAX_TASK_N, envelope.max_task_n[shape.dtype])
-
-    if groups >= cores:
-        core_ranges = [((0, shape.M), (s * g, n * g)) for s, n in _split(groups, cores)]
-    elif shape.M >= cores:
-        core_ranges = [((s, n), (0, shape.Np)) for s, n in _split(shape.M, cores)]
-    else:
-        used = max(groups, shape.M)
-        if groups >= shape.M:
-            core_ranges = [((0, shape.M), (s * g, n * g)) for s, n in _split(groups, used)]
-        else:
-            core_ranges = [((s, n), (0, shape.Np)) for s, n in _split(shape.M, used)]
-
+    core_ranges = _core_ranges(shape, cores)
     tasks: list[TaskTile] = []
     for core, ((cm0, cm), (cn0, cn)) in enumerate(core_ranges):
         n_tiles = _split(cn // g, ceil_div(cn, max_n))
@@ -229,11 +206,91 @@ def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...], envelope: 
             for n0, n in n_tiles
             for m0, m in m_tiles
         ]
-        if len(core_tasks) > limits.MAX_TASKS_PER_SUBMIT:
-            raise ValueError(
-                f"matmul {shape.M}x{shape.K}x{shape.N} needs {len(core_tasks)} tasks on core {core}, "
-                f"more than the {limits.MAX_TASKS_PER_SUBMIT} one hardware run can chain; "
-                "split the call along M"
-            )
+        _check_task_count(shape, core, len(core_tasks))
         tasks.extend(core_tasks)
     return Tiling(shape, chunks, tuple(tasks), len(core_ranges))
+
+
+# --- split K of a decode step over the weights as packed ------------------------------
+GROUP_SPLIT_MAX_ROWS = 16
+# OUR CHOICE: decode steps (M <= 16, one MAC pass of rows [cost.model M_ATOM]) are the
+# shapes where a whole kernel group of a long K leaves too few data banks for their rows
+# (fp16 K in (6144, 8192]: 8-11 rows at full weight fill, 2 at the proven 8/11), so the
+# step runs as M tiles that each re-stream the core's weights. Prefill is not evaluated
+# here (its many M tiles would become thousands of one-group tasks).
+
+
+def _restreams(tiling: Tiling) -> bool:
+    """Whether some core runs one weight range for several M tiles (re-streaming it)."""
+    return len({(t.core, t.chunk.index, t.n0) for t in tiling.tasks}) < len(tiling.tasks)
+
+
+def group_split(plain: Tiling, parts: int, envelope: Envelope) -> Tiling | None:
+    """``plain`` with each weight chunk's K cut into ``parts`` runs of whole
+    ``k_chunk_multiple`` channels, one task per (kernel group, run, M tile); None when the
+    runs cannot be cut or a core would need more tasks than one run chains.
+
+    WHY this needs no new weight layout: a chunk stores each kernel group as one run
+    ``(Kc/32, g, 32)`` [layout.py], so the channels [k0, k0 + kc) of one group are the
+    contiguous ``(kc/32, g, 32)`` run a task of a chunk of size kc reads (WEIGHT_BYTES =
+    kc x b x g from CNA_DCOMP_ADDR0 [§7]); several groups of a sub-range are not contiguous,
+    hence one group per task. Each run writes its own partial C region, summed on the host
+    like any K split; the weights are packed once whatever M is, so M = 1 programs (and the
+    golden streams) are unchanged."""
+    shape = plain.shape
+    g = shape.kernel_group
+    unit = envelope.k_chunk_multiple
+    pieces = [(block, run) for block in plain.chunks for run in _balanced_chunks(block.size, parts, unit)]
+    if len(pieces) == len(plain.chunks):
+        return None
+    partials = tuple(KChunk(i, block.k0 + run.k0, run.size) for i, (block, run) in enumerate(pieces))
+    owners = [block for block, _run in pieces]
+    m_max = max_task_rows(max(p.size for p in partials), shape, envelope)
+    tasks: list[TaskTile] = []
+    for core, ((cm0, cm), (cn0, cn)) in enumerate(_core_ranges(shape, plain.cores_used)):
+        m_tiles = _split(cm, ceil_div(cm, m_max))
+        core_tasks = [
+            TaskTile(core, cm0 + m0, m, cn0 + j * g, g, part,
+                     data_banks_for(m, part.size, shape.in_bytes, envelope), block)
+            for block in plain.chunks
+            for j in range(cn // g)
+            for part, owner in zip(partials, owners) if owner is block
+            for m0, m in m_tiles
+        ]
+        if len(core_tasks) > limits.MAX_TASKS_PER_SUBMIT:
+            return None
+        tasks.extend(core_tasks)
+    return Tiling(shape, plain.chunks, tuple(tasks), plain.cores_used, partials)
+
+
+def modeled_seconds(tiling: Tiling, envelope: Envelope) -> float:
+    """Modeled time (``cost.model``) of ``tiling``'s tasks and submits, with one submit per
+    vendor PC chain of the envelope (the rknpu rule; rocket jobs chain further)."""
+    from ggml_rknpu.cost.model import TaskWork, Workload, modeled_time
+
+    shape = tiling.shape
+    # C is written in the output precision, fp32 for the partials of a split (layout.partial_dtype)
+    out_bytes = limits.BYTES[shape.out] if tiling.k_splits == 1 else 4
+    works = tuple(TaskWork(t.core, t.m, t.chunk.size, t.n, shape.dtype, out_bytes) for t in tiling.tasks)
+    per_core: dict[int, int] = {}
+    for t in tiling.tasks:
+        per_core[t.core] = per_core.get(t.core, 0) + 1
+    submits = max(ceil_div(n, envelope.max_chain_tasks[shape.dtype]) for n in per_core.values())
+    return modeled_time(Workload(works, submits=submits)).total_s
+
+
+def _cheapest_group_split(plain: Tiling, envelope: Envelope) -> Tiling:
+    """Among ``plain`` and its group splits into 2, 3, ... runs (up to the first that needs
+    no re-streaming), the fewest runs within ``CHUNK_SLACK`` of the least modeled time:
+    the model does not price the host's sum of the partials."""
+    options = [plain]
+    for parts in range(2, ceil_div(max(c.size for c in plain.chunks), envelope.k_chunk_multiple) + 1):
+        split = group_split(plain, parts, envelope)
+        if split is None:
+            break
+        options.append(split)
+        if not _restreams(split):
+            break
+    seconds = [modeled_seconds(t, envelope) for t in options]
+    best = min(seconds)
+    return next(t for t, s in zip(options, seconds) if s <= best * (1 + CHUNK_SLACK))

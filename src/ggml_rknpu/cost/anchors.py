@@ -1,19 +1,9 @@
 """Measured matmul throughputs on RK3588 boards that the cost model is calibrated on.
 
-Copied from ``docs/anchors.md`` and the seed log (the product never reads the
-reference files at run time). These are other people's *measured* figures; what our model says about the
-same shapes is *modeled*.
-
-Reading of the seed's figures (Milestones 7 and 8 [docs/decisions.md], via ``rknn_matmul_api``):
-* one core: the runtime's default core mask (AUTO) runs a matmul on one core, and the int8
-  M=512 figure (1391 GOP/s) lies below one core's 2048 GOP/s peak;
-* N=2048 for the M=256/512 rows and for Milestone 8 is inferred from the same [2048x2048]
-  weight used in Milestones 9-11 (the table itself states only K=2048);
-* DRAM clock: Milestone 15 says Milestones 7/10/13/14 ran with DRAM parked at 528 MHz, but
-  the GEMV rows stream 8.1-10.9 GB/s, above the 8.45 GB/s nominal at 528 MHz, and equal to
-  one core's 10.9 GB/s stream at full DRAM clock [docs/anchors.md §3.2]. We therefore read these
-  rows as taken at 2112 MHz (the DMC governor ramps under load) and say so.
-"""
+Invariants: these are other people's *measured* figures, copied from docs/anchors.md and
+the seed log (the product never reads reference files at run time); what our model says
+about the same shapes is *modeled*. How the seed's rows are read (one core, N=2048,
+DRAM clock): docs/decisions.md "cost/anchors.py"."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """The time a matmul program would take on RK3588 silicon: a *modeled* figure, never a
-measured one.
+measured one; every figure it produces must be printed as modeled.
 
-WHY a separate model: the simulator executes register words for their function only; how
-long the same words would run on a board is a different question, answered here from the
-published and measured figures in ``docs/anchors.md`` and the seed log. Every constant
-below cites its source; constants marked FIT were chosen so that ``ANCHORS`` (the measured
-figures, in ``cost/anchors.py``) are reproduced, and ``tests/cost/test_cost_model.py`` shows the
-fit and its tolerance. Every figure this module produces must be printed as *modeled*.
-
-The model, per task (one CNA+CORE+DPU run of a 1x1 convolution):
-
-* compute = ceil(m / 16) * 16 * Kp * Np / MAC-per-cycle / f_npu. The MAC array works on
-  16 output pixels per weight load, so M is padded to 16 per task (Rockchip's own compiler
-  cost model gives M=1 exactly 1/16 of the MAC rate [docs/rknn-toolkit.md §1.7]); K is padded
-  to 32 and N to the kernel group [docs/npu-programming.md §6, §7].
-* memory = (weights + A + C bytes of the task) / per-core bandwidth, where the per-core
-  bandwidth is the smaller of one core's DMA stream and an equal share of the DRAM stream
-  among the cores the job uses. Weights are re-streamed by every task (total weights exceed
-  CBUF and stream through it [docs/npu-programming.md §7 "CBUF banks"]).
-* task time = max(compute, memory) + OVERLAP_PENALTY * min(compute, memory) + TASK_OVERHEAD.
-* a core's time is the sum of its tasks; a job's time is the slowest core plus the
-  per-submit overhead of the submit path (``SubmitProfile``).
-"""
+Per task: compute (M padded to 16, K to 32, N to the kernel group, over the MAC rate),
+memory (the task's weights + A + C over the per-core share of the DRAM stream), task time
+= max + ``OVERLAP_PENALTY`` * min + ``TASK_OVERHEAD``; a core sums its tasks, a job is its
+slowest core plus the submit path's overhead (``SubmitProfile``). Every constant cites its
+source; FIT constants reproduce ``ANCHORS`` (tests/cost/test_cost_model.py shows the fit).
+Why a separate model and the terms' sources: docs/decisions.md "cost/model.py"."""
 
 from __future__ import annotations
 

@@ -4,62 +4,12 @@
     w = npu.upload_weight(b, dtype="fp16")        # b [N, K], ggml layout: one row per output
     c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
 
-WHY this shape (docs/architecture.md rules 6-7; seed Milestones 9-10 and 16): the seed lost to
-the CPU because it converted and uploaded weights on every call; here a weight is converted
-and packed into its native layout once, into a device buffer that stays resident, and each
-(weight, M bucket) gets one compiled program whose register commands are bound to fixed
-buffers once. A call then only packs A into the resident A buffer, submits, waits and
-unpacks C.
-
-Scratch memory: A and C are shared, one buffer per M bucket holding A then C (one clean
-covers both), grown to the largest A and the largest C of that bucket. Matmuls run strictly one after another (one thread, every
-call waits for completion), so no two programs use them at once. Per-program buffers made
-C (which grows with the K chunk count) scale with the number of cached programs: a 7B
-prefill bucket alone overflowed the 4 GiB NPU window. When a shared buffer must grow, the
-new one is allocated first, every program using it is re-bound (``Program.bind``) and the
-old one freed, so regcmd words always point at live buffers; a shared buffer is freed
-with the last program using it (eviction, ``Weight.free``). Regcmd buffers stay per
-program. A job lists the range of a shared buffer its program uses (``BufferRange``), so
-a submit cleans/invalidates what that program uses, not the whole shared buffer.
-
-Everything goes through ``NpuDevice.submit``: on the simulator that is ``SimKernel`` ->
-``SimNpu``, the same submit path a board takes.
-
-Host path: a call that fits one program (float activations, or int8 on an int8 weight)
-writes A and reads C through views made once per plan (``engine.hostpath``); others take
-the general path (``stage_activation``, ``pack_a``, ``unpack_c``), with the same bits.
-Decode steps (``Npu.step``, ``Npu.upload_fused_weight``; ``engine.fusion``) replay a
-planned submit for one weight, a fused weight, or sibling programs chained in one submit.
-
-M buckets: 1, 2, 4, ..., ``BUCKET_POW2_MAX``, then multiples of ``BUCKET_POW2_MAX`` up to
-``MAX_PROGRAM_M``; a larger M runs as several submits of the largest bucket. Rows beyond M
-in a bucket are zero and their outputs discarded.
-
-Timing (``last_timing``): host seconds for pack / submit / unpack are measured on this
-host. ``submit_s`` is the whole ``NpuDevice.submit`` call: the cache clean of A, the
-blocking submit (the driver waits for completion inside it) and the cache invalidate of C;
-the engine adds no cache maintenance of its own (the device owns it). Device seconds are *measured* from
-``Completion.hw_elapsed_ns`` on a board, else *modeled* by ``cost.model`` at the NPU clock
-the driver reports (1 GHz on the simulator), else "unknown" (labelled in ``device_label``).
-A bucket the compiler refuses (more tasks than one hardware run chains) halves the
-weight's largest bucket, and the call is split along M.
-
-Envelope (``hw.envelope``): programs are compiled inside ``envelope``: by default the
-proven one widened by what this board's ``rknpu selftest`` ladder recorded
-(``engine.envelope_record``), and cores are capped by it (one core until the ladder says
-otherwise). A program the envelope cuts into several chains runs as several submits, in
-order (``Program.n_submits``).
-
-Canaries (``engine.canary``): every call arms C with values the NPU cannot write and
-checks them after the submits; one left means a task never finished (a rocket job killed
-at its 500 ms timeout returns stale output with no error) and the call raises
-``canary.StaleOutput`` (an NpuFault) after a reset, so the caller runs the step on the
-host: a fault costs time, never a wrong result.
-
-Deviation from contract E [docs/decisions.md] (additive): ``open_engine(device, cores)`` also accepts an
-already-open ``NpuDevice``; ``matmul`` takes ``out`` ("fp32" default, "fp16") for fp16
-weights.
-"""
+Invariants: a weight is converted and packed once into a resident buffer; each (weight, M
+bucket) has one program bound to fixed buffers; regcmd words only ever point at live
+buffers (a shared scratch that grows re-binds its programs first); every call goes through
+``NpuDevice.submit`` and checks its canaries, so an unfinished task raises ``StaleOutput``
+after a reset; programs stay inside ``envelope``. Why, and scratch, buckets, timing:
+docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
 
@@ -67,7 +17,7 @@ import errno
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -90,6 +40,10 @@ from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 BUCKET_POW2_MAX = 256
 MAX_PROGRAM_M = 2048
 OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}
+# Under ``memory_cap``, resident memory (weights, chained steps) leaves room for the programs of
+# every resident weight at this many rows: the decode path (graph.GROUP_MAX_ROWS: one token,
+# drafts, a few slots). A larger bucket that finds no memory splits its call along M.
+RESERVE_ROWS = 16
 
 
 def m_bucket(m: int) -> int:
@@ -213,6 +167,17 @@ class _BoundProgram:
             self.regcmd_buf.close()
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """NPU bytes a program of one weight at ``RESERVE_ROWS`` rows needs beside the weight: its
+    A and C in the bucket's shared scratch buffer, and its own register commands and submit
+    tables (``own``). ``Npu.reserve_bytes`` adds them up over the resident weights."""
+
+    a: int
+    c: int
+    own: int
+
+
 class Weight(ResidentWeight):
     """A weight resident in NPU memory in its native layout. ``shape`` is (N, K)."""
 
@@ -224,6 +189,7 @@ class Weight(ResidentWeight):
         self.programs: dict[tuple[int, str], _BoundProgram] = {}
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
+        self.headroom: Headroom | None = None   # what its programs need under memory_cap (set at upload)
         self.freed = False
 
     def free(self) -> None:
@@ -271,13 +237,16 @@ class Npu:
         self.counters: dict[str, int] = dict.fromkeys((
             "weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits"), 0)
+            "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits",
+            "memory_splits"), 0)
         self.last_timing: Timing | None = None
         self.last_canary_s = 0.0   # host seconds arming and checking the last submit's canaries
         # At most this many bytes of NPU memory (None: whatever the driver gives). Boards share
         # DRAM between CPU and NPU; a server caps what it stages (``rknpu serve --npu-memory``).
         self.memory_cap: int | None = None
+        self.peak_memory = 0   # most NPU bytes in use at once, tracked while memory_cap is set
         self._weights: list[Weight] = []
+        self._rooms: Headroom | None = Headroom(0, 0, 0)   # the resident weights' headrooms combined (None: stale)
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
         self._scratch: dict[tuple[str, int], _Scratch] = {}    # ("AC", M bucket)
         self._steps: set[Any] = set()                           # live Steps (engine.fusion)
@@ -320,7 +289,8 @@ class Npu:
         staged = stage_weight(b, dtype)
         N, K = staged.shape
         nbytes = _b_bytes(staged)
-        buffer = self._alloc(nbytes, "data", f"weight {N}x{K} {dtype}")
+        headroom = self._headroom(N, K, dtype) if self.memory_cap is not None else None
+        buffer = self._alloc(nbytes, "data", f"weight {N}x{K} {dtype}", resident=True, headroom=headroom)
         try:
             _pack_b(staged, buffer.array(np.uint8), self.envelope)   # straight into the mapped buffer
             buffer.sync_to_device(0, nbytes)
@@ -328,7 +298,9 @@ class Npu:
             buffer.close()
             raise
         weight = cls(self, staged.without_data(), buffer, nbytes)
+        weight.headroom = headroom
         self._weights.append(weight)
+        self._add_room(headroom)
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes
         return weight
@@ -460,11 +432,23 @@ class Npu:
         return bound.ports
 
     def _device_time(self, bound: _BoundProgram, completion: Any, hw_ns: int | None) -> tuple[float | None, str]:
+        return self._device_seconds(bound.modeled, completion, hw_ns)
+
+    @staticmethod
+    def _device_seconds(modeled: Any, completion: Any, hw_ns: int | None) -> tuple[float | None, str]:
+        """(seconds, label) of one call on the device: the board's summed hw_elapsed_ns
+        ("measured"), else the cost model's figure for its programs ("modeled"), else unknown."""
         if hw_ns is not None and not completion.simulated:
             return hw_ns * 1e-9, "measured"
-        if bound.modeled is not None:
-            return bound.modeled.total_s, "modeled"
+        if modeled is not None:
+            return modeled.total_s, "modeled"
         return None, "unknown"
+
+    def _record_step_timing(self, times: tuple[float, float, float], modeled: Any, completion: Any,
+                            hw_ns: int | None, submits: int) -> None:
+        """``last_timing`` of a decode step (``engine.fusion.Step.run``), as a matmul's."""
+        dev, label = self._device_seconds(modeled, completion, hw_ns)
+        self.last_timing = Timing(*times, device_s=dev, device_label=label, submits=submits)
 
     def _out_dtype(self, w: Weight, out: str | None) -> str:
         if out is None:
@@ -476,7 +460,8 @@ class Npu:
 
     def _bound_or_shrink(self, w: Weight, rows: int, out: str) -> _BoundProgram | None:
         """The bound program for ``rows``; None after lowering ``w.max_program_m`` when the compiler
-        refuses the bucket (too many tasks for one hardware run: split along M)."""
+        refuses the bucket (too many tasks for one hardware run: split along M), or when a bucket
+        above ``RESERVE_ROWS`` finds no NPU memory (the reserve covers the smaller ones)."""
         bucket = m_bucket(rows)
         try:
             return self._bound_program(w, bucket, out)
@@ -485,6 +470,12 @@ class Npu:
                 raise
             w.max_program_m = 1 << ((bucket - 1).bit_length() - 1)
             w.compile_errors.append(str(exc))
+            return None
+        except NpuOutOfMemory:
+            if bucket <= m_bucket(RESERVE_ROWS):
+                raise
+            w.max_program_m = 1 << ((bucket - 1).bit_length() - 1)
+            self.counters["memory_splits"] += 1
             return None
 
     def _bound_program(self, w: Weight, m: int, out: str) -> _BoundProgram:
@@ -549,6 +540,8 @@ class Npu:
                         raise NpuOutOfMemory(f"{need} more bytes would exceed the NPU memory cap of "
                                              f"{self.memory_cap} bytes", errno.ENOMEM)
                     self.device.prepare(job)
+                    if need and self.memory_cap is not None:
+                        self.peak_memory = max(self.peak_memory, self.memory_used())
                     break
                 except NpuOutOfMemory as exc:
                     if not self._evict_one():
@@ -596,17 +589,22 @@ class Npu:
         dev, label = self._device_time(bound, completion, hw_ns)
         return c, [t1 - t0, t2 - t1, t3 - t2], dev, label
 
-    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> None:
-        """Stale output: reset where the driver lets us (rocket resets a core itself after a
-        job timeout) and raise, so the caller runs this step on the host."""
+    def _npu_fault(self, bound: _BoundProgram, unwritten: int) -> NoReturn:
+        self.stale_output(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
+                          f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
+                          "killed at its 500 ms timeout?)")
+
+    def stale_output(self, what: str) -> NoReturn:
+        """A submit left canaries unwritten: reset where the driver lets us (rocket resets a core
+        itself after a job timeout) and raise StaleOutput carrying what the reset destroyed, so
+        the caller runs the step on the host and does not reset a second time."""
         self.counters["npu_faults"] += 1
         try:
-            self.reset()
+            lost: list | None = self.reset()
         except NpuError:
-            pass
-        raise StaleOutput(f"matmul {bound.program.shape}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} "
-                       f"left unwritten after {len(bound.jobs)} submit(s): a task did not finish (rocket: job "
-                       "killed at its 500 ms timeout?); the NPU was reset, run this step on the host")
+            lost = None
+        raise StaleOutput(f"{what}; " + ("the NPU was reset, run this step on the host" if lost is not None
+                                         else "resetting the NPU failed"), lost=lost)
 
     # -- memory ----------------------------------------------------------------------
     def memory_budget(self) -> tuple[int, int]:
@@ -618,14 +616,25 @@ class Npu:
         free, total = self.device.iova_budget()
         return total - free
 
-    def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out."""
+    def _alloc(self, size: int, purpose: str, what: str, *, resident: bool = False,
+               headroom: Headroom | None = None) -> Any:
+        """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out.
+
+        ``resident``: memory no eviction gives back (a weight, a chained step's buffers). Under
+        ``memory_cap`` it must leave ``reserve_bytes(headroom)`` free, the room the programs of
+        the resident weights (and ``headroom``, the weight being uploaded) need: staged weights
+        never starve the matmuls. Programs and scratch may use the whole cap."""
         while True:
             try:
-                if self.memory_cap is not None and self.memory_used() + _pages(size) > self.memory_cap:
-                    raise NpuOutOfMemory(f"{size} more bytes would exceed the NPU memory cap of "
-                                         f"{self.memory_cap} bytes", errno.ENOMEM)
+                if self.memory_cap is not None:
+                    keep = self.reserve_bytes(headroom) if resident else 0
+                    if self.memory_used() + _pages(size) + keep > self.memory_cap:
+                        raise NpuOutOfMemory(
+                            f"{size} more bytes would exceed the NPU memory cap of {self.memory_cap} bytes"
+                            + (f" less the {keep} bytes kept for the matmul programs" if keep else ""), errno.ENOMEM)
                 buf = self.device.alloc(max(size, 1), purpose=purpose)
+                if self.memory_cap is not None:
+                    self.peak_memory = max(self.peak_memory, self.memory_used())
                 break
             except NpuOutOfMemory as exc:
                 if not self._evict_one():
@@ -635,8 +644,45 @@ class Npu:
                     raise NpuOutOfMemory(
                         f"out of NPU memory allocating {size} bytes for {what} "
                         f"({free} of {total} bytes free{' under the cap' if self.memory_cap else ''}, no cached "
-                        "program left to evict); free weights you no longer need", exc.errno) from exc
+                        f"program left to evict: {exc}); free weights you no longer need", exc.errno) from exc
         return buf
+
+    def reserve_bytes(self, extra: Headroom | None = None) -> int:
+        """What resident memory leaves free under ``memory_cap``: one scratch buffer at
+        ``RESERVE_ROWS`` holding the largest A and the largest C of the resident weights' (and
+        ``extra``'s) programs, plus each one's own register commands and submit tables. With
+        it, a matmul of a resident weight at up to ``RESERVE_ROWS`` rows always finds memory,
+        and those of every weight at once fit side by side (no eviction per token)."""
+        if self._rooms is None:   # after a free: summed again once (an upload adds its own in O(1))
+            self._rooms = Headroom(0, 0, 0)
+            for w in self._weights:
+                self._add_room(w.headroom)
+        a, c, own = self._rooms.a, self._rooms.c, self._rooms.own
+        if extra is not None:
+            a, c, own = max(a, extra.a), max(c, extra.c), own + extra.own
+        return _pages(_c_base(a) + c) + own if a or c or own else 0
+
+    def _add_room(self, room: Headroom | None) -> None:
+        if room is not None and self._rooms is not None:
+            r = self._rooms
+            self._rooms = Headroom(max(r.a, room.a), max(r.c, room.c), r.own + room.own)
+
+    def _headroom(self, n: int, k: int, dtype: str) -> Headroom:
+        """``Headroom`` of an [n, k] weight: its program at ``RESERVE_ROWS`` compiled (the
+        compiler caches it for the matmul that binds it) and measured; a bucket the compiler
+        refuses halves, as ``_bound_or_shrink`` would."""
+        m = m_bucket(RESERVE_ROWS)
+        while True:
+            try:
+                program = _compile(m, k, n, dtype, OUT_FOR_WEIGHT[dtype], self.cores, self.abi, self.envelope)
+                break
+            except ValueError:
+                if m == 1:
+                    raise
+                m //= 2
+        tables = sum(self.device.table_bytes(Job(cores=cores))
+                     for cores in program_cores(program, 0, self.device.n_cores))
+        return Headroom(program.a_bytes, program.c_bytes, _pages(program.words.nbytes) + tables)
 
     def _evict_one(self) -> bool:
         if not self._lru:
@@ -653,6 +699,8 @@ class Npu:
         for key in [k for k, weight in self._lru.items() if weight is w]:
             del self._lru[key]
         self._weights.remove(w)
+        if w.headroom is not None:
+            self._rooms = None
         self.counters["weights_freed"] += 1
 
     # -- faults ----------------------------------------------------------------------
@@ -727,12 +775,17 @@ def open_engine(device: str | NpuDevice | None = None, cores: int | None = None,
 def program_jobs(program: Any, regcmd_addr: int, n_cores: int, a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
     """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``): one per
     chain, in order. A and C are inputs of the first (C holds the CPU's canaries)."""
+    return _with_ranges(tuple(Job(cores=cores) for cores in program_cores(program, regcmd_addr, n_cores)), a, c)
+
+
+def program_cores(program: Any, regcmd_addr: int, n_cores: int) -> list[tuple[tuple[HwTask, ...], ...]]:
+    """Each chain's tasks per core, in order (the ``cores`` of ``program_jobs``' Jobs)."""
     chains: list[list[list[HwTask]]] = [[[] for _ in range(n_cores)] for _ in range(program.n_submits)]
     for task in program.tasks:
         chains[task.chain][task.core].append(HwTask(
             regcmd_addr=regcmd_addr + task.word_offset * 8, body_words=task.body_words,
             int_mask=task.int_mask, enable_mask=task.enable_mask))
-    return _with_ranges(tuple(Job(cores=tuple(tuple(t) for t in per_core)) for per_core in chains), a, c)
+    return [tuple(tuple(t) for t in per_core) for per_core in chains]
 
 
 def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[Job, ...]:

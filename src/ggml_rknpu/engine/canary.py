@@ -1,28 +1,12 @@
 """Canaries: detect NPU output that was never written, so a fault costs time, never a wrong
 result.
 
-WHY: mainline rocket kills a job after 500 ms and returns its outputs stale with no error
-(rocket_job.c ``rocket_job_timedout``; rocket_gem.c ``rocket_ioctl_prep_bo`` returns 0);
-a task that a board silently drops, or a core reset mid-chain, looks the same. Before a
-submit, the last output row of every task, in every output plane it writes, is set to a
-value the NPU cannot produce; after it, any such atom still holding the value means that
-task did not finish, and the call raises ``StaleOutput`` (an ``NpuFault``: callers that
-recover from NPU faults need no case of their own; ``ggml/recovery.py`` counts it apart).
-
-Cost: the first element of one 16-byte atom per (task, output plane), written and read
-with one vectorised index each way (decode, M=1, N=8960 fp32: 2240 elements; the
-DPU writes whole atoms, so one element stands for its atom), plus the clean of the C
-window the device then does because C is also listed as a job input. Which atoms, read
-from each task's own words (DPU_DST_BASE_ADDR, DATAIN_HEIGHT, WEIGHT_KERNELS,
-DST_SURF_STRIDE, OUT_PRECISION) so it holds whatever the tiling does.
-
-Canary values (per output precision), impossible as results:
-* int32: INT32_MIN. |sum| <= 128 * 128 * K = 2^14 K < 2^31 for every K < 131072, beyond
-  any matmul we compile (DATAIN_CHANNEL is 16 bits).
-* fp32 / fp16: a signalling-NaN payload (0x7FBADBAD / 0x7DBA). The NPU writes NaN only
-  from NaN or Inf inputs, and then not this payload; if it ever did, the cost is a
-  needless host fallback, not a wrong value.
-"""
+Invariants: before a submit, the last output row of every task, in every output plane it
+writes, holds a value the NPU cannot produce (int32: INT32_MIN; fp32/fp16: a
+signalling-NaN payload); after it, any such value left raises ``StaleOutput`` (an
+``NpuFault``). Which atoms is read from each task's own words, so it holds whatever the
+tiling does. Why, the cost and why the values are impossible: docs/decisions.md
+"engine/canary.py" and docs/envelope.md."""
 
 from __future__ import annotations
 
@@ -40,7 +24,14 @@ PATTERN: dict[str, np.generic] = {"int32": np.uint32(0x8000_0000), "fp32": np.ui
 
 
 class StaleOutput(NpuFault):
-    """The submits reported success but a canary survived: a task never wrote its output."""
+    """The submits reported success but a canary survived: a task never wrote its output.
+
+    The engine resets the NPU before raising this; ``lost`` is what that reset returned (the
+    weights it destroyed), or None when the engine did not reset and the caller must."""
+
+    def __init__(self, message: str, lost: list | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 @dataclass(frozen=True, eq=False)

@@ -74,7 +74,8 @@ class EngineStep(Protocol):
 
     def run(self, a: np.ndarray, outs: Any = None) -> list[np.ndarray]:
         """``a`` [M, K] (M up to the planned rows) -> one [M, N_i] result per weight, written
-        into ``outs`` (one float32 array per weight) when given."""
+        into ``outs`` (one float32 array per weight) when given. Sets the engine's
+        ``last_timing`` for the whole step, as ``matmul`` does for one call."""
         ...
 
     def close(self) -> None: ...

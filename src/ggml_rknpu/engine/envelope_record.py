@@ -1,17 +1,12 @@
 """What a board has proven: the bring-up ladder's passed rungs per board and driver, kept in
 a local file, and the envelope the engine may plan in because of them.
 
-WHY: the proven envelope is what streams that ran on *some* RK3588 cover; going beyond it
-(more cores, longer int8 chains, a full weight bank, more rows per task) is safe only on a
-board where ``rknpu selftest`` ran that rung and compared the result. The ladder stops at
-its first failure, so the envelope widens by the rungs passed from the bottom, in ladder
-order, and no further.
-
-The file: ``$RKNPU_ENVELOPE_FILE``, else ``~/.config/ggml-rknpu/envelope.json``:
-``{"boards": {"<board key>": {"passed": [rung, ...], "when": "...", "report": "..."}}}``.
-``RKNPU_ENVELOPE=proven|extended`` overrides the record (extended: everything the field
-widths allow, at the user's own risk).
-"""
+Invariants: the envelope widens by the rungs passed from the bottom, in ladder order, and
+no further (the ladder stops at its first failure). The file is ``$RKNPU_ENVELOPE_FILE``,
+else ``~/.config/ggml-rknpu/envelope.json``:
+``{"boards": {"<board key>": {"passed": [rung, ...], "when": "...", "report": "..."}}}``;
+``RKNPU_ENVELOPE=proven|extended`` overrides it (extended: the field widths, at the
+user's own risk). Why: docs/envelope.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """Fused NPU jobs for the decode path: sibling weights as one resident weight, several
 programs in one submit, and ``Step``, a submit planned once and replayed.
 
-WHY: a decode token is a few hundred small matmuls and the NPU is fed from DRAM; one submit
-per matmul costs its fixed overhead every time (``cost.model.OWN_DRIVER``: 79 us, bounded
-from qwen3.c), and a small matmul alone leaves cores idle and pays a task overhead per core
-(K/V projections of a GQA model are 256-1024 outputs). Matmuls that read the same activation
-with no host op between them (Q/K/V; gate/up) can run as one NPU job, two ways:
-
-* **fused weight** (``Npu.upload_fused_weight``): the siblings' rows concatenated into one
-  resident weight [sum N_i, K]; one program; the result splits into one column view per
-  sibling. Exact: each output row is the same dot product either way (int8 scales are per
-  output row, so they concatenate too). Costs a second resident copy unless the caller
-  drops the siblings' own.
-* **chained programs** (``Npu.step`` with several weights): each sibling keeps its own
-  resident weight and program; the programs' regcmd are chained into one submit
-  (``compiler.chain``), reading one A and writing disjoint regions of one C.
-
-Residency stays exact: the engine holds no host copy of a weight, so it cannot see writes
-to the siblings' source bytes; the caller names each fused weight by its siblings' keys in a
-``FusedWeights`` cache, and ``FusedWeights.invalidate(key)`` (called wherever the caller
-invalidates a sibling: SET_TENSOR, COPY_TENSOR, ...) frees every fused copy built from it.
-Freeing a member weight closes the chained steps that use it (``Npu._forget``).
-"""
+Invariants: a fused weight is exact (each output row is the same dot product; int8 scales
+are per row and concatenate too); chained programs read one A and write disjoint regions
+of one C; residency stays exact because the caller invalidates every fused copy built from
+a sibling it invalidates (``FusedWeights.invalidate``), and freeing a member closes the
+chained steps using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
 
 from __future__ import annotations
 
@@ -33,10 +17,9 @@ import numpy as np
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
-from ggml_rknpu.engine.canary import Canaries, StaleOutput
+from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.hw import limits
-from ggml_rknpu.kernel.errors import NpuError
 
 C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
 
@@ -170,10 +153,12 @@ class Step:
         act_scales = a_port.write(a)
         t1 = time.perf_counter()
         if self._chain:
-            self.canary_s = self._chain.submit(self._label)
+            self.canary_s, completion = self._chain.submit(self._label)
+            hw_ns, submits = completion.hw_elapsed_ns, 1
         else:   # the engine's bound program: its chains in order, canaries checked
-            self.npu._submit_bound(target, target.c_buf.array(np.uint8))
+            completion, hw_ns = self.npu._submit_bound(target, target.c_buf.array(np.uint8))
             self.canary_s = self.npu.last_canary_s
+            submits = len(target.jobs)
         t2 = time.perf_counter()
         rows = a.shape[0]
         if outs is not None and len(outs) != len(self._views):
@@ -194,6 +179,7 @@ class Step:
                 results = [o[:rows] for o in outs]
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
+        self.npu._record_step_timing(self.timing, self.modeled, completion, hw_ns, submits)
         c = self.npu.counters
         c["matmuls"] += len(self.weights)
         c["step_runs"] += 1
@@ -307,28 +293,24 @@ class _Chain:
         self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
                                           ).over(c_raw)
 
-    def submit(self, what: str) -> float:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset);
-        the host seconds the canaries took."""
+    def submit(self, what: str) -> tuple[float, Any]:
+        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset):
+        (the host seconds the canaries took, the submit's completion)."""
         t0 = time.perf_counter()
         self.canaries.arm()
         t1 = time.perf_counter()
-        self.npu._submit_job(self.job, what)
+        completion = self.npu._submit_job(self.job, what)
         t2 = time.perf_counter()
         unwritten = self.canaries.unwritten()
         canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
-            self.npu.counters["npu_faults"] += 1
-            try:
-                self.npu.reset()
-            except NpuError:
-                pass
-            raise StaleOutput(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
-                              "after the chained submit: a task did not finish; the NPU was reset")
-        return canary_s
+            self.npu.stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
+                                  "unwritten after the chained submit: a task did not finish")
+        return canary_s, completion
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what)
+        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what,
+                              resident=True)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf
 

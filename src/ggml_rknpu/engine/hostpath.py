@@ -1,25 +1,11 @@
 """The host side of one NPU step, planned once: activations in, results out, through views.
 
-WHY: single-stream decode is bandwidth-bound on the NPU, so the host work around each
-submit adds straight to the token time; a Cortex-A76 runs a few hundred of these steps per
-token. ``compiler.layout.pack_a``/``unpack_c`` are general (any rows, checks, new arrays);
-here a program's A and C windows get their native-layout views once, and a call is a few
-numpy operations with no Python loop over rows, tasks or K chunks and no allocation beyond
-numpy's small reductions:
-
-* ``ActivationPort.write``: float rows -> the mapped A buffer. fp16: one casting copy into
-  the ``(Kp/8, M, 8)`` view (a flat copy when M = 1) and a zeroing of the K padding (the A
-  buffer is shared by programs of other K, so its padding may hold their bytes; padding
-  channels must be zero [docs/npu-programming.md §6, §10]). int8: per-row symmetric quantisation
-  into a preallocated float scratch, then one casting copy; the same arithmetic as
-  ``engine.weights.quantize_rows_int8`` so results are bit-identical to ``Npu.matmul``.
-* ``ResultPort.read``: the ``(k_splits, Np/C2, M, C2)`` C view -> caller rows: partial sums
-  over K chunks in one reduction, one transposing copy, the int8 scales applied in place,
-  in the same order as ``engine.weights.dequantize_output``.
-
-Bad input still gets a clear error: a wrong shape, or a non-finite or out-of-fp16-range
-activation (checked on the converted values, one pass) raises ValueError before submit.
-"""
+Invariants: a program's A and C windows get their native-layout views once; a call is a
+few numpy operations, with no Python loop over rows, tasks or K chunks; K padding of A is
+zeroed on every write (the A buffer is shared by programs of other K); the int8
+arithmetic is ``engine.weights``' own, so results are bit-identical to ``Npu.matmul``; a
+wrong shape or a non-finite or out-of-fp16-range activation raises ValueError before the
+submit. Why and what each port does: docs/decisions.md "engine/hostpath.py"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
-"""Host-side conversion of weights and activations into what the NPU multiplies.
+"""Host-side conversion of weights and activations into what the NPU multiplies: the number
+format is an engine decision, made once per weight at upload and per call for activations
+(the compiler only packs already-typed arrays).
 
-WHY here and not in the compiler: the compiler packs already-typed arrays into native
-layouts; choosing the number format (fp16 rounding, int8 quantisation and its scales) is an
-engine decision made once per weight at upload and once per call for activations.
-
-* fp16: float (or int8) [N, K] -> float16 with round-to-nearest-even (numpy ``astype``),
-  the rounding the vendor stack applies to fp16 inputs [docs/rknn-toolkit.md §1.5]. A finite
-  value beyond the fp16 range (|x| > 65504) is refused instead of silently becoming inf.
-* int8 from int8: taken as is (exact int8 x int8 -> int32 on the NPU [docs/npu-programming.md §10]).
-* int8 from float: per-output-row symmetric quantisation, scale_n = max|b_n| / 127,
-  q = round-half-even(b / scale) in [-127, 127] (symmetric per-channel int8 is the vendor
-  matmul API's per-channel-sym B mode [docs/rknn-toolkit.md §4.2 PER_CHANNEL_SYM]). An all-zero
-  row gets scale 1 so it stays exactly zero.
-* float activations against an int8 weight are quantised the same way per row (per output
-  row of C), so C = (A_q . B_q^T) * a_scale[:, None] * b_scale[None, :].
-"""
+* fp16: round-to-nearest-even (numpy ``astype``) [docs/rknn-toolkit.md §1.5]; a finite value
+  beyond the fp16 range is refused instead of becoming inf.
+* int8 from int8: as is (exact int8 x int8 -> int32 [docs/npu-programming.md §10]).
+* int8 from float: per-row symmetric, scale = max|row| / 127, round-half-even into
+  [-127, 127] [docs/rknn-toolkit.md §4.2 PER_CHANNEL_SYM]; an all-zero row gets scale 1.
+* float activations on an int8 weight: quantised the same way per row, so
+  C = (A_q . B_q^T) * a_scale[:, None] * b_scale[None, :]."""
 
 from __future__ import annotations
 

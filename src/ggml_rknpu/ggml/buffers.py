@@ -1,17 +1,11 @@
 """Device buffers behind the RPC handles: a fake, stable device address space over host memory.
 
-llama.cpp never dereferences a device address; it computes ``data = base + offset``
-from the base we return (BUFFER_GET_BASE) and sends it back in every rpc_tensor
-[docs/ggml-rpc.md §3.4]. So each buffer gets its own range in a 64-bit fake address space
-that is never reused (a stale address can never alias a newer buffer), with an
-unmapped guard gap between buffers. Every access goes through ``DeviceBuffer.span``,
-the one bounds check, so no request can touch bytes outside the buffer it names.
-
-Memory is host numpy memory allocated with ``np.zeros`` (calloc → the kernel commits
-pages on first touch), so the 513 MiB compute buffer llama.cpp reserves costs only
-what a graph actually writes: "allocated lazily". The total is bounded by the
-device budget (``DeviceMemory``), which is what GET_DEVICE_MEMORY reports (P11).
-"""
+Invariants: llama.cpp never dereferences a device address, it computes ``base + offset``
+and sends it back [docs/ggml-rpc.md §3.4]; so each buffer gets its own range in a 64-bit
+fake address space that is never reused, with an unmapped guard gap between buffers, and
+every access goes through ``DeviceBuffer.span``, the one bounds check. Memory is
+``np.zeros`` (pages committed on first touch, so llama.cpp's large compute buffer costs
+only what a graph writes), bounded by ``DeviceMemory``, which GET_DEVICE_MEMORY reports."""
 
 from __future__ import annotations
 

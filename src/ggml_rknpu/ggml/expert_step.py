@@ -1,26 +1,12 @@
 """MUL_MAT_ID (MoE experts) on the NPU: each expert a resident weight, routed at every replay.
 
-``dst[:, s, t] = as[:, :, ids[s, t]] @ b[:, s % ne11, t]`` (ggml.c ``ggml_mul_mat_id``;
-ggml-cpu ``ggml_compute_forward_mul_mat_id``): src0 ``as`` is ``[K, N, n_expert]``, src1 ``b``
-``[K, ne11, n_tokens]`` with ``ne11`` 1 (one row per token, broadcast over the used slots: the
-gate/up projections) or ``n_used`` (one row per slot: the down projection), ``ids``
-``[n_used, n_tokens]`` int32, dst ``[N, n_used, n_tokens]`` f32.
-
-Staging (``expert_slots``): when src0 is a leaf weight (``placement.experts_host_reason``),
-each expert's ``[K, N]`` slice at ``e * nb[2]`` becomes its own ``WeightSlot``: the weight
-store keys, stages, invalidates (by byte range: a write over one expert drops that expert
-only) and reuses it across clients by content exactly like a 2-D weight. An expert the
-engine refuses (out of NPU memory, limits) stays on the host.
-
-Replay (``ExpertStep.run``): the ids are range-checked (the validator rule's index check,
-``rules.mul_mat_id``; a bad id is an ``OpDataError``: the graph fails, the connection
-closes, the server keeps serving), the (token, slot) pairs are grouped by expert with one
-stable argsort, and each selected expert runs behind ``NpuRecovery.matmul`` with M = its
-rows (the engine's M buckets apply), its results scattered into dst. Rows of experts that
-are not resident, or whose matmul the recovery policy sent to the host (two faults), run
-through ggml-cpu's own MUL_MAT_ID (``HostExperts``) in one call: a fault costs time, never
-a wrong token.
-"""
+``dst[:, s, t] = as[:, :, ids[s, t]] @ b[:, s % ne11, t]`` (ggml.c ``ggml_mul_mat_id``):
+``as`` ``[K, N, n_expert]``, ``b`` ``[K, ne11, n_tokens]`` (``ne11`` 1 or ``n_used``), ``ids``
+``[n_used, n_tokens]`` int32, dst ``[N, n_used, n_tokens]`` f32. Invariants: each expert's
+slice is its own ``WeightSlot`` (staged, invalidated by byte range and reused by content
+like a 2-D weight); ids are range-checked before use (a bad id fails the graph, the server
+keeps serving); each selected expert runs behind ``NpuRecovery.matmul``, and the rows of
+experts not resident or sent to the host run through ggml-cpu's own MUL_MAT_ID in one call."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Generator of ``ggml_rknpu/ggml/enums.py`` from the pinned llama.cpp (run ``scripts/gen-ggml-enums``).
 
-Why generated: op, type, unary and glu numbers are the build's enum order and change between
-llama.cpp versions (docs/ggml-rpc.md P3), so they must never be hand-copied. Sources, cross-checked
-against each other so a parsing slip cannot pass silently:
-
-* enum values: parsed from ``ggml/include/ggml.h`` (implicit numbering followed like a C compiler);
-* names: checked against ``ggml_op_name`` / ``ggml_unary_op_name`` / ``ggml_glu_op_name`` of the
-  built ``libggml-base.so`` (ctypes);
-* block and type sizes: ``ggml_blck_size`` / ``ggml_type_size`` of the built library (they are
-  ``sizeof(block_xx)`` in ``ggml.c``, not literals), cross-checked with ``gguf``'s
-  ``GGML_QUANT_SIZES`` for every type gguf knows;
-* RPC protocol version: the ``RPC_PROTO_*_VERSION`` defines of ``ggml/include/ggml-rpc.h``.
-"""
+Op, type, unary and glu numbers are the build's enum order and change between llama.cpp
+versions (docs/ggml-rpc.md P3), so they are never hand-copied. Invariant: every value is
+cross-checked between two sources, so a parsing slip cannot pass silently: enum values
+parsed from ``ggml.h`` against the built ``libggml-base.so``'s names; block and type sizes
+from the library against ``gguf``'s ``GGML_QUANT_SIZES``; the RPC protocol version from the
+``RPC_PROTO_*_VERSION`` defines of ``ggml-rpc.h``."""
 
 from __future__ import annotations
 

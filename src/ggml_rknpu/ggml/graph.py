@@ -1,39 +1,13 @@
-"""GRAPH_COMPUTE payload → a :class:`GraphPlan` built once, replayed per token.
+"""GRAPH_COMPUTE payload -> a :class:`GraphPlan` built once, replayed per token
+[docs/ggml-rpc.md §3.5, P8].
 
-llama.cpp resends the same graph (or a 13-byte GRAPH_RECOMPUTE) every decode step
-[docs/ggml-rpc.md §3.5, P8]. Planning parses and checks every tensor, validates every
-computing node against its rule (``ops.rules``: arity, types, the dst that ggml's
-builder would make, index tensors), decides which MUL_MATs run on the NPU (a resident
-weight), and turns the graph into real ggml tensors in one no-alloc context
-(``hostggml.compute``: ``data`` in the server's buffers, views as views, flags as sent).
-The nodes are then cut, in the client's order, into :class:`HostSegment` s (one
-``ggml_graph_compute`` each, with its cplan made once) and :class:`NpuStep` s (one engine
-call each); NPU matmuls reading one activation (Q/K/V, gate/up) are gathered into one
-:class:`NpuGroup` (one engine step, one submit; docs/decode.md "Server wiring"), and host
-segments that only their members' deliveries separate run as one :class:`DeliveredRun`. A
-MUL_MAT_ID whose experts are resident weights is an ``ExpertStep`` (``ggml/expert_step.py``:
-routing by its checked ids, one engine call per selected expert).
-Replaying a plan is a loop over those steps: no parsing, no decisions.
-Identical payloads (same bytes → same blake2b digest) reuse their plan too, which
-covers clients whose graph uid changes while the graph does not.
-
-Checks made before any step exists: exact payload size, node count, unique
-tensor ids, every src / view_src id known, nodes only read nodes that come earlier
-(which also rules out cycles), view chains acyclic and consistent with their
-parent's address, every tensor's bytes inside its buffer, every node admitted by a
-rule and by ggml-cpu's own ``supports_op``. Indices that are data are range-checked
-on every run before the segment that reads them (a segment ends before a node whose
-index bytes a node of the segment wrote), or once at the start of the replay when no
-earlier step writes them (the client's uploads). Bytes written by a node are recorded
-per buffer so they can never be mistaken for a weight.
-
-Which nodes run: like ggml-cpu under the C++ ``ggml-rpc-server`` (``ggml_graph_compute_thread``),
-only nodes whose ``flags`` carry ``GGML_TENSOR_FLAG_COMPUTE`` and whose op is not a view; the
-rules, index checks, weight placement and segments consider only those. The client's
-``ggml_build_forward_select`` puts every alternative branch into the graph and flags only the
-chosen one; the others' inputs are never uploaded (their bytes are whatever the buffer held), so
-checking or running them reads garbage (llama.cpp b11434's mixed-batch embedding SET_ROWS, issue 16).
-"""
+Invariants: planning checks every tensor and validates every computing node against its
+rule (``ops.rules``) before any step exists; only nodes flagged ``GGML_TENSOR_FLAG_COMPUTE``
+that are not views are checked and run, like ggml-cpu under the C++ server; a replay is a
+loop over :class:`HostSegment`, :class:`NpuStep`, :class:`NpuGroup`, :class:`DeliveredRun`
+and ``ExpertStep`` with no parsing and no decisions; index data is range-checked before the
+segment that reads it; bytes a node writes can never be taken for a weight. What is checked
+and why: docs/decisions.md "ggml/graph.py"."""
 
 from __future__ import annotations
 
@@ -219,7 +193,7 @@ class NpuGroup:
             self.drop()
             self._one_by_one(stats, recovery)
             return
-        _count_npu(stats, self.members, self.rows, time.perf_counter() - t0)
+        _count_npu(stats, self.members, self.rows, time.perf_counter() - t0, npu.last_timing)
         stats.npu_grouped_runs += 1
         self.ran = True
 

@@ -1,20 +1,10 @@
 """Where each op runs (NPU engine or the host's ggml-cpu), and the counters that prove it.
 
-Policy (issue 4 item 5): a MUL_MAT whose src0 is a staged weight runs on the NPU
-engine — the weight is already resident, so only the activations move. Everything
-else (element-wise ops, norms, rope, attention, and matmuls between two computed
-tensors such as KQ/KQV) runs on the host: those operands change every call, so the
-NPU would pay packing, an upload and a submit per op for work ggml-cpu does in
-microseconds at decode sizes. The cost model (``cost/model.py``) prices programs for
-resident weights; pricing a per-call upload of both operands is not modeled yet, so
-no non-weight op is moved to the NPU (a deliberate, documented simplification).
-
-Counters are per (op, engine): nodes executed, bytes (host: source + destination spans
-the op touches; NPU: the activations moved in and out, the weight being resident), and
-for NPU steps the host seconds around the engine call. Host nodes run in segments (one
-``ggml_graph_compute`` each), so their time is ``host_seconds``, per segment. Printed on
-SIGUSR1, with ``--stats`` after each client, and at exit.
-"""
+Policy: a MUL_MAT whose src0 is a staged weight runs on the NPU engine; everything else
+runs on the host. Counters are per (op, engine): nodes executed, bytes touched (NPU: the
+activations moved, the weight being resident), host seconds per segment and around each
+NPU step; printed on SIGUSR1, with ``--stats`` after each client, and at exit. Why no
+other op moves to the NPU: docs/decisions.md "ggml/placement.py"."""
 
 from __future__ import annotations
 

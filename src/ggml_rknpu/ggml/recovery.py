@@ -1,28 +1,13 @@
 """What an NPU matmul step does when the NPU faults: reset, retry once, else the host.
 
-The graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else; this
-module holds the whole policy, so the host data plane can change without touching it.
-
-A *fault* is what a board's NPU does to a correct job: a timeout (hang, or a core that
-stopped responding), a DMA fault, or output it never wrote (``engine.canary.StaleOutput``,
-an ``NpuFault``: a canary survived the submits). On a fault the step
-
-1. resets the NPU (``npu.reset()``: vendor ACT_RESET; rocket resets the core itself; the
-   engine has already reset once before raising ``StaleOutput``, the second is one more
-   ioctl on a rare path, kept so every fault takes the same steps) and re-stages every weight the reset destroyed (neither driver frees buffers on reset, so
-   this is for an engine that reports some),
-2. retries once on the NPU with the same activations,
-3. if that faults too, computes this step on the host from the weight's ggml bytes (the
-   caller's host fallback) - the graph completes with the right result.
-
-The next step tries the NPU again. A weight is demoted to the host for good only after
-``DEMOTE_AFTER`` (8) faulted attempts in a row with no success between them (the log says
-so and why): random faults hit every weight alike and must not strip the NPU of its
-model, a weight whose program faults every time must not cost a reset per token forever.
-
-Anything that is not a fault (the engine refusing a shape, out of NPU memory, a bug) keeps
-the store's earlier policy, ``WeightStore.matmul_failed``.
-"""
+Invariants: the graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else,
+and this module holds the whole policy; a *fault* (timeout, DMA fault, or
+``engine.canary.StaleOutput``, whose reset the engine has already done, so it is not done
+twice) resets the NPU and re-stages what the reset destroyed, retries once, and then
+computes the step on the host, so the graph completes with the right result; a weight is
+demoted for good only after ``DEMOTE_AFTER`` faulted attempts in a row; anything that is
+not a fault keeps ``WeightStore.matmul_failed``'s policy. How: docs/faults.md "Recovery";
+why: docs/decisions.md "ggml/recovery.py"."""
 
 from __future__ import annotations
 
@@ -60,7 +45,7 @@ class RecoveryStats:
     """Server-wide counters (``--stats-json`` "recovery")."""
 
     faults: dict[str, int] = field(default_factory=lambda: {kind: 0 for _, kind in FAULT_KINDS})
-    resets: int = 0
+    resets: int = 0                  # NPU resets after faults (one per fault: the engine's own after stale output)
     retries: int = 0                 # second NPU attempts
     retried_ok: int = 0              # ... that succeeded
     host_fallbacks: int = 0          # steps computed on the host after two faulted attempts
@@ -126,7 +111,7 @@ class NpuRecovery:
             return
         self.stats.faults[kind] += 1
         log.warning("NPU %s in the grouped step %s: %s; its matmuls run one by one this time", kind, what, exc)
-        self._reset()
+        self._reset(exc)
 
     def _recover(self, slot: WeightSlot, kind: str, exc: BaseException) -> bool:
         """Count, reset, re-stage; False once the weight is demoted for good."""
@@ -134,7 +119,7 @@ class NpuRecovery:
         streak = self._streak.get(slot, 0) + 1
         self._streak[slot] = streak
         log.warning("NPU %s in a matmul with '%s' (%d in a row): %s", kind, slot.name, streak, exc)
-        self._reset()
+        self._reset(exc)
         if streak >= DEMOTE_AFTER:
             self._streak.pop(slot, None)
             self.stats.demoted += 1
@@ -142,15 +127,18 @@ class NpuRecovery:
             return False
         return True
 
-    def _reset(self) -> None:
-        reset = getattr(self.npu, "reset", None)
-        if reset is None:
-            return
-        try:
-            lost = reset()
-        except Exception as exc:   # the reset itself failed: the retry will tell whether the NPU is back
-            log.error("NPU reset failed: %s", exc)
-            return
+    def _reset(self, exc: BaseException) -> None:
+        """The NPU reset after ``exc``: the engine's own (stale output) or one done here."""
+        lost = exc.lost if isinstance(exc, StaleOutput) else None
+        if lost is None:
+            reset = getattr(self.npu, "reset", None)
+            if reset is None:
+                return
+            try:
+                lost = reset()
+            except Exception as err:   # the reset itself failed: the retry will tell whether the NPU is back
+                log.error("NPU reset failed: %s", err)
+                return
         self.stats.resets += 1
         lost_ids = {id(h) for h in lost or ()}
         if lost_ids:

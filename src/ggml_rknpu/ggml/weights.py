@@ -1,33 +1,12 @@
 """Weight residency: MUL_MAT weights converted once, staged on the NPU, invalidated on any write.
 
-The protocol never says which buffers hold weights, so the graph planner proposes
-candidates (the src0 of a MUL_MAT that is a leaf: not computed by the graph, not a
-view, not a graph input, never written by any graph node) and this store turns each
-into a ``WeightSlot``: the bytes ``[start, end)`` of one buffer, converted from the
-ggml type by ggml's own dequantizer (``type_traits.to_float`` of the pinned build, at C
-speed, so every type ggml has can be staged: K-quants, IQ, MXFP4, NVFP4, Q1_0, ...) and
-handed to ``npu.upload_weight`` in the server's weight format (``fp16`` = the accuracy
-reference, or ``int8``).
-
-Any later write to those bytes (SET_TENSOR, SET_TENSOR_HASH, COPY_TENSOR,
-MEMSET_TENSOR, BUFFER_CLEAR, or a graph node whose output overlaps them) calls
-``invalidate``; the staged copy is freed and the next use re-stages from the current
-bytes, so a result is never computed from stale weights. A slot invalidated after
-staging more than ``VOLATILE_AFTER`` times is data the client rewrites all the time
-(an activation copied in as src0); it is demoted to the host path for good instead of
-being re-uploaded every token.
-
-Staged weights outlive the connection that staged them (``RetiredWeights``): when a
-slot's buffer is freed (FREE_BUFFER or disconnect) its staged copy moves to a
-server-wide LRU keyed by the *content* of the ggml bytes (SHA-256 of the exact
-bytes, ggml type, ne, nb, weight format). A later connection whose candidate has
-the same key takes that copy instead of converting again, so a restarted
-llama.cpp process does not pay the whole conversion a second time, and a weight
-with any different byte can never match. The digest is computed only when a slot
-is about to be staged (once per weight per connection), never per token. Retired
-copies are freed LRU-first when the engine runs out of NPU memory, and count as
-free memory in GET_DEVICE_MEMORY (``DeviceMemory.reclaimable``).
-"""
+Invariants: a slot is the bytes ``[start, end)`` of one buffer, converted by ggml's own
+dequantizer and uploaded in the server's weight format; any later write to those bytes (a
+SET/COPY/MEMSET of them, BUFFER_CLEAR, or a graph node's output overlapping them) frees
+the staged copy, so a result never comes from stale weights; a slot invalidated more than
+``VOLATILE_AFTER`` times goes to the host for good; staged weights outlive their connection
+in a server-wide LRU keyed by the exact bytes' SHA-256 and layout (``RetiredWeights``),
+so a weight with any different byte never matches. Why: docs/server.md "Weight residency"."""
 
 from __future__ import annotations
 
@@ -121,6 +100,7 @@ class WeightStats:
     invalidations: int = 0
     demoted: int = 0
     failures: int = 0
+    matmul_failures: int = 0         # ... of them sent to the host by a failed NPU matmul (not a fault), e.g. out of NPU memory
     upload_seconds: float = 0.0
     digest_seconds: float = 0.0      # hashing candidate bytes for the reuse key
     reused: int = 0                  # stagings served from a retired copy (no conversion)
@@ -245,6 +225,7 @@ class WeightStore:
         if isinstance(exc, NpuOutOfMemory) and self.retired is not None and self.retired.evict_one():
             log.info("NPU out of memory in a matmul with '%s': evicted a retired weight", slot.name)
             return
+        self.stats.matmul_failures += 1
         self.demote(slot, f"{type(exc).__name__}: {exc}")
 
     def demote(self, slot: WeightSlot, reason: str) -> None:

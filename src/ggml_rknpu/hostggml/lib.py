@@ -1,24 +1,11 @@
 """The pinned ggml, loaded through ctypes: libggml-base, then libggml-cpu, ABI checked at load.
 
-Why ggml itself: every op the server runs on the host is ggml-cpu's own kernel, so results
-are llama.cpp's CPU backend bit for bit and every op and type ggml has is available at C speed.
-
-Loading: ``libggml-base.so`` by absolute path with ``RTLD_GLOBAL`` (libggml-cpu resolves its
-symbols against it), then ``libggml-cpu.so``, both from the first directory that has them
-(``toolchain.llamacpp.ggml_library_dir``): ``$RKNPU_GGML_LIB_DIR`` when set (e.g. the
-AddressSanitizer build, and then only it), else the full pinned build
-(``scripts/build-llama-cpp``), else the ggml-only build (``scripts/build-ggml``, all a
-server-only machine needs).
-
-ABI check (:func:`check_abi`), before anything else uses the library: the generated struct
-layouts (``abi.py``) and enums (``ggml/enums.py``) must agree with the loaded library:
-``ggml_tensor_overhead()`` equals ``sizeof(ggml_object) + sizeof(ggml_tensor)``, every field
-of a tensor made by ggml reads back what ggml wrote (shape, strides, op, op_params, flags,
-sources, view, data, name), ``ggml_graph_plan`` and ``ggml_threadpool_params_init`` fill the
-fields where the binding reads them, and every op, unary op, glu op and type has the name,
-block size and type size the enums say. Any mismatch raises :class:`GgmlAbiError`, whose
-message names the fix; nothing runs on a library the binding does not match.
-"""
+Invariants: both libraries come from the first directory that has them
+(``toolchain.llamacpp.ggml_library_dir``), base loaded with ``RTLD_GLOBAL`` first; nothing
+uses the library before :func:`check_abi` has compared the generated struct layouts
+(``abi.py``) and enums (``ggml/enums.py``) with it: sizes, every field of a ggml-made tensor
+read back, the plan and threadpool fields, each op's and type's name and sizes. A mismatch
+raises :class:`GgmlAbiError` naming the fix. Why ggml itself: docs/server.md "Host backend"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""The proven envelope: the ranges of every field that streams which really ran on an
-RK3588 cover, as data, each with its public source; and the task fields decoded from
-regcmd words, so that anything the compiler emits can be checked against it.
+"""The proven envelope: the ranges of every field that streams which really ran on an RK3588
+cover, as data with their public sources, and the task fields decoded from regcmd words,
+so anything the compiler emits can be checked against it.
 
-WHY: nothing of ours has run on a board yet, and the compiler and the simulator share
-their readings of the hardware, so a wrong reading passes every test. What *has* run on
-silicon is public: the 15 MTX golden single-task streams (hardware-checked by their
-author, vendor driver, kernel 5.10), the vendor runtime's captured submits (librknnrt
-2.3.0 / driver 0.9.8, 83 conv shapes, public repository allbilly/rk3588,
-``conv_expt/capture_harness/decoded``) and Mesa's rocket driver (int8 convs on mainline in
-Mesa CI). The compiler plans inside ``PROVEN`` by default; ``EXTENDED`` (what the field
+Invariants: the compiler plans inside ``PROVEN`` by default; ``EXTENDED`` (what the field
 widths and the CBUF size allow) is opt-in, field by field (``Envelope.widen``), and the
-``rknpu selftest`` ladder records which widenings a board has passed. Sources are spelled
-out in docs/envelope.md.
-"""
+``rknpu selftest`` ladder records which widenings a board has passed. Why and the sources
+(golden streams, the vendor runtime's captures, Mesa's rocket): docs/envelope.md."""
 
 from __future__ import annotations
 

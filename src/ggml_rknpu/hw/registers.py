@@ -1,17 +1,12 @@
-"""The RK3588 NPU register database: blocks, absolute offsets, named bit fields, a source
-for every register.
+"""The RK3588 NPU register database: blocks, absolute offsets, named bit fields, a source for
+every register; the compiler encodes and the simulator decodes with this one table.
 
-WHY as data: the compiler names fields (``CNA_CONV_CON1.encode(PROC_PRECISION=2, ...)``)
-and the simulator decodes words with the same table, so bit positions live in exactly one
-place. The bulk comes from Mesa's ``registers.xml`` (MIT, machine-extracted from the TRM),
-converted once by ``scripts/gen-hw-registers`` into ``_register_table.py``; registers every
-real stream writes but no document describes are added below with their own source.
-
-Keys are ``<BLOCK>_<NAME>`` (``CNA_CONV_CON1``, ``DPU_DATA_FORMAT``, ``PC_BASE_ADDRESS``).
-The XML's redundant ``RDMA_`` name prefix inside the DPU_RDMA / PPU_RDMA domains is dropped
-(``DPU_RDMA_S_POINTER``). Deviation from contract C [docs/decisions.md] (additive only): ``Block`` also lists
-DDMA (0x8) and SDMA (0x9), which the XML documents [docs/npu-programming.md §1].
-"""
+The bulk is Mesa's ``registers.xml`` (MIT, machine-extracted from the TRM), converted by
+``scripts/gen-hw-registers`` into ``_register_table.py``; registers real streams write but
+no document describes are added below with their own source. Keys are ``<BLOCK>_<NAME>``;
+the XML's redundant ``RDMA_`` prefix inside the DPU_RDMA / PPU_RDMA domains is dropped.
+Additive to contract C [docs/decisions.md]: ``Block`` also lists DDMA (0x8) and SDMA (0x9)
+[docs/npu-programming.md §1]."""
 
 from __future__ import annotations
 

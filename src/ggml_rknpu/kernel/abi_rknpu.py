@@ -1,18 +1,11 @@
 """``RknpuAbi``: the vendor ``rknpu`` DRM driver as a ``DriverAbi`` [docs/npu-programming.md §3-§4].
 
-Submit: one SUBMIT per job. Each submit table has its own task BO (KERNEL_MAPPING, owned
-here, one page for up to 102 tasks), written and cleaned once when the table is built, so a
-replayed table costs the SUBMIT alone; it holds the ``rknpu_task`` array core-major; ``core_mask`` has a bit per used
-core; core i's range goes in ``subcore_task[i]`` when 1-2 cores are used and
-``subcore_task[i+2]`` when 3 are [VEND rknpu_job_commit_pc]. Flags are PC|PINGPONG like
-the RKNN runtime's (0x5) [capture pw_c256_h14]. Later tasks of a core are reached through
-the regcmd tails, so only the first task's regcmd and amount and the int_mask of the first
-and last matter to the kernel. Buffers are CPU-cached (flags 0x403, as the RKNN runtime
-allocates them) and synced with MEM_SYNC, whose TO_DEVICE cleans and FROM_DEVICE
-invalidates exactly the requested range [VEND ``rknpu_gem_sync_ioctl``:
-dma_sync_single_range_for_device / _for_cpu over offset, size; docs/npu-programming.md §4].
-The SUBMIT and every MEM_SYNC of a range are packed once (``drm.PreparedIoctl``) and replayed.
-"""
+Invariants: one SUBMIT per job; each submit table owns its task BO (KERNEL_MAPPING, one page,
+up to 102 tasks), written and cleaned once when the table is built, so a replay costs the
+SUBMIT alone; buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
+MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; the
+SUBMIT and every MEM_SYNC are packed once (``drm.PreparedIoctl``) and replayed. The task
+array, core_mask/subcore_task and flags, with sources: docs/decisions.md "kernel/abi_rknpu.py"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """``NpuDevice``: the NPU as buffers and jobs over exactly one ``DriverAbi``.
 
-The device knows nothing of boards or simulators: it is handed a ``Syscalls`` object and
-an open fd, asks the node's DRM name (DRM_IOCTL_VERSION) and drives it with that ABI's
-class from ``ABIS``. Choosing and opening a device by name is ``ggml_rknpu.devices``.
-
-Invariants: buffers are CPU-cached; ``submit`` cleans every input range before a submit,
-and the ABI makes the output ranges CPU-visible after it. A ``Job.cores`` is validated and
-turned into its ABI's submit table once, then replayed; the buffers holding its regcmd are
-cleaned when the table is built, not at every submit: a regcmd the CPU rewrites afterwards
-(a program re-bound to new buffers) needs ``Buffer.sync_to_device()`` like anything else
-the CPU writes outside a job's inputs (weights: once, after writing them). A clean is
-needed after CPU writes only: MEM_SYNC TO_DEVICE / FINI_BO write dirty lines back
-[docs/npu-programming.md §4-§5], and a regcmd written once stays clean. Not thread-safe: one
-device per thread.
-"""
+The device knows nothing of boards or simulators: it is handed a ``Syscalls`` object and an
+open fd, asks the node's DRM name and drives it with that ABI's class from ``ABIS``;
+choosing and opening a device by name is ``ggml_rknpu.devices``. Invariants: buffers are
+CPU-cached; ``submit`` cleans every input range before a submit and the ABI makes the
+output ranges CPU-visible after it; a job's submit table is built once and replayed, and
+its regcmd is cleaned when the table is built, so a regcmd (or weight) the CPU rewrites
+later needs ``Buffer.sync_to_device()`` [docs/npu-programming.md §4-§5]. One device per thread."""
 
 from __future__ import annotations
 

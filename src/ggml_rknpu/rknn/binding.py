@@ -1,17 +1,12 @@
 """ctypes binding of Rockchip's ``rknn_matmul_api`` (in the closed ``librknnrt.so``).
 
-WHY our own structs: the vendor header is marked confidential and the library's licence
-does not grant redistribution [docs/rknn-toolkit.md §4.6], so nothing of theirs is in this repo.
-Every struct below is written from the field tables in docs/rknn-toolkit.md §4.3 (offsets and
-sizes measured with gcc on LP64, which is aarch64's data model) and its size and offsets are
-asserted at import. Users install ``librknnrt.so`` themselves; it is looked up at
-``$LIBRKNNRT_PATH``, then in the usual library directories.
-
-Return codes: 0 or positive is success, negative an error [docs/rknn-toolkit.md §4.1]. Names of
-the negative codes follow a public error-string table for rknn_api (TensorStack
-``rknn_utils.h`` ``get_rknn_error_str``); -5 "parameter is invalid" is also what the seed
-saw for a matmul type the RK3588 runtime does not support (seed Milestone 8 [docs/decisions.md]).
-"""
+Invariants: nothing of the vendor's is in this repository (its header is marked
+confidential and its licence grants no redistribution [docs/rknn-toolkit.md §4.6]): every
+struct is written from the field tables of docs/rknn-toolkit.md §4.3 and its size and
+offsets are asserted at import; the library is the user's, found at ``$LIBRKNNRT_PATH``,
+then in the usual directories; 0 or positive is success, negative an error [§4.1], named
+after a public error table (TensorStack ``rknn_utils.h``); -5 is also what the seed saw
+for a type the RK3588 runtime lacks (seed Milestone 8 [docs/decisions.md])."""
 
 from __future__ import annotations
 

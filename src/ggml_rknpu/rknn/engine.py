@@ -1,25 +1,12 @@
 """A second matmul engine over Rockchip's closed ``rknn_matmul_api`` (the seed's route 1),
-with the same interface as ``engine.Npu``: ``upload_weight``, ``matmul``, ``counters``,
-``last_timing``, ``memory_budget``, ``close``.
+a ``MatmulEngine`` like ``engine.Npu``.
 
-WHY it is built this way (seed Milestones 9, 10, 16 [docs/decisions.md]): creating a context and uploading B
-per call cost ~38 ms against ~1 ms for a resident one, so each (weight, M bucket) gets a
-persistent context whose A, B and C buffers are created and bound once, B filled once.
-The runtime failed beyond ~150 live contexts, so contexts are bounded by an LRU whose limit
-the user sets (``max_contexts``, default 32 as in the seed's backend); the least recently
-used (weight, M bucket) is destroyed when a new one would exceed it.
-
-Types: only fp16 x fp16 -> fp32 (1) and int8 x int8 -> int32 (2) are run; both were
-validated on an RK3588 (seed M2, M8). fp16 x int8/int4 (5, 7) failed on RK3588 with the
-runtime's "unsupported matmul dtype ... in this platform" (seed M8); they, and every other
-type nobody has shown to work on RK3588, are reported and never attempted.
-
-Layouts and limits [docs/rknn-toolkit.md §4.4, RK3588]: A and C row-major ("normal"), B in the
-native layout converted once by the runtime's own ``rknn_B_normal_layout_to_native_layout``;
-K padded to 32, N to 16 (fp16) / 32 (int8); K longer than 8192 (where RK3588 segments B) is
-cut into chunks with one context each and the partial results are summed on the host.
-Timing: host seconds measured; device seconds *modeled* (``cost.model``, librknnrt profile).
-"""
+Invariants: each (weight, M bucket) gets a persistent context whose A, B and C are bound
+once and B filled once, bounded by an LRU of ``max_contexts`` (default 32); only fp16 x
+fp16 -> fp32 and int8 x int8 -> int32, the types validated on an RK3588, are ever run;
+B is converted by the runtime's own native-layout call, K beyond 8192 is cut into chunks
+summed on the host [docs/rknn-toolkit.md §4.4]; device seconds are *modeled*. Why
+(seed Milestones 2, 8-10, 16): docs/decisions.md "rknn/engine.py"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Opening the rknn engine for ``rknpu serve --engine rknn`` and ``rknpu bench --engines rknn``:
 one place for the library lookup, the device rule and the start-up probe.
 
-The device rule (WHY): librknnrt is a closed runtime that opens the vendor ``rknpu`` driver
-itself; our simulator and the mainline ``rocket`` driver cannot run it. So
-  1. the library must be found (``$LIBRKNNRT_PATH``, else the usual directories), else
-     ``RknnUnavailable`` says how to install it;
-  2. a vendor ``rknpu`` node must be present (``kernel.device.discover``), unless
-     ``$LIBRKNNRT_PATH`` is set explicitly: the user then vouches for the library (the test
-     stand-in, which needs no device, or a board whose node we do not recognise);
-  3. a start-up probe creates and destroys one tiny context, so a runtime that cannot reach
-     its device fails at start-up with its own error code, not in the middle of serving.
-The test stand-in is recognised by its exported marker symbol (``binding.STANDIN_MARKER``);
-reports then say "stand-in" and nothing about its timing is an NPU figure.
-"""
+Invariants: librknnrt opens the vendor ``rknpu`` driver itself, so the library must be
+found (else ``RknnUnavailable`` says how to install it) and a vendor node must be present,
+unless ``$LIBRKNNRT_PATH`` is set explicitly (the user vouches: the test stand-in, or an
+unrecognised board); a start-up probe creates and destroys one tiny context, so a runtime
+that cannot reach its device fails at start, not mid-serving. The stand-in is recognised
+by ``binding.STANDIN_MARKER``, and reports then say "stand-in"."""
 
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """CNA + CORE + DPU: the direct convolution a task's registers describe, executed with numpy.
 
-Decoding (``decode_conv``) first runs every hardware rule of ``validate.CONV_RULES``, then
-the limits of this model (``NotModeled``): a 1x1 kernel with stride 1 and no padding (the
-matmul case: M = H*W rows, K = DATAIN_CHANNEL, N = WEIGHT_KERNELS), DPU bypass path.
-
-Layouts [docs/npu-programming.md §6, §7]:
-- feature, NC1HWC2 with C2 = 16 / bytes: element (c, h, w) at
-  FEATURE_DATA_ADDR + (c / C2) * plane + (h * W + w) * 16 + (c % C2) * b, where the plane
-  pitch 16 * W * Hf comes from LINE_STRIDE = 4W and SURF_STRIDE = W * (Hf - 4) (§7 inference);
-- weights from DCOMP_ADDR0 in kernel groups of G = 16 (fp16) / 32 (int8):
-  group g holds kernels [gG, gG + gs) as (C/32, gs, 32); gs = G except for a partial
-  last group, which is packed with its real size (*inference*: WEIGHT_BYTES = kernels x
-  bytes-per-kernel exactly, e.g. 1001 x 2048 [decoded c1024_h1_oc1001]);
-- output NC1HWC2 with C2 = 16 / out-bytes at DST_BASE_ADDR, plane pitch DST_SURF_STRIDE;
-  channels from WEIGHT_KERNELS up to the DPU channel count are written as 0 (*inference*:
-  absent kernels are zero weights).
-
-Numerics (documented choices; see ``docs`` of each function):
-- int8 x int8 -> int32: exact. Computed as fp32 GEMMs over K chunks of 1024, where every
-  partial sum is an integer of magnitude <= 1024 * 128 * 128 = 2^24 and therefore exact in
-  fp32, then summed in int64 [§10: products exact, int32 accumulation; MTX exact tests].
-- fp16 x fp16: products exact (11 + 11 significant bits fit fp32's 24), summed in fp32
-  (numpy/BLAS sgemm order, not the hardware's unknown order) [issue 3; §10; docs/rknn-toolkit.md
-  §1.5: accumulation "at least fp32 wide", 1 + 2^-24 - 1 lost as in fp32]. fp32 output as
-  is; fp16 output rounded to nearest-even (FP32TOFP16_EN), IEEE overflow to inf
-  [docs/rknn-toolkit.md §1.5: sum of 120000 gives inf]. Expect <= 1 fp16 ulp differences from a
-  board on fp16 output (the vendor simulator is 99.87% bit-exact to 'exact sum, then RNE').
-"""
+Invariants: ``decode_conv`` first runs every hardware rule of ``validate.CONV_RULES``, then
+this model's limits (``NotModeled``: a 1x1 kernel, stride 1, no padding, the matmul case;
+DPU bypass path); layouts follow docs/npu-programming.md §6-§7; int8 x int8 -> int32 is
+exact; fp16 products are exact and summed in fp32 (numpy's order, not the hardware's
+unknown one), fp16 output rounded to nearest-even, so expect <= 1 fp16 ulp from a board.
+The layouts, inferences and numerics with sources: docs/decisions.md "sim/conv.py"."""
 
 from __future__ import annotations
 

@@ -1,41 +1,12 @@
 """Fault injection for the simulated NPU: a ``Syscalls`` wrapper around ``SimKernel``.
 
-``rknpu serve --sim-faults SPEC`` (and tests) wrap the simulated kernel in a
-``FaultInjector`` that decides, per SUBMIT, whether the job runs or fails the way a board's
-NPU fails. It sits at the kernel boundary, so the driver classes, the device, the engine
-and the server above it run exactly the code they run on a board; the simulated kernel
-itself (``sim/kernel.py``) is untouched.
-
-SPEC: comma-separated items, all optional::
-
-    timeout:0.02,stale:0.05       rate per submit (a seeded draw; at most one fault a submit)
-    dma@3,core@10,timeout@11      schedule: the 3rd, 10th, 11th submit (1-based)
-    seed=7                        seed of the draws (default 0): same SPEC, same faults
-
-Kinds (what the caller sees; vendor rknpu ABI / mainline rocket ABI):
-
-- ``timeout``: the NPU hangs. SUBMIT fails with ETIMEDOUT and the NPU *stays* hung -
-  every later submit times out - until ACT_RESET. The vendor driver soft-resets after a
-  timeout by itself [docs/npu-programming.md §3]; a hang that outlives that reset is the
-  modelled worst case (a modelling choice, not a board observation).
-- ``dma``: an NPU DMA fault (a board reports an IOMMU page fault and a job timeout):
-  SUBMIT fails with EFAULT once; the driver's own reset recovers the NPU.
-- ``stale``: the job "completes" (SUBMIT returns 0, task_counter = task_number) but never
-  ran, so C holds whatever was there before - the canaries the engine armed in it
-  (``engine.canary``). Nothing else reports it.
-- ``core``: one core of the job stops responding: every submit that uses it times out until
-  ACT_RESET; jobs on other cores still run. Rocket has no reset ioctl and resets a timed
-  out core itself [docs/npu-programming.md §5], so there it lasts one job.
-
-On rocket every kind ends the way ``sim/kernel.py`` ends a failed job: with the kernel's
-``rocket_errors="mainline"`` (the default, what drivers/accel/rocket does) PREP_BO of the
-job's outputs returns 0 and they hold their old bytes (the engine's canaries catch it:
-``engine.canary.StaleOutput``); with ``"loud"`` PREP_BO fails with ETIMEDOUT.
-
-A faulted job never runs, so its outputs are not written (as on a board when the job did
-not finish). ``counts`` says how many faults of each kind were injected and ``resets``
-how many ACT_RESETs were seen (tests and the server stats read them).
-"""
+``rknpu serve --sim-faults SPEC`` (and tests) decide per SUBMIT whether a job runs or fails
+the way a board's NPU fails: ``timeout``, ``dma``, ``stale`` or ``core``, at a seeded rate
+(``timeout:0.02``) or on a schedule (``dma@3``), ``seed=N``. Invariants: it sits at the
+kernel boundary, so everything above runs the code it runs on a board and ``sim/kernel.py``
+is untouched; at most one fault a submit; a faulted job never runs, so its outputs are not
+written; ``counts`` and ``resets`` say what was injected and seen. Each kind's symptom per
+ABI: docs/faults.md "Injecting faults"."""
 
 from __future__ import annotations
 

@@ -1,58 +1,13 @@
 """``SimKernel``: the vendor ``rknpu`` or mainline ``rocket`` kernel driver, in software,
 behind the ``Syscalls`` interface.
 
-It receives exactly what the real kernel receives - request numbers and struct bytes -
-and answers the way the real drivers do [docs/npu-programming.md §3-§5; VEND rknpu_job.c,
-rknpu_gem.c; ROCKET rocket_job.c, rocket_gem.c]:
-
-- DRM core: DRM_IOCTL_VERSION (name "rknpu"/"rocket"), GEM_CLOSE; dispatch by nr with
-  DRM's size handling (copy in the user's size, zero-fill to the driver's size, copy out
-  the user's size, also on error) - which is how 40- and 48-byte mem_create both work.
-- GEM objects in host memory, IOVAs from a real allocator in the 32-bit window (one
-  domain per device for rknpu, one per open file for rocket), fake mmap offsets.
-- CPU caches: cached objects have a CPU copy and a device copy; only MEM_SYNC (vendor)
-  or FINI_BO/PREP_BO (rocket) move data across. MEM_SYNC on a non-CACHEABLE object is
-  EINVAL [VEND rknpu_gem_sync_ioctl].
-- Submit: the vendor PC programming sequence (§3 steps 1-9) per selected core, or
-  rocket's per-task sequence, replayed through ``SimNpu.mmio_write``; completion by the
-  vendor "fuzzed INT_STATUS == last task's int_mask" rule or rocket's "DPU bits only".
-  A hang returns ETIMEDOUT at once (simulated time, no sleeping) and soft-resets.
-
-Where the real driver would crash, corrupt or silently drop an error, the simulator
-refuses with an errno and a message instead (each such place says so):
-task BO without KERNEL_MAPPING (vendor: NULL kv_addr dereference), unknown obj_addr
-(vendor: raw pointer), MEM_SYNC beyond the buffer, a task range beyond the task BO,
-NONBLOCK/fences (not modelled), >4095 tasks per core on drivers before 0.9.8 (would
-overflow TASK_CON; 0.9.8-style drivers re-issue such lists in 4095-task chunks
-[docs/npu-programming.md §4 max_submit_number], and so does the simulator), NPU DMA outside every buffer (board: IOMMU page fault + timeout; here
-EFAULT), a rocket job that fails validation (mainline drops the per-job error).
-``hw_elapse_time`` is left 0: the simulator has no hardware clock.
-
-Mainline rocket as it really behaves (``rocket_errors="mainline"``, the default), each from
-drivers/accel/rocket in torvalds/linux:
-
-- **Job timeout, silently.** A job (all of its tasks) that runs longer than JOB_TIMEOUT_MS
-  = 500 ms is killed: rocket_job.c ``rocket_job_timedout`` resets the core, the tasks not
-  yet finished never write, and ``rocket_ioctl_prep_bo`` (rocket_gem.c) still returns 0
-  because the job's fence is signalled. Here a job's time is *modeled* (cost.model, per
-  task decoded from its words) at ``rocket_mhz`` (200: the clock mainline boots the NPU
-  at); a job over the timeout runs only its tasks that finish within it, the rest leave
-  their outputs stale, dmesg says "NPU job timed out", and PREP_BO returns 0. A hung or
-  faulting job ends the same way (it, too, is ended by the timeout). ``rocket_errors=
-  "loud"`` makes PREP_BO fail with ETIMEDOUT instead (for tests that want the reason).
-- **IOVA 0.** ``rocket_open`` (rocket_drv.c) initialises the file's drm_mm over the IOMMU
-  aperture, which rockchip-iommu.c ``rk_iommu_domain_alloc_paging`` sets to
-  0..DMA_BIT_MASK(32); ``rocket_ioctl_create_bo`` takes the best-fitting hole
-  (``drm_mm_insert_node_generic`` mode 0, DRM_MM_INSERT_BEST), so the first buffer of a
-  file sits at IOVA 0. Modelled as best fit, lowest address, from 0.
-- **PREP_BO / FINI_BO keep CPU writes.** FINI_BO is ``dma_sync_sgtable_for_device`` and
-  PREP_BO ``dma_sync_sgtable_for_cpu`` (both DMA_BIDIRECTIONAL): a clean, and an
-  invalidate that writes dirty lines back first (arm64 dcache_inval_poc cleans partial
-  lines; that Cortex-A cores execute DC IVAC as clean+invalidate is our *inference*, and
-  Mesa's Teflon relies on CPU writes surviving a PREP_BO). Modelled per 64-byte line: a
-  line the CPU wrote since the last sync goes to DRAM at either call; PREP_BO then shows
-  the CPU what DRAM holds. A line the CPU did not write is never copied over DRAM.
-"""
+Invariants: it receives exactly what the real kernel receives (request numbers and struct
+bytes) and answers the way the real drivers do [docs/npu-programming.md §3-§5]; cached
+objects move data between CPU and device copies only through MEM_SYNC / FINI_BO / PREP_BO;
+where a real driver would crash, corrupt or silently drop an error, the simulator refuses
+with an errno and a message instead; ``hw_elapse_time`` stays 0 (no hardware clock);
+``rocket_errors="mainline"`` (the default) reproduces mainline rocket's silent behaviour.
+What is modelled and the sources: docs/decisions.md "sim/kernel.py", docs/envelope.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
 """Simulated NPU memory: GEM objects in host memory, IOVA address spaces, the NPU's MMU.
 
-What is modelled, and why:
-
-- ``RangeAllocator``: a real first-fit allocator over a sorted free list, page granular,
-  coalescing on free. It can fragment and run out, so buffer-management bugs (leaks,
-  fragmentation, exhaustion) show up in the simulator the way they would on a board.
-  IOVA spaces allocate top-down like Linux's IOMMU DMA allocator: the captured RKNN
-  session got 0xfff9f000, then 0xfff5c000 (= 0xfff9f000 - 0x43000, the previous object's
-  aligned size), then 0xfff12000 [capture pw_c256_h14 ioctl log]. DRM's fake mmap offsets
-  allocate bottom-up from 0x1_0000_0000 (0x100000000, 0x100001000, 0x100044000 in the
-  same capture).
-- ``GemObject``: the pages ("dram", what the NPU sees) and, for CPU-cached objects, a
-  separate CPU-side copy that only MEM_SYNC / FINI_BO / PREP_BO move across. A missing
-  cache sync therefore shows up as stale data in the simulator, as it can on the board.
-  Uncached (write-combined) objects give the CPU the dram copy itself.
-- Content tokens: a cached object's dram bytes change only through ``sync_for_device``
-  or an NPU write (``note_device_write``), so ``(serial, generation)`` names its content
-  and the NPU model may keep what it decoded from those bytes across jobs. An uncached
-  object's bytes change under every CPU store: it has no token, so nothing decoded from it
-  outlives one hardware run.
-- ``IommuDomain``: one NPU address space (vendor: one per device; rocket: one per open
-  file [docs/npu-programming.md §5]). ``view(iova, nbytes)`` is the ``DeviceMemory`` the NPU
-  model reads and writes through; anything not wholly inside one mapped object is a
-  ``DmaFault``.
-- ``NpuMmu``: the ``DeviceMemory`` handed to the NPU model; the kernel attaches the
-  submitting file's domain before a job runs, as rocket does.
-"""
+Invariants: allocation is a real first-fit, page-granular allocator that can fragment and
+run out; a CPU-cached object's CPU copy and device copy meet only through MEM_SYNC /
+FINI_BO / PREP_BO, so a missing sync shows as stale data; a cached object's content token
+changes whenever its device bytes do, and an uncached one has none; an NPU access not
+wholly inside one mapped object is a ``DmaFault``; the kernel attaches the submitting
+file's domain before a job runs. Why and the allocation order observed on a board:
+docs/decisions.md "sim/memory.py"."""
 
 from __future__ import annotations
 

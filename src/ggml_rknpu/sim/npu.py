@@ -1,24 +1,12 @@
 """``SimNpu``: the RK3588 NPU's per-core MMIO window in software (contract B [docs/decisions.md]).
 
-The simulated kernel drives it with the same register writes the real drivers issue
-[docs/npu-programming.md §3: vendor steps 1-9, rocket per task]; writing 1 to
-PC_OPERATION_ENABLE (0x08) runs the core's program synchronously (``pc.ProgramCounter``)
-until it completes or stops the way a board would (hang: no interrupt; DMA fault: raw
-status bit 12/13). ``diagnostics(core)`` then says why, naming task, register, rule, value.
-
-This module is the witness half of the project: it decodes words with ``ggml_rknpu.hw``
-only and must never import ``ggml_rknpu.compiler`` (tests/sim/test_sim_independence.py).
-
-Additive to contract B [docs/decisions.md] (documented deviation): ``trace(core)`` returns the decoded task
-records of the last run (for capture tests), ``executed_tasks(core)`` counts the tasks the
-last run completed (= TASK_STATUS), and diagnostics survive ``soft_reset`` until the next
-run, so a kernel can reset first and report afterwards. ``busy_seconds`` is the host
-time spent inside runs (simulation time; a caller timing its own host path subtracts it).
-
-What stays across runs is only what a content check vouches for: decoded tasks by their
-regcmd bytes (``pc.DecodeCache``) and decoded weights by the memory's content token
-(``conv.OperandCache``, features too); neither survives a change of the bytes it came from.
-"""
+The simulated kernel drives it with the register writes the real drivers issue
+[docs/npu-programming.md §3]; writing 1 to PC_OPERATION_ENABLE runs the core's program
+synchronously (``pc.ProgramCounter``) until it completes or stops as a board would, and
+``diagnostics(core)`` says why. Invariants: this is the witness half of the project, it
+decodes words with ``ggml_rknpu.hw`` only and never imports ``ggml_rknpu.compiler``
+(tests/sim/test_sim_independence.py); what stays across runs is only what a content check
+vouches for. Additions to contract B: docs/decisions.md "sim/npu.py"."""
 
 from __future__ import annotations
 

@@ -2,33 +2,12 @@
 them to the register groups, starts the enabled blocks on the op-enable word, follows the
 tail to the next task, and stops after TASK_NUMBER tasks [docs/npu-programming.md §2, §3, §11].
 
-Per task:
-1. fetch ``(PC_DATA_AMOUNT + 1) * 2`` words from ``PC_SOURCE_ADDR * 16``
-   (a fetch outside mapped memory is a DMA read error, raw-status bit 12);
-2. decode each word with ``hw.regcmd.decode_word``: 0 is a NOP; a block target writes its
-   register after the target<->block check and the reserved-bit check; PC writes of
-   BASE_ADDRESS / REGISTER_AMOUNTS set the next fetch; 0x0041 arms the op-enable; 0x0081
-   to register 0x0008 starts the blocks in its mask (refused if not armed);
-3. no op-enable among the fetched words = the "missing tail": the PC idles, no interrupt;
-4. the task's last block raises its group-0/1 interrupt bit, alternating per task
-   (*inference*, §11), into RAW_STATUS. INT_STATUS = RAW_STATUS & INT_MASK once all
-   TASK_NUMBER tasks completed ("in pc mode, int mask set the last one task's interrupt
-   masking" [TRM pc_interrupt_mask]); before that only the DMA error bits can show, so a
-   run that stops early raises no completion interrupt (*inference*).
-Words fetched after the op-enable (the fetch is rounded up to 128 bits) are ignored.
-
-Decode once, execute many: what steps 2-3 and the conv/pool decode conclude from a task's
-words is a pure function of those words, so a task that ran without a refusal is kept in a
-``DecodeCache`` keyed by its fetched bytes (``DecodedTask``). A replay still fetches the
-words (a fetch fault is still a fault), still writes every register into the register file
-(so later tasks see the same ping-pong state and diagnostics), still checks CBUF reuse
-against the previous task of the run, and still executes through the memory model, which
-checks every address again. A task is kept only if no block's S_POINTER write follows a
-write to that block's registers (streams set DPU_S_POINTER first), so each block writes
-and executes from one register group and the decode cannot depend on what an earlier
-task left behind; refusals are never cached, so a refused task takes the full path every
-time and says the same thing.
-"""
+Invariants: a fetch outside mapped memory is a DMA read error (raw-status bit 12); a task
+with no op-enable idles the PC with no interrupt; INT_STATUS shows completion only once all
+TASK_NUMBER tasks completed; a task is decoded once (``DecodeCache``, keyed by its fetched
+bytes) only if it ran without a refusal and its decode cannot depend on an earlier task, and
+a replay still fetches, writes every register and checks every address. The steps and the
+inferences they rest on: docs/decisions.md "sim/pc.py"; the cache: docs/simulator.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """PPU + PPU_RDMA: the pooling unit, as far as the vendor's "separator" tasks use it.
 
 The vendor runtime interleaves PPU tasks (op-enable 0x60, int_mask 0xC00, 26-word body)
-between conv tasks [capture pw_c256_h14; docs/rknn-toolkit.md §2.2]. Decoded with the TRM:
-OPERATION_MODE_CFG = 0x11 is FLYING_MODE=1 ("pooling cube from outside", i.e. memory via
-PPU_RDMA) and POOLING_METHOD=1 (max pooling); POOLING_KERNEL_CFG = 0 is a 1x1 window,
-stride 1; PPU_RDMA DATA_FORMAT IN_PRECISION=1 is 8-bit and PPU PROC_PRECISION=0 int8
-[TRM ppu_operation_mode_cfg, ppu_rdma_data_format]; the cube is 1x1x32. A max over a 1x1
-window is the identity, so the task copies a small int8 cube from SRC_BASE_ADDR to
-DST_BASE_ADDR (both inside the runtime's weight buffer). That is what is modeled: a 1x1,
-stride-1 max/min pool read from memory, any element width the RDMA names. Anything else
-is ``NotModeled``. Destination line pitch is taken as the packed 16*W bytes (*inference*:
-the PPU has no destination line-stride register [registers.xml]).
-"""
+between conv tasks [capture pw_c256_h14; docs/rknn-toolkit.md §2.2]; decoded with the TRM
+they are a 1x1, stride-1 max pool of a small int8 cube read from memory (an identity copy
+from SRC_BASE_ADDR to DST_BASE_ADDR). That is what is modeled, at any element width the
+RDMA names; anything else is ``NotModeled``. The destination line pitch is taken as the
+packed 16*W bytes (an inference: the PPU has no destination line-stride register
+[registers.xml]). Field readings: docs/decisions.md "sim/ppu.py"."""
 
 from __future__ import annotations
 

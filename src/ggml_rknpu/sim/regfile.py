@@ -1,18 +1,13 @@
-"""Per-core register state with the two ping-pong register groups, and the per-task view
-that flags reads of registers the task did not write.
+"""Per-core register state with the two ping-pong register groups, and the per-task view that
+flags reads of registers the task did not write.
 
-Model (TRM ``*_S_POINTER`` text; *inference* where marked):
-- Every block (CNA, CORE, DPU, DPU_RDMA, PPU, PPU_RDMA) has two shadow register groups;
-  registers from OPERATION_ENABLE (block base + 0x8) upward are shadowed, S_STATUS and
-  S_POINTER are not [TRM: "This register and after this are all shadowed for ping-pong"].
-- With ``S_POINTER.POINTER_PP_EN`` set, a block's group toggles after every task that
-  enables the block; otherwise group ``S_POINTER.POINTER`` is used. Writes and execution use
-  the same group (every stream writes 0xE = PP_EN|EXEC_PP_EN|PP_MODE, which moves pointer
-  and executer together) -- *inference*; writing a ``*_PP_CLEAR`` bit resets to group 0.
-- A register a task does not write keeps whatever its group last held: the value of the
-  task two back in ping-pong mode, one back otherwise (§2 "ping-pong inheritance"). The
-  ``TaskView`` refuses such reads so the hazard is loud instead of silently stale.
-"""
+Model (TRM ``*_S_POINTER`` text [docs/npu-programming.md §2]; inferences marked): every
+block has two shadow groups for its registers from OPERATION_ENABLE up (S_STATUS and
+S_POINTER are not shadowed); with POINTER_PP_EN a block's group toggles after every task
+that enables it, else group ``S_POINTER.POINTER`` is used; writes and execution use the same
+group (every stream writes 0xE, which moves pointer and executer together: an inference);
+a ``*_PP_CLEAR`` bit resets to group 0. Invariant: a register a task did not write keeps its
+group's old value, so ``TaskView`` refuses such reads and the hazard is loud."""
 
 from __future__ import annotations
 

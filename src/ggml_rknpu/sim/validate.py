@@ -1,21 +1,12 @@
 """What the NPU refuses or hangs on, as rules with a symptom and an actionable diagnostic.
 
-WHY a separate module: the same rules judge a live task (registers read through
-``regfile.TaskView``, where a missing register is itself a violation: the ping-pong
-inheritance hazard) and a *partial* decoded field set (``captures/decoded/*.json`` holds
-only some registers per task; a rule whose registers are absent is skipped, not passed).
-
-Three outcomes, kept apart so nobody mistakes a model gap for a hardware rule:
-- ``TaskRefused(Violation)``: a board would hang (no completion interrupt, the kernel
-  times out and soft-resets), fault, or silently compute garbage; the simulator stops.
-- ``NotModeled``: legal-looking hardware behaviour this simulator does not implement
-  (it stops too and says so; a board might run it).
-- DMA faults are raised by the memory model (``sim.memory.DmaFault``) and mapped to the
-  raw-status DMA error bits by ``pc.py``.
-
-Sources: rules cite docs/npu-programming.md sections (§n), the TRM, captures and golden
-streams. Where a rule is an empirical fit rather than a documented fact, it says so.
-"""
+The same rules judge a live task (registers read through ``regfile.TaskView``, where a
+missing register is itself a violation) and a partial decoded field set (a capture's
+JSON; a rule whose registers are absent is skipped, not passed). Invariant: three outcomes
+kept apart, so a model gap is never mistaken for a hardware rule: ``TaskRefused`` (a board
+would hang, fault or compute garbage), ``NotModeled`` (legal-looking behaviour this model
+lacks), and DMA faults from the memory model. Rules cite docs/npu-programming.md, the TRM,
+captures and golden streams, and say so where a rule is an empirical fit."""
 
 from __future__ import annotations
 

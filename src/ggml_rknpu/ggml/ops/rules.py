@@ -1,36 +1,13 @@
 """The validator: every op the server admits has a rule, checked at plan time.
 
-ggml-cpu trusts its graph: a shape mismatch or an index out of range aborts the process, a
-NULL source segfaults, inconsistent strides read outside a tensor. So a node reaches ggml
-only when its rule admits it. A rule says, from the pinned ggml (llama.cpp 0c1e570,
-``ggml.c`` builders and ``ggml-cpu/ops.cpp`` kernels):
-
-* the source arity (required, optional; everything after must be absent);
-* the source and destination types the CPU kernel implements (anything else hits a
-  ``GGML_ABORT`` there), as data in the ``*_TYPES`` tables;
-* the destination type and shape the op's builder would produce from the sources and
-  op_params, and the strides the kernel assumes (``nb0`` the element size unless the rule
-  names the source as strided; contiguity where a kernel asserts it);
-* sub-op ids and enum-valued op_params in range;
-* which sources hold indices, and their bound: :class:`IndexCheck` s run before every
-  replay of the segment that reads them (``graph.py``).
-
-On top of every rule: each tensor's checked span covers its dense size
-(``geometry.covers_dense``), so even a kernel that assumes contiguity stays inside bytes
-the server checked. An op without a rule, or a combination a rule does not admit, raises
-:class:`UnsupportedOp` with the node's signature (the connection is closed).
-
-Why rules as data here rather than calling ggml's builders in a scratch context: the
-builders ``GGML_ASSERT`` on bad input (which aborts the server), so their preconditions have
-to be checked first anyway, and the kernels add their own (types, strides) that no builder
-states; once those are written down the expected shape is one line.
-
-Where the rules live: this module has the core ops (element-wise, norms, rows and copies,
-matmul and attention, recurrent) and :data:`RULES`, the one table of every admitted op; the
-families added since have their own modules merged into it: ``rules_conv`` (vision towers:
-direct convolutions, pooling, upscaling), ``rules_training`` (backward pass, loss, optimizer),
-``rules_dsv4`` (DeepSeek-V4). ``rulekit`` is the vocabulary they share.
-"""
+Invariants: a node reaches ggml-cpu only when its rule admits it (ggml-cpu trusts its
+graph: a bad shape or index aborts the process); a rule states, from the pinned ggml, the
+source arity, the types the CPU kernel implements (as data, the ``*_TYPES`` tables), the
+dst the op's builder would make, the strides the kernel assumes, enum-valued op_params in
+range, and which sources hold indices (:class:`IndexCheck`); every tensor's checked span
+covers its dense size. Anything else raises :class:`UnsupportedOp`. :data:`RULES` is the
+one table of every admitted op, with the families of ``rules_conv``, ``rules_training``
+and ``rules_dsv4`` merged in. Why rules as data: docs/decisions.md "ggml/ops/rules.py"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Validator rules for the vision-tower ops: direct convolutions, pooling, upscaling, reflect padding.
 
-Each rule restates, from the pinned ggml (llama.cpp 0c1e570), the builder in ``ggml.c`` (named
-in the docstring: the dst type and shape it makes from the sources and op_params) and the
-kernel in ``ggml-cpu/ops.cpp`` (the types it implements, the layout it assumes, its
-``GGML_ASSERT`` / ``GGML_ABORT``). What the kernels have in common, and why the rules ask for it:
-
-* a stride of 0 divides by zero in the builder's output-size formula, a negative one walks the
-  output backwards: strides are >= 1; paddings and dilations only move reads that the kernels
-  bounds-check against the input, so any value is safe, but they stay within ``PARAM_LIMIT``
-  so that the output-size arithmetic (C ints) cannot overflow;
-* the kernels that write ``dst`` densely (``dst_data[i * ...]``, ``memset(ggml_nbytes)``) get a
-  contiguous dst; those that follow ``nb`` are marked strided in their ``Rule``;
-* CONV_2D / CONV_3D run their im2col in the cplan's work buffer, at least
-  ``GGML_IM2COL_WORK_SIZE`` (ggml-cpu/ops.h) bytes: one patch must fit, or the kernel's
-  ``GGML_ASSERT(patches_per_batch > 0)`` aborts.
-"""
+Each rule restates, from the pinned ggml, the builder in ``ggml.c`` and the kernel in
+``ggml-cpu/ops.cpp`` named in its docstring. Invariants: strides >= 1 (0 divides by zero in
+the builder, a negative one walks the output backwards); paddings and dilations within
+``PARAM_LIMIT`` so the output-size arithmetic cannot overflow; a dense dst for the kernels
+that write densely; CONV_2D / CONV_3D only when one im2col patch fits the work buffer.
+Why each: docs/decisions.md "ggml/ops/rules_conv.py"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Validator rules for the ops of ggml's backward pass and optimizer: ACC, SET, OUT_PROD, the *_BACK
 ops, CROSS_ENTROPY_LOSS(_BACK), OPT_STEP_ADAMW / OPT_STEP_SGD.
 
-Each rule restates the builder in the pinned ``ggml.c`` (llama.cpp 0c1e570) and the kernel in
-``ggml-cpu/ops.cpp`` named in its docstring. Two patterns recur:
-
-* ACC and SET write a strided view of src0 described by op_params (nb1, nb2, nb3, offset as
-  int32, widened to size_t by the kernel): the rule checks the whole view, every byte of its
-  last element included, lies inside src0 (ggml's own assert only checks where the last
-  element *starts*), with element-aligned strides;
-* several kernels walk rows by ``nb[1]`` alone (``ggml_nrows`` rows from ``data + i*nb1``):
-  their sources must be ``ggml_is_contiguous_1`` (dense above dim 1), which their debug-only
-  ``assert`` s do not enforce in a release build.
-"""
+Invariants: ACC and SET's strided view of src0 (op_params nb1, nb2, nb3, offset) lies
+wholly inside src0, every byte of its last element included (ggml's own assert checks only
+where that element starts), with element-aligned strides; kernels that walk rows by
+``nb[1]`` alone get ``ggml_is_contiguous_1`` sources (their debug-only asserts vanish in a
+release build). Each rule names the builder and kernel it restates."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0).
+"""The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0),
+behaving like the C++ ``ggml-rpc-server`` where the client depends on it [docs/ggml-rpc.md §3, P6, P7].
 
-Behaviour copied from the C++ ``ggml-rpc-server`` where the client depends on it
-[docs/ggml-rpc.md §3, P6, P7]:
-
-* one client at a time, served to completion, then the next (many short connections:
-  every device-memory probe is its own connection);
-* commands processed strictly in order, replies only for commands that have one
-  (the client pipelines the others);
-* HELLO first; a second HELLO, an unknown command, a wrong size, an unknown handle,
-  a tensor outside its buffer, an unsupported op... → a logged reason, then
-  ``shutdown(SHUT_RDWR)`` and close (a bare close can leave the client hanging, P6).
-  The server itself never dies from a request;
-* buffers and staged weights belong to the connection and are freed when it ends.
-
-Reads go through one small buffered reader; SET_TENSOR payloads are received straight
-into the destination buffer (no intermediate copy of a model's weights).
-"""
+Invariants: one client at a time, served to completion; commands strictly in order, replies
+only for commands that have one; HELLO first; any bad request (a second HELLO, an unknown
+command or handle, a wrong size, a tensor outside its buffer, an unsupported op) gets a
+logged reason, then ``shutdown(SHUT_RDWR)`` and close, and the server itself never dies
+from a request; buffers and staged weights belong to the connection. SET_TENSOR payloads
+are received straight into the destination buffer."""
 
 from __future__ import annotations
 
@@ -173,7 +164,8 @@ class ServerState:
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
         if hasattr(self.npu, "memory_used"):
-            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap}
+            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap,
+                                 "peak_bytes": getattr(self.npu, "peak_memory", None)}
         return out
 
     def render_stats(self) -> str:
