@@ -3,6 +3,8 @@
 * Bulk execution (``conv.BulkConv``: a run's M tiles over one weight block as one GEMM)
   gives the same bytes as executing every task on its own (``SimNpu.bulk = False``), on
   a sweep of shapes, dtypes and output types, through the public API on both ABIs.
+* Split GEMMs (``conv.Gemm``: a one-row fp16 GEMM over large weights on several host
+  threads, each on a block of weight rows) give the same bytes as one BLAS call.
 * Decode once, execute many: a replayed program gives the same result and a refused one
   the same diagnostic; decoded operands are reused only while their bytes are unchanged
   (a synced weight change is seen, an unsynced CPU write is not, untracked memory is read
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weig
 import ggml_rknpu
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
+from ggml_rknpu.sim import conv
 from ggml_rknpu.sim.npu import SimNpu
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,6 +84,37 @@ def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
     assert _same_bits(bulk, reference)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k32=st.integers(1, 20), out=st.sampled_from((None, "fp16")),
+       n=st.one_of(st.integers(8193, 40000), st.builds(lambda j, r: 8192 * j + r,
+                                                       st.integers(1, 4), st.integers(-2, 2))),
+       seed=st.integers(0, 2**16))
+def test_one_row_n_tiles_in_bulk_equal_per_task_bit_for_bit(engine, k32, n, out, seed):
+    """Decode (M=1) over weights wider than one N tile (8192): the tiles of a run merge
+    into one GEMM on the vendor ABI."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((1, 32 * k32)).astype(np.float32)
+    b = rng.standard_normal((n, 32 * k32)).astype(np.float32)
+    bulk, reference, merged = _both_paths(engine, a, b, "fp16", out)
+    event(f"tasks merged: {'some' if merged else 'none'}")
+    assert _same_bits(bulk, reference)
+
+
+@pytest.mark.slow
+def test_output_projection_tiles_merge_into_one_gemm(engine):
+    """gemma3-270m's output projection (K=640, N=262144) at one row: on the vendor ABI the
+    tiles of each core's run become one GEMM, with the per-task path's bits (slow: 30 s and
+    2.7 GB of decoded weights; the one-row sweep above covers the merge in CI)."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((1, 640)).astype(np.float32)
+    b = rng.standard_normal((262144, 640)).astype(np.float32)
+    bulk, reference, merged = _both_paths(engine, a, b, "fp16", None)
+    assert _same_bits(bulk, reference)
+    if engine.device.kind == "rknpu":
+        assert merged > 0
+    _model(engine).operands.clear()      # 1.3 GB of decoded weights
+
+
 @pytest.mark.parametrize("dtype", ("fp16", "int8"))
 def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
     """fp16 M=512 is several M tiles per core on the vendor ABI (one PC run per core): the
@@ -110,6 +145,58 @@ def test_replayed_weights_follow_synced_changes_not_unsynced_ones(engine):
         w.buffer.sync_to_device(0, w.packed_bytes)
         assert not engine.matmul(a, w).any(), "a synced weight change must be seen"
     finally:
+        w.free()
+
+
+def _fp16_valued(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float16).astype(np.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(k32=st.integers(1, 96), n=st.integers(128, 5000), threads=st.integers(2, 4),
+       seed=st.integers(0, 2**16))
+def test_split_gemm_equals_one_call_bit_for_bit(monkeypatch_module, k32, n, threads, seed):
+    rng = np.random.default_rng(seed)
+    a, b = _fp16_valued(rng, (1, 32 * k32)), _fp16_valued(rng, (n, 32 * k32))
+    task = SimpleNamespace(precision="fp16")
+    gemm = conv.Gemm(threads)
+    try:
+        split = gemm(task, a, b)
+    finally:
+        gemm.close()
+    assert gemm.split_calls == 1
+    assert _same_bits(split, conv.multiply(task, a, b))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """Split every GEMM of the sweep (the threshold is for speed, not for correctness)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv, "SPLIT_MIN_WEIGHT_BYTES", 0)
+        yield mp
+
+
+def test_decode_shape_splits_through_the_public_api_and_matches(engine):
+    """Two of gemma3-270m's output projection tiles (K=640, N=16384: 42 MB of decoded
+    weights, over ``conv.SPLIT_MIN_WEIGHT_BYTES`` once the tiles merge on the vendor ABI;
+    rocket runs one tile per PC run, so nothing merges or splits there)."""
+    rng = np.random.default_rng(5)
+    a, b = _fp16_valued(rng, (1, 640)), _fp16_valued(rng, (16384, 640))
+    sim = _model(engine)
+    w = engine.upload_weight(b)
+    default, two = sim.gemm, conv.Gemm(2)
+    try:
+        sim.gemm = two
+        split = engine.matmul(a, w)
+        assert (two.split_calls > 0) == (engine.device.kind == "rknpu")
+        sim.gemm = conv.Gemm(1)
+        assert _same_bits(split, engine.matmul(a, w))
+        sim.gemm = two
+        bulk, reference, _ = _both_paths(engine, a, b, "fp16", None)   # bulk=False: one call
+        assert _same_bits(bulk, split) and _same_bits(reference, split)
+    finally:
+        two.close()
+        sim.gemm = default
         w.free()
 
 

@@ -10,11 +10,11 @@ The layouts, inferences and numerics with sources: docs/decisions.md "sim/conv.p
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
@@ -234,12 +234,17 @@ class DmaWrite(DmaRead):
 def _planes(memory: DeviceMemory, base: int, n_planes: int, pitch: int, plane_bytes: int,
             what: str, error: type[DmaRead]) -> np.ndarray:
     """(n_planes, plane_bytes) uint8 view of equally spaced planes, one DMA range check."""
-    span = (n_planes - 1) * pitch + plane_bytes
+    flat = _mapped(memory, base, (n_planes - 1) * pitch + plane_bytes, what, error)
+    return np.ndarray((n_planes, plane_bytes), np.uint8, flat, 0, (pitch, 1))
+
+
+def _mapped(memory: DeviceMemory, base: int, nbytes: int, what: str,
+            error: type[DmaRead]) -> np.ndarray:
+    """The DMA range check of [base, base+nbytes): its uint8 view, or ``error``."""
     try:
-        flat = memory.view(base, span)
+        return memory.view(base, nbytes)
     except DmaFault as fault:
         raise error(what, fault) from None
-    return as_strided(flat, shape=(n_planes, plane_bytes), strides=(pitch, 1), writeable=True)
 
 
 def _feature_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
@@ -254,13 +259,26 @@ def _output_planes(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
                    f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
 
 
+def _check_features(memory: DeviceMemory, task: ConvTask) -> None:
+    """The DMA range check of ``_feature_planes``, without building the view."""
+    _mapped(memory, task.feature_addr, feature_span(task),
+            f"feature data (CNA_FEATURE_DATA_ADDR=0x{task.feature_addr:08X})", DmaRead)
+
+
+def _check_output(memory: DeviceMemory, task: ConvTask) -> None:
+    """The DMA range check of ``_output_planes``, without building the view."""
+    _mapped(memory, task.dst_addr, output_span(task),
+            f"output (DPU_DST_BASE_ADDR=0x{task.dst_addr:08X})", DmaWrite)
+
+
 def read_features(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
-    """(M, C) float32 feature matrix of the task from NC1HWC2 memory."""
+    """(M, C) float32 feature matrix of the task from NC1HWC2 memory (one converting copy)."""
     c2 = limits.c2(task.precision)
-    planes = _feature_planes(memory, task)
-    typed = np.ascontiguousarray(planes).view(_NUMPY_DTYPE[task.precision])
-    return typed.reshape(-1, task.rows, c2).transpose(1, 0, 2).reshape(task.rows, task.channels) \
-        .astype(np.float32)
+    n_planes = task.channels // c2
+    typed = _feature_planes(memory, task).view(_NUMPY_DTYPE[task.precision])
+    out = np.empty((task.rows, task.channels), dtype=np.float32)
+    out.reshape(task.rows, n_planes, c2)[...] = typed.reshape(n_planes, task.rows, c2).transpose(1, 0, 2)
+    return out
 
 
 def _weight_fault(task: ConvTask, fault: DmaFault) -> DmaRead:
@@ -300,13 +318,83 @@ def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
     return a @ b_nk.T
 
 
+# A one-row fp16 GEMM over at least this many bytes of decoded weights is split across host
+# threads: it streams them from DRAM for >= 2 ms on one core of the x86 dev box (gemma3-270m's
+# output projection: 671 MB, ~42 ms), long enough that the hand-offs cost nothing; smaller
+# ones (its 5 MB FFN weights) gained less than the hand-offs cost on a loaded host.
+SPLIT_MIN_WEIGHT_BYTES = 32 << 20
+SPLIT_BLOCK_BYTES = 2 << 20      # the threads share out blocks of at least this size,
+SPLIT_MAX_BLOCKS = 16            # at most this many (each costs a hand-off)
+SPLIT_ROW_ALIGN = 64
+
+
+def _gemv_into(a: np.ndarray, b_kn: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b_kn, out=out)
+
+
+class Gemm:
+    """``multiply`` of a task, on up to ``threads`` host threads.
+
+    With ``threads`` > 1 a one-row (M=1) fp16 task over large weights runs as one BLAS call
+    per contiguous block of weight rows, shared out between that many threads (numpy
+    releases the GIL in BLAS). Bit-identical to one call: every output element is the dot
+    product of the one feature row with one weight row, and BLAS's gemv computes it the
+    same way whichever rows share the call (tests/sim/test_sim_bulk.py checks split against
+    unsplit, bit for bit). No block has one row: numpy computes a 1 x 1 result with sdot,
+    whose summation order differs (found by that sweep). Other tasks (M > 1, int8) run as
+    ``multiply``. The host threads are a speed of this simulator on a multi-core host;
+    they say nothing about the NPU."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self.split_calls = 0
+
+    def __call__(self, task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+        n = b_nk.shape[0]
+        if (self.threads == 1 or task.precision != "fp16" or a.shape[0] != 1
+                or b_nk.nbytes < SPLIT_MIN_WEIGHT_BYTES or n < 2 * SPLIT_ROW_ALIGN):
+            return multiply(task, a, b_nk)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
+        n_blocks = min(SPLIT_MAX_BLOCKS, max(2, b_nk.nbytes // SPLIT_BLOCK_BYTES))
+        rows = -(-n // (n_blocks * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+        cuts = [j for j in range(rows, n, rows) if n - j >= 2]   # no one-row block (see above)
+        out = np.empty((1, n), dtype=np.float32)
+        blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in zip([0, *cuts], [*cuts, n])]
+        # The workers take blocks from the front, this thread from the back: on a loaded
+        # host it waits for at most the blocks a worker has started.
+        futures = [self._pool.submit(_gemv_into, *block) for block in blocks[:-1]]
+        _gemv_into(*blocks[-1])
+        for block, future in zip(reversed(blocks[:-1]), reversed(futures)):
+            if not future.cancel():
+                break          # a worker has got this far: the blocks before are started
+            _gemv_into(*block)
+        for future in futures:
+            if not future.cancelled():
+                future.result()
+        self.split_calls += 1
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
 def write_output(memory: DeviceMemory, task: ConvTask, acc: np.ndarray) -> None:
     """Convert to the output precision and write NC1HWC2 planes at DST_SURF_STRIDE pitch."""
+    c2 = limits.c2(task.out_precision)
+    n_planes = task.out_channels // c2
+    if task.kernels == task.out_channels:     # no zero channels: convert straight into the planes
+        typed = _output_planes(memory, task).view(_NUMPY_DTYPE[task.out_precision])
+        with np.errstate(over="ignore"):
+            np.copyto(typed.reshape(n_planes, task.rows, c2),
+                      acc.reshape(task.rows, n_planes, c2).transpose(1, 0, 2), casting="unsafe")
+        return
     out = np.zeros((task.rows, task.out_channels), dtype=_NUMPY_DTYPE[task.out_precision])
     with np.errstate(over="ignore"):
         out[:, : task.kernels] = acc.astype(out.dtype)
-    c2 = limits.c2(task.out_precision)
-    n_planes = task.out_channels // c2
     atoms = np.ascontiguousarray(out.reshape(task.rows, n_planes, c2).transpose(1, 0, 2))
     planes = _output_planes(memory, task)
     planes[...] = atoms.view(np.uint8).reshape(n_planes, -1)
@@ -387,17 +475,23 @@ class OperandCache:
         self._weights = _Decoded(weight_bytes)
         self._features = _Decoded(feature_bytes)
 
-    def weights(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+    def check_weights(self, memory: DeviceMemory, task: ConvTask) -> object | None:
+        """The DMA range check of the task's weights (``_weight_fault``); their token."""
         try:
-            token = content_token(memory, task.weight_addr, task.weight_bytes)
+            if not hasattr(memory, "content_token"):
+                memory.view(task.weight_addr, task.weight_bytes)
+            return content_token(memory, task.weight_addr, task.weight_bytes)
         except DmaFault as fault:
             raise _weight_fault(task, fault) from None
+
+    def weights(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
+        token = self.check_weights(memory, task)
         return self._weights.get(task.weight_key, token, _extent(task.weight_addr, task.weight_bytes),
                                  lambda: read_weights(memory, task))
 
     def features(self, memory: DeviceMemory, task: ConvTask) -> np.ndarray:
         start, nbytes = task.feature_addr, feature_span(task)
-        _feature_planes(memory, task)          # the range check (and fault) of read_features
+        _check_features(memory, task)          # the range check (and fault) of read_features
         token = content_token(memory, start, nbytes)
         return self._features.get(task.data_key, token, _extent(start, nbytes),
                                   lambda: read_features(memory, task))
@@ -428,10 +522,11 @@ def output_span(task: ConvTask) -> int:
         + task.rows * limits.ATOM_BYTES
 
 
-def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache) -> None:
+def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache,
+                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
     a = cache.features(memory, task)
     b = cache.weights(memory, task)
-    write_output(memory, task, multiply(task, a, b))
+    write_output(memory, task, gemm(task, a, b))
     span = output_span(task)
     cache.invalidate(task.dst_addr, span)
     note_device_write(memory, task.dst_addr, span)
@@ -447,10 +542,19 @@ def _cannot_fail_once_mapped(task: ConvTask) -> bool:
 
 
 class BulkConv:
-    """Execute the conv tasks of one run in bulk: consecutive tasks that tile M over the
-    same weights (the compiler's M tiles on one core: the same kernels, the next rows of
-    the same feature and output planes) run as one task of all their rows - one feature
-    read, one GEMM, one output write - instead of one small set of numpy calls each.
+    """Execute the conv tasks of one run in bulk, as one task of all their rows or kernels -
+    one feature read, one GEMM, one output write - instead of one small set of numpy calls
+    each. Two kinds of batch:
+
+    * M tiles: consecutive tasks over the same weights (the same kernels, the next rows of
+      the same feature and output planes);
+    * N tiles of one row: consecutive one-row tasks over the same features whose weights
+      follow each other in memory (whole kernel groups, packed exactly) and whose outputs
+      are the next channel planes (e.g. gemma3-270m's output projection: 32 tiles of 8192
+      kernels become one GEMM over 262144). Only for one row: then each output element is
+      the same gemv dot product whatever kernels share the call (``Gemm``); for several
+      rows BLAS may choose another kernel for another N (seen on this host), so those never
+      merge, and neither does a one-kernel task (numpy computes its 1 x 1 result with sdot).
 
     Equivalent to ``execute_conv`` task by task, because a task joins the pending batch
     only if (a) nothing can fail once its addresses are mapped (fp16; int8 with K < 2^17),
@@ -458,12 +562,12 @@ class BulkConv:
     fault flushes the batch first, then raises the same error ``execute_conv`` would);
     (b) the batch's outputs overlap none of its inputs; (c) the caller flushes before
     anything else reads memory the batch writes (``writes_into``: the next regcmd fetch)
-    and at the end of the run. Each output element is the same fp32 GEMM dot product as in
-    its own task (BLAS rows are independent); tests/sim/test_sim_bulk.py checks it bit for bit.
+    and at the end of the run. tests/sim/test_sim_bulk.py checks it bit for bit.
     """
 
-    def __init__(self, memory: DeviceMemory, cache: OperandCache) -> None:
-        self.memory, self.cache = memory, cache
+    def __init__(self, memory: DeviceMemory, cache: OperandCache,
+                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
+        self.memory, self.cache, self.gemm = memory, cache, gemm
         self.pending: list[ConvTask] = []
         self.tasks_merged = 0
 
@@ -472,12 +576,12 @@ class BulkConv:
             self.flush()
         if not _cannot_fail_once_mapped(task):
             self.flush()
-            execute_conv(self.memory, task, self.cache)
+            execute_conv(self.memory, task, self.cache, self.gemm)
             return
         try:
-            _feature_planes(self.memory, task)
-            self.cache.weights(self.memory, task)
-            _output_planes(self.memory, task)
+            _check_features(self.memory, task)
+            self.cache.check_weights(self.memory, task)
+            _check_output(self.memory, task)
         except DmaRead:
             self.flush()
             raise
@@ -494,7 +598,7 @@ class BulkConv:
         if not self.pending:
             return
         tasks, self.pending = self.pending, []
-        execute_conv(self.memory, self._merged(tasks), self.cache)
+        execute_conv(self.memory, self._merged(tasks), self.cache, self.gemm)
         self.tasks_merged += len(tasks) - 1
 
     @staticmethod
@@ -502,23 +606,25 @@ class BulkConv:
         if len(tasks) == 1:
             return tasks[0]
         first = tasks[0]
-        return replace(first, width=1, height=sum(t.rows for t in tasks),
-                       plane_height=first.feature_plane_bytes // limits.ATOM_BYTES)
+        if tasks[1].weight_key == first.weight_key:      # M tiles
+            return replace(first, width=1, height=sum(t.rows for t in tasks),
+                           plane_height=first.feature_plane_bytes // limits.ATOM_BYTES)
+        return replace(first, kernels=sum(t.kernels for t in tasks),      # N tiles
+                       out_channels=sum(t.out_channels for t in tasks),
+                       weight_bytes=sum(t.weight_bytes for t in tasks))
 
     def _joins(self, task: ConvTask) -> bool:
-        first, last = self.pending[0], self.pending[-1]
-        atom = limits.ATOM_BYTES
-        same = (task.weight_key == first.weight_key and task.out_precision == first.out_precision
-                and task.out_channels == first.out_channels
-                and task.feature_plane_bytes == first.feature_plane_bytes
-                and task.dst_plane_bytes == first.dst_plane_bytes
-                and task.feature_addr == last.feature_addr + last.rows * atom
-                and task.dst_addr == last.dst_addr + last.rows * atom
-                and _cannot_fail_once_mapped(task))
-        if not same:
+        first = self.pending[0]
+        if not (_cannot_fail_once_mapped(task) and task.out_precision == first.out_precision
+                and task.dst_plane_bytes == first.dst_plane_bytes):
+            return False
+        # the batch's kind is set by its second task: M tiles share the first one's weights
+        second = self.pending[1] if len(self.pending) > 1 else task
+        n_tiles = second.weight_key != first.weight_key
+        if not (self._next_n_tile(task) if n_tiles else self._next_m_tile(task)):
             return False
         merged = self._merged([*self.pending, task])
-        if merged.rows * atom > min(merged.feature_plane_bytes, merged.dst_plane_bytes):
+        if merged.rows * limits.ATOM_BYTES > min(merged.feature_plane_bytes, merged.dst_plane_bytes):
             return False
         reads = (_extent(merged.feature_addr, feature_span(merged)),
                  _extent(merged.weight_addr, merged.weight_bytes))
@@ -526,8 +632,29 @@ class BulkConv:
         if any(_overlap(writes, r) for r in reads):
             return False
         try:
-            _feature_planes(self.memory, merged)
-            _output_planes(self.memory, merged)
-        except DmaRead:   # the rows run across two buffers: keep them apart
+            _check_features(self.memory, merged)
+            _check_output(self.memory, merged)
+            self.cache.check_weights(self.memory, merged)
+        except DmaRead:   # the rows or kernels run across two buffers: keep them apart
             return False
         return True
+
+    def _next_m_tile(self, task: ConvTask) -> bool:
+        first, last = self.pending[0], self.pending[-1]
+        atom = limits.ATOM_BYTES
+        return (task.weight_key == first.weight_key and task.out_channels == first.out_channels
+                and task.feature_plane_bytes == first.feature_plane_bytes
+                and task.feature_addr == last.feature_addr + last.rows * atom
+                and task.dst_addr == last.dst_addr + last.rows * atom)
+
+    def _next_n_tile(self, task: ConvTask) -> bool:
+        first, last = self.pending[0], self.pending[-1]
+        kernel_bytes = last.channels * np.dtype(_NUMPY_DTYPE[last.precision]).itemsize
+        return (task.rows == 1 and task.data_key == first.data_key
+                and task.kernels >= 2 and first.kernels >= 2   # one kernel alone: numpy's sdot
+                and last.kernels == last.out_channels
+                and last.kernels % limits.KERNEL_GROUP[last.precision] == 0
+                and last.weight_bytes == last.kernels * kernel_bytes
+                and task.weight_addr == last.weight_addr + last.weight_bytes
+                and task.dst_addr == last.dst_addr
+                + last.out_channels // limits.c2(last.out_precision) * last.dst_plane_bytes)

@@ -58,6 +58,12 @@ PC_INTERRUPT_RAW_STATUS = REGISTERS["PC_INTERRUPT_RAW_STATUS"].offset
 PC_TASK_CON = REGISTERS["PC_TASK_CON"].offset
 PC_TASK_DMA_BASE_ADDR = REGISTERS["PC_TASK_DMA_BASE_ADDR"].offset
 PC_TASK_STATUS = REGISTERS["PC_TASK_STATUS"].offset
+# the flags the per-job ioctls test, as plain ints (an IntFlag operation costs a call)
+_CACHEABLE = int(rk.MemFlag.CACHEABLE)
+_KERNEL_MAPPING = int(rk.MemFlag.KERNEL_MAPPING)
+_TO_DEVICE, _FROM_DEVICE = int(rk.SyncFlag.TO_DEVICE), int(rk.SyncFlag.FROM_DEVICE)
+_JOB_PC, _JOB_PINGPONG = int(rk.JobFlag.PC), int(rk.JobFlag.PINGPONG)
+_JOB_UNMODELED = int(rk.JobFlag.NONBLOCK | rk.JobFlag.FENCE_IN | rk.JobFlag.FENCE_OUT)
 CNA_S_POINTER = REGISTERS["CNA_S_POINTER"].offset
 CORE_S_POINTER = REGISTERS["CORE_S_POINTER"].offset
 S_POINTER_PP = 0xE  # POINTER_PP_EN | EXECUTER_PP_EN | POINTER_PP_MODE [§2, §3]
@@ -497,17 +503,17 @@ class SimKernel:
 
     def _rk_mem_sync(self, f: _File, s: rk.rknpu_mem_sync) -> None:
         obj = self._rk_object(s.obj_addr, "MEM_SYNC")
-        if not obj.flags & rk.MemFlag.CACHEABLE:
+        if not obj.flags & _CACHEABLE:
             raise _fail(errno.EINVAL, "MEM_SYNC on a buffer created without RKNPU_MEM_CACHEABLE: uncached buffers "
                                       "need no sync (the driver refuses it)")
         if s.offset + s.size > obj.size:
             raise _fail(errno.EINVAL, f"MEM_SYNC range [{s.offset}, {s.offset + s.size}) is outside the "
                                       f"{obj.size}-byte buffer")
-        if s.flags & ~int(rk.SyncFlag.TO_DEVICE | rk.SyncFlag.FROM_DEVICE):
+        if s.flags & ~(_TO_DEVICE | _FROM_DEVICE):
             raise _fail(errno.EINVAL, f"MEM_SYNC flags {s.flags:#x}: only TO_DEVICE(1) | FROM_DEVICE(2) exist")
-        if s.flags & rk.SyncFlag.TO_DEVICE:
+        if s.flags & _TO_DEVICE:
             obj.sync_for_device(s.offset, s.size)
-        if s.flags & rk.SyncFlag.FROM_DEVICE:
+        if s.flags & _FROM_DEVICE:
             obj.sync_for_cpu(s.offset, s.size)
 
     def _rk_core_ranges(self, s: ctypes.Structure) -> dict[int, tuple[int, int]]:
@@ -562,16 +568,16 @@ class SimKernel:
     def _rk_submit(self, f: _File, s: ctypes.Structure) -> None:
         if s.task_number == 0:
             raise _fail(errno.EINVAL, "SUBMIT: invalid rknpu task number 0")
-        if not s.flags & rk.JobFlag.PC:
+        if not s.flags & _JOB_PC:
             raise _fail(errno.EINVAL, "SUBMIT: flags must include RKNPU_JOB_PC (1); only PC mode exists on RK3588")
-        unsupported = s.flags & (rk.JobFlag.NONBLOCK | rk.JobFlag.FENCE_IN | rk.JobFlag.FENCE_OUT)
+        unsupported = s.flags & _JOB_UNMODELED
         if unsupported:
             raise _fail(errno.EINVAL, f"SUBMIT: flags {unsupported:#x} (NONBLOCK/FENCE_*) are not modelled by the "
                                       "simulator; submit blocking")
         if s.task_obj_addr == 0:
             raise _fail(errno.EINVAL, "SUBMIT: task_obj_addr is 0; pass the task BO's obj_addr")
         task_obj = self._rk_object(s.task_obj_addr, "SUBMIT task_obj_addr")
-        if not task_obj.flags & rk.MemFlag.KERNEL_MAPPING:
+        if not task_obj.flags & _KERNEL_MAPPING:
             raise _fail(errno.EINVAL, "SUBMIT: the task BO was created without RKNPU_MEM_KERNEL_MAPPING, so the "
                                       "kernel cannot read the rknpu_task array (create it with flags 0x40b)")
         ranges = self._rk_core_ranges(s)
@@ -590,7 +596,7 @@ class SimKernel:
                                           f"{n_slots} rknpu_task slots of the task BO")
         npu = self._npu_model()
         tasks = (rk.rknpu_task * n_slots).from_buffer(task_obj.cpu)  # the kernel mapping
-        pp_en = 1 if s.flags & rk.JobFlag.PINGPONG else 0
+        pp_en = 1 if s.flags & _JOB_PINGPONG else 0
         self.powered = True
         first_core = min(ranges)
         int_status: dict[int, int] = {}

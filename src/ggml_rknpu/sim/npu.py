@@ -10,13 +10,14 @@ vouches for. Additions to contract B: docs/decisions.md "sim/npu.py"."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.memory import DeviceMemory
-from ggml_rknpu.sim.conv import OperandCache
+from ggml_rknpu.sim.conv import Gemm, OperandCache
 from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 
@@ -46,6 +47,25 @@ _INT_BITS = REGISTERS["PC_INTERRUPT_CLEAR"].field("RESERVED_0").lo   # 14 status
 _INT_ALL = (1 << _INT_BITS) - 1
 
 
+HOST_THREADS_ENV = "RKNPU_SIM_THREADS"
+DEFAULT_HOST_THREADS = 2
+
+
+def host_threads() -> int:
+    """Host threads the simulator may use for one large GEMM: $RKNPU_SIM_THREADS, else 2
+    (the dev box's cores; a decode client waits while the server simulates), at most the
+    CPUs this process may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    value = os.environ.get(HOST_THREADS_ENV, "")
+    try:
+        wanted = int(value) if value else DEFAULT_HOST_THREADS
+    except ValueError:
+        raise ValueError(f"{HOST_THREADS_ENV}={value!r} is not a whole number of threads") from None
+    if wanted < 1:
+        raise ValueError(f"{HOST_THREADS_ENV}={wanted}: at least 1 thread")
+    return min(wanted, cpus)
+
+
 @dataclass
 class _Core:
     state: RunState = field(default_factory=RunState)
@@ -63,11 +83,14 @@ class SimNpu:
         self.operands = OperandCache()
         self.decoded = DecodeCache()
         self.busy_seconds = 0.0
-        # True: conv tasks of a run that tile M over one weight block execute as one
-        # (conv.BulkConv); False: every task on its own, the reference the bulk path is
-        # tested against (tests/sim/test_sim_bulk.py).
+        # True: conv tasks of a run that tile M over one weight block, or N at one row,
+        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run on
+        # several host threads (conv.Gemm); False: every task on its own, one BLAS call
+        # each: the reference the fast paths are tested against (tests/sim/test_sim_bulk.py).
         self.bulk = True
         self.merged_tasks = 0
+        self.gemm = Gemm(host_threads())
+        self._one_call = Gemm(1)
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -141,7 +164,8 @@ class SimNpu:
         t0 = time.perf_counter()
         try:
             result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
-                                    self.decoded, self.bulk).run()
+                                    self.decoded, self.bulk,
+                                    self.gemm if self.bulk else self._one_call).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
         self.merged_tasks += result.merged_tasks

@@ -21,7 +21,7 @@ from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
     decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, OperandCache, \
+from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, Gemm, OperandCache, \
     decode_conv, execute_conv
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
@@ -43,9 +43,14 @@ CONV_PIPELINE = OpEnable.CNA | OpEnable.CORE | OpEnable.DPU
 
 
 def interrupt_bit(enable: int, task_in_run: int) -> int:
+    return _interrupt_bit(enable, task_in_run % 2)
+
+
+@lru_cache(maxsize=None)
+def _interrupt_bit(enable: int, group: int) -> int:
     for flag, name in _LAST_BLOCK_INTERRUPT:
         if enable & flag:
-            return _INT.field(f"{name}_{task_in_run % 2}").mask
+            return _INT.field(f"{name}_{group}").mask
     return 0
 
 
@@ -158,11 +163,12 @@ class ProgramCounter:
 
     def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState,
                  operands: OperandCache | None = None, decoded: DecodeCache | None = None,
-                 bulk: bool = False) -> None:
+                 bulk: bool = False, gemm: Gemm | None = None) -> None:
         self.core, self.memory, self.regs, self.state = core, memory, regs, state
         self.cache = operands if operands is not None else OperandCache()
         self.decoded = decoded
-        self.bulk = BulkConv(memory, self.cache) if bulk else None
+        self.gemm = gemm if gemm is not None else Gemm()
+        self.bulk = BulkConv(memory, self.cache, self.gemm) if bulk else None
         self.cbuf_weights: tuple[ConvTask, int] | None = None   # last conv task's weights, task no.
         self.cbuf_data: tuple[ConvTask, int] | None = None
 
@@ -350,7 +356,7 @@ class ProgramCounter:
         if self.bulk is not None:
             self.bulk.submit(conv)
         else:
-            execute_conv(self.memory, conv, self.cache)
+            execute_conv(self.memory, conv, self.cache, self.gemm)
         self.cbuf_weights = (conv, t)
         self.cbuf_data = (conv, t)
 

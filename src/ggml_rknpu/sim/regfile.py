@@ -55,10 +55,12 @@ class BlockPointer:
 
 @dataclass
 class RegisterFile:
-    """All shadowed registers of one core: ``groups[g][offset] -> (value, task that wrote it)``."""
+    """All shadowed registers of one core: ``values[g][offset]`` is what group g holds,
+    ``writers[g][offset]`` the task that wrote it (two dicts, so a replay is two C-level
+    ``update`` calls per block)."""
 
-    groups: tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]] = field(
-        default_factory=lambda: ({}, {}))
+    values: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
+    writers: tuple[dict[int, int], dict[int, int]] = field(default_factory=lambda: ({}, {}))
     pointers: dict[Block, BlockPointer] = field(
         default_factory=lambda: {b: BlockPointer() for b in PP_BLOCKS})
     task_index: int = 0
@@ -72,7 +74,8 @@ class RegisterFile:
             self.written.add(offset)
             return
         group = self.pointers[block].group if block in self.pointers else 0
-        self.groups[group][offset] = (value, self.task_index)
+        self.values[group][offset] = value
+        self.writers[group][offset] = self.task_index
         self.written.add(offset)
 
     def begin_task(self, task_index: int) -> None:
@@ -88,7 +91,8 @@ class RegisterFile:
             self.write(offset, value)
         for block, writes in block_writes:
             group = self.pointers[block].group if block in self.pointers else 0
-            self.groups[group].update({o: (v, task_index) for o, v in writes.items()})
+            self.values[group].update(writes)
+            self.writers[group].update(dict.fromkeys(writes, task_index))
             self.written.update(writes)
 
     def end_task(self, enabled_blocks: AbstractSet[Block]) -> None:
@@ -116,18 +120,18 @@ class TaskView:
         block = reg.block
         group = self._rf.pointers[block].group if block in self._rf.pointers else 0
         if offset not in self._rf.written:
-            stale = self._rf.groups[group].get(offset)
+            stale = self._rf.values[group].get(offset)
             if stale is None:
                 detail = "never written since reset"
             else:
-                detail = (f"register group {group} still holds 0x{stale[0]:08X} from task "
-                          f"{stale[1]} (ping-pong inheritance)")
+                detail = (f"register group {group} still holds 0x{stale:08X} from task "
+                          f"{self._rf.writers[group][offset]} (ping-pong inheritance)")
             raise TaskRefused(Violation(
                 "unwritten-register",
                 f"the task reads {name} (0x{offset:04X}) but does not write it; {detail}. "
                 "Rewrite the full register set in every task [docs/npu-programming.md §2]",
-                name, stale[0] if stale else None, self.task_index, SYMPTOM_STALE))
-        return self._rf.groups[group][offset][0]
+                name, stale, self.task_index, SYMPTOM_STALE))
+        return self._rf.values[group][offset]
 
 
 def register_name(offset: int) -> str:
