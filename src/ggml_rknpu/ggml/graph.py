@@ -333,8 +333,9 @@ def group_npu_steps(steps: list[HostSegment | NpuStep | Delivery]) -> list[HostS
 
     Same src1 tensor means same view, type and K; one weight store means one weight
     format; the same rounder, one activation rounding (``ggml/activations.py``). Members must
-    write float32 destinations that are plain [M, N] views. A member with a Delivery (moved up by ``_gather_siblings``) writes its result there; if it ends
-    up in no group it runs there, not where it was moved."""
+    write float32 destinations that are plain [M, N] views. A member with a Delivery (moved
+    up by ``_gather_siblings``) writes its result there; if it ends up in no group it runs
+    there, not where it was moved."""
     deliveries = {d.node: d for d in steps if type(d) is Delivery}
     out: list[HostSegment | NpuStep | NpuGroup | Delivery] = []
     i = 0
