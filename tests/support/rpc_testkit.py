@@ -351,8 +351,12 @@ class ServerThread:
             return c.hello() == (7, 0, 0)
 
     def stop(self) -> None:
+        """Hang up on a client still connected, then free the threadpool once the server thread
+        is done (never under a compute it may still be running)."""
         self.server.stop()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=60)
+        if self.thread.is_alive():
+            raise RuntimeError("the server thread did not stop within 60 s; its threadpool is left allocated")
         self.state.close()
 
 

@@ -228,11 +228,19 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         state.write_stats_json()
 
-    def terminate(*_: object) -> None:
-        raise SystemExit(0)   # unwinds a blocked session too: its socket is shut down in its finally
+    signals: list[int] = []
+
+    def terminate(signum: int, _frame: object) -> None:
+        # The first SIGTERM / SIGINT hangs up on the client and lets its session free everything
+        # on its own path (RpcServer.stop); a second one exits at once.
+        signals.append(signum)
+        if len(signals) > 1:
+            raise SystemExit(0)
+        server.stop()
 
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     free, total = state.memory.report()
     log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)",
@@ -240,8 +248,8 @@ def run(args: argparse.Namespace) -> int:
              state.threads.n)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        if signals:
+            log.info("stopped by signal %d", signals[0])
     finally:
         print_stats()
         state.close()

@@ -64,9 +64,9 @@ class Threads:
             raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
 
     def close(self) -> None:
-        if self.pool:
-            self._g.ggml_threadpool_free(self.pool)
-            self.pool = None
+        pool, self.pool = self.pool, None      # taken before the free: see HostContext.close
+        if pool:
+            self._g.ggml_threadpool_free(pool)
 
 
 @dataclass(eq=False)
@@ -182,9 +182,12 @@ class HostContext:
                 c.cplan.work_data = aligned
 
     def close(self) -> None:
-        if self.ctx:
-            self.g.ggml_free(self.ctx)
-            self.ctx = 0
+        """Free the context, then drop the buffers it pointed into; idempotent. The handle is
+        taken before the free: an exception landing as the ctypes call returns (a signal
+        handler's) must not leave it set for a second free (docs/server.md "Stopping")."""
+        ctx, self.ctx = self.ctx, 0
+        if ctx:
+            self.g.ggml_free(ctx)
         self._computes.clear()
         self.keep.clear()
         self.work = None

@@ -218,6 +218,7 @@ class Session:
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations)
         self.hello = False
+        self.hung_up = False              # the server is stopping (RpcServer.stop)
         self._plans_at_start = state.stats.plans_built
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
@@ -247,8 +248,12 @@ class Session:
                 self.commands_after_hello += self.hello
                 stats.commands[cmd] += 1
                 self._handlers[cmd](size)
-        except ClientGone as exc:
-            if exc.truncated:
+        except (ClientGone, ConnectionError) as exc:
+            if self.hung_up:
+                log.info("ended the connection of %s: the server is stopping", self.peer)
+            elif isinstance(exc, ConnectionError):
+                log.info("%s went away: %s", self.peer, exc)
+            elif exc.truncated:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
             elif self.hello and not self.commands_after_hello:   # every 7.x client sends a command next
@@ -265,8 +270,6 @@ class Session:
                             self.peer, self.state.config.stall_timeout_s)
             else:
                 log.warning("%s vanished (TCP keepalive: %s)", self.peer, exc)
-        except ConnectionError as exc:
-            log.info("%s went away: %s", self.peer, exc)
         except Exception as exc:  # op failures, data errors, engine errors: close, keep serving
             signature = _unsupported_signature(exc)
             if signature is not None:
@@ -279,6 +282,15 @@ class Session:
         finally:
             stats.bytes_in += self.reader.total
             self.close()
+
+    def hang_up(self) -> None:
+        """Shut the connection down: a wait for the client ends at once (EOF), and the session
+        then ends through its own path, between commands or inside one."""
+        self.hung_up = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:
@@ -533,6 +545,7 @@ class RpcServer:
         self.listener.listen(16)
         self.port = self.listener.getsockname()[1]
         self._stop = threading.Event()
+        self._session: Session | None = None
 
     def serve_forever(self, poll_s: float = 0.2) -> None:
         runs_reported = 0
@@ -551,10 +564,15 @@ class RpcServer:
                 log.debug("client %s connected", peer)
                 t0 = time.perf_counter()
                 try:
-                    Session(self.state, sock, peer).run()
+                    self._session = Session(self.state, sock, peer)
+                    if self._stop.is_set():     # stopped between accept and here
+                        self._session.hang_up()
+                    self._session.run()
                 except Exception:          # a failure while tearing a session down must not end the server
                     log.exception("error while closing the session of %s", peer)
                     sock.close()
+                finally:
+                    self._session = None
                 log.debug("client %s done after %.2f s", peer, time.perf_counter() - t0)
                 if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
                     runs_reported = self.state.stats.graph_runs
@@ -565,4 +583,14 @@ class RpcServer:
             self.listener.close()
 
     def stop(self) -> None:
+        """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on the current client,
+        whose session then frees everything through its own path, and return from ``serve_forever``.
+
+        A handler must not raise instead: CPython runs it between any two bytecodes of the main
+        thread, so its exception would unwind the data plane anywhere, e.g. between a free and
+        the reset of the freed handle, and the unwinding would free it again (docs/server.md
+        "Stopping")."""
         self._stop.set()
+        session = self._session
+        if session is not None:
+            session.hang_up()
