@@ -262,11 +262,11 @@ class NpuDevice:
     def close(self) -> None:
         if self._closed:
             return
+        self._closed = True      # first: an exception landing mid-close must not close the fd twice
         self.driver.close()
         for buf in list(self._buffers.values()):
             buf.close()
         self.syscalls.close(self.fd)
-        self._closed = True
 
     def __enter__(self) -> "NpuDevice":
         return self
