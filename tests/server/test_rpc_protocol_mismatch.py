@@ -40,7 +40,7 @@ def _server_warnings(caplog, timeout: float = 5.0) -> list[str]:
 
 def _assert_names_both_versions_and_fix(line: str, client: str) -> None:
     assert "7.0.0" in line and client in line
-    assert "scripts/build-llama-cpp" in line and "protocol 7.x" in line
+    assert "rknpu serve --protocol 8" in line and "b11458" in line
 
 
 def test_protocol8_client_refusing_our_hello_is_logged(srv, caplog):
@@ -90,3 +90,4 @@ def test_hello_without_conn_caps_names_an_older_protocol(srv, caplog):
     c.close()
     lines = _server_warnings(caplog)
     assert "older than 7.0" in lines[0] and "7.0.0" in lines[0] and "scripts/build-llama-cpp" in lines[0]
+    assert "--protocol 7" in lines[0] and "--protocol 8" in lines[0]

@@ -1,4 +1,4 @@
-"""Wire layouts of ggml RPC 7.0.0: sizes and offsets from reference/ggml-rpc.md §3."""
+"""Wire layouts of ggml RPC 7.0.0 and 8.0.0: sizes and offsets from docs/ggml-rpc.md §3 and §4."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ggml_rknpu.ggml.tensor import RpcTensor
 
 
 def test_protocol_version_matches_the_pinned_headers():
-    assert wire.PROTO_VERSION == RPC_PROTO == (7, 0, 0)
+    assert wire.PROTO_VERSION == RPC_PROTO == wire.PROTO_VERSIONS[7] == (7, 0, 0)
+    assert wire.PROTO_VERSIONS[8] == (8, 0, 0)    # what every 8.x client accepts (server minor <= its own)
 
 
 # An independent description of rpc_tensor: the offset table of [ggml-rpc.md §3.3] as a numpy dtype.
@@ -76,4 +77,30 @@ def test_variable_sizes_and_unknown_commands():
     for cmd in (18, 19, 22):                              # protocol 8's new commands, named as such
         with pytest.raises(ProtocolError, match=r"RPC protocol 8\.x .* \(7\.0\.0 here\)"):
             wire.expected_payload(cmd, 0)
-    assert len(Cmd) == wire.N_COMMANDS == 18
+    assert len(Cmd) == wire.N_COMMANDS == wire.COMMANDS_OF[8] == 23 and wire.COMMANDS_OF[7] == 18
+    for cmd in (23, 24, 255):                             # 8.0.0's NONE / COUNT and beyond
+        with pytest.raises(ProtocolError, match="unknown command"):
+            wire.expected_payload(cmd, 0, 8)
+
+
+# 8.0.0 request sizes [docs/ggml-rpc.md §4.2]: the commands that differ from 7.0.0
+@pytest.mark.parametrize("cmd,size", [
+    (Cmd.GRAPH_RECOMPUTE, 12), (Cmd.GET_TENSOR_2D, 328), (Cmd.COMM_INIT, 80), (Cmd.COMM_ALLREDUCE, 300),
+    (Cmd.COMM_FREE, 4), (Cmd.GET_TENSOR, 312), (Cmd.HELLO, 24), (Cmd.MEMSET_TENSOR, 313),
+])
+def test_protocol8_fixed_sizes_accepted_exactly(cmd, size):
+    wire.expected_payload(cmd, size, 8)
+    for wrong in (size - 1, size + 1):
+        with pytest.raises(ProtocolError):
+            wire.expected_payload(cmd, wrong, 8)
+
+
+def test_protocol8_variable_sizes():
+    wire.expected_payload(Cmd.SET_TENSOR_2D, 328, 8)          # sizes checked against its rows later
+    with pytest.raises(ProtocolError, match="at least 328"):
+        wire.expected_payload(Cmd.SET_TENSOR_2D, 327, 8)
+    wire.expected_payload(Cmd.GRAPH_COMPUTE, 20, 8)
+    with pytest.raises(ProtocolError, match=r"outside \[20"):
+        wire.expected_payload(Cmd.GRAPH_COMPUTE, 19, 8)
+    with pytest.raises(ProtocolError, match=r"RPC protocol 7\.x .*8\.0\.0 here.*--protocol 7"):
+        wire.expected_payload(Cmd.GRAPH_RECOMPUTE, 4, 8)    # a 7.x client on an 8.0.0 connection

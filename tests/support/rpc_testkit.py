@@ -195,8 +195,10 @@ class T:
                                 src=self.src, view_src=self.view_src, view_offs=self.view_offs, name=self.name)
 
 
-def graph_payload(nodes: list[T], tensors: list[T], dev: int = 0) -> bytes:
-    return (struct.pack("<II", dev, len(nodes)) + b"".join(struct.pack("<Q", n.id) for n in nodes)
+def graph_payload(nodes: list[T], tensors: list[T], dev: int = 0, uid: int | None = None) -> bytes:
+    """GRAPH_COMPUTE payload: 7.0.0 layout, or 8.0.0 (a graph uid after ``dev``) when ``uid`` is given."""
+    head = struct.pack("<I", dev) + (b"" if uid is None else struct.pack("<Q", uid))
+    return (head + struct.pack("<I", len(nodes)) + b"".join(struct.pack("<Q", n.id) for n in nodes)
             + struct.pack("<I", len(tensors)) + b"".join(t.pack() for t in tensors))
 
 
@@ -208,11 +210,12 @@ class ServerClosed(Exception):
 class RpcClient:
     """Speaks the wire format; every call checks the reply size like the C++ client does."""
 
-    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0) -> None:
+    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0, major: int = 7) -> None:
+        self.major = major
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hello:
-            assert self.hello() == (7, 0, 0)
+            assert self.hello() == wire.PROTO_VERSIONS[major]
 
     def close(self) -> None:
         self.sock.close()
@@ -320,35 +323,51 @@ class RpcClient:
         payload = struct.pack("<I", dev) + t.pack() + bytes(wire.RPC_TENSOR_SIZE * 10)
         return struct.unpack("<Q", self.call(Cmd.GET_ALLOC_SIZE, payload, expect=8))[0]
 
-    def graph_compute(self, nodes: list[T], tensors: list[T], dev: int = 0) -> None:
-        self.send(Cmd.GRAPH_COMPUTE, graph_payload(nodes, tensors, dev))
+    def graph_compute(self, nodes: list[T], tensors: list[T], dev: int = 0, uid: int = 0) -> None:
+        """``uid``: the graph's uid on a protocol-8 connection (0 = a graph without identity)."""
+        self.send(Cmd.GRAPH_COMPUTE, graph_payload(nodes, tensors, dev, uid if self.major == 8 else None))
 
-    def graph_recompute(self, dev: int = 0) -> None:
-        self.send(Cmd.GRAPH_RECOMPUTE, struct.pack("<I", dev))
+    def graph_recompute(self, dev: int = 0, uid: int | None = None) -> None:
+        payload = struct.pack("<I", dev) if self.major == 7 else struct.pack("<IQ", dev, uid or 0)
+        self.send(Cmd.GRAPH_RECOMPUTE, payload)
+
+    # protocol 8.0.0
+    def set_tensor_2d(self, t: T, data: bytes, offset: int, size: int, n_copies: int, stride: int) -> None:
+        self.send(Cmd.SET_TENSOR_2D, t.pack() + struct.pack("<QQQQ", offset, size, n_copies, stride) + data)
+
+    def get_tensor_2d(self, t: T, offset: int, size: int, n_copies: int, stride: int) -> bytes:
+        return self.call(Cmd.GET_TENSOR_2D, t.pack() + struct.pack("<QQQQ", offset, size, n_copies, stride),
+                         expect=size * n_copies)
+
+    def comm_init(self, rank: int, world: int, port: int, host: str = "", dev: int = 0) -> int:
+        payload = struct.pack("<IIII64s", dev, rank, world, port, host.encode())
+        return self.call(Cmd.COMM_INIT, payload, expect=1)[0]
 
 
 # --- server in a thread -------------------------------------------------------------------------
 class ServerThread:
     def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
-                 group_matmuls: bool = True) -> None:
+                 group_matmuls: bool = True, protocol: int | None = 7) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls))
-        self.server = RpcServer(self.state, "127.0.0.1", 0)
+        self.server = RpcServer(self.state, "127.0.0.1", 0, protocol=protocol)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
         self.thread.start()
 
     def client(self, hello: bool = True) -> RpcClient:
-        return RpcClient(self.port, hello=hello)
+        return RpcClient(self.port, hello=hello, major=self.server.major)
 
     def alive(self) -> bool:
-        """The server answers HELLO on a fresh connection."""
+        """The server answers HELLO and a command on a fresh connection (a command, so that
+        ``--protocol auto`` does not take the probe for a client of another major)."""
+        major = self.server.major
         with self.client(hello=False) as c:
-            return c.hello() == (7, 0, 0)
+            return c.hello() == wire.PROTO_VERSIONS[major] and c.device_count() == 1
 
     def stop(self) -> None:
         """Hang up on a client still connected, then free the threadpool once the server thread

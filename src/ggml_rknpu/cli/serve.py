@@ -1,7 +1,11 @@
-"""Serve the NPU (or its simulator) to unmodified llama.cpp over the ggml RPC protocol 7.0.0.
+"""Serve the NPU (or its simulator) to unmodified llama.cpp over the ggml RPC protocol 7.0.0 or 8.0.0.
 
   rknpu serve --port 50052 --device sim-rknpu
   llama-completion -m model.gguf --rpc 127.0.0.1:50052 -ngl 99 ...
+
+``--protocol 7`` serves the pinned llama.cpp and b11434, ``--protocol 8`` llama.cpp b11458 and
+later; ``auto`` (the default) answers 7.0.0 and switches to the other major after a client that
+hangs up right after HELLO, which is all a client of the other major does (docs/server.md).
 
 Flags follow ggml-rpc-server (-H/--host, -p/--port, -t/--threads, -c/--cache).
 ``--device host`` runs every op on the host (no NPU engine): a protocol and op
@@ -29,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-H", "--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; anything else is reachable without authentication)")
     p.add_argument("-p", "--port", type=int, default=50052, help="TCP port (default 50052, 0 = any free port)")
+    p.add_argument("--protocol", default="auto", choices=("auto", "7", "8"),
+                   help="ggml RPC protocol major: 7 (the pinned llama.cpp, b11434), 8 (llama.cpp b11458 and later), "
+                        "auto (default: 7, switching after a client that refuses it right after HELLO)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
                         "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
@@ -162,6 +169,16 @@ def _activations_text(args: argparse.Namespace) -> str:
     return "rounded to ggml-cpu's vec_dot types" if args.activations == "ggml" else "fp16"
 
 
+def _protocol_text(server) -> str:
+    from ggml_rknpu.ggml.rpc.wire import version_text
+
+    if not server.auto:
+        return version_text(server.major)
+    other = next(m for m in (7, 8) if m != server.major)
+    return (f"{version_text(server.major)} (--protocol auto: {version_text(other)} after a client that refuses it "
+            f"right after HELLO; --protocol {other} to start there)")
+
+
 def run(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -215,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             npu.close()
         return 1
     try:
-        server = RpcServer(state, args.host, args.port)
+        server = RpcServer(state, args.host, args.port, protocol=None if args.protocol == "auto" else int(args.protocol))
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
         state.close()
@@ -242,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
     free, total = state.memory.report()
-    log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
-             "free, host ops on ggml-cpu with %d thread(s)",
+    log.info("rknpu serve: ggml RPC %s on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
+             "free, host ops on ggml-cpu with %d thread(s)", _protocol_text(server),
              args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
              state.threads.n)
     try:

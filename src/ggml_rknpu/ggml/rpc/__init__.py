@@ -1,1 +1,1 @@
-"""ggml RPC protocol 7.0.0: wire layouts (``wire``) and the TCP server (``server``)."""
+"""ggml RPC protocols 7.0.0 and 8.0.0: wire layouts (``wire``, ``proto8``) and the TCP server (``server``)."""

@@ -1,5 +1,6 @@
-"""The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0),
-behaving like the C++ ``ggml-rpc-server`` where the client depends on it [docs/ggml-rpc.md §3, P6, P7].
+"""The TCP server llama.cpp talks to with ``--rpc host:port`` (ggml RPC protocol 7.0.0 or 8.0.0,
+one major per connection), behaving like the C++ ``ggml-rpc-server`` where the client depends on it
+[docs/ggml-rpc.md §3, §4, P6, P7].
 
 Invariants: one client at a time, served to completion; commands strictly in order, replies
 only for commands that have one; HELLO first; any bad request (a second HELLO, an unknown
@@ -29,6 +30,7 @@ from ggml_rknpu.ggml.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.ggml.placement import ServerStats
 from ggml_rknpu.ggml.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.ggml.rpc import wire
+from ggml_rknpu.ggml.rpc.proto8 import Proto8
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
 from ggml_rknpu.ggml.weights import RetiredWeights, WeightStats, WeightStore
@@ -37,6 +39,7 @@ from ggml_rknpu.hostggml.compute import Threads, default_threads
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
+AUTO_FIRST_MAJOR = 7         # --protocol auto answers the first client with the pinned build's major
 HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [contract A [docs/decisions.md]: 32-bit NPU IOVA]
 _RECV_CHUNK = 1 << 16
 
@@ -204,10 +207,16 @@ def _unsupported_signature(exc: BaseException) -> str | None:
 class Session:
     """One client connection: its buffers, weights and graphs, processed strictly in order."""
 
-    def __init__(self, state: ServerState, sock: socket.socket, peer: str) -> None:
+    def __init__(self, state: ServerState, sock: socket.socket, peer: str, major: int = 7,
+                 next_major: int | None = None) -> None:
+        """``major``: the protocol this connection is answered with; ``next_major``: what the next
+        connection gets if this client refuses it right after HELLO (``--protocol auto``)."""
         self.state = state
         self.sock = sock
         self.peer = peer
+        self.major = major
+        self.next_major = next_major
+        self.refused_hello = False        # closed right after our HELLO reply, before any command
         sock.settimeout(state.config.stall_timeout_s)
         self.reader = Reader(sock)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
@@ -233,6 +242,9 @@ class Session:
             Cmd.HELLO: self._hello, Cmd.DEVICE_COUNT: self._device_count,
             Cmd.GRAPH_RECOMPUTE: self._graph_recompute, Cmd.MEMSET_TENSOR: self._memset_tensor,
         }
+        self.proto8 = Proto8(self) if major == 8 else None
+        if self.proto8 is not None:
+            self._handlers.update(self.proto8.handlers())
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -242,7 +254,7 @@ class Session:
             while True:
                 self.reader.at_boundary_wait()
                 cmd, size = wire.REQUEST_HEADER.unpack(self.reader.read(wire.REQUEST_HEADER.size))
-                wire.expected_payload(cmd, size)
+                wire.expected_payload(cmd, size, self.major)
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
                 self.commands_after_hello += self.hello
@@ -256,8 +268,9 @@ class Session:
             elif exc.truncated:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
-            elif self.hello and not self.commands_after_hello:   # every 7.x client sends a command next
-                log.warning("%s: %s", self.peer, wire.hello_then_gone())
+            elif self.hello and not self.commands_after_hello:   # every llama.cpp client sends a command next
+                self.refused_hello = True
+                log.warning("%s: %s", self.peer, wire.hello_then_gone(self.major, self.next_major is not None))
             else:
                 log.debug("%s: %s", self.peer, exc)
         except ProtocolError as exc:
@@ -300,6 +313,8 @@ class Session:
         self.sock.close()
         for g in self.graphs:
             g.clear()
+        if self.proto8 is not None:
+            self.proto8.close()
         try:
             self.buffers.close()
         finally:
@@ -339,6 +354,8 @@ class Session:
         self.weights.drop_buffer(buf)
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs
             g.clear()
+        if self.proto8 is not None:
+            self.proto8.on_free()
 
     # --- commands -------------------------------------------------------------------------
     def _hello(self, size: int) -> None:
@@ -346,7 +363,7 @@ class Session:
         if self.hello:
             raise ProtocolError("second HELLO in one connection")
         self.hello = True
-        major, minor, patch = wire.PROTO_VERSION
+        major, minor, patch = wire.PROTO_VERSIONS[self.major]
         self._send(wire.HELLO_RSP.pack(major, minor, patch, 0, bytes(24)))   # zero caps: TCP only
 
     def _device_count(self, size: int) -> None:
@@ -449,8 +466,11 @@ class Session:
     def _graph_compute(self, size: int) -> None:
         payload = self.reader.read(size)
         (dev,) = wire.DEV_REQ.unpack_from(payload, 0)
-        graphs = self.graphs[self._dev(dev, "GRAPH_COMPUTE")]
-        digest = graph_digest(payload)
+        self.compute_graph(self._dev(dev, "GRAPH_COMPUTE"), payload, graph_digest(payload))
+
+    def compute_graph(self, dev: int, payload: bytes, digest: bytes) -> None:
+        """Run a graph in 7.0.0 layout: its plan from the cache, or built (and validated) now."""
+        graphs = self.graphs[dev]
         plan = graphs.lookup(digest)
         if plan is None:
             plan = self.planner.build(payload, digest)
@@ -529,11 +549,21 @@ def is_loopback(host: str) -> bool:
 
 
 class RpcServer:
-    """Accepts clients one after another on (host, port); ``serve_forever`` until ``stop``."""
+    """Accepts clients one after another on (host, port); ``serve_forever`` until ``stop``.
 
-    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 50052) -> None:
+    ``protocol``: the RPC major every connection is answered with, or None (``--protocol auto``):
+    start with 7 and switch to the other major after a client that hung up right after HELLO
+    (the only sign of a client of another major: its HELLO carries no version) [docs/server.md:
+    Choosing the protocol]."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 50052,
+                 protocol: int | None = 7) -> None:
+        if protocol is not None and protocol not in wire.PROTO_VERSIONS:
+            raise ValueError(f"RPC protocol {protocol} is not served (only {sorted(wire.PROTO_VERSIONS)})")
         self.state = state
         self.host = host
+        self.auto = protocol is None
+        self.major = protocol or AUTO_FIRST_MAJOR
         if not is_loopback(host):
             log.warning("!!! rknpu serve is bound to %s: the ggml RPC protocol has NO authentication; anyone who "
                         "can reach this port can read and write its memory. Use 127.0.0.1 unless this network "
@@ -563,11 +593,14 @@ class RpcServer:
                 peer = f"{addr[0]}:{addr[1]}"
                 log.debug("client %s connected", peer)
                 t0 = time.perf_counter()
+                other = self._other_major() if self.auto else None
                 try:
-                    self._session = Session(self.state, sock, peer)
+                    self._session = session = Session(self.state, sock, peer, self.major, other)
                     if self._stop.is_set():     # stopped between accept and here
                         self._session.hang_up()
                     self._session.run()
+                    if other is not None and session.refused_hello:
+                        self.major = other
                 except Exception:          # a failure while tearing a session down must not end the server
                     log.exception("error while closing the session of %s", peer)
                     sock.close()
@@ -581,6 +614,9 @@ class RpcServer:
                     self.state.write_stats_json()
         finally:
             self.listener.close()
+
+    def _other_major(self) -> int:
+        return next(m for m in wire.PROTO_VERSIONS if m != self.major)
 
     def stop(self) -> None:
         """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on the current client,

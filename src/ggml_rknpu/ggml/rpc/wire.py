@@ -1,11 +1,12 @@
-"""ggml RPC protocol 7.0.0 on the wire: commands, the packed ``rpc_tensor``, framing.
+"""ggml RPC protocols 7.0.0 and 8.0.0 on the wire: commands, the packed ``rpc_tensor``, framing.
 
-Every layout here is the raw little-endian ``#pragma pack(1)`` struct the pinned
-llama.cpp (commit 0c1e570, ``ggml/src/ggml-rpc/ggml-rpc.cpp``) sends; sizes and
-offsets are taken from ``docs/ggml-rpc.md`` §3 (checked there with a compiled
-probe). The protocol has no error reply: a request that does not have exactly the
-size its command implies is rejected by closing the connection, so every fixed size
-lives here as data and ``expected_payload`` is the one place that knows them.
+Every layout here is the raw little-endian ``#pragma pack(1)`` struct llama.cpp sends:
+7.0.0 from the pinned build (commit 0c1e570, ``ggml/src/ggml-rpc/ggml-rpc.cpp``), 8.0.0
+from upstream PR #26610 (llama.cpp b11458 on); sizes and offsets are taken from
+``docs/ggml-rpc.md`` §3 and §4. The protocol has no error reply: a request that does not
+have exactly the size its command implies is rejected by closing the connection, so every
+fixed size lives here as data and ``expected_payload`` is the one place that knows them.
+The 8.0.0 layouts of the commands that changed are in ``proto8.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 
-PROTO_VERSION = (7, 0, 0)  # RPC_PROTO_MAJOR/MINOR/PATCH [docs/ggml-rpc.md §1]
+PROTO_VERSION = (7, 0, 0)  # RPC_PROTO_MAJOR/MINOR/PATCH of the pinned build [docs/ggml-rpc.md §1]
+# Every major this server speaks, with the version its HELLO reply carries [docs/ggml-rpc.md §4.1]
+PROTO_VERSIONS: dict[int, tuple[int, int, int]] = {7: PROTO_VERSION, 8: (8, 0, 0)}
 
 
 class Cmd(IntEnum):
@@ -37,9 +40,17 @@ class Cmd(IntEnum):
     DEVICE_COUNT = 15
     GRAPH_RECOMPUTE = 16
     MEMSET_TENSOR = 17
+    # protocol 8.0.0 only [docs/ggml-rpc.md §4.2]
+    SET_TENSOR_2D = 18
+    GET_TENSOR_2D = 19
+    COMM_INIT = 20
+    COMM_ALLREDUCE = 21
+    COMM_FREE = 22
 
 
-N_COMMANDS = 18  # NONE (18) and COUNT (19) are client-internal and never sent
+N_COMMANDS = 23  # ids of every major; the client-internal NONE / COUNT are never sent
+# Command ids each major accepts: 7.0.0 has 0-17 (its NONE is 18), 8.0.0 has 0-22 (NONE is 23)
+COMMANDS_OF: dict[int, int] = {7: 18, 8: 23}
 
 # Request framing: u8 cmd | u64 payload_size [docs/ggml-rpc.md §3.1]
 REQUEST_HEADER = struct.Struct("<BQ")
@@ -113,6 +124,18 @@ FIXED_PAYLOAD: dict[Cmd, int | None] = {
     Cmd.GRAPH_RECOMPUTE: DEV_REQ.size,
     Cmd.MEMSET_TENSOR: RPC_TENSOR_SIZE + MEMSET_TAIL.size,         # 313
 }
+# The 8.0.0 sizes that differ (the new commands and GRAPH_RECOMPUTE; GRAPH_COMPUTE and
+# SET_TENSOR_2D are variable) [docs/ggml-rpc.md §4.2]
+FIXED_PAYLOAD_8: dict[Cmd, int | None] = FIXED_PAYLOAD | {
+    Cmd.GRAPH_RECOMPUTE: 12,                                       # dev u32, uid u64
+    Cmd.SET_TENSOR_2D: None,                                       # >= 328
+    Cmd.GET_TENSOR_2D: RPC_TENSOR_SIZE + 32,                       # 328: offset, size, n_copies, stride
+    Cmd.COMM_INIT: 80,                                             # dev, rank, world, port u32; host char[64]
+    Cmd.COMM_ALLREDUCE: DEV_REQ.size + RPC_TENSOR_SIZE,            # 300
+    Cmd.COMM_FREE: DEV_REQ.size,                                   # 4
+}
+TENSOR_2D_HEADER_SIZE = RPC_TENSOR_SIZE + 32                       # SET_TENSOR_2D before its rows
+GRAPH_HEAD_8_SIZE = 16                                             # dev u32, uid u64, n_nodes u32
 assert FIXED_PAYLOAD[Cmd.GET_ALLOC_SIZE] == 3260
 
 # Largest GRAPH_COMPUTE payload accepted before reading it: a 70B-class graph is a few MB;
@@ -129,49 +152,71 @@ class ProtocolError(Exception):
 # no version (only conn_caps, same layout in 7.x and 8.x): the client compares the major we
 # answer with its own and aborts ("RPC server version mismatch"), so the server sees either
 # that abort or, from a client that goes on anyway, requests only another major sends.
-PROTO_TEXT = ".".join(map(str, PROTO_VERSION))
-USE_A_7X_CLIENT = (f"use a llama.cpp client built with RPC protocol {PROTO_VERSION[0]}.x (scripts/build-llama-cpp "
-                   "--list shows the builds this project tests: the pinned 0c1e570 and b11434)")
-# Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [docs/server.md: Other protocol majors]
-PROTO8_COMMANDS = {18: "SET_TENSOR_2D", 19: "GET_TENSOR_2D", 20: "COMM_INIT", 21: "COMM_ALLREDUCE", 22: "COMM_FREE"}
-PROTO8_GRAPH_RECOMPUTE_SIZE = 12   # dev u32 + graph uid u64
+# Requests of llama.cpp master's protocol 8.0.0 (b11458 on) [docs/ggml-rpc.md §4.2]
+PROTO8_COMMANDS = {int(c): c.name for c in Cmd if c >= COMMANDS_OF[7]}
 # Before conn_caps the HELLO request had no payload (the 7.0.0 C++ server answers such a request
 # with "HELLO request size mismatch ... client needs upgrade to protocol v7.x").
 PROTO_BEFORE7_HELLO_SIZE = 0
+CLIENTS_OF = {7: "the pinned build and b11434 (scripts/build-llama-cpp --list)",
+              8: "llama.cpp b11458 and later, e.g. the llama-cpp-py-sync==0.11739 wheel"}
 
 
-def other_major(found: str) -> ProtocolError:
+def version_text(major: int) -> str:
+    return ".".join(map(str, PROTO_VERSIONS[major]))
+
+
+def protocol_advice(client_major: int | None) -> str:
+    """The fix, as a command: which --protocol serves which clients."""
+    if client_major in PROTO_VERSIONS:
+        return f"start it with `rknpu serve --protocol {client_major}` (for {CLIENTS_OF[client_major]})"
+    return "; ".join(f"`rknpu serve --protocol {m}` serves {CLIENTS_OF[m]}" for m in PROTO_VERSIONS)
+
+
+def other_major(found: str, major: int, client_major: int | None) -> ProtocolError:
     """The refusal for a client of another protocol major, naming both versions and the fix."""
-    return ProtocolError(f"the client speaks RPC protocol {found} ({PROTO_TEXT} here): {USE_A_7X_CLIENT}")
+    return ProtocolError(f"the client speaks RPC protocol {found} ({version_text(major)} here): "
+                         f"{protocol_advice(client_major)}")
 
 
-def hello_then_gone() -> str:
-    """Log text for a client that closed right after our HELLO reply, before any command."""
-    return (f"client closed the connection right after HELLO: it refused this server's RPC protocol {PROTO_TEXT} "
-            f"(a llama.cpp client of another major, e.g. master's 8.0.0 from b11458, logs 'RPC server version "
-            f"mismatch: {PROTO_TEXT}' and aborts); {USE_A_7X_CLIENT}")
+def hello_then_gone(major: int, auto: bool) -> str:
+    """Log text for a client that closed right after our HELLO reply, before any command.
+
+    ``auto``: under ``--protocol auto`` the next connection is answered with the other major."""
+    other = next(m for m in PROTO_VERSIONS if m != major)
+    head = (f"client closed the connection right after HELLO: it refused this server's RPC protocol "
+            f"{version_text(major)} (a llama.cpp client of another major, e.g. {version_text(other)}, logs 'RPC "
+            f"server version mismatch: {version_text(major)}' and aborts); ")
+    if auto:
+        return (head + f"the next connection is answered with {version_text(other)}: run the client again, or "
+                f"{protocol_advice(other)}")
+    return head + protocol_advice(other)
 
 
-def expected_payload(cmd: int, payload_size: int) -> None:
+def expected_payload(cmd: int, payload_size: int, major: int = 7) -> None:
     """Check a request header before reading its payload; raise ProtocolError if impossible."""
-    if cmd >= N_COMMANDS:
-        if cmd in PROTO8_COMMANDS:
-            raise other_major(f"8.x (command {cmd} is its {PROTO8_COMMANDS[cmd]})")
+    if cmd >= COMMANDS_OF[major]:
+        if major == 7 and cmd in PROTO8_COMMANDS:
+            raise other_major(f"8.x (command {cmd} is its {PROTO8_COMMANDS[cmd]})", major, 8)
         raise ProtocolError(f"unknown command {cmd}")
-    fixed = FIXED_PAYLOAD[Cmd(cmd)]
+    fixed = (FIXED_PAYLOAD_8 if major == 8 else FIXED_PAYLOAD)[Cmd(cmd)]
     if fixed is not None:
-        if cmd == Cmd.GRAPH_RECOMPUTE and payload_size == PROTO8_GRAPH_RECOMPUTE_SIZE:
-            raise other_major("8.x (GRAPH_RECOMPUTE carries a graph uid)")
+        if cmd == Cmd.GRAPH_RECOMPUTE and payload_size != fixed and payload_size in (4, 12):
+            found = 8 if payload_size == 12 else 7
+            raise other_major(f"{found}.x (GRAPH_RECOMPUTE {'with' if found == 8 else 'without'} a graph uid)",
+                              major, found)
         if cmd == Cmd.HELLO and payload_size == PROTO_BEFORE7_HELLO_SIZE:
-            raise other_major("older than 7.0 (HELLO without conn_caps)")
+            raise other_major("older than 7.0 (HELLO without conn_caps)", major, None)
         if payload_size != fixed:
             raise ProtocolError(f"{Cmd(cmd).name}: payload is {payload_size} bytes, expected {fixed}")
-    elif cmd == Cmd.SET_TENSOR:
-        if payload_size < SET_TENSOR_HEADER_SIZE:
-            raise ProtocolError(f"SET_TENSOR: payload is {payload_size} bytes, needs at least {SET_TENSOR_HEADER_SIZE}")
+    elif cmd in (Cmd.SET_TENSOR, Cmd.SET_TENSOR_2D):
+        least = SET_TENSOR_HEADER_SIZE if cmd == Cmd.SET_TENSOR else TENSOR_2D_HEADER_SIZE
+        if payload_size < least:
+            raise ProtocolError(f"{Cmd(cmd).name}: payload is {payload_size} bytes, needs at least {least}")
     elif cmd == Cmd.GRAPH_COMPUTE:
-        if payload_size < GRAPH_HEAD.size + 4 or payload_size > MAX_GRAPH_PAYLOAD:
-            raise ProtocolError(f"GRAPH_COMPUTE: payload of {payload_size} bytes is outside [12, {MAX_GRAPH_PAYLOAD}]")
+        least = (GRAPH_HEAD_8_SIZE if major == 8 else GRAPH_HEAD.size) + 4
+        if payload_size < least or payload_size > MAX_GRAPH_PAYLOAD:
+            raise ProtocolError(f"GRAPH_COMPUTE: payload of {payload_size} bytes is outside [{least}, "
+                                f"{MAX_GRAPH_PAYLOAD}]")
 
 
 def tensor_name(raw: bytes) -> str:
