@@ -174,7 +174,7 @@ class Proto8:
         stored = self.uids[self.s._dev(dev, "GRAPH_RECOMPUTE")].find(dev, uid)
         assert stored.payload is not None
         self.s.state.stats.recomputes += 1
-        self.s.compute_graph(dev, stored.payload, stored.digest)
+        self.s.compute_graph(dev, stored.payload, stored.digest, replay=True)
 
     # --- strided tensor I/O ---------------------------------------------------------------
     def _rows(self, payload: bytes, what: str) -> Rows:

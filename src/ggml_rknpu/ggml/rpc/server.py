@@ -468,13 +468,14 @@ class Session:
         (dev,) = wire.DEV_REQ.unpack_from(payload, 0)
         self.compute_graph(self._dev(dev, "GRAPH_COMPUTE"), payload, graph_digest(payload))
 
-    def compute_graph(self, dev: int, payload: bytes, digest: bytes) -> None:
-        """Run a graph in 7.0.0 layout: its plan from the cache, or built (and validated) now."""
+    def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None:
+        """Run a graph in 7.0.0 layout: its plan from the cache, or built (and validated) now.
+        ``replay``: a GRAPH_RECOMPUTE (counted as such, not as a plan cache hit)."""
         graphs = self.graphs[dev]
         plan = graphs.lookup(digest)
         if plan is None:
             plan = self.planner.build(payload, digest)
-        else:
+        elif not replay:
             self.state.stats.plan_cache_hits += 1
         graphs.remember(plan)
         plan.execute(self.state.stats)
