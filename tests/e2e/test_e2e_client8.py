@@ -108,7 +108,6 @@ def test_gemma3_on_host_follows_the_clients_cpu_run(tmp_path: Path, client, gemm
     assert "France" in got.text or "Paris" in got.text, got.text
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_gemma3_on_the_npu_follows_the_clients_cpu_run(tmp_path: Path, client, gemma: Path, gemma_cpu) -> None:
     got, stats = _served(client, gemma, tmp_path, GEMMA_TOKENS, device="sim-rknpu", extra=("--weights", "fp16"))

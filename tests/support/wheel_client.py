@@ -27,7 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ggml_rknpu.toolchain.launch import free_port
 from ggml_rknpu.toolchain.llamacpp import cache_dir
+from support.e2e_support import Server
 from support.greedy import Step
 
 WHEEL = "llama-cpp-py-sync==0.11739"
@@ -206,12 +208,31 @@ def greedy(c: Client, model: Path, prompt: str, n_predict: int, *, rpc: list[str
     return Greedy([Step(t, lp, r, rlp) for t, lp, r, rlp in out["steps"]], out["text"])
 
 
+# The wheel's C++ RPC server (``ggml_backend_rpc_start_server``, what its rpc-server tool runs) on
+# the CPU device with one thread: the protocol 8.0.0 reference.
 _SERVER = r"""
 import sys
-from llama_cpp_py_sync._cffi_bindings import get_rpc_lib, get_backend_lib, get_lib
+from llama_cpp_py_sync._cffi_bindings import get_backend_base_lib, get_backend_lib, get_ffi, get_lib, get_rpc_lib
+ffi = get_ffi()
 get_lib().llama_backend_init()
-get_backend_lib().ggml_backend_load_all() if hasattr(get_backend_lib(), "ggml_backend_load_all") else None
-rpc = get_rpc_lib()
-rpc.ggml_backend_rpc_start_server(sys.argv[1].encode(), b"" if len(sys.argv) < 3 else sys.argv[2].encode(), 1,
-                                  1, __import__("llama_cpp_py_sync._cffi_bindings", fromlist=["ffi"]).ffi.NULL)
+backend, base = get_backend_lib(), get_backend_base_lib()
+devices = [backend.ggml_backend_dev_get(i) for i in range(backend.ggml_backend_dev_count())]
+cpu = [d for d in devices if base.ggml_backend_dev_type(d) == base.GGML_BACKEND_DEVICE_TYPE_CPU][:1]
+get_rpc_lib().ggml_backend_rpc_start_server(sys.argv[1].encode(), ffi.NULL, 1, 1, ffi.new("ggml_backend_dev_t[]", cpu))
 """
+
+
+class CppServer(Server):
+    """The b11739 wheel's C++ 8.0.0 RPC server in a subprocess (prints ``Starting RPC server v8.0.0``)."""
+
+    def __init__(self, c: Client, port: int, log_path: Path) -> None:
+        super().__init__([sys.executable, "-c", _SERVER, f"127.0.0.1:{port}"], port, log_path, ready_timeout=60.0)
+        self.client = c
+
+    def env(self) -> dict[str, str]:
+        return self.client.env()
+
+
+def cpp_server(c: Client, tmp_path: Path) -> CppServer:
+    port = free_port()
+    return CppServer(c, port, tmp_path / f"b11739-rpc-server-{port}.log")
