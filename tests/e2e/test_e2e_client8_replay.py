@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
+from ggml_rknpu.ggml.rpc import proto8
+from ggml_rknpu.ggml.tensor import RpcTensor
 from ggml_rknpu.ggml.rpc.wire import Cmd
 from support import rpc_record, wheel_client
 from support.e2e_support import rknpu_server
@@ -58,6 +60,7 @@ def test_replayed_session_gets_the_reference_replies(tmp_path: Path, client, arc
     recorded = _record(client, model, tmp_path)
     cmds = [m.cmd for conn in recorded for m in conn]
     assert Cmd.GRAPH_COMPUTE in cmds and Cmd.GRAPH_RECOMPUTE in cmds, sorted(set(cmds))
+    _check_enums([m.payload for conn in recorded for m in conn if m.cmd == Cmd.GRAPH_COMPUTE])
     with rknpu_server(tmp_path, device=device, extra=("--protocol", "8")) as server:
         exchanges = rpc_record.replay(recorded, server.port)
         assert server.alive(), server.log()
@@ -84,3 +87,24 @@ def test_replayed_session_gets_the_reference_replies(tmp_path: Path, client, arc
         else:
             assert x.tested == x.reference, f"{what}: {x.tested.hex()} vs reference {x.reference.hex()}"
     assert tensors_compared >= 8, tensors_compared                # the logits of every step at least
+
+
+def _check_enums(graphs: list[bytes]) -> None:
+    """Every op, type and tensor flag in the client's real graphs is one of ours, and most nodes
+    carry GGML_TENSOR_FLAG_COMPUTE (16), the bit the server runs nodes by (the rest are branches
+    ggml_build_forward_select did not choose); test_e2e_client8_enums.py checks the enums."""
+    known_flags = sum(int(f) for f in GgmlTensorFlag)
+    computing = nodes = 0
+    for payload in graphs:
+        _, _, n_nodes = proto8.GRAPH_HEAD.unpack_from(payload, 0)
+        node_ids = set(struct.unpack_from(f"<{n_nodes}Q", payload, proto8.GRAPH_HEAD.size))
+        pos = proto8.GRAPH_HEAD.size + 8 * n_nodes
+        (n_tensors,) = struct.unpack_from("<I", payload, pos)
+        for i in range(n_tensors):
+            t = RpcTensor.unpack_from(payload, pos + 4 + i * 296)
+            assert t.op in set(GgmlOp) and t.type in set(GgmlType), t
+            assert t.flags & ~known_flags == 0, f"{t.name}: flags {t.flags:#x}"
+            if t.id in node_ids:
+                nodes += 1
+                computing += bool(t.flags & GgmlTensorFlag.COMPUTE)
+    assert nodes and computing > nodes // 2, (computing, nodes)
