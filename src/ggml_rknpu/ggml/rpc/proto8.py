@@ -10,22 +10,25 @@ graph pointers) and never evicts on its own.
 
 A stored uid keeps the graph's payload in 7.0.0 layout (uid removed), shared between uids with
 identical bytes, and the payload's digest: a replay runs the connection's plan for that digest,
-rebuilding it from the payload if the plan cache let it go. The server-to-server all-reduce is
-not offered: COMM_INIT answers 0 (the client then falls back to 2-D copies, which work), and as
-rank 1 it first touches rank 0's comm port so that a C++ rank 0 blocked in accept() answers
-too instead of hanging the client [docs/ggml-rpc.md §4.6].
+rebuilding it from the payload if the plan cache let it go. COMM_* is the pairwise
+communicator of ``comm.py``; a COMM_INIT that cannot pair is answered 0 (the client then falls
+back to 2-D copies, which work) [docs/ggml-rpc.md §4.6].
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
+from ggml_rknpu.ggml.enums import GgmlType
 from ggml_rknpu.ggml.graph import graph_digest
+from ggml_rknpu.ggml.ops.geometry import contiguous_nb
 from ggml_rknpu.ggml.rpc import wire
+from ggml_rknpu.ggml.rpc.comm import CommError, PeerLink
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor
 
@@ -47,7 +50,6 @@ GRAPH_CACHE_MAX = 1024         # GRAPH_CACHE_MAX of both sides: they must clear 
 # Stored graph payloads of one connection (distinct bytes only). The C++ server keeps up to 1024
 # graphs per device too; past this a client is refused rather than let it exhaust host memory.
 MAX_STORED_GRAPH_BYTES = 1 << 30
-COMM_PEER_POKE_TIMEOUT_S = 1.0
 
 
 def split_uid(payload: bytes) -> tuple[int, int, bytes]:
@@ -146,6 +148,7 @@ class Proto8:
     def __init__(self, session: Session) -> None:
         self.s = session
         self.uids = [UidGraphs() for _ in range(session.state.config.n_devices)]
+        self.links: dict[int, PeerLink] = {}                # device -> its pairwise communicator
 
     def handlers(self) -> dict[int, Callable[[int], None]]:
         return {Cmd.GRAPH_COMPUTE: self.graph_compute, Cmd.GRAPH_RECOMPUTE: self.graph_recompute,
@@ -160,6 +163,9 @@ class Proto8:
     def close(self) -> None:
         for u in self.uids:
             u.clear()
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
 
     # --- graphs ---------------------------------------------------------------------------
     def graph_compute(self, size: int) -> None:
@@ -219,33 +225,47 @@ class Proto8:
     def comm_init(self, size: int) -> None:
         dev, rank, world, port, raw_host = COMM_INIT_REQ.unpack(self.s.reader.read(size))
         self.s._dev(dev, "COMM_INIT")
+        if dev in self.links:                              # upstream: a device with a peer answers 1 at once
+            self.s._send(wire.U8.pack(1))
+            return
         host = wire.tensor_name(raw_host)
-        if world != 2 or rank >= world or not 0 < port < 65536:
-            log.warning("%s: COMM_INIT refused: rank %d of %d, port %d (upstream's pairwise communicator "
-                        "needs world 2, rank 0 or 1)", self.s.peer, rank, world, port)
-        else:
-            log.info("%s: COMM_INIT rank %d (peer %s:%d): the server-to-server all-reduce is not offered; the "
-                     "client falls back to tensor copies", self.s.peer, rank, host or "-", port)
-            if rank == 1 and host:
-                self._poke(host, port)
-        self.s._send(wire.U8.pack(0))
-
-    def _poke(self, host: str, port: int) -> None:
-        """Connect to rank 0's comm port and close at once: a C++ rank 0 blocked in accept() then
-        fails its caps read and answers its COMM_INIT with 0 instead of hanging the client."""
         try:
-            with socket.create_connection((host, port), timeout=COMM_PEER_POKE_TIMEOUT_S):
-                pass
-        except OSError as exc:
-            log.debug("%s: rank 0 comm port %s:%d: %s", self.s.peer, host, port, exc)
+            link = PeerLink.open(rank, world, host, port, self.s.sock.getsockname()[0],
+                                 self.s.state.config.stall_timeout_s)
+        except CommError as exc:
+            log.warning("%s: COMM_INIT refused (the client falls back to tensor copies): %s", self.s.peer, exc)
+            self.s._send(wire.U8.pack(0))
+            return
+        self.links[dev] = link
+        log.info("%s: device %d joined a pairwise communicator as rank %d with %s", self.s.peer, dev, rank, link.peer)
+        self.s._send(wire.U8.pack(1))
 
     def comm_allreduce(self, size: int) -> None:
         payload = self.s.reader.read(size)
         (dev,) = wire.DEV_REQ.unpack_from(payload, 0)
         self.s._dev(dev, "COMM_ALLREDUCE")
-        self.s._tensor(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
-        raise ProtocolError(f"COMM_ALLREDUCE on device {dev} without a communicator (COMM_INIT was answered 0)")
+        t = self.s._tensor(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
+        link = self.links.get(dev)
+        if link is None:
+            raise ProtocolError(f"COMM_ALLREDUCE on device {dev} without a communicator (no COMM_INIT answered 1)")
+        r = t.rpc
+        n = r.ne[0] * r.ne[1] * r.ne[2] * r.ne[3]
+        if r.type != GgmlType.F32 or tuple(r.nb) != contiguous_nb(r.type, r.ne):
+            raise ProtocolError(f"COMM_ALLREDUCE '{r.name}': only contiguous F32 tensors are summed "
+                                f"(type {r.type}, nb {r.nb})")
+        values = t.buffer.array[t.start:t.end].view(np.float32)
+        assert values.size == n
+        try:
+            link.allreduce(values)
+        except CommError as exc:
+            del self.links[dev]
+            link.close()
+            raise ProtocolError(f"COMM_ALLREDUCE '{r.name}': {exc}; the peer link is dropped") from exc
+        self.s._written(t.buffer, t.start, t.end)
 
     def comm_free(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.s.reader.read(size))
-        self.s._dev(dev, "COMM_FREE")   # no communicator is ever set up: nothing to free
+        self.s._dev(dev, "COMM_FREE")
+        link = self.links.pop(dev, None)
+        if link is not None:
+            link.close()
