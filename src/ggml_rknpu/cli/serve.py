@@ -3,11 +3,8 @@
   rknpu serve --port 50052 --device sim-rknpu
   llama-completion -m model.gguf --rpc 127.0.0.1:50052 -ngl 99 ...
 
-``--protocol 7`` serves the pinned llama.cpp and b11434, ``--protocol 8`` llama.cpp b11458 and
-later; ``auto`` (the default) answers 7.0.0 and switches to the other major after a client that
-hangs up right after HELLO, which is all a client of the other major does (docs/server.md).
-
-Flags follow ggml-rpc-server (-H/--host, -p/--port, -t/--threads, -c/--cache).
+Flags follow ggml-rpc-server (-H/--host, -p/--port, -t/--threads, -c/--cache); ``--protocol``:
+docs/server.md "Choosing the protocol".
 ``--device host`` runs every op on the host (no NPU engine): a protocol and op
 reference. ``--engine rknn`` runs the matmuls through Rockchip's closed librknnrt instead
 of our own register commands, chosen once at start-up (the device rule is in

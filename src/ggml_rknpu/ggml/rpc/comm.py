@@ -1,19 +1,12 @@
 """The pairwise communicator of protocol 8.0.0 (COMM_INIT / COMM_ALLREDUCE / COMM_FREE): two
 servers of one ``-sm tensor`` client sum partial results server to server [docs/ggml-rpc.md §4.6].
 
-Upstream's design, kept on the wire so that one of these servers can pair with a C++ one: rank 0
-listens on the port the client names and accepts rank 1; rank 1 connects, retrying for ~5 s;
-they swap 24 raw bytes of connection caps (ours are zero: TCP). An all-reduce sends the tensor's
-bytes raw, or as BF16 from 32768 elements, rank 0 first, then adds the peer's values to its own
-in f32, in place: each rank computes ``own + peer`` (with BF16 the two ranks' results differ by
-the peer's rounding, exactly as upstream's do).
-
-What is not copied: upstream's rank 0 waits in ``accept()`` without a limit, so a rank 1 that
-never comes hangs its server and the client. Here the accept and the connect are bounded
-(``JOIN_TIMEOUT_S``, then COMM_INIT is answered 0), every exchange by the server's stall timeout,
-and a peer that dies or stalls fails the
-command: the client's connection is closed and the server serves the next client. Rank 0 listens
-on the address the client reached this server on (loopback unless the server was bound wider).
+Upstream's wire format, so that a pair may mix this server and a C++ one: rank 0 accepts rank 1,
+they swap 24 caps bytes (zero: TCP); an all-reduce sends the tensor raw, or as BF16 from 32768
+elements, rank 0 first, and each rank adds the peer's copy to its own in f32, in place. Unlike
+upstream, whose rank 0 waits in ``accept()`` without a limit, the join is bounded
+(``JOIN_TIMEOUT_S``) and every exchange by the stall timeout: a peer that dies or stalls costs
+that client its connection, never the server [docs/server.md: COMM_*].
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """What ggml RPC protocol 8.0.0 adds to a connection: graphs by uid, strided tensor I/O, COMM_*.
 
-8.0.0 is upstream PR #26610 ("RPC: add -sm tensor", llama.cpp b11458 on) [docs/ggml-rpc.md §4].
-Its client keeps, per connection and device, the set of graph uids it has sent and replays one
-with a 12-byte GRAPH_RECOMPUTE ``{dev, uid}``; a uid the server does not have makes the C++
-server close the connection and the client abort. So :class:`UidGraphs` mirrors the client's
-rule exactly (uid 0 never stored; the whole map cleared when it holds 1024 uids, before the
-insert; FREE_BUFFER drops every stored graph but keeps its uid, as the C++ server nulls the
-graph pointers) and never evicts on its own.
-
-A stored uid keeps the graph's payload in 7.0.0 layout (uid removed), shared between uids with
-identical bytes, and the payload's digest: a replay runs the connection's plan for that digest,
-rebuilding it from the payload if the plan cache let it go. COMM_* is the pairwise
-communicator of ``comm.py``; a COMM_INIT that cannot pair is answered 0 (the client then falls
-back to 2-D copies, which work) [docs/ggml-rpc.md §4.6].
+8.0.0 is upstream PR #26610 (llama.cpp b11458 on) [docs/ggml-rpc.md §4]. Its client replays a
+graph it has sent with a 12-byte GRAPH_RECOMPUTE ``{dev, uid}``, and a uid the server lacks ends
+the connection, so :class:`UidGraphs` mirrors the client's rule exactly (uid 0 never stored;
+cleared at 1024 uids, before the insert; FREE_BUFFER drops the graphs but keeps the uids) and
+never evicts on its own. A stored uid keeps the graph's payload (7.0.0 layout, shared between
+identical payloads) and its digest; a replay runs the plan cached for that digest, rebuilt from
+the payload if needed. COMM_* is ``comm.py``'s pairwise communicator (docs/server.md).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -32,8 +27,20 @@ from ggml_rknpu.ggml.rpc.comm import CommError, PeerLink
 from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.ggml.tensor import CheckedTensor
 
-if TYPE_CHECKING:
-    from ggml_rknpu.ggml.rpc.server import Session
+
+class Session(Protocol):
+    """What the 8.0.0 handlers use of their connection (``server.Session``)."""
+
+    reader: Any
+    sock: socket.socket
+    state: Any
+    peer: str
+
+    def _dev(self, dev: int, what: str) -> int: ...
+    def _tensor(self, payload: bytes, offset: int, what: str) -> CheckedTensor: ...
+    def _written(self, buf: Any, start: int, end: int) -> None: ...
+    def _send(self, payload: bytes) -> None: ...
+    def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None: ...
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
