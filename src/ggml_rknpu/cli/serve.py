@@ -9,8 +9,7 @@ docs/server.md "Choosing the protocol".
 reference. ``--engine rknn`` runs the matmuls through Rockchip's closed librknnrt instead
 of our own register commands, chosen once at start-up (the device rule is in
 ``rknn.opener``: a vendor rknpu node, or an explicit ``$LIBRKNNRT_PATH``). Counters (where
-ops ran, staged weights, host µs per node, the engine's own) are printed on SIGUSR1, after
-each client with ``--stats``, and at exit.
+ops ran, staged weights, host µs per node, the engine's own): SIGUSR1, ``--stats``, exit.
 """
 
 from __future__ import annotations
