@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_rknpu.libggml import enums, gen_enums
+from ggml_rknpu.codegen import ggml_enums as gen_enums
+from ggml_rknpu.libggml import enums
 from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.libggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 

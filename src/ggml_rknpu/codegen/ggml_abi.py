@@ -22,7 +22,7 @@ from pathlib import Path
 from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.codegen.ggml_enums import parse_enum
 
-OUTPUT = Path(__file__).with_name("abi.py")
+OUTPUT = Path(__file__).resolve().parent.parent / "libggml" / "abi.py"
 
 # (C struct, file relative to ggml/, Python class name)
 STRUCTS = (

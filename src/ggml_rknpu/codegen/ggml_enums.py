@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ggml_rknpu.toolchain import llamacpp
 
-OUTPUT = Path(__file__).with_name("enums.py")
+OUTPUT = Path(__file__).resolve().parent.parent / "libggml" / "enums.py"
 
 # C enum name -> (Python class, member prefix, count member or None, ctypes name function or None)
 _ENUMS = (
