@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.ggml import enums, gen_enums
-from ggml_rknpu.ggml.enums import TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.codegen import ggml_enums
+from ggml_rknpu.libggml import enums
+from ggml_rknpu.libggml.enums import TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 from support import wheel_client
 
 
@@ -58,7 +59,7 @@ def _wheel_names(client: wheel_client.Client) -> dict:
 
 def test_type_enum_declared_by_the_wheel_equals_ours(client) -> None:
     declared = Path(client.pythonpath, wheel_client.PACKAGE, "_cffi_bindings.py").read_text()
-    parsed = gen_enums.parse_enum(declared, "ggml_type")
+    parsed = ggml_enums.parse_enum(declared, "ggml_type")
     ours = {f"GGML_TYPE_{t.name}": int(t) for t in GgmlType} | {"GGML_TYPE_COUNT": enums.GGML_TYPE_COUNT}
     assert parsed == ours
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
-from ggml_rknpu.ggml.rpc import proto8
-from ggml_rknpu.ggml.tensor import RpcTensor
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
+from ggml_rknpu.server.rpc import proto8
+from ggml_rknpu.server.tensor import RpcTensor
+from ggml_rknpu.server.rpc.wire import Cmd
 from support import rpc_record, wheel_client
 from support.e2e_support import rknpu_server
 from support.gguf_models import write_tiny_gguf

@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.rpc import comm
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.server.rpc import comm
+from ggml_rknpu.server.rpc.wire import Cmd
 from ggml_rknpu.toolchain.launch import free_port
 from support.matmul_graph import f32
 from support.rpc_testkit import RpcClient, ServerThread

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp
-from ggml_rknpu.ggml.rpc import proto8
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.rpc import proto8
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.matmul_graph import f32
 from support.rpc_testkit import FakeNpu, RpcClient, serve
 

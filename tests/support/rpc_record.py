@@ -17,8 +17,8 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd
 
 # Commands of protocol 8.0.0 with a reply [docs/ggml-rpc.md §4.2]
 REPLIES = {Cmd.ALLOC_BUFFER, Cmd.GET_ALIGNMENT, Cmd.GET_MAX_SIZE, Cmd.BUFFER_GET_BASE, Cmd.SET_TENSOR_HASH,
