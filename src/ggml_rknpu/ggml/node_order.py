@@ -1,16 +1,12 @@
 """The order rule of a GRAPH_COMPUTE graph: which tensors a node needs computed before it runs.
 
-Why a rule per source and not "every source comes earlier": a node reads its sources, so each
-one it reads must be a leaf or a node listed before it (otherwise it reads bytes nothing has
-written yet, or a cycle). But a CPY does not read its src1: that is its destination, and the
-node is a view of it (``ggml_cpy``). ``ggml_cast`` copies into a new tensor and names the node
-itself as that destination (pinned ggml.c ``ggml_cast``: ``result->src[1] = result``, "needed
-by some backends for consistency with ggml_cpy_impl"). llama.cpp casts K and V to f16 for
-flash attention when they do not come from the KV cache (encoders, embedding models,
-``build_attn_mha``), so such graphs carry a node whose src1 is itself. The C++ server links
-the self-reference (``create_node`` memoises ids) and ggml-cpu copies src0 into dst. A
-destination may therefore be the node itself, a leaf, or an earlier node; every other
-self-reference or later source stays refused.
+Invariants: every source a node reads, and its view_src, is a leaf or a node listed before
+it; a CPY's src1 is its destination, not a read (``ggml_cpy`` makes the node a view of it),
+and may also be the node itself, as ``ggml_cast`` builds it (pinned ggml.c:
+``result->src[1] = result``). llama.cpp casts K and V to f16 that way for flash attention
+outside the KV cache (encoders, embedding models); the C++ server links the self-reference
+and ggml-cpu copies src0 into dst. Any other self-reference or later source is refused.
+Why: docs/decisions.md "ggml/graph.py".
 """
 
 from __future__ import annotations
