@@ -1,4 +1,4 @@
-"""The order rule over the wire (ggml/node_order.py): a CPY whose destination is the node itself
+"""The order rule over the wire (server/node_order.py): a CPY whose destination is the node itself
 (``ggml_cast``, as llama.cpp sends it for flash attention in encoders and embedding models)
 computes; the refusals the C++ server's own kernels make necessary stay refusals, with their
 reason, and cost only that connection."""
@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)
