@@ -39,7 +39,9 @@ class Tiny:
         self.rng = np.random.default_rng(seed)
         self.tokens, scores, types = tiny_vocab()
         self.n_vocab = len(self.tokens)
-        self.w.add_name(f"tiny-{arch}")
+        # not the architecture's name: llama-vocab.cpp keys vocabulary fix-ups on the model name
+        # (a "phi3" there looks up tokens this vocabulary does not have)
+        self.w.add_name("tiny random model")
         self.w.add_tokenizer_model("llama")
         self.w.add_token_list(self.tokens)
         self.w.add_token_scores(scores)
@@ -65,12 +67,16 @@ class Tiny:
         self.w.add_array(f"{self.arch}.{key}", values)
 
     def base(self, *, n_layer: int = N_LAYER, n_embd: int = N_EMBD, n_head: int = N_HEAD,
-             n_head_kv: int | list[int] = N_HEAD_KV, n_ff: int = N_FF, rms: bool = True, eps: float = 1e-5) -> None:
+             n_head_kv: int | list[int] = N_HEAD_KV, n_ff: int | list[int] = N_FF, rms: bool = True,
+             eps: float = 1e-5) -> None:
         """The hyperparameters every transformer states (llama-model.cpp ``load_hparams``)."""
         self.u32("context_length", N_CTX)
         self.u32("embedding_length", n_embd)
         self.u32("block_count", n_layer)
-        self.u32("feed_forward_length", n_ff)
+        if isinstance(n_ff, list):                       # per layer
+            self.arr("feed_forward_length", n_ff)
+        else:
+            self.u32("feed_forward_length", n_ff)
         self.u32("attention.head_count", n_head)
         if isinstance(n_head_kv, list):                  # per layer (0: a recurrent layer)
             self.arr("attention.head_count_kv", n_head_kv)
@@ -705,6 +711,134 @@ def _qwen3next(m: Tiny) -> None:
             m.mat(f"{blk}.ffn_{part}_shexp.weight", n_in, n_out)
 
 
+def _nemotron_h(m: Tiny) -> None:
+    """models/nemotron-h.cpp: three kinds of layer, each alone: mamba-2 (no heads, no FFN),
+    attention (no FFN) and a squared-ReLU MLP (no heads)."""
+    m.base(n_layer=3, n_head_kv=[0, N_HEAD_KV, 0], n_ff=[0, 0, N_FF])
+    m.f32("attention.layer_norm_epsilon", 1e-5)
+    _ssm_hparams(m)
+    m.embeddings()
+    for i in range(3):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        if i == 0:
+            _mamba2_layer(m, blk)
+        elif i == 1:
+            m.attention(blk)
+        else:
+            m.ffn(blk, gate=False)
+
+
+def _llama4(m: Tiny) -> None:
+    """models/llama4.cpp: chunked attention with a rope-free global layer every fourth, attention
+    temperature, q/k L2 norms, MoE every second layer with a shared expert."""
+    n_ff_exp = 32
+    m.base(n_layer=4)
+    m.u32("expert_count", 4)
+    m.u32("expert_used_count", 1)
+    m.u32("expert_feed_forward_length", n_ff_exp)
+    m.u32("interleave_moe_layer_step", 2)
+    m.embeddings()
+    for i in range(4):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        if i % 2:
+            m.experts(blk, 4, n_ff_exp)
+            for part, n_in, n_out in (("gate", N_EMBD, n_ff_exp), ("up", N_EMBD, n_ff_exp), ("down", n_ff_exp, N_EMBD)):
+                m.mat(f"{blk}.ffn_{part}_shexp.weight", n_in, n_out)
+        else:
+            m.ffn(blk)
+
+
+def _phi3(m: Tiny) -> None:
+    """models/phi3.cpp: a fused QKV and a fused gate/up projection (one SWIGLU of two halves)."""
+    m.base()
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, fused=True)
+        m.norm(f"{blk}.ffn_norm")
+        m.mat(f"{blk}.ffn_up.weight", N_EMBD, 2 * N_FF)
+        m.mat(f"{blk}.ffn_down.weight", N_FF, N_EMBD)
+
+
+def _mpt(m: Tiny) -> None:
+    """models/mpt.cpp: ALiBi, a clamped fused QKV, layer norms without biases."""
+    m.base(n_head_kv=N_HEAD, rms=False)
+    m.f32("attention.max_alibi_bias", 8.0)
+    m.f32("attention.clamp_kqv", 8.0)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, n_head_kv=N_HEAD, fused=True)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk, gate=False)
+
+
+def _apertus(m: Tiny) -> None:
+    """models/apertus.cpp: the xIELU activation (its per-model constants), q/k norms, no gate."""
+    m.base()
+    for key, value in (("alpha_n", 0.8), ("alpha_p", 0.8), ("beta", 0.5), ("eps", -1e-6)):
+        m.w.add_float32(f"xielu.{key}", value)            # global keys (llama-arch.cpp LLM_KV_XIELU_*)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.attn_q_norm", HEAD_DIM)
+        m.norm(f"{blk}.attn_k_norm", HEAD_DIM)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk, gate=False)
+
+
+def _granite(m: Tiny) -> None:
+    """models/granite.cpp: a llama with muP scales (embedding, attention, residual, logits)."""
+    m.base()
+    m.f32("logit_scale", 2.0)
+    m.f32("residual_scale", 0.5)
+    m.f32("embedding_scale", 2.0)
+    m.f32("attention.scale", 1.0 / HEAD_DIM)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _cohere2(m: Tiny) -> None:
+    """models/cohere2.cpp: command-r's parallel block with sliding-window layers (three in four)."""
+    m.base(n_layer=4, rms=False)
+    m.u32("attention.sliding_window", 4)
+    m.f32("logit_scale", 0.5)
+    m.embeddings(output=False)
+    for i in range(4):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.ffn(blk)
+
+
+def _exaone4(m: Tiny) -> None:
+    """models/exaone4.cpp: post-norms only, q/k norms, sliding-window layers (three in four)."""
+    m.base(n_layer=4)
+    m.u32("attention.sliding_window", 4)
+    m.embeddings()
+    for i in range(4):
+        blk = f"blk.{i}"
+        m.attention(blk)
+        m.norm(f"{blk}.post_attention_norm")
+        m.norm(f"{blk}.attn_q_norm", HEAD_DIM)
+        m.norm(f"{blk}.attn_k_norm", HEAD_DIM)
+        m.ffn(blk)
+        m.norm(f"{blk}.post_ffw_norm")
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture of the check: the name llama.cpp knows it by, how it is run, its writer
@@ -756,6 +890,14 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("modern-bert", "embed", _modern_bert, ("NORM",)),
     Arch("falcon-h1", "text", _falcon_h1, ("SSM_SCAN", "FLASH_ATTN_EXT")),
     Arch("qwen3next", "text", _qwen3next, ("GATED_DELTA_NET", "MUL_MAT_ID")),
+    Arch("nemotron_h", "text", _nemotron_h, ("SSM_SCAN", "FLASH_ATTN_EXT")),
+    Arch("llama4", "text", _llama4, ("MUL_MAT_ID", "RMS_NORM")),
+    Arch("phi3", "text", _phi3, ("GLU",)),
+    Arch("mpt", "text", _mpt, ("CLAMP",)),
+    Arch("apertus", "text", _apertus, ("UNARY",)),
+    Arch("granite", "text", _granite, ("SCALE",)),
+    Arch("cohere2", "text", _cohere2, ("NORM",)),
+    Arch("exaone4", "text", _exaone4, ("RMS_NORM",)),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
