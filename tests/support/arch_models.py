@@ -839,6 +839,62 @@ def _exaone4(m: Tiny) -> None:
         m.norm(f"{blk}.post_ffw_norm")
 
 
+def _glm4(m: Tiny) -> None:
+    """models/glm4.cpp: partial rope, a fused gate/up, norms after attention and MLP."""
+    m.base()
+    m.u32("rope.dimension_count", HEAD_DIM // 2)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, bias=True)
+        m.norm(f"{blk}.post_attention_norm")
+        m.norm(f"{blk}.ffn_norm")
+        m.mat(f"{blk}.ffn_up.weight", N_EMBD, 2 * N_FF)
+        m.mat(f"{blk}.ffn_down.weight", N_FF, N_EMBD)
+        m.norm(f"{blk}.post_ffw_norm")
+
+
+def _minicpm3(m: Tiny) -> None:
+    """models/minicpm3.cpp: low-rank Q and a compressed KV expanded by one wkv_b (MLA without
+    the absorbed form), rope on part of each head."""
+    q_rank, kv_rank, rope, nope, v_dim = 32, 32, 8, 16, 16
+    m.base(n_head_kv=N_HEAD)
+    m.u32("attention.q_lora_rank", q_rank)
+    m.u32("attention.kv_lora_rank", kv_rank)
+    m.u32("attention.key_length", nope + rope)
+    m.u32("attention.value_length", v_dim)
+    m.u32("rope.dimension_count", rope)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.norm(f"{blk}.attn_q_a_norm", q_rank)
+        m.norm(f"{blk}.attn_kv_a_norm", kv_rank)
+        m.mat(f"{blk}.attn_q_a.weight", N_EMBD, q_rank)
+        m.mat(f"{blk}.attn_q_b.weight", q_rank, N_HEAD * (nope + rope))
+        m.mat(f"{blk}.attn_kv_a_mqa.weight", N_EMBD, kv_rank + rope)
+        m.mat(f"{blk}.attn_kv_b.weight", kv_rank, N_HEAD * (nope + v_dim))
+        m.mat(f"{blk}.attn_output.weight", N_HEAD * v_dim, N_EMBD)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _dbrx(m: Tiny) -> None:
+    """models/dbrx.cpp: a clamped fused QKV, layer norms, experts in every layer."""
+    m.base(rms=False, n_ff=32)
+    m.f32("attention.clamp_kqv", 8.0)
+    m.u32("expert_count", 4)
+    m.u32("expert_used_count", 2)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, fused=True)
+        m.norm(f"{blk}.attn_output_norm")
+        m.experts(blk, 4, 32)
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture of the check: the name llama.cpp knows it by, how it is run, its writer
@@ -898,6 +954,9 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("granite", "text", _granite, ("SCALE",)),
     Arch("cohere2", "text", _cohere2, ("NORM",)),
     Arch("exaone4", "text", _exaone4, ("RMS_NORM",)),
+    Arch("glm4", "text", _glm4, ("GLU",)),
+    Arch("minicpm3", "text", _minicpm3, ("ROPE",)),
+    Arch("dbrx", "text", _dbrx, ("MUL_MAT_ID", "CLAMP")),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
