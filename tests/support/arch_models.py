@@ -895,6 +895,118 @@ def _dbrx(m: Tiny) -> None:
         m.experts(blk, 4, 32)
 
 
+def _starcoder(m: Tiny) -> None:
+    """models/starcoder.cpp: learned positions, multi-query fused QKV with biases, a GELU MLP."""
+    m.base(n_head_kv=1, rms=False)
+    m.embeddings(output_norm_bias=True)
+    m.mat("position_embd.weight", N_EMBD, N_CTX, scale=0.5)
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm", bias=True)
+        m.mat(f"{blk}.attn_qkv.weight", N_EMBD, N_EMBD + 2 * HEAD_DIM)
+        m.vec(f"{blk}.attn_qkv.bias", N_EMBD + 2 * HEAD_DIM)
+        m.mat(f"{blk}.attn_output.weight", N_EMBD, N_EMBD)
+        m.vec(f"{blk}.attn_output.bias", N_EMBD)
+        m.norm(f"{blk}.ffn_norm", bias=True)
+        m.ffn(blk, gate=False, bias=True)
+
+
+def _qwen2vl(m: Tiny) -> None:
+    """models/qwen2vl.cpp: multi-section rope (M-RoPE: time, height, width sections of each head)."""
+    m.base()
+    m.arr("rope.dimension_sections", [2, 3, 3, 0])
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, bias=True)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _olmo(m: Tiny) -> None:
+    """models/olmo.cpp: layer norms without any weight (non-parametric), a clamped QKV."""
+    m.base(rms=False)
+    m.f32("attention.clamp_kqv", 8.0)
+    m.mat("token_embd.weight", N_EMBD, m.n_vocab, scale=1.0)
+    m.mat("output.weight", N_EMBD, m.n_vocab, scale=0.5)
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.attention(blk)
+        m.ffn(blk)
+
+
+def _arcee(m: Tiny) -> None:
+    """models/arcee.cpp: a llama whose MLP is a squared ReLU of one up projection."""
+    m.base()
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk, gate=False)
+
+
+def _granitemoe(m: Tiny) -> None:
+    """models/granite-moe.cpp: granite's muP scales around routed experts and a shared expert."""
+    m.base(n_ff=32)
+    m.f32("logit_scale", 2.0)
+    m.f32("residual_scale", 0.5)
+    m.f32("embedding_scale", 2.0)
+    m.f32("attention.scale", 1.0 / HEAD_DIM)
+    m.u32("expert_count", 4)
+    m.u32("expert_used_count", 2)
+    m.u32("expert_shared_feed_forward_length", 32)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        m.experts(blk, 4, 32)
+        for part, n_in, n_out in (("gate", N_EMBD, 32), ("up", N_EMBD, 32), ("down", 32, N_EMBD)):
+            m.mat(f"{blk}.ffn_{part}_shexp.weight", n_in, n_out)
+
+
+def _gemma(m: Tiny) -> None:
+    """models/gemma.cpp: embeddings scaled by sqrt(n_embd), a GELU-gated MLP, tied output."""
+    m.base()
+    m.embeddings(output=False)
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _refact(m: Tiny) -> None:
+    """models/refact.cpp: a llama with ALiBi instead of rope."""
+    m.base()
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _qwen(m: Tiny) -> None:
+    """models/qwen.cpp: a fused QKV with bias, an MLP of half the stated width."""
+    m.base(n_head_kv=N_HEAD)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.mat(f"{blk}.attn_qkv.weight", N_EMBD, 3 * N_EMBD)
+        m.vec(f"{blk}.attn_qkv.bias", 3 * N_EMBD)
+        m.mat(f"{blk}.attn_output.weight", N_EMBD, N_EMBD)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk, n_ff=N_FF // 2)
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture of the check: the name llama.cpp knows it by, how it is run, its writer
@@ -957,6 +1069,14 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("glm4", "text", _glm4, ("GLU",)),
     Arch("minicpm3", "text", _minicpm3, ("ROPE",)),
     Arch("dbrx", "text", _dbrx, ("MUL_MAT_ID", "CLAMP")),
+    Arch("starcoder", "text", _starcoder, ("NORM", "UNARY")),
+    Arch("qwen2vl", "text", _qwen2vl, ("ROPE",)),
+    Arch("olmo", "text", _olmo, ("NORM", "CLAMP")),
+    Arch("arcee", "text", _arcee, ("UNARY",)),
+    Arch("granitemoe", "text", _granitemoe, ("MUL_MAT_ID", "SCALE")),
+    Arch("gemma", "text", _gemma, ("GLU",)),
+    Arch("refact", "text", _refact, ("FLASH_ATTN_EXT",)),
+    Arch("qwen", "text", _qwen, ("ROPE",)),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
