@@ -539,8 +539,8 @@ def _olmo2(m: Tiny) -> None:
 
 def _rwkv7(m: Tiny) -> None:
     """models/rwkv7.cpp: RWKV_WKV7 (in-context learning rate, value residual mix), low-rank w/a/v/g.
-    One head of 64: ggml-cpu's SIMD wkv7 kernel steps 64 floats at a time with no tail loop, so
-    smaller heads read past their rows (the validator refuses them, server/ops/rules.py)."""
+    One head of 64: ggml-cpu's SIMD wkv7 kernel steps GGML_F32_STEP floats (up to 64) with no
+    tail loop, so smaller heads may read past their rows (the validator refuses them, server/ops/rules.py)."""
     head, rank = 64, 8
     m.base(n_head=0, n_head_kv=0, rms=False)
     m.u32("wkv.head_size", head)
