@@ -25,7 +25,7 @@ BUILDERS = {
     "ggml_add": [TensorP, TensorP], "ggml_mul": [TensorP, TensorP], "ggml_div": [TensorP, TensorP],
     "ggml_mul_mat": [TensorP, TensorP], "ggml_mul_mat_id": [TensorP, TensorP, TensorP],
     "ggml_get_rows": [TensorP, TensorP], "ggml_set_rows": [TensorP, TensorP, TensorP],
-    "ggml_cpy": [TensorP, TensorP], "ggml_cont": [TensorP], "ggml_rms_norm": [TensorP, _F],
+    "ggml_cpy": [TensorP, TensorP], "ggml_cast": [TensorP, _I], "ggml_cont": [TensorP], "ggml_rms_norm": [TensorP, _F],
     "ggml_norm": [TensorP, _F], "ggml_scale": [TensorP, _F], "ggml_soft_max_ext": [TensorP, TensorP, _F, _F],
     "ggml_rope_ext": [TensorP, TensorP, TensorP, _I, _I, _I, _F, _F, _F, _F, _F, _F],
     "ggml_unary": [TensorP, _I], "ggml_glu_split": [TensorP, TensorP, _I], "ggml_glu": [TensorP, _I, _B],
@@ -88,8 +88,10 @@ class Scratch:
                          data=0, name="", use_count=0)
 
     def node(self, t) -> tuple[RpcTensor, tuple]:
-        c = t.contents
-        return self.rpc(t), tuple(self.rpc(s) if s else None for s in c.src)
+        """(node, sources); a source that is the node itself (ggml_cast's src1) is the node object."""
+        node = self.rpc(t)
+        return node, tuple(None if not s else node if ctypes.cast(s, ctypes.c_void_p).value == node.id
+                           else self.rpc(s) for s in t.contents.src)
 
     def close(self):
         self.g.ggml_free(self.ctx)
@@ -145,6 +147,7 @@ def _made_by_ggml(sc: Scratch):
     yield "set_rows", call("ggml_set_rows", kv, x, kv_idx)
     yield "cpy f32->f16", call("ggml_cpy", x, new(F16, 64, 5, 1, 1))
     yield "cpy f32->q8_0", call("ggml_cpy", x, new(Q8_0, 64, 5, 1, 1))
+    yield "cast f32->f16", call("ggml_cast", x, F16)          # a CPY whose src1 is the node itself
     yield "cont of transpose", call("ggml_cont", call("ggml_transpose", x))
     yield "rms_norm", call("ggml_rms_norm", a, 1e-6)
     yield "norm", call("ggml_norm", a, 1e-5)

@@ -118,7 +118,7 @@ def mutate(case: Case, how: str, value: int):
     """(node, srcs, bad index value or None) after mutation ``how``, or None where it does not apply
     (no index source, no source to drop, ...)."""
     node, srcs = case.node, case.srcs
-    present = [i for i, s in enumerate(srcs) if s is not None and s is not node]
+    present = [i for i, s in enumerate(srcs) if s is not None and s.id != node.id]
     if how.startswith("index"):
         if not case.index:
             return None
@@ -129,6 +129,8 @@ def mutate(case: Case, how: str, value: int):
             return None
         return dataclasses.replace(node, ne=(node.ne[0], node.ne[1] + 1 + value % 3, *node.ne[2:])), srcs, None
     if how == "dst type":
+        if node.id in node.src:                  # ggml_cast: the dst type is the client's choice
+            return None
         types = [int(t) for t in GgmlType if int(t) != node.type]
         return dataclasses.replace(node, type=types[value % len(types)]), srcs, None
     if how == "missing src":                     # a required one (optional sources may be absent)
@@ -187,7 +189,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
     the node as placed. ``separate``: every tensor in its own buffer of exactly its span, so a
     kernel reading past any tensor leaves the buffer (what AddressSanitizer sees); otherwise
     one buffer with gaps and slack."""
-    tensors = [s for s in srcs if s is not None and s is not node]
+    tensors = [s for s in srcs if s is not None and s.id != node.id]   # not a self-reference
     placed: dict[int, T] = {}
     if not separate:
         sizes = [max(geo.span(t), 1) for t in (*tensors, node)]
@@ -210,7 +212,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
             addr += -(-max(geo.span(t), 1) // 64) * 64 + 64
     rng = np.random.default_rng(0)
     for i, s in enumerate(srcs):
-        if s is not None and s is not node and geo.span(s):
+        if s is not None and s.id != node.id and geo.span(s):
             c.set_tensor(placed[s.id], _fill(s, index, i, bad_index, rng))
     c.graph_compute([placed[node.id]], list(placed.values()))
     return placed[node.id]

@@ -25,6 +25,7 @@ from ggml_rknpu.server.activations import ActivationRounder, ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlTensorFlag
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots, npu_rows
+from ggml_rknpu.server.node_order import order_error
 from ggml_rknpu.server.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
@@ -475,13 +476,8 @@ def _check_structure(g: ParsedGraph) -> dict[int, int]:
         if t.view_src and t.view_src not in g.tensors:
             raise ProtocolError(f"GRAPH_COMPUTE: tensor '{t.name}' has unknown view_src id {t.view_src:#x}")
     for nid, p in position.items():
-        t = g.tensors[nid]
-        for s in (*t.src, t.view_src):
-            if s and position.get(s, -1) >= p:
-                raise ProtocolError(
-                    f"GRAPH_COMPUTE: node #{p} '{t.name}' reads '{g.tensors[s].name}', which is computed "
-                    f"at or after it (cycle or wrong order)"
-                )
+        if (why := order_error(g.tensors[nid], p, position, g.tensors)) is not None:
+            raise ProtocolError(f"GRAPH_COMPUTE: {why}")
     # view chains: acyclic (memoised walk), same buffer, address = parent + view_offs
     settled: set[int] = set()
     for tid in g.tensors:
