@@ -144,3 +144,17 @@ def test_two_sequences_speculate_at_once_through_the_npu(tmp_path: Path, heads: 
     by_m = rows_by_m(server.stats())
     both = {m: n - plain_by_m.get(m, 0) for m, n in by_m.items() if N_DRAFT + 1 < m <= 2 * (N_DRAFT + 1)}
     assert any(n > 0 for n in both.values()), f"no two-sequence verification step: plain {plain_by_m}, after {by_m}"
+
+
+@pytest.mark.timeout(300)
+def test_eagle3_without_spec_type_does_not_speculate(tmp_path: Path, heads: Heads) -> None:
+    """The user's trap (docs/speculative.md, "The recipe"): ``-md`` with an EAGLE-3 head and no
+    ``--spec-type`` loads the head and never drafts; a DFlash head is detected from its metadata."""
+    def drafted(extra: tuple[str, ...]) -> dict:
+        with llama_server(tmp_path, heads.target.path, rpc=None, extra=(*NO_WARMUP, *extra)) as client:
+            reply = chat(client, CHATS[0])
+            log = client.log()
+        assert "loading draft model" in log, log
+        return reply["timings"]
+    assert "draft_n" not in drafted(("-md", str(heads.files["eagle3"]))), "EAGLE-3 speculated without --spec-type"
+    assert drafted(("-md", str(heads.files["dflash"]))).get("draft_n", 0) > 0

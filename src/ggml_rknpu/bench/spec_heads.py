@@ -1,19 +1,12 @@
 """Speculative heads in ``rknpu bench spec``: EAGLE-3 and MTP decode, *modeled* on the board.
 
-A head reuses the target's hidden state, so it is one decoder layer and an output head, not a
-model: its pass costs a fraction of a draft model's, and the target's verification of n drafted
-tokens (M = n + 1 rows) costs nearly what one M = 1 step does on the NPU (``spec.regime_rows``).
-Decode with a head is then tau / (t_target(n + 1) + n * t_head(1) + t_head(n + 1)), tau the
-acceptance length (tokens per target step, accepted drafts + 1). The head runs once per drafted
-token and once over the verified rows (llama.cpp's EAGLE-3 and MTP ``process()`` feed the
-accepted rows back through the head), all priced on the NPU; on the CPU it is priced once the
-CPU cost model exists (``cost/``), which this module does not replace.
-
-Which tau: the published ones (``PUBLISHED``, each with its source; docs/speculative.md). The
-best draft length needs tau at every n: a chain of drafts, each accepted with probability alpha
-given its predecessors, has tau(n) = (1 - alpha^(n+1)) / (1 - alpha); from a published tau at an
-unstated length we take alpha = 1 - 1/tau (the limit of long chains), the smallest alpha that
-gives that tau, so the modeled gain is a lower bound for that head.
+A head reuses the target's hidden state: one decoder layer and an output head, so its pass
+costs a fraction of a draft model's, while verifying n drafts (M = n + 1) costs nearly one
+M = 1 step on the NPU. Decode = tau / (t_target(n + 1) + n * t_head(1) + t_head(n + 1)), tau
+the acceptance length (tokens per target step); the last term is the head's pass over the
+verified rows. Heads are priced on the NPU; the CPU is priced once the cost package has a CPU
+model. tau comes from others' publications (``PUBLISHED``); the best draft length uses a chain
+model with alpha = 1 - 1/tau, a lower bound (docs/speculative.md "Speculative heads").
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from dataclasses import dataclass
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.spec_shapes import ModelShapes, dense_shapes, modeled_step_s
 
-EAGLE3_DRAFT_VOCAB = 32000    # SpecForge's EAGLE-3 configs for Qwen targets (configs/qwen3-4b-eagle3.json)
+EAGLE3_DRAFT_VOCAB = 32000    # SpecForge's EAGLE-3 configs for Qwen targets [docs/speculative.md]
 CPU_Q4_TOK_S = 28.3           # llama.cpp CPU-only, Gemma3-1B Q4_0, RK3588 4xA76 [docs/anchors.md A9]
 GOAL_VS_RKLLM = 2.5
 GOAL_VS_CPU = 1.5
@@ -44,32 +37,32 @@ class Published:
 
 PUBLISHED = (
     Published("eagle3", "Qwen3-1.7B", 2.17, "vLLM, 1 GPU; mean of GSM8K, Alpaca, HumanEval, MT-bench (2.13-2.20)",
-              "Tencent/AngelSlim docs/source/performance/speculative_decoding/benchmarks.md"),
+              "AngelSlim Eagle3 benchmarks [docs/speculative.md]"),
     Published("eagle3", "Qwen3-4B", 2.08, "vLLM, 1 GPU; mean of the same four (2.07-2.10)",
-              "Tencent/AngelSlim docs/source/performance/speculative_decoding/benchmarks.md"),
+              "AngelSlim Eagle3 benchmarks [docs/speculative.md]"),
     Published("eagle3", "Llama-3.1-8B-Instruct", 2.77, "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, MT-bench, "
               "temperature 1, 7 draft tokens (chain); HumanEval 3.49, GSM8K 3.34",
-              "nebius/EAGLE3-Llama-3.3-70B-Instruct model card, 'Comparison with Public Checkpoints'"),
+              "nebius EAGLE3-Llama-3.3-70B model card [docs/speculative.md]"),
     Published("mtp", "Qwen3.5-397B-A17B", 3.28, "MTP head, SGLang, batch 1, MT-Bench; GSM8K 3.54, HumanEval 3.62",
-              "AQ-MedAI/Qwen3.5-397B-A17B-eagle3 model card, 'Average Acceptance Length'"),
+              "AQ-MedAI Qwen3.5-397B-A17B-eagle3 model card [docs/speculative.md]"),
 )
 
 
 def eagle3_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int, *, draft_vocab: int,
                 name: str) -> ModelShapes:
-    """EAGLE-3 as llama.cpp builds it (src/models/eagle3.cpp): ``fc`` fuses 3 target layers
+    """EAGLE-3 as llama.cpp builds it (llama.cpp's models/eagle3.cpp): ``fc`` fuses 3 target layers
     (3h -> h), one layer whose q/k/v read [embedding; fused features] (2h wide), and an output
     head over the draft vocabulary (``d2t``)."""
     q, kv = n_head * head_dim, n_head_kv * head_dim
     weights = (((3 * n_embd, n_embd), 1), ((2 * n_embd, q), 1), ((2 * n_embd, kv), 2), ((q, n_embd), 1),
                ((n_embd, n_ff), 2), ((n_ff, n_embd), 1), ((n_embd, draft_vocab), 1))
-    return ModelShapes(name, weights, "llama.cpp src/models/eagle3.cpp tensor shapes; n_ff as the target's and "
-                                      f"draft vocab {draft_vocab} as in SpecForge configs/qwen3-4b-eagle3.json")
+    return ModelShapes(name, weights, "llama.cpp's eagle3 tensor shapes; n_ff as the target's and "
+                                      f"draft vocab {draft_vocab} as in SpecForge's Qwen3 EAGLE-3 configs")
 
 
 def mtp_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int, *, vocab: int,
              name: str) -> ModelShapes:
-    """An MTP (next-token) layer as llama.cpp builds it (e.g. src/models/qwen35.cpp graph_mtp):
+    """An MTP (next-token) layer as llama.cpp builds it (llama.cpp's graph_mtp, e.g. models/qwen35.cpp):
     ``eh_proj`` (2h -> h) over [embedding; hidden], one decoder layer of the target's shape, and
     the target's full output head (shared)."""
     layer = dense_shapes(n_layer=1, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
@@ -229,5 +222,5 @@ def report_parts(target: ModelShapes, dims: dict, *, dtype: str, cores: int,
     plot = rp.Plot("tok_s_vs_tau.png", f"{target.name} {dtype} with a head: tokens/s vs acceptance length",
                    "tau: tokens per target step", "tokens/s (modeled)", series)
     notes = ["heads priced on the NPU; placing the head on the board's CPU (an M = 1 job) is priced once the CPU "
-             "cost model lands in cost/; the CPU-only figure here is llama.cpp's published Q4_0 decode, not a model"]
+             "cost model lands in the cost package; the CPU-only figure here is llama.cpp's published Q4_0 decode, not a model"]
     return tables, plot, {"head_steps": steps, "head_published": published, "head_needed": needed}, notes
