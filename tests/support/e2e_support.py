@@ -116,6 +116,14 @@ class RknpuServer(Server):
             raise AssertionError(f"no --stats-json from the server (exit status {code}):\n{self.log()}")
         return json.loads(self.stats_path.read_text())
 
+    def first_stats(self, timeout: float = 60.0) -> dict:
+        """The counters the server writes once its first computing client has gone."""
+        deadline = time.monotonic() + timeout
+        while not self.stats_path.exists():
+            assert time.monotonic() < deadline, f"no --stats-json after the first client\n{self.log()}"
+            time.sleep(0.2)
+        return self.stats()
+
     def nodes(self, op: str) -> int:
         return sum(r["nodes"] for r in self.stats()["per_op"] if r["op"] == op)
 

@@ -24,46 +24,12 @@ from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport
+from ggml_rknpu.bench.spec_shapes import DRAFT_FOR, PRESET_DIMS, PRESETS, ModelShapes, modeled_step_s
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32)
 RKLLM_TOK_S = {"qwen2.5-1.5b": 16.7}   # w8a8 decode on RK3588 [docs/anchors.md A4]
 DRAFT_N_MAX = 3                        # llama.cpp's default draft length (common.h, speculative.draft.n_max)
 NGRAM_SIZE_M = 15                      # OUR CHOICE: verification rows <= 16, one M_ATOM (cost/model.py)
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """The matmul weights one decode step streams: (K, N) of each, with their counts."""
-
-    name: str
-    weights: tuple[tuple[tuple[int, int], int], ...]
-    source: str
-
-    @property
-    def n_weights(self) -> int:
-        return sum(n for _, n in self.weights)
-
-
-def dense_transformer(name: str, *, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
-                      head_dim: int, vocab: int, source: str) -> ModelShapes:
-    """q, k, v, o, gate, up, down per layer and the output head (tied or not: one pass)."""
-    q, kv = n_head * head_dim, n_head_kv * head_dim
-    layer = [(n_embd, q), (n_embd, kv), (n_embd, kv), (q, n_embd), (n_embd, n_ff), (n_embd, n_ff), (n_ff, n_embd)]
-    counts: Counter[tuple[int, int]] = Counter()
-    for shape in layer:
-        counts[shape] += n_layer
-    counts[(n_embd, vocab)] += 1
-    return ModelShapes(name, tuple(counts.items()), source)
-
-
-_QWEN_SOURCE = "Qwen/{} config.json on Hugging Face (hidden_size, intermediate_size, layers, heads, vocab)"
-PRESETS = {
-    "qwen2.5-1.5b": dense_transformer("qwen2.5-1.5b", n_layer=28, n_embd=1536, n_ff=8960, n_head=12, n_head_kv=2,
-                                      head_dim=128, vocab=151936, source=_QWEN_SOURCE.format("Qwen2.5-1.5B-Instruct")),
-    "qwen2.5-0.5b": dense_transformer("qwen2.5-0.5b", n_layer=24, n_embd=896, n_ff=4864, n_head=14, n_head_kv=2,
-                                      head_dim=64, vocab=151936, source=_QWEN_SOURCE.format("Qwen2.5-0.5B")),
-}
-DRAFT_FOR = {"qwen2.5-1.5b": "qwen2.5-0.5b"}   # same tokenizer, the usual pairing
 
 
 def shapes_from_gguf(path: Path) -> ModelShapes:
@@ -86,15 +52,6 @@ def shapes_from_gguf(path: Path) -> ModelShapes:
     if not counts:
         raise ValueError(f"{path}: no 2-D matmul weights found")
     return ModelShapes(path.name, tuple(counts.items()), f"tensor shapes read from {path.name}")
-
-
-def modeled_step_s(shapes: ModelShapes, m: int, *, dtype: str, cores: int) -> float:
-    """Modeled NPU seconds of one step with ``m`` rows: each weight once, at the engine's M bucket."""
-    from ggml_rknpu.bench.matmul import modeled_program_time
-    from ggml_rknpu.engine.api import m_bucket
-
-    bucket = m_bucket(m)
-    return sum(n * modeled_program_time(bucket, k, width, dtype, cores) for (k, width), n in shapes.weights)
 
 
 def regime_rows(shapes: ModelShapes, ms: list[int], *, dtype: str, cores: int) -> list[dict]:
@@ -343,6 +300,16 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
                     f"{target.n_weights} weight passes per step; source: {target.source}")]
     notes = ["modeled figures come from our compiler's programs priced by cost/model.py; never a board measurement"]
     raw: dict = {"regime": regime}
+    plots = []
+    if not args.model:
+        from ggml_rknpu.bench import spec_heads
+
+        head_tables, head_plot, head_raw, head_notes = spec_heads.report_parts(
+            target, PRESET_DIMS[args.preset], dtype=args.dtype, cores=args.cores, rkllm=rkllm)
+        tables += head_tables
+        plots.append(head_plot)
+        raw |= head_raw
+        notes += head_notes
     meta = {"target": target.name, "dtype": args.dtype, "cores": args.cores,
             "draft_preset": draft.name if draft else None}
     if not args.modeled_only:
@@ -408,4 +375,4 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     plot = rp.Plot("tok_s_vs_m.png", f"{target.name} {args.dtype}: tokens/s vs rows per step", "M rows per step",
                    "tokens/s", series, log_x=True)
     return rp.Report("spec", f"Speculative decoding and parallel slots: {target.name}", rig.to_dict(), meta=meta,
-                     tables=tables, plots=[plot], raw=raw, notes=notes)
+                     tables=tables, plots=[plot, *plots], raw=raw, notes=notes)
