@@ -1,0 +1,125 @@
+"""The server's placement policy for weight matmuls (``rknpu serve --placement``): auto
+(each weight and M bucket where the board's models say it is faster), npu (every weight
+on the NPU), host (every weight matmul in ggml-cpu from its GGUF bytes), and what it chose.
+
+Invariants: decisions are the board's models (``cost.placement``: NPU at its envelope's
+cores, ggml-cpu on the A76 cluster at ``threads``) on every machine, so the simulator
+plans what a board would; a weight the policy keeps on the host is never staged (it takes
+no NPU memory); the server does not split a matmul yet, so auto chooses between the two
+sides only. Decisions are cached per (type, K, N, experts, bucket). Why: docs/placement.md."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost import placement as pl
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+POLICIES = ("auto", "npu", "host")
+HOST_REASON = "placed on the host by cost"
+_LAYER = re.compile(r"^blk\.\d+\.")
+
+
+def matmul_kind(name: str) -> str:
+    """A weight's kind: its tensor name without the layer (``blk.3.attn_q.weight`` -> ``attn_q.weight``)."""
+    return _LAYER.sub("", name) or "?"
+
+
+@dataclass
+class KindRecord:
+    """Planned matmuls of one kind at one M: where they go and the modeled times (decided
+    at the bucket's M)."""
+
+    where: str
+    npu_s: float
+    host_s: float
+    planned: int = 0
+    weight_bytes: int = 0
+
+
+@dataclass
+class Placer:
+    policy: str = "auto"
+    npu_dtype: str = "fp16"
+    cores: int = 1
+    threads: int = cpu.BIG_CORES
+    records: dict[tuple[str, int], KindRecord] = field(default_factory=dict)
+    _cache: dict[tuple, pl.Choice] = field(default_factory=dict)
+    _logged: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"placement must be one of {POLICIES}, not {self.policy!r}")
+        if not 1 <= self.threads <= cpu.BIG_CORES:
+            raise ValueError(f"host threads must be 1..{cpu.BIG_CORES} (the board's A76 cores), got {self.threads}")
+
+    def describe(self) -> str:
+        return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
+                f"ggml-cpu on {self.threads} A76 thread(s); host matmuls run from the GGUF bytes)")
+
+    def choice(self, weight_type: int, M: int, K: int, N: int, experts: int = 1) -> pl.Choice:
+        b = pl.bucket(M)
+        key = (weight_type, K, N, experts, b)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
+                                                   cores=self.cores, threads=self.threads, allow_split=False,
+                                                   experts=experts)
+        return c
+
+    def on_npu(self, name: str, weight_type: int, M: int, K: int, N: int, nbytes: int, experts: int = 1) -> bool:
+        """Whether this weight's matmul of ``M`` rows goes to the NPU (recorded for the stats)."""
+        try:
+            c = self.choice(weight_type, M, K, N, experts)
+        except ValueError:            # a type the CPU model cannot price: the NPU path, as without placement
+            return self.policy != "host"
+        where = {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
+        rec = self.records.setdefault((matmul_kind(name), M), KindRecord(where, c.npu_s, c.host_s))
+        rec.planned += 1
+        rec.weight_bytes += nbytes
+        return where == pl.NPU
+
+    def log_new_buckets(self) -> None:
+        """Say once per M bucket what the plans keep where (the first plan of each bucket)."""
+        by_bucket: dict[str, dict[str, list[int]]] = {}
+        for (_, m), rec in self.records.items():
+            side = by_bucket.setdefault(pl.bucket(m), {}).setdefault(rec.where, [0, 0])
+            side[0] += rec.planned
+            side[1] += rec.weight_bytes
+        for b, sides in by_bucket.items():
+            if b in self._logged:
+                continue
+            self._logged.add(b)
+            log.info("placement %s, M bucket %s: %s", self.policy, b, ", ".join(
+                f"{n} weight matmuls on the {where} ({nbytes / 2**20:.1f} MiB GGUF bytes)"
+                for where, (n, nbytes) in sorted(sides.items())))
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
+                "label": "modeled (board models)",
+                "by_kind": [{"kind": k, "M": m, "bucket": pl.bucket(m), "where": r.where,
+                             "npu_s_modeled": r.npu_s, "host_s_modeled": r.host_s, "planned": r.planned}
+                            for (k, m), r in sorted(self.records.items())]}
+
+    def render(self) -> str:
+        if not self.records:
+            return ""
+        lines = [f"{self.describe()}; per matmul kind and M (times modeled at the bucket's M):"]
+        for (k, m), r in sorted(self.records.items()):
+            lines.append(f"  {k} M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs), "
+                         f"{r.planned} planned")
+        return "\n".join(lines)
+
+
+def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -> Placer:
+    """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
+    engine does not say), the host side at ``threads`` A76 threads (None: all four; more
+    than the board has: all four)."""
+    cores = getattr(npu, "cores", None)
+    return Placer(policy, weight_format, cores if isinstance(cores, int) and cores >= 1 else 1,
+                  min(threads or cpu.BIG_CORES, cpu.BIG_CORES))
