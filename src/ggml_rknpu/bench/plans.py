@@ -13,12 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ggml_rknpu.bench.decode import ModelShape
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import placement as pl
+
+
+class ModelShape(Protocol):
+    """What a plan needs of a model's shape (``bench.decode.ModelShape``)."""
+
+    name: str
+    hidden: int
+    layers: int
+    vocab: int
+
+    def layer_matmuls(self) -> dict[str, tuple[int, int]]: ...
 
 PLANS = ("cpu", "npu", "auto", "auto-split")
 JOB_PROMPT, JOB_ANSWER = 512, 128
@@ -153,3 +164,36 @@ def job_seconds(weights: list[Weight], layers: int, plan: str, **kw) -> float:
     """A whole job: a ``JOB_PROMPT``-token prompt, then ``JOB_ANSWER`` decode steps of one row."""
     return (JOB_PROMPT / prefill_tok_s(weights, layers, plan, JOB_PROMPT, **kw)
             + JOB_ANSWER / decode_tok_s(weights, layers, plan, 1, **kw))
+
+
+# The quantization mix a preset is priced in when none is given: the mixes the goals name
+# (docs/placement.md); a preset not listed is Q4_K_M.
+DEFAULT_QUANT = {"Gemma3-1B": "Q4_0", "Qwen2.5-1.5B": "Q4_K_M", "Qwen3-0.6B": "Q8_0", "Llama-3.2-1B": "Q4_K_M"}
+PLAN_MS = (1, 4, 16)
+PLAN_PROMPTS = (128, 512)
+
+
+def plan_rows(model: str, quant: str, weights: list[Weight], layers: int, envelope: str, cores: int,
+              npu_dtype: str, published: dict[str, float]) -> list[dict]:
+    """One row per plan: decode tok/s at ``PLAN_MS``, prefill tok/s at ``PLAN_PROMPTS``, the
+    whole job, each against the cpu plan; ``published``: the board's llama-bench figures
+    for this model and mix (``pp512``/``tg128``), shown beside the cpu plan."""
+    kw = dict(npu_dtype=npu_dtype, cores=cores)
+    rows = []
+    for plan in PLANS:
+        row: dict = {"model": model, "quant": quant, "envelope": f"{envelope}, {cores} core(s)", "plan": plan,
+                     "npu_weights": npu_dtype}
+        for m in PLAN_MS:
+            row[f"decode_m{m}_tok_s_modeled"] = decode_tok_s(weights, layers, plan, m, **kw)
+        for n in PLAN_PROMPTS:
+            row[f"prefill{n}_tok_s_modeled"] = prefill_tok_s(weights, layers, plan, n, **kw)
+        row["job_s_modeled"] = job_seconds(weights, layers, plan, **kw)
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["decode_m1_vs_cpu_modeled"] = row["decode_m1_tok_s_modeled"] / base["decode_m1_tok_s_modeled"]
+        row["prefill512_vs_cpu_modeled"] = row["prefill512_tok_s_modeled"] / base["prefill512_tok_s_modeled"]
+        row["job_vs_cpu_modeled"] = row["job_s_modeled"] / base["job_s_modeled"]
+        row["published"] = (" / ".join(f"{k} {v:g}" for k, v in sorted(published.items()))
+                            if row["plan"] == "cpu" and published else "")
+    return rows
