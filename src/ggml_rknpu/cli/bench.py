@@ -96,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rpc_overhead.add_arguments(sub.add_parser(
         "rpc-overhead", help="host time per graph node of rknpu serve (gemma3 decode) beside the C++ ggml-rpc-server"),
         _common)
+    from ggml_rknpu.bench import host_placement
+    host_placement.add_arguments(sub.add_parser(
+        "host-placement", help="gemma3 decode through rknpu serve --placement host vs llama-completion CPU-only "
+                               "(same threads, same greedy text)"), _common)
     from ggml_rknpu.bench import soak
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
@@ -366,9 +370,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import rpc_overhead, soak, spec
+        from ggml_rknpu.bench import host_placement, rpc_overhead, soak, spec
 
-        bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak}.get(args.bench, rpc_overhead)
+        bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
+                 "host-placement": host_placement}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
