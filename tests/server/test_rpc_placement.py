@@ -127,3 +127,32 @@ def test_policy_checks_and_kinds():
     with pytest.raises(ValueError):
         Placer("auto", threads=8)
     assert matmul_kind("blk.12.attn_q.weight") == "attn_q.weight" and matmul_kind("output.weight") == "output.weight"
+
+
+def test_host_weights_take_no_npu_memory():
+    """On the simulated NPU: the same graph with every weight on the host leaves the engine's
+    memory where it was; with the weights on the NPU it holds at least their fp16 copies."""
+    import ggml_rknpu
+
+    used = {}
+    for placement in ("host", "npu"):
+        npu = ggml_rknpu.open(device="sim-rknpu")
+        try:
+            before = npu.memory_used()
+            rng = np.random.default_rng(0)
+            w, a = halves(rng, 256, 512), halves(rng, 1, 512)
+            for st in serve(npu=npu, placement=placement):
+                with st.client() as c:
+                    wh, wb = c.alloc_base(w.nbytes)
+                    ch, cb = c.alloc_base(1 << 16)
+                    wt = T(ne=(512, 256, 1, 1), buffer=wh, data=wb, name="blk.0.attn_q.weight")
+                    x = T(ne=(512, 1, 1, 1), buffer=ch, data=cb, name="x")
+                    d = T(ne=(256, 1, 1, 1), buffer=ch, data=cb + 4096, op=MUL_MAT, src=(wt.id, x.id), name="q")
+                    c.set_array(wt, w)
+                    c.set_array(x, a)
+                    c.graph_compute([d], [wt, x, d])
+                    np.testing.assert_allclose(c.get_array(d).reshape(1, 256), a @ w.T, rtol=1e-3, atol=1e-2)
+                    used[placement] = npu.memory_used() - before
+        finally:
+            npu.close()
+    assert used["host"] == 0 and used["npu"] >= 256 * 512 * 2
