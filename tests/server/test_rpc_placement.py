@@ -63,7 +63,8 @@ def test_host_placement_stages_nothing_and_is_ggml_cpu():
     assert npu.uploads == 0 and npu.matmuls == 0 and stats["weights"]["staged"] == 0
     assert stats["host_matmul_reasons"] == {HOST_REASON: N_WEIGHTS}
     (rec,) = stats["placement"]["by_kind"]
-    assert (rec["kind"], rec["M"], rec["where"], rec["planned"]) == ("ffn_up.weight", 4, HOST, N_WEIGHTS)
+    assert (rec["kind"], rec["M"], rec["type"], rec["where"], rec["planned"]) == ("ffn_up.weight", 4, "F32", HOST,
+                                                                                 N_WEIGHTS)
     c = _expected(4)
     assert (rec["npu_s_modeled"], rec["host_s_modeled"]) == (c.npu_s, c.host_s)
 
@@ -115,7 +116,7 @@ def test_host_placement_keeps_experts_on_ggml_cpu():
     got, state = _experts(npu, "host")
     assert npu.uploads == 0 and state.weight_stats.experts_staged == 0
     assert state.stats.per_op[("MUL_MAT_ID", HOST)].ops == 1 and ("MUL_MAT_ID", NPU) not in state.stats.per_op
-    rec = state.placer.records[("ffn_up_exps.weight", 6)]
+    rec = state.placer.records[("ffn_up_exps.weight", 6, "F16")]
     assert rec.where == HOST and rec.planned == 1
     reference, _ = _experts(None, "host")         # no engine: ggml-cpu's MUL_MAT_ID
     np.testing.assert_array_equal(got, reference)

@@ -32,8 +32,8 @@ def matmul_kind(name: str) -> str:
 
 @dataclass
 class KindRecord:
-    """Planned matmuls of one kind at one M: where they go and the modeled times (decided
-    at the bucket's M)."""
+    """Planned matmuls of one kind, M and weight type: where they go and the modeled times
+    (decided at the bucket's M)."""
 
     where: str
     npu_s: float
@@ -48,7 +48,7 @@ class Placer:
     npu_dtype: str = "fp16"
     cores: int = 1
     threads: int = cpu.BIG_CORES
-    records: dict[tuple[str, int], KindRecord] = field(default_factory=dict)
+    records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
     _cache: dict[tuple, pl.Choice] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
 
@@ -79,7 +79,8 @@ class Placer:
         except ValueError:            # a type the CPU model cannot price: the NPU path, as without placement
             return self.policy != "host"
         where = {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
-        rec = self.records.setdefault((matmul_kind(name), M), KindRecord(where, c.npu_s, c.host_s))
+        key = (matmul_kind(name), M, cpu.type_name(weight_type))
+        rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s))
         rec.planned += 1
         rec.weight_bytes += nbytes
         return where == pl.NPU
@@ -87,7 +88,7 @@ class Placer:
     def log_new_buckets(self) -> None:
         """Say once per M bucket what the plans keep where (the first plan of each bucket)."""
         by_bucket: dict[str, dict[str, list[int]]] = {}
-        for (_, m), rec in self.records.items():
+        for (_, m, _), rec in self.records.items():
             side = by_bucket.setdefault(pl.bucket(m), {}).setdefault(rec.where, [0, 0])
             side[0] += rec.planned
             side[1] += rec.weight_bytes
@@ -102,16 +103,16 @@ class Placer:
     def as_dict(self) -> dict:
         return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
                 "label": "modeled (board models)",
-                "by_kind": [{"kind": k, "M": m, "bucket": pl.bucket(m), "where": r.where,
+                "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
                              "npu_s_modeled": r.npu_s, "host_s_modeled": r.host_s, "planned": r.planned}
-                            for (k, m), r in sorted(self.records.items())]}
+                            for (k, m, t), r in sorted(self.records.items())]}
 
     def render(self) -> str:
         if not self.records:
             return ""
         lines = [f"{self.describe()}; per matmul kind and M (times modeled at the bucket's M):"]
-        for (k, m), r in sorted(self.records.items()):
-            lines.append(f"  {k} M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs), "
+        for (k, m, t), r in sorted(self.records.items()):
+            lines.append(f"  {k} ({t}) M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs), "
                          f"{r.planned} planned")
         return "\n".join(lines)
 
