@@ -48,6 +48,7 @@ def _run(placement: str, M: int):
             c.graph_compute(dst, [*wt, x, *dst])
             outs = [c.get_array(d).reshape(M, N) for d in dst]
             stats = st.state.stats_dict()
+            stats["rendered"] = st.state.render_stats()
     return outs, [a @ w.T for w in ws], npu, stats
 
 
@@ -67,6 +68,8 @@ def test_host_placement_stages_nothing_and_is_ggml_cpu():
                                                                                  N_WEIGHTS)
     c = _expected(4)
     assert (rec["npu_s_modeled"], rec["host_s_modeled"]) == (c.npu_s, c.host_s)
+    assert (f"ffn_up.weight (F32) M=4: host (NPU {c.npu_s * 1e6:.0f} µs, host {c.host_s * 1e6:.0f} µs), "
+            f"{N_WEIGHTS} planned") in stats["rendered"]
 
 
 def test_npu_placement_stages_every_weight():
