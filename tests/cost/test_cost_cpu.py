@@ -11,7 +11,7 @@ from ggml_rknpu.bench import plans
 from ggml_rknpu.bench.decode import PRESETS
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost.model import dram_bandwidth
-from ggml_rknpu.ggml.enums import GgmlType
+from ggml_rknpu.libggml.enums import GgmlType
 
 
 @pytest.mark.parametrize("anchor", cpu.CPU_ANCHORS, ids=lambda a: f"{a.model}-{a.quant}-{a.test}")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.cost import placement as pl
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.placement import HOST, NPU
-from ggml_rknpu.ggml.placement_policy import HOST_REASON, Placer, matmul_kind
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.placement_policy import HOST_REASON, Placer, matmul_kind
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
