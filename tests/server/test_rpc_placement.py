@@ -67,8 +67,8 @@ def test_host_placement_stages_nothing_and_is_ggml_cpu():
     assert (rec["kind"], rec["M"], rec["type"], rec["where"], rec["planned"]) == ("ffn_up.weight", 4, "F32", HOST,
                                                                                  N_WEIGHTS)
     c = _expected(4)
-    assert (rec["npu_s_modeled"], rec["host_s_modeled"]) == (c.npu_s, c.host_s)
-    assert (f"ffn_up.weight (F32) M=4: host (NPU {c.npu_s * 1e6:.0f} µs, host {c.host_s * 1e6:.0f} µs), "
+    assert (rec["npu_s"], rec["host_s"], rec["basis"]) == (c.npu_s, c.host_s, "modeled")
+    assert (f"ffn_up.weight (F32) M=4: host (NPU {c.npu_s * 1e6:.0f} µs, host {c.host_s * 1e6:.0f} µs, modeled), "
             f"{N_WEIGHTS} planned") in stats["rendered"]
 
 

@@ -100,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     host_placement.add_arguments(sub.add_parser(
         "host-placement", help="gemma3 decode through rknpu serve --placement host vs llama-completion CPU-only "
                                "(same threads, same greedy text)"), _common)
+    from ggml_rknpu.bench import calibrate
+    calibrate.add_arguments(sub.add_parser(
+        "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
+                                    "on a board, rknpu serve --placement auto then decides by these times"), _common)
     from ggml_rknpu.bench import soak
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
@@ -370,10 +374,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import host_placement, rpc_overhead, soak, spec
+        from ggml_rknpu.bench import calibrate, host_placement, rpc_overhead, soak, spec
 
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
-                 "host-placement": host_placement}.get(args.bench, rpc_overhead)
+                 "host-placement": host_placement, "calibrate-placement": calibrate}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

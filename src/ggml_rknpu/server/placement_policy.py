@@ -4,9 +4,11 @@ on the NPU), host (every weight matmul in ggml-cpu from its GGUF bytes), and wha
 
 Invariants: decisions are the board's models (``cost.placement``: NPU at its envelope's
 cores, ggml-cpu on the A76 cluster at ``threads``) on every machine, so the simulator
-plans what a board would; a weight the policy keeps on the host is never staged (it takes
-no NPU memory); the server does not split a matmul yet, so auto chooses between the two
-sides only. Decisions are cached per (type, K, N, experts, bucket). Why: docs/placement.md."""
+plans what a board would, except that on a board times measured there
+(``engine.placement_record``) replace the models for the shapes they cover; a weight the
+policy keeps on the host is never staged (it takes no NPU memory); the server does not
+split a matmul yet, so auto chooses between the two sides only. Decisions are cached per
+(type, K, N, experts, bucket). Why: docs/placement.md."""
 
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ def matmul_kind(name: str) -> str:
 
 @dataclass
 class KindRecord:
-    """Planned matmuls of one kind, M and weight type: where they go and the modeled times
-    (decided at the bucket's M)."""
+    """Planned matmuls of one kind, M and weight type: where they go and the two times
+    they were decided by (at the bucket's M; ``basis`` "modeled" or "measured")."""
 
     where: str
     npu_s: float
     host_s: float
+    basis: str
     planned: int = 0
     weight_bytes: int = 0
 
@@ -48,8 +51,9 @@ class Placer:
     npu_dtype: str = "fp16"
     cores: int = 1
     threads: int = cpu.BIG_CORES
+    measured: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
     records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
-    _cache: dict[tuple, pl.Choice] = field(default_factory=dict)
+    _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -59,28 +63,37 @@ class Placer:
             raise ValueError(f"host threads must be 1..{cpu.BIG_CORES} (the board's A76 cores), got {self.threads}")
 
     def describe(self) -> str:
+        measured = f", {len(self.measured)} shape/bucket times measured on this board" if self.measured else ""
         return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
-                f"ggml-cpu on {self.threads} A76 thread(s); host matmuls run from the GGUF bytes)")
+                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from the GGUF bytes)")
 
-    def choice(self, weight_type: int, M: int, K: int, N: int, experts: int = 1) -> pl.Choice:
+    def choice(self, weight_type: int | str, M: int, K: int, N: int, experts: int = 1) -> tuple[pl.Choice, str]:
+        """(the choice, "measured" or "modeled"): measured times of this shape and bucket
+        when the board has them, else the models."""
         b = pl.bucket(M)
-        key = (weight_type, K, N, experts, b)
-        c = self._cache.get(key)
-        if c is None:
-            c = self._cache[key] = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
-                                                   cores=self.cores, threads=self.threads, allow_split=False,
-                                                   experts=experts)
-        return c
+        key = (cpu.type_name(weight_type), K, N, experts, b)
+        cached = self._cache.get(key)
+        if cached is None:
+            times = self.measured.get(key)
+            if times is not None:
+                npu_s, host_s = times
+                cached = pl.choose(N, lambda n: npu_s, lambda n: host_s, allow_split=False), "measured"
+            else:
+                cached = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
+                                         cores=self.cores, threads=self.threads, allow_split=False,
+                                         experts=experts), "modeled"
+            self._cache[key] = cached
+        return cached
 
     def on_npu(self, name: str, weight_type: int, M: int, K: int, N: int, nbytes: int, experts: int = 1) -> bool:
         """Whether this weight's matmul of ``M`` rows goes to the NPU (recorded for the stats)."""
         try:
-            c = self.choice(weight_type, M, K, N, experts)
+            c, basis = self.choice(weight_type, M, K, N, experts)
         except ValueError:            # a type the CPU model cannot price: the NPU path, as without placement
             return self.policy != "host"
         where = {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
         key = (matmul_kind(name), M, cpu.type_name(weight_type))
-        rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s))
+        rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s, basis))
         rec.planned += 1
         rec.weight_bytes += nbytes
         return where == pl.NPU
@@ -102,25 +115,34 @@ class Placer:
 
     def as_dict(self) -> dict:
         return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
-                "label": "modeled (board models)",
+                "measured_shapes": len(self.measured),
                 "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
-                             "npu_s_modeled": r.npu_s, "host_s_modeled": r.host_s, "planned": r.planned}
+                             "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
                             for (k, m, t), r in sorted(self.records.items())]}
 
     def render(self) -> str:
         if not self.records:
             return ""
-        lines = [f"{self.describe()}; per matmul kind and M (times modeled at the bucket's M):"]
+        lines = [f"{self.describe()}; per matmul kind and M (the times decided by, at the bucket's M):"]
         for (k, m, t), r in sorted(self.records.items()):
-            lines.append(f"  {k} ({t}) M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs), "
-                         f"{r.planned} planned")
+            lines.append(f"  {k} ({t}) M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs, "
+                         f"{r.basis}), {r.planned} planned")
         return "\n".join(lines)
 
 
 def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -> Placer:
     """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
     engine does not say), the host side at ``threads`` A76 threads (None: all four; more
-    than the board has: all four)."""
+    than the board has: all four); on a board, the times measured there for this format,
+    cores and threads (none off a board: the simulator's times are not the board's)."""
     cores = getattr(npu, "cores", None)
-    return Placer(policy, weight_format, cores if isinstance(cores, int) and cores >= 1 else 1,
-                  min(threads or cpu.BIG_CORES, cpu.BIG_CORES))
+    cores = cores if isinstance(cores, int) and cores >= 1 else 1
+    threads = min(threads or cpu.BIG_CORES, cpu.BIG_CORES)
+    measured = {}
+    device = getattr(npu, "device", None)
+    if device is not None and getattr(device, "simulated", True) is False:
+        from ggml_rknpu.engine.envelope_record import board_key
+        from ggml_rknpu.engine.placement_record import load_times
+
+        measured = load_times(board_key(device), weight_format, cores, threads)
+    return Placer(policy, weight_format, cores, threads, measured)
