@@ -117,6 +117,17 @@ def test_backend_ops_full(server: Server, op: str) -> None:
     _check(server, op, FULL_OPS[op], timeout=3500)
 
 
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_matmul_lists_pass_with_each_placement(tmp_path: Path, placement: str) -> None:
+    """MUL_MAT and MUL_MAT_ID (the CI cases) with the weight matmuls placed by cost, or all in
+    ggml-cpu from the uploaded bytes (--placement npu is the module's server above)."""
+    tool_or_skip("test-backend-ops")
+    with rknpu_server(tmp_path, extra=("--placement", placement)) as srv:
+        for op in ("MUL_MAT", "MUL_MAT_ID"):
+            _check(srv, op, CI_CASES[op], timeout=540)
+
+
 def test_filters_are_valid_regexes() -> None:
     import re
     for pattern in [p for p in (*CI_CASES.values(), *FULL_OPS.values()) if p]:

@@ -196,15 +196,17 @@ def _perplexity(model: Path, extra: list[str], rpc: str | None, timeout: float) 
     raise AssertionError(f"no 'Mean KLD' line in three runs:\n{out[-4000:]}")
 
 
-def mean_kld(tmp_path: Path, model: Path, weights: str) -> float:
+def mean_kld(tmp_path: Path, model: Path, weights: str, placement: str = "npu") -> float:
     base = tmp_path / "cpu.kld"
     if not base.exists():
         _perplexity(model, ["--kl-divergence-base", str(base)], rpc=None, timeout=600)
-    with rknpu_server(tmp_path, extra=("--weights", weights), name=f"serve-{weights}") as server:
+    with rknpu_server(tmp_path, extra=("--weights", weights, "--placement", placement),
+                      name=f"serve-{weights}-{placement}") as server:
         out = _perplexity(model, ["--kl-divergence-base", str(base), "--kl-divergence"],
                           rpc=server.endpoint, timeout=3000)
     value = float(_MEAN_KLD.search(out).group(1))
-    print(f"\ngemma-3-270m Q4_K_M, {weights} weights on the simulated NPU: mean KLD vs CPU = {value:.6f} "
+    print(f"\ngemma-3-270m Q4_K_M, {weights} weights on the simulated NPU, placement {placement}: mean KLD vs "
+          f"CPU = {value:.6f} "
           f"({KLD_CHUNKS} chunks x {KLD_CTX} tokens)")
     return value
 
@@ -218,3 +220,14 @@ def test_kl_divergence_fp16_and_int8(tmp_path: Path, gemma: Path) -> None:
     # The issue asks only for the int8 figure (printed above); this loose bound catches a broken
     # int8 path (wrong scales give KLDs of order 1), not a precision target.
     assert 0.0 <= int8 <= 0.1
+
+
+# Placement by cost keeps some matmuls in ggml-cpu (exact) and sends the rest to the NPU: never
+# further from the CPU than the issue's bound for a whole model on the NPU.
+KLD_LIMIT_AUTO = 0.006
+
+
+@pytest.mark.timeout(1800)
+def test_kl_divergence_with_placement_auto(tmp_path: Path, gemma: Path) -> None:
+    tool_or_skip("llama-perplexity")
+    assert 0.0 <= mean_kld(tmp_path, gemma, "fp16", "auto") <= KLD_LIMIT_AUTO

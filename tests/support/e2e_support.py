@@ -134,10 +134,13 @@ class RknpuServer(Server):
 
 def rknpu_server(tmp_path: Path, *, device: str = "sim-rknpu", extra: tuple[str, ...] = (),
                  name: str = "rknpu-serve") -> RknpuServer:
-    """``rknpu serve`` of this checkout on a free loopback port (simulated NPU by default)."""
+    """``rknpu serve`` of this checkout on a free loopback port (simulated NPU by default),
+    every eligible weight on the NPU unless ``extra`` names a ``--placement`` (these tests
+    check the NPU path; placement by cost has its own)."""
     port = free_port()
+    placement = () if "--placement" in extra else ("--placement", "npu")
     argv = [sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--device", device, *extra]
+            "--port", str(port), "--device", device, *placement, *extra]
     return RknpuServer(argv, port, tmp_path / f"{name}-{port}.log", tmp_path / f"{name}-{port}.json")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.plans import QUANT_MIXES
 from ggml_rknpu.cost.model import OWN_DRIVER, dram_bandwidth, modeled_time
 
 MS = (1, 2, 4, 8, 16)
@@ -221,6 +222,11 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per step (default 1,2,4,8,16)")
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3), help="NPU cores the programs use (default 3)")
     p.add_argument("--host-reps", type=int, default=5, help="timed runs per step for the host figure (0: skip)")
+    p.add_argument("--quant", default=None, choices=QUANT_MIXES,
+                   help="quantization mix the presets' plan rows are priced in (default: Gemma3-1B Q4_0, "
+                        "Qwen3-0.6B Q8_0, the others Q4_K_M); a GGUF's types are read from it")
+    p.add_argument("--plan-weights", default="int8", choices=("int8", "fp16"),
+                   help="NPU weight format of the npu/auto plan rows (default int8)")
     p.add_argument("--envelope", default="laddered", choices=("laddered", "proven", "extended"),
                    help="envelope the programs are compiled in (default laddered: a board that passed the whole "
                         "bring-up ladder; proven: what hardware-run streams cover, 1 core)")
@@ -318,6 +324,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
                  f"int8 scales included, the submit excluded. 'host µs': median of {HOST_ALONE_REPS} "
                  f"Step.rehearse calls (no submit between); 'after a simulated submit': median of "
                  f"{args.host_reps} Step.run calls, each right after the simulator ran the step (cold CPU caches)"))
+    plan_table, plan_plot, plan_rows = _plans(args, models)
+    tables.append(plan_table)
     fused_rows = [r for r in rows if r["plan"] == "fused"]
     plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per step (fused plan)", "M (sequences per step)",
                    "tokens/s", rp.series_by(fused_rows, "weights", "M", "tok_s_modeled", "{0} {1}")
@@ -335,7 +343,48 @@ def run(args, rig, console: Console) -> rp.Report | None:
              "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
-                     tables=tables, plots=[plot], raw={"rows": rows, "host_steps": host_rows}, notes=notes)
+                     tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_steps": host_rows, "plans": plan_rows},
+                     notes=notes)
+
+
+def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict]]:
+    """The cpu / npu / auto / auto-split plan rows (bench.plans) of every model, in the
+    laddered (3 cores) and proven (1 core) envelopes, all modeled on the board."""
+    from ggml_rknpu.bench import plans
+    from ggml_rknpu.cost.cpu import CPU_ANCHORS
+
+    rows: list[dict] = []
+    for arg, model in zip(args.model or list(PRESETS), models):
+        if Path(arg).is_file():
+            quant, weights = "as stored", plans.gguf_weights(Path(arg))
+        else:
+            quant = args.quant or plans.DEFAULT_QUANT.get(model.name, "Q4_K_M")
+            weights = plans.preset_weights(model, quant)
+        published = {a.test: a.tok_s for a in CPU_ANCHORS if (a.model, a.quant) == (model.name, quant)}
+        for envelope in ("laddered", "proven"):
+            rows += plans.plan_rows(model.name, quant, weights, model.layers, envelope,
+                                    _envelope(envelope).max_cores, args.plan_weights, published)
+    columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan")] + [
+        *(rp.Column(f"decode_m{m}_tok_s_modeled", f"decode M={m} tok/s", "{:.1f}", figure=True) for m in plans.PLAN_MS),
+        *(rp.Column(f"prefill{n}_tok_s_modeled", f"prefill {n} tok/s", "{:.0f}", figure=True)
+          for n in plans.PLAN_PROMPTS),
+        rp.Column("job_s_modeled", f"job {plans.JOB_PROMPT}+{plans.JOB_ANSWER} s", "{:.2f}", figure=True),
+        rp.Column("decode_m1_vs_cpu_modeled", "decode M=1 / cpu", "{:.2f}", figure=True),
+        rp.Column("prefill512_vs_cpu_modeled", "prefill 512 / cpu", "{:.1f}", figure=True),
+        rp.Column("job_vs_cpu_modeled", "job / cpu", "{:.2f}", figure=True),
+        rp.Column("published", "published CPU (board, llama-bench -t 4)")]
+    table = rp.Table("Plans: llama.cpp's CPU alone, the NPU, placement by cost (modeled on the board)", columns, rows,
+                     note=f"cpu = every matmul in ggml-cpu on 4 A76 (cost.cpu, repacked where llama.cpp repacks); npu "
+                          f"= every weight matmul on the NPU ({args.plan_weights}); auto = each weight where "
+                          "cost.placement puts it, no split (rknpu serve --placement auto); auto-split = splits "
+                          "allowed (modeled only: the server does not split). Host ops priced alike in every plan; "
+                          f"a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
+                          f"{plans.JOB_ANSWER} decode steps. docs/placement.md")
+    plot = rp.Plot("plans_job_s.png", f"Whole job ({plans.JOB_PROMPT}+{plans.JOB_ANSWER} tokens) by plan",
+                   "model, envelope", "seconds",
+                   rp.series_by([dict(r, at=f"{r['model']} {r['envelope']}") for r in rows], "plan", "at",
+                                "job_s_modeled", "{0} {1}"), kind="bar")
+    return table, plot, rows
 
 
 def _host_line() -> str:

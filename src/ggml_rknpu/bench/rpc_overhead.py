@@ -1,4 +1,4 @@
-"""RPC-overhead benchmark: what ``rknpu serve`` costs per graph node when it replays a decode
+"""RPC-overhead benchmark: what ``rknpu serve`` (every weight on the NPU) costs per graph node when it replays a decode
 graph, beside the C++ ``ggml-rpc-server``'s decode tokens/s on the same machine and run.
 
 Invariants: ``llama-bench -p 0`` (decode only) against both servers, one thread, loopback;
@@ -81,7 +81,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
     with open(out / "rknpu-serve.log", "w") as log:
         port = launch.free_port()
         server = launch.start_rknpu_serve(port, device=device, weights=args.server_weights, log=log,
-                                          extra=("--no-progress", "--stats-json", str(stats_path)))
+                                          extra=("--no-progress", "--placement", "npu", "--stats-json", str(stats_path)))
         try:
             ours = _llama_bench(["-rpc", f"127.0.0.1:{port}", *bench], args.timeout)
         finally:

@@ -119,7 +119,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
     reference = {}
     with open(out / "reference-rknpu-serve.log", "w") as slog, open(out / "reference-llama-server.log", "w") as llog:
         rpc_port = launch.free_port()
-        server = launch.start_rknpu_serve(rpc_port, device=device, log=slog, extra=("--no-progress",))
+        server = launch.start_rknpu_serve(rpc_port, device=device, log=slog,
+                                          extra=("--no-progress", "--placement", "npu"))
         try:
             llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
             try:
@@ -136,7 +137,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
     with open(out / "rknpu-serve.log", "w") as slog, open(out / "llama-server.log", "w") as llog:
         rpc_port = launch.free_port()
         server = launch.start_rknpu_serve(rpc_port, device=device, log=slog, extra=(
-            "--no-progress", "--sim-faults", args.sim_faults, "--stats-json", str(stats_path)))
+            "--no-progress", "--placement", "npu", "--sim-faults", args.sim_faults, "--stats-json", str(stats_path)))
         rss = _Rss(server.pid)
         t_start = time.monotonic()
         try:

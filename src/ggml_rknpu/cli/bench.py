@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rpc8_decode.add_arguments(sub.add_parser(
         "rpc8-decode", help="llama.cpp b11739 (RPC 8.0.0) decoding gemma3 through rknpu serve --device host vs its C++ server"),
         _common)
+    from ggml_rknpu.bench import host_placement
+    host_placement.add_arguments(sub.add_parser(
+        "host-placement", help="gemma3 decode through rknpu serve --placement host vs llama-completion CPU-only "
+                               "(same threads, same greedy text)"), _common)
+    from ggml_rknpu.bench import calibrate
+    calibrate.add_arguments(sub.add_parser(
+        "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
+                                    "on a board, rknpu serve --placement auto then decides by these times"), _common)
     from ggml_rknpu.bench import soak
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
@@ -370,10 +378,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import rpc8_decode, rpc_overhead, soak, spec
+        from ggml_rknpu.bench import calibrate, host_placement, rpc8_decode, rpc_overhead, soak, spec
 
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
-                 "rpc8-decode": rpc8_decode}.get(args.bench, rpc_overhead)
+                 "rpc8-decode": rpc8_decode, "host-placement": host_placement,
+                 "calibrate-placement": calibrate}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -10,10 +10,13 @@ executed by the model of the NPU, so expect seconds per token, not the board's s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from ggml_rknpu.toolchain import launch, llamacpp, models
 
@@ -25,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rknpu | rocket | sim-rknpu | sim-rocket (default: the real NPU if present, else the simulator)")
     parser.add_argument("--weights", default="fp16", choices=("fp16", "int8"),
                         help="weight format staged on the NPU (fp16 is the accuracy reference)")
+    parser.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
+                        help="where the weight matmuls run (rknpu serve --placement; default auto: by cost)")
     parser.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate")
     parser.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
@@ -56,9 +61,11 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or launch.free_port()
     log = open(args.server_log, "w") if args.server_log else None
     print(f"demo: starting rknpu serve on 127.0.0.1:{port} (device {args.device or 'auto'}, "
-          f"{args.weights} weights)", file=sys.stderr)
+          f"{args.weights} weights, placement {args.placement})", file=sys.stderr)
+    stats = Path(tempfile.mkdtemp(prefix="rknpu-demo-")) / "stats.json"
     try:
-        server = launch.start_rknpu_serve(port, device=args.device, weights=args.weights, log=log)
+        server = launch.start_rknpu_serve(port, device=args.device, weights=args.weights, log=log,
+                                          extra=("--placement", args.placement, "--stats-json", str(stats)))
     except RuntimeError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
@@ -85,3 +92,27 @@ def run(args: argparse.Namespace) -> int:
         launch.stop(server)
         if log:
             log.close()
+        _print_placement(stats)
+
+
+def _print_placement(stats: Path) -> None:
+    """Where the prompt's and the decode's weight matmuls ran (the server's --stats-json,
+    written at its exit), one line per M bucket: the kinds on each side."""
+    try:
+        placement = json.loads(stats.read_text()).get("placement")
+    except (OSError, ValueError):
+        return
+    finally:
+        stats.unlink(missing_ok=True)
+        stats.parent.rmdir()
+    if not placement:
+        return
+    by_bucket: dict[str, dict[str, set[str]]] = {}
+    for r in placement["by_kind"]:
+        by_bucket.setdefault(r["bucket"], {}).setdefault(r["where"], set()).add(r["kind"].removesuffix(".weight"))
+    print(f"demo: where the weight matmuls ran (placement {placement['policy']}, decided by the board's "
+          "models):", file=sys.stderr)
+    for bucket, sides in by_bucket.items():
+        what = "decode" if bucket == "1" else f"M {bucket}"
+        print(f"demo:   {what}: " + "; ".join(f"{where}: {' '.join(sorted(kinds))}"
+                                              for where, kinds in sorted(sides.items())), file=sys.stderr)

@@ -73,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--npu-memory", type=int, default=None, metavar="MIB",
                    help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
                         "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
+    p.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
+                   help="where weight matmuls run: auto (default: each weight and M bucket where the board's cost "
+                        "models say it is faster), npu (every eligible weight on the NPU), host (every weight matmul "
+                        "in ggml-cpu from its GGUF bytes; no NPU memory); docs/placement.md")
+    p.add_argument("--host-threads", type=int, default=None, metavar="N",
+                   help="A76 threads the CPU model prices host matmuls at (default: --threads when given, else the "
+                        "board's 4 big cores; at most 4)")
     p.add_argument("--sim-faults", default=None, metavar="SPEC",
                    help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
                         "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
@@ -213,11 +220,17 @@ def run(args: argparse.Namespace) -> int:
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
                           threads=args.threads, group_matmuls=not args.no_fuse,
-                          activations=args.activations)
+                          activations=args.activations, placement=args.placement,
+                          host_threads=args.host_threads)
     from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:
         log.error("--threads must be at least 1, got %d", args.threads)
+        return 2
+    if args.host_threads is not None and not 1 <= args.host_threads <= 4:
+        log.error("--host-threads must be 1..4 (the board's A76 cores), got %d", args.host_threads)
+        if npu is not None:
+            npu.close()
         return 2
     try:
         _ensure_host_libraries()
@@ -259,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
              "free, host ops on ggml-cpu with %d thread(s)", _protocol_text(server),
              args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
              state.threads.n)
+    if state.placer is not None:
+        log.info("%s", state.placer.describe())
     try:
         server.serve_forever()
         if signals:

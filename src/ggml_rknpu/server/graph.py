@@ -28,6 +28,7 @@ from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts,
 from ggml_rknpu.server.node_order import order_error
 from ggml_rknpu.server.ops.registry import VIEW_OPS, OpDataError, UnsupportedOp, op_name
 from ggml_rknpu.server.ops.rules import check_node, signature
+from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
@@ -581,8 +582,9 @@ class GraphPlanner:
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True,
-                 activations: ActivationRounding | None = None) -> None:
+                 activations: ActivationRounding | None = None, placer: Placer | None = None) -> None:
         self.buffers = buffers
+        self.placer = placer                                 # None: every eligible weight on the NPU
         self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
         self.npu = npu
@@ -662,6 +664,8 @@ class GraphPlanner:
             raise
         staged = [*slots.values(), *(s for e in experts.values() for s in e)]
         self.weights.stage_all(s for s in staged if s is not None)   # timed in the weight stats
+        if self.placer is not None:
+            self.placer.log_new_buckets()
         self.stats.plans_built += 1
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
@@ -740,6 +744,10 @@ class GraphPlanner:
             t, g.tensors[s0], g.tensors[s1], engine=self.npu is not None, w_computed=s0 in position,
             w_backed=c0.buffer is not None,
             w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end))
+        w = g.tensors[s0]
+        if reason is None and self.placer is not None and not self.placer.on_npu(
+                w.name, w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1], c0.end - c0.start):
+            reason = HOST_REASON
         slot = self.weights.slot_for(c0) if reason is None else None
         if reason is None and slot is None:
             reason = "weight type or engine refused it"
@@ -756,6 +764,11 @@ class GraphPlanner:
             t, g.tensors[s0], g.tensors[t.src[1]], engine=self.npu is not None, w_computed=s0 in position,
             w_backed=c0.buffer is not None,
             w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end))
+        w = g.tensors[s0]
+        if reason is None and self.placer is not None and not self.placer.on_npu(
+                w.name, w.type, t.ne[1] * t.ne[2], w.ne[0], w.ne[1], c0.end - c0.start,
+                experts=min(w.ne[2], t.ne[1] * t.ne[2])):
+            reason = HOST_REASON
         slots = expert_slots(c0, self.weights) if reason is None else None
         if slots is not None and all(s is None for s in slots):
             slots, reason = None, "weight type or engine refused it"

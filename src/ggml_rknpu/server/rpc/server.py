@@ -28,6 +28,7 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.server.graph import DeviceGraphs, GraphPlanner, graph_digest
 from ggml_rknpu.server.placement import ServerStats
+from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.proto8 import Proto8
@@ -126,6 +127,8 @@ class ServerConfig:
     threads: int | None = None        # ggml-cpu host threads (None: libggml.compute.default_threads())
     group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (graph.NpuGroup)
     activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
+    placement: str = "npu"            # weight matmuls: "auto" by cost (rknpu serve's default), "npu", "host"
+    host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
 
 
 @dataclass
@@ -143,6 +146,7 @@ class ServerState:
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
     activations: ActivationRounding | None = None   # shared by the sessions (they run one at a time)
+    placer: Placer | None = None      # the placement policy of the weight matmuls (None without an engine)
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
@@ -152,6 +156,9 @@ class ServerState:
             self.activations = ActivationRounding(self.host, self.config.activations)
         if self.threads is None:
             self.threads = Threads(self.host, self.config.threads or default_threads())
+        if self.placer is None and self.npu is not None:
+            self.placer = placer_for(self.npu, self.config.placement, self.config.weight_format,
+                                     self.config.host_threads or self.config.threads)
 
     def close(self) -> None:
         """Free the retired weights and the host threadpool (server exit)."""
@@ -164,6 +171,8 @@ class ServerState:
         out = self.stats.as_dict(self.weight_stats, getattr(self.npu, "counters", None))
         out["recovery"] = self.recovery.as_dict()
         out["activations"] = self.activations.as_dict()
+        if self.placer is not None:
+            out["placement"] = self.placer.as_dict()
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
         if hasattr(self.npu, "memory_used"):
@@ -173,6 +182,8 @@ class ServerState:
 
     def render_stats(self) -> str:
         lines = [self.stats.render(self.weight_stats), self.recovery.render()]
+        if self.placer is not None and self.placer.records:
+            lines.append(self.placer.render())
         if self.faults is not None:
             lines.append(f"faults injected (--sim-faults): {self.faults.counts} in {self.faults.submits} submits")
         w = self.weight_stats
@@ -225,7 +236,8 @@ class Session:
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
-                                    group=state.config.group_matmuls, activations=state.activations)
+                                    group=state.config.group_matmuls, activations=state.activations,
+                                    placer=state.placer)
         self.hello = False
         self.hung_up = False              # the server is stopping (RpcServer.stop)
         self._plans_at_start = state.stats.plans_built

@@ -1,0 +1,199 @@
+"""Whole-model step times under three placements, all *modeled* on the board: ``cpu``
+(llama.cpp alone: every matmul in ggml-cpu, repacked where it repacks), ``npu`` (every
+weight matmul on the NPU), ``auto`` (each weight where ``cost.placement`` puts it, no
+split: what ``rknpu serve --placement auto`` does) and ``auto-split`` (splits allowed,
+modeled only: the server does not split yet).
+
+Invariants: host ops cost the same in every plan (``cost.cpu.host_ops_seconds``); a
+prompt computes the output head for its last row only (llama.cpp's default); the weight
+types of a preset follow llama.cpp's quantizer (``QUANT_MIXES``), a GGUF's are read from
+it. Figures: docs/placement.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost import placement as pl
+
+
+class ModelShape(Protocol):
+    """What a plan needs of a model's shape (``bench.decode.ModelShape``)."""
+
+    name: str
+    hidden: int
+    layers: int
+    vocab: int
+
+    def layer_matmuls(self) -> dict[str, tuple[int, int]]: ...
+
+PLANS = ("cpu", "npu", "auto", "auto-split")
+JOB_PROMPT, JOB_ANSWER = 512, 128
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One weight matmul of a model: [N, K] of ``type``, ``count`` times per step."""
+
+    name: str
+    K: int
+    N: int
+    type: str
+    count: int
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's use_more_bits(i_layer, n_layers) (the pinned llama.cpp)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}   # llama-quant.cpp tensor_type_fallback
+
+
+def _fits(t: str, K: int) -> str:
+    """A row length the type's block does not divide falls back as llama-quant.cpp does."""
+    return _FALLBACK.get(t, t) if K % GGML_QUANT_SIZES[GGMLQuantizationType[t]][0] else t
+
+
+def _quant_type(ftype: str, name: str, K: int, layer: int, layers: int) -> str:
+    """The type llama.cpp's quantizer gives a tensor of a model quantized as ``ftype``
+    (llama_tensor_get_type in llama-quant.cpp: the output head Q6_K unless the model is
+    Q8_0/F16; Q4_K_M: attn_v and ffn_down Q6_K in the use_more_bits layers)."""
+    base = {"Q4_K_M": "Q4_K"}.get(ftype, ftype)
+    if name == "output":
+        return _fits(ftype if ftype in ("Q8_0", "F16") else "Q6_K", K)
+    if ftype == "Q4_K_M" and name in ("v", "down") and _more_bits(layer, layers):
+        return _fits("Q6_K", K)
+    return _fits(base, K)
+
+
+QUANT_MIXES = ("F16", "Q8_0", "Q6_K", "Q4_0", "Q4_K_M")
+
+
+def preset_weights(model: ModelShape, ftype: str) -> list[Weight]:
+    """The weight matmuls of ``model`` quantized as ``ftype`` (grouped by type per name)."""
+    if ftype not in QUANT_MIXES:
+        raise ValueError(f"quantization mix must be one of {QUANT_MIXES}, got {ftype!r}")
+    counts: dict[tuple[str, int, int, str], int] = {}
+    for name, (K, N) in model.layer_matmuls().items():
+        for i in range(model.layers):
+            key = (name, K, N, _quant_type(ftype, name, K, i, model.layers))
+            counts[key] = counts.get(key, 0) + 1
+    counts[("output", model.hidden, model.vocab, _quant_type(ftype, "output", model.hidden, 0, 1))] = 1
+    return [Weight(n, K, N, t, c) for (n, K, N, t), c in counts.items()]
+
+
+def gguf_weights(path: Path) -> list[Weight]:
+    """The weight matmuls of a llama/qwen-style GGUF with their types as stored (the output
+    head is the tied embedding when the file has no output.weight)."""
+    from gguf import GGUFReader
+
+    names = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+             "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+    reader = GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    counts: dict[tuple[str, int, int, str], int] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] == "weight":
+            key = (names[parts[2]], int(t.shape[0]), int(t.shape[1]), t.tensor_type.name)
+            counts[key] = counts.get(key, 0) + 1
+    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    if not counts or head is None:
+        raise ValueError(f"{path}: not a llama/qwen-style GGUF")
+    counts[("output", int(head.shape[0]), int(head.shape[1]), head.tensor_type.name)] = 1
+    return [Weight(n, K, N, t, c) for (n, K, N, t), c in counts.items()]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One weight's modeled seconds per step in a plan, and where it ran."""
+
+    weight: Weight
+    where: str
+    seconds: float
+
+
+def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: int,
+          threads: int = cpu.BIG_CORES) -> list[Placed]:
+    """Each weight's placement and modeled seconds (one matmul of M rows) under ``plan``."""
+    out = []
+    for w in weights:
+        if plan == "cpu":
+            out.append(Placed(w, pl.HOST, cpu.cpu_matmul_seconds(w.type, M, w.K, w.N, threads=threads)))
+            continue
+        c = pl.place_matmul(w.type, M, w.K, w.N, npu_dtype=npu_dtype, cores=cores, threads=threads,
+                            allow_split=plan == "auto-split")
+        if plan == "npu":
+            out.append(Placed(w, pl.NPU, c.npu_s))
+        elif plan in ("auto", "auto-split"):
+            out.append(Placed(w, c.where, c.seconds))
+        else:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    return out
+
+
+def step_seconds(weights: list[Weight], layers: int, plan: str, M: int, *, npu_dtype: str, cores: int,
+                 threads: int = cpu.BIG_CORES, head_rows: int | None = None) -> float:
+    """Modeled seconds of one step of M rows: every weight matmul (the head at
+    ``head_rows`` rows, default M) plus the host ops."""
+    body = [w for w in weights if w.name != "output"]
+    head = [w for w in weights if w.name == "output"]
+    t = sum(p.seconds * p.weight.count for p in place(body, plan, M, npu_dtype=npu_dtype, cores=cores,
+                                                        threads=threads))
+    t += sum(p.seconds for p in place(head, plan, head_rows or M, npu_dtype=npu_dtype, cores=cores,
+                                      threads=threads))
+    return t + cpu.host_ops_seconds(layers)
+
+
+def decode_tok_s(weights: list[Weight], layers: int, plan: str, M: int, **kw) -> float:
+    """Tokens/s of M sequences decoding one token per step."""
+    return M / step_seconds(weights, layers, plan, M, **kw)
+
+
+def prefill_tok_s(weights: list[Weight], layers: int, plan: str, prompt: int, **kw) -> float:
+    """Tokens/s of one prompt of ``prompt`` rows in one batch (the head for its last row)."""
+    return prompt / step_seconds(weights, layers, plan, prompt, head_rows=1, **kw)
+
+
+def job_seconds(weights: list[Weight], layers: int, plan: str, **kw) -> float:
+    """A whole job: a ``JOB_PROMPT``-token prompt, then ``JOB_ANSWER`` decode steps of one row."""
+    return (JOB_PROMPT / prefill_tok_s(weights, layers, plan, JOB_PROMPT, **kw)
+            + JOB_ANSWER / decode_tok_s(weights, layers, plan, 1, **kw))
+
+
+# The quantization mix a preset is priced in when none is given: the mixes the goals name
+# (docs/placement.md); a preset not listed is Q4_K_M.
+DEFAULT_QUANT = {"Gemma3-1B": "Q4_0", "Qwen2.5-1.5B": "Q4_K_M", "Qwen3-0.6B": "Q8_0", "Llama-3.2-1B": "Q4_K_M"}
+PLAN_MS = (1, 4, 16)
+PLAN_PROMPTS = (128, 512)
+
+
+def plan_rows(model: str, quant: str, weights: list[Weight], layers: int, envelope: str, cores: int,
+              npu_dtype: str, published: dict[str, float]) -> list[dict]:
+    """One row per plan: decode tok/s at ``PLAN_MS``, prefill tok/s at ``PLAN_PROMPTS``, the
+    whole job, each against the cpu plan; ``published``: the board's llama-bench figures
+    for this model and mix (``pp512``/``tg128``), shown beside the cpu plan."""
+    kw = dict(npu_dtype=npu_dtype, cores=cores)
+    rows = []
+    for plan in PLANS:
+        row: dict = {"model": model, "quant": quant, "envelope": f"{envelope}, {cores} core(s)", "plan": plan,
+                     "npu_weights": npu_dtype}
+        for m in PLAN_MS:
+            row[f"decode_m{m}_tok_s_modeled"] = decode_tok_s(weights, layers, plan, m, **kw)
+        for n in PLAN_PROMPTS:
+            row[f"prefill{n}_tok_s_modeled"] = prefill_tok_s(weights, layers, plan, n, **kw)
+        row["job_s_modeled"] = job_seconds(weights, layers, plan, **kw)
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["decode_m1_vs_cpu_modeled"] = row["decode_m1_tok_s_modeled"] / base["decode_m1_tok_s_modeled"]
+        row["prefill512_vs_cpu_modeled"] = row["prefill512_tok_s_modeled"] / base["prefill512_tok_s_modeled"]
+        row["job_vs_cpu_modeled"] = row["job_s_modeled"] / base["job_s_modeled"]
+        row["published"] = (" / ".join(f"{k} {v:g}" for k, v in sorted(published.items()))
+                            if row["plan"] == "cpu" and published else "")
+    return rows

@@ -1,0 +1,148 @@
+"""The server's placement policy for weight matmuls (``rknpu serve --placement``): auto
+(each weight and M bucket where the board's models say it is faster), npu (every weight
+on the NPU), host (every weight matmul in ggml-cpu from its GGUF bytes), and what it chose.
+
+Invariants: decisions are the board's models (``cost.placement``: NPU at its envelope's
+cores, ggml-cpu on the A76 cluster at ``threads``) on every machine, so the simulator
+plans what a board would, except that on a board times measured there
+(``engine.placement_record``) replace the models for the shapes they cover; a weight the
+policy keeps on the host is never staged (it takes no NPU memory); the server does not
+split a matmul yet, so auto chooses between the two sides only. Decisions are cached per
+(type, K, N, experts, bucket). Why: docs/placement.md."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost import placement as pl
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+POLICIES = ("auto", "npu", "host")
+HOST_REASON = "placed on the host by cost"
+_LAYER = re.compile(r"^blk\.\d+\.")
+
+
+def matmul_kind(name: str) -> str:
+    """A weight's kind: its tensor name without the layer (``blk.3.attn_q.weight`` -> ``attn_q.weight``)."""
+    return _LAYER.sub("", name) or "?"
+
+
+@dataclass
+class KindRecord:
+    """Planned matmuls of one kind, M and weight type: where they go and the two times
+    they were decided by (at the bucket's M; ``basis`` "modeled" or "measured")."""
+
+    where: str
+    npu_s: float
+    host_s: float
+    basis: str
+    planned: int = 0
+    weight_bytes: int = 0
+
+
+@dataclass
+class Placer:
+    policy: str = "auto"
+    npu_dtype: str = "fp16"
+    cores: int = 1
+    threads: int = cpu.BIG_CORES
+    measured: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
+    records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
+    _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
+    _logged: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"placement must be one of {POLICIES}, not {self.policy!r}")
+        if not 1 <= self.threads <= cpu.BIG_CORES:
+            raise ValueError(f"host threads must be 1..{cpu.BIG_CORES} (the board's A76 cores), got {self.threads}")
+
+    def describe(self) -> str:
+        measured = f", {len(self.measured)} shape/bucket times measured on this board" if self.measured else ""
+        return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
+                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from the GGUF bytes)")
+
+    def choice(self, weight_type: int | str, M: int, K: int, N: int, experts: int = 1) -> tuple[pl.Choice, str]:
+        """(the choice, "measured" or "modeled"): measured times of this shape and bucket
+        when the board has them, else the models."""
+        b = pl.bucket(M)
+        key = (cpu.type_name(weight_type), K, N, experts, b)
+        cached = self._cache.get(key)
+        if cached is None:
+            times = self.measured.get(key)
+            if times is not None:
+                npu_s, host_s = times
+                cached = pl.choose(N, lambda n: npu_s, lambda n: host_s, allow_split=False), "measured"
+            else:
+                cached = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
+                                         cores=self.cores, threads=self.threads, allow_split=False,
+                                         experts=experts), "modeled"
+            self._cache[key] = cached
+        return cached
+
+    def on_npu(self, name: str, weight_type: int, M: int, K: int, N: int, nbytes: int, experts: int = 1) -> bool:
+        """Whether this weight's matmul of ``M`` rows goes to the NPU (recorded for the stats)."""
+        try:
+            c, basis = self.choice(weight_type, M, K, N, experts)
+        except ValueError:            # a type the CPU model cannot price: the NPU path, as without placement
+            return self.policy != "host"
+        where = {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
+        key = (matmul_kind(name), M, cpu.type_name(weight_type))
+        rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s, basis))
+        rec.planned += 1
+        rec.weight_bytes += nbytes
+        return where == pl.NPU
+
+    def log_new_buckets(self) -> None:
+        """Say once per M bucket what the plans keep where (the first plan of each bucket)."""
+        by_bucket: dict[str, dict[str, list[int]]] = {}
+        for (_, m, _), rec in self.records.items():
+            side = by_bucket.setdefault(pl.bucket(m), {}).setdefault(rec.where, [0, 0])
+            side[0] += rec.planned
+            side[1] += rec.weight_bytes
+        for b, sides in by_bucket.items():
+            if b in self._logged:
+                continue
+            self._logged.add(b)
+            log.info("placement %s, M bucket %s: %s", self.policy, b, ", ".join(
+                f"{n} weight matmuls on the {where} ({nbytes / 2**20:.1f} MiB GGUF bytes)"
+                for where, (n, nbytes) in sorted(sides.items())))
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
+                "measured_shapes": len(self.measured),
+                "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
+                             "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
+                            for (k, m, t), r in sorted(self.records.items())]}
+
+    def render(self) -> str:
+        if not self.records:
+            return ""
+        lines = [f"{self.describe()}; per matmul kind and M (the times decided by, at the bucket's M):"]
+        for (k, m, t), r in sorted(self.records.items()):
+            lines.append(f"  {k} ({t}) M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs, "
+                         f"{r.basis}), {r.planned} planned")
+        return "\n".join(lines)
+
+
+def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -> Placer:
+    """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
+    engine does not say), the host side at ``threads`` A76 threads (None: all four; more
+    than the board has: all four); on a board, the times measured there for this format,
+    cores and threads (none off a board: the simulator's times are not the board's)."""
+    cores = getattr(npu, "cores", None)
+    cores = cores if isinstance(cores, int) and cores >= 1 else 1
+    threads = min(threads or cpu.BIG_CORES, cpu.BIG_CORES)
+    measured = {}
+    device = getattr(npu, "device", None)
+    if device is not None and getattr(device, "simulated", True) is False:
+        from ggml_rknpu.engine.envelope_record import board_key
+        from ggml_rknpu.engine.placement_record import load_times
+
+        measured = load_times(board_key(device), weight_format, cores, threads)
+    return Placer(policy, weight_format, cores, threads, measured)
