@@ -12,15 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py not landed")
 
-from ggml_rknpu.compiler.chain import chain_image  # noqa: E402
-from ggml_rknpu.compiler.matmul import compile_matmul  # noqa: E402
-from ggml_rknpu.engine import FusedWeight, open_engine  # noqa: E402
-from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload  # noqa: E402
-from ggml_rknpu.cost.model import modeled_time, workload_from_program  # noqa: E402
-from ggml_rknpu.hw.regcmd import decode_word  # noqa: E402
-from ggml_rknpu.hw.registers import REGISTERS  # noqa: E402
+from ggml_rknpu.compiler.chain import chain_image
+from ggml_rknpu.compiler.matmul import compile_matmul
+from ggml_rknpu.engine import FusedWeight, open_engine
+from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload
+from ggml_rknpu.cost.model import modeled_time, workload_from_program
+from ggml_rknpu.hw.regcmd import decode_word
+from ggml_rknpu.hw.registers import REGISTERS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,12 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("ggml_rknpu.kernel.device", reason="kernel/device.py (engineer K) not landed")
-pytest.importorskip("ggml_rknpu.compiler.matmul", reason="compiler/matmul.py (engineer HW) not landed")
-pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py (engineer SIM) not landed")
 
-from ggml_rknpu.engine import Npu, m_bucket, open_engine  # noqa: E402
-from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout  # noqa: E402
+from ggml_rknpu.engine import Npu, m_bucket, open_engine
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 pytestmark = pytest.mark.timeout(600)
 ABIS = ("sim-rknpu", "sim-rocket")
