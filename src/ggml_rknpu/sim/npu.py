@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.memory import DeviceMemory
-from ggml_rknpu.sim.conv import Gemm, OperandCache
+from ggml_rknpu.sim.conv import Gemm, OperandCache, multiply
 from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 
@@ -84,13 +84,12 @@ class SimNpu:
         self.decoded = DecodeCache()
         self.busy_seconds = 0.0
         # True: conv tasks of a run that tile M over one weight block, or N at one row,
-        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run on
-        # several host threads (conv.Gemm); False: every task on its own, one BLAS call
+        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run in blocks
+        # on several host threads (conv.Gemm); False: every task on its own, one BLAS call
         # each: the reference the fast paths are tested against (tests/sim/test_sim_bulk.py).
         self.bulk = True
         self.merged_tasks = 0
         self.gemm = Gemm(host_threads())
-        self._one_call = Gemm(1)
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -165,7 +164,7 @@ class SimNpu:
         try:
             result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
                                     self.decoded, self.bulk,
-                                    self.gemm if self.bulk else self._one_call).run()
+                                    self.gemm if self.bulk else multiply).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
         self.merged_tasks += result.merged_tasks
