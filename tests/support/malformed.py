@@ -18,6 +18,7 @@ from ggml_rknpu.ggml.ops.rules import RULES, check_node
 from ggml_rknpu.ggml.tensor import RpcTensor
 from ggml_rknpu.hostggml import abi
 from ggml_rknpu.hostggml.lib import TensorP
+from ggml_rknpu.hw.alignment import align_up
 from support.ggml_builders import F16, F32, I32, Scratch, _made_by_ggml
 from support.rpc_testkit import RpcClient, ServerClosed, T
 
@@ -191,7 +192,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
     placed: dict[int, T] = {}
     if not separate:
         sizes = [max(geo.span(t), 1) for t in (*tensors, node)]
-        h, addr = c.alloc_base(sum(-(-n // 64) * 64 for n in sizes) + 64 * len(sizes) + (1 << 16))
+        h, addr = c.alloc_base(sum(align_up(n, 64) for n in sizes) + 64 * len(sizes) + (1 << 16))
     for t in (*tensors, node):
         if t.id in placed:
             continue
@@ -207,7 +208,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
                          # builders' tensors were never in a graph
                          flags=t.flags | GgmlTensorFlag.COMPUTE if t is node else 0)
         if not separate:
-            addr += -(-max(geo.span(t), 1) // 64) * 64 + 64
+            addr += align_up(max(geo.span(t), 1), 64) + 64
     rng = np.random.default_rng(0)
     for i, s in enumerate(srcs):
         if s is not None and s is not node and geo.span(s):

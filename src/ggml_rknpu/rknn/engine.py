@@ -28,6 +28,7 @@ from ggml_rknpu.engine.weights import (
     stage_activation,
     stage_weight,
 )
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.rknn import binding as rb
 
 TYPE_FOR_DTYPE = {"fp16": rb.FLOAT16_MM_FLOAT16_TO_FLOAT32, "int8": rb.INT8_MM_INT8_TO_INT32}
@@ -139,10 +140,10 @@ class RknnNpu:
             raise ValueError(f"matmul_type {mtype} does not match dtype {dtype!r}")
         staged = stage_weight(b, dtype)
         N, K = staged.shape
-        n_pad = -(-N // N_ALIGN[dtype]) * N_ALIGN[dtype]
-        k_pad = -(-K // K_ALIGN) * K_ALIGN
-        n_chunks = -(-k_pad // K_CHUNK)
-        per = -(-(k_pad // K_ALIGN) // n_chunks) * K_ALIGN
+        n_pad = align_up(N, N_ALIGN[dtype])
+        k_pad = align_up(K, K_ALIGN)
+        n_chunks = ceil_div(k_pad, K_CHUNK)
+        per = ceil_div(k_pad // K_ALIGN, n_chunks) * K_ALIGN
         k_chunks = [(k0, min(per, k_pad - k0)) for k0 in range(0, k_pad, per)]
         padded = np.zeros((n_pad, k_pad), dtype=ELEMENT[dtype])
         padded[:N, :K] = staged.data

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
 from ggml_rknpu.sim.validate import (
     CONV_RULES,
@@ -360,7 +361,7 @@ class Gemm:
                 or b_nk.nbytes < SPLIT_MIN_WEIGHT_BYTES or n < 2 * SPLIT_ROW_ALIGN):
             return multiply(task, a, b_nk)
         n_blocks = min(SPLIT_MAX_BLOCKS, max(2, b_nk.nbytes // SPLIT_BLOCK_BYTES))
-        rows = -(-n // (n_blocks * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+        rows = ceil_div(n, n_blocks * SPLIT_ROW_ALIGN) * SPLIT_ROW_ALIGN
         cuts = [j for j in range(rows, n, rows) if n - j >= 2]   # no one-row block (see above)
         out = np.empty((1, n), dtype=np.float32)
         blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in zip([0, *cuts], [*cuts, n])]

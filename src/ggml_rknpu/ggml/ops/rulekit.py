@@ -17,6 +17,7 @@ from ggml_rknpu.ggml.ops import geometry as geo
 from ggml_rknpu.ggml.ops.registry import type_name
 from ggml_rknpu.ggml.tensor import RpcTensor
 from ggml_rknpu.hostggml import abi
+from ggml_rknpu.hw.alignment import ceil_div
 
 F32, F16, BF16, I32, I64 = (int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64))
 I8, I16 = int(GgmlType.I8), int(GgmlType.I16)
@@ -111,4 +112,4 @@ def finite(x: float, what: str) -> None:
 def conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
     """ggml_calc_conv_output_size, with C's truncating division."""
     num = ins + 2 * p - d * (ks - 1) - 1
-    return int(num / s) + 1 if num >= 0 else -((-num) // s) + 1
+    return int(num / s) + 1 if num >= 0 else ceil_div(num, s) + 1
