@@ -20,9 +20,9 @@ def test_modeled_prints_seed_figures_beside_modeled(tmp_path):
     data = json.loads((out / "matmul_modeled.json").read_text())
     assert data["rig"]["verdict"] == "SKIP"
     rows = data["raw"]["seed_comparison"]
-    seed = [a for a in ANCHORS if a.source.startswith("seed")]
+    seed = [a for a in ANCHORS if a.source.startswith("prototype board log")]
     assert [(r["M"], r["K"], r["N"], r["dtype"]) for r in rows] == [(a.M, a.K, a.N, a.dtype) for a in seed]
-    # the seed's own measured Milestone 7 figures, unchanged
+    # the prototype's own board figures [docs/history.md §7], unchanged
     assert [r["seed_gflops_measured"] for r in rows[:5]] == [8.1, 9.0, 10.9, 442, 548]
     for r in rows:
         # three cores beat one; DRAM parked at 528 MHz costs the bandwidth-bound GEMV most
@@ -40,7 +40,7 @@ def test_modeled_prints_seed_figures_beside_modeled(tmp_path):
                       "int8 3 cores (modeled)"]
     assert plot["series"][0]["x"] == [1, *mm.GEMM_MS]
     gemm = dict(zip(plot["series"][0]["x"], plot["series"][0]["y"]))
-    assert gemm[512] > 20 * gemm[1]       # the seed's ~60x GEMM/GEMV gap (Milestone 7), modeled
+    assert gemm[512] > 20 * gemm[1]       # the prototype's ~60x GEMM/GEMV gap [docs/history.md §7], modeled
     for p in data["plots"]:
         assert valid_png(out / p["file"]) == (750, 450)
 

@@ -71,7 +71,7 @@ def check_matmul(npu: Npu, M: int, K: int, N: int, dtype: str, seed: int = 0) ->
     assert (err <= bound).all(), f"max err/bound {float((err / bound).max()):.3g} at {M}x{K}x{N}"
 
 
-# --- the sweep of issue 3 -----------------------------------------------------------------
+# --- a sweep of model shapes ------------------------------------------------------------
 SWEEP_M = (1, 3, 64, 196, 513, 4096)
 SWEEP_K = (32, 100, 1024, 4096, 8192, 11008)
 SWEEP_N = (16, 1001, 4096, 32000, 151936)

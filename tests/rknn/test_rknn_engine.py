@@ -256,7 +256,7 @@ def test_free_destroys_contexts_and_memory(lib):
     npu.close()
 
 
-@pytest.mark.parametrize("mtype, match", [(5, "seed Milestone 8"), (7, "seed Milestone 8"), (9, "unverified"),
+@pytest.mark.parametrize("mtype, match", [(5, "docs/history.md §8"), (7, "docs/history.md §8"), (9, "unverified"),
                                           (4, "unverified")])
 def test_unsupported_types_are_reported_not_attempted(npu, lib, mtype, match):
     before = (_live(lib), lib._lib.standin_runs())

@@ -1,4 +1,4 @@
-"""A tiny stand-in for ``sim.npu.SimNpu`` (CONTRACT B) so the kernel's submit path can be
+"""A tiny stand-in for ``sim.npu.SimNpu`` (its MMIO window) so the kernel's submit path can be
 tested on its own: it logs every MMIO write, fetches the programmed regcmd range through
 ``DeviceMemory.view`` (so bad addresses fault like the real model's), follows the task
 tails for TASK_NUMBER tasks and raises the configured interrupt bits - or hangs."""

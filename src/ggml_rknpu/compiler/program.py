@@ -1,5 +1,5 @@
 """``Program``: the whole regcmd buffer image of a matmul, its task table and the relocations
-that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
+that bind it to buffer addresses without recompiling.
 
 Invariants: tasks are grouped by core in execution order, each 64-byte aligned, padding
 words 0 (a NOP); each task's tail points at the next task of the same core and the last

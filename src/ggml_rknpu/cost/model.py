@@ -62,7 +62,7 @@ OWN_DRIVER = SubmitProfile(
 RKNN_RUNTIME = SubmitProfile(
     "librknnrt rknn_matmul_run",
     250e-6,
-    "FIT: intercept of the seed's Milestone 7 [docs/decisions.md] GEMV times (M=1, K=2048, N=2048/5504/32000 at "
+    "FIT: intercept of the prototype's board GEMV times [docs/history.md §7] (M=1, K=2048, N=2048/5504/32000 at "
     "1.04/2.50/12.0 ms) against weight bytes; one call of the closed runtime",
 )
 

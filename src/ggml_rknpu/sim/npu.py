@@ -1,4 +1,4 @@
-"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software (contract B [docs/decisions.md]).
+"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software.
 
 The simulated kernel drives it with the register writes the real drivers issue
 [docs/npu-programming.md §3]; writing 1 to PC_OPERATION_ENABLE runs the core's program
@@ -6,7 +6,7 @@ synchronously (``pc.ProgramCounter``) until it completes or stops as a board wou
 ``diagnostics(core)`` says why. Invariants: this is the witness half of the project, it
 decodes words with ``ggml_rknpu.hw`` only and never imports ``ggml_rknpu.compiler``
 (tests/sim/test_sim_independence.py); what stays across runs is only what a content check
-vouches for. Additions to contract B: docs/decisions.md "sim/npu.py"."""
+vouches for. What it adds to the interface the kernel drives: docs/decisions.md "sim/npu.py"."""
 
 from __future__ import annotations
 
