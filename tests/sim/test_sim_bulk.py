@@ -179,27 +179,22 @@ def _fp16_valued(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray
 @given(k32=st.integers(1, 96), n=st.integers(128, 5000), threads=st.integers(2, 4),
        seed=st.integers(0, 2**16))
 @example(k32=45, n=322, threads=2, seed=0)   # OpenBLAS on 2 threads: one call's last 2 columns differ
-def test_split_gemm_does_not_depend_on_the_thread_count(monkeypatch_module, k32, n, threads, seed):
+def test_split_gemm_does_not_depend_on_the_thread_count(k32, n, threads, seed):
     rng = np.random.default_rng(seed)
     a, b = _fp16_valued(rng, (1, 32 * k32)), _fp16_valued(rng, (n, 32 * k32))
     task = SimpleNamespace(precision="fp16")
     results = []
-    for gemm in (conv.Gemm(threads), conv.Gemm(1)):
-        try:
-            results.append(gemm(task, a, b))
-        finally:
-            gemm.close()
-        assert gemm.split_calls == 1
+    with pytest.MonkeyPatch.context() as mp:
+        # split every GEMM of the sweep (the threshold is for speed, not for correctness)
+        mp.setattr(conv, "SPLIT_MIN_WEIGHT_BYTES", 0)
+        for gemm in (conv.Gemm(threads), conv.Gemm(1)):
+            try:
+                results.append(gemm(task, a, b))
+            finally:
+                gemm.close()
+            assert gemm.split_calls == 1
     assert _same_bits(*results)
     assert _same_up_to_summation_order(results[0], conv.multiply(task, a, b), a, b, "fp16")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    """Split every GEMM of the sweep (the threshold is for speed, not for correctness)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(conv, "SPLIT_MIN_WEIGHT_BYTES", 0)
-        yield mp
 
 
 def test_decode_shape_splits_through_the_public_api_and_matches(engine):
