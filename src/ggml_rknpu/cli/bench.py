@@ -18,6 +18,7 @@ import argparse
 import re
 import subprocess
 import sys
+from typing import Any
 
 from rich.console import Console
 
@@ -285,7 +286,7 @@ def run_matmul(args, rig: RigReport, console: Console) -> rp.Report | None:
         notes.append(f"{len(skipped)} case(s) too large to run off a board were priced by the cost model only "
                      "(executed=false in the JSON)")
     table = rp.Table("Matmul burst (median per call)", _present(mm.MATMUL_COLUMNS, rows), rows)
-    ours = next((r["meta"] for r in runs if r["engine"] == "ours"), {})
+    ours: dict[str, Any] = next((r["meta"] for r in runs if r["engine"] == "ours"), {})
     meta = {**ours, "engines": [r["engine"] for r in runs], "iters": args.iters, "warmup": args.warmup,
             "mode": "burst"}
     meta.update({r["engine"]: r["meta"] for r in runs if r["engine"] != "ours"})

@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("rknpu serve: ggml RPC 7.0.0 on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)",
              args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
-             state.threads.n)
+             state.threads.n if state.threads else 0)
     try:
         server.serve_forever()
         if signals:
