@@ -1,13 +1,45 @@
 """Shared fixtures. ``reference_dir`` is the oracle data the golden, capture and decoded
-tests compare against (``tests/data/oracle``, see its README)."""
+tests compare against (``tests/data/oracle``, see its README).
+
+The session is hermetic: ``pytest_configure`` gives it (and every subprocess it starts) a
+home and config of its own before anything is imported, so no test reads or writes the
+user's ``~/.config`` or ``~/.cache``; only the client builds stay where the build scripts
+put them (``$RKNPU_CACHE``, resolved against the real home first)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from ggml_rknpu.engine.envelope_record import FILE_ENV, OVERRIDE_ENV
+from ggml_rknpu.toolchain import llamacpp
+
+_SESSION_HOME: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before collection (module- and session-scoped fixtures open engines, which read the
+    envelope record): the client builds' cache pinned to its real place, then HOME and the
+    XDG directories moved to a private directory, and the envelope record with them."""
+    global _SESSION_HOME
+    if _SESSION_HOME is not None:
+        return
+    os.environ["RKNPU_CACHE"] = str(llamacpp.cache_dir())
+    _SESSION_HOME = Path(tempfile.mkdtemp(prefix="ggml-rknpu-test-home-"))
+    os.environ["HOME"] = str(_SESSION_HOME)
+    for var, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share")):
+        os.environ[var] = str(_SESSION_HOME / sub)
+    os.environ[FILE_ENV] = str(_SESSION_HOME / ".config" / "ggml-rknpu" / "envelope.json")
+    os.environ.pop(OVERRIDE_ENV, None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_HOME is not None:
+        shutil.rmtree(_SESSION_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +52,10 @@ def reference_dir() -> Path:
 
 @pytest.fixture(autouse=True)
 def _private_envelope_record(tmp_path, monkeypatch):
-    """No test reads or writes the user's own ladder record (~/.config/ggml-rknpu), nor
-    another test's: each starts from the proven envelope."""
-    monkeypatch.setenv("RKNPU_ENVELOPE_FILE", str(tmp_path / "envelope.json"))
-    monkeypatch.delenv("RKNPU_ENVELOPE", raising=False)
+    """No test reads or writes another test's ladder record: each starts from the proven
+    envelope (the session's record, see ``pytest_configure``, is for fixtures wider than a test)."""
+    monkeypatch.setenv(FILE_ENV, str(tmp_path / "envelope.json"))
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
 
 
 @pytest.fixture(scope="session")

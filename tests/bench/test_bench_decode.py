@@ -82,7 +82,6 @@ def test_goal_bounds_are_the_weights_at_the_ceiling_plus_the_submits(name, dtype
 
 
 def test_gguf_shape_and_cli_report(tmp_path):
-    pytest.importorskip("ggml_rknpu.sim.npu")
     from support.gguf_models import TinyConfig, write_tiny_gguf
 
     from ggml_rknpu.cli.main import main

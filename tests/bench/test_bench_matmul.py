@@ -10,7 +10,7 @@ import pytest
 from ggml_rknpu.bench import matmul as mm
 from ggml_rknpu.cli import bench as cli
 from ggml_rknpu.cost.anchors import ANCHORS
-from support.bench_support import RIGS, engine_or_skip, valid_png
+from support.bench_support import RIGS, valid_png
 from support.bench_support import run_bench_cli as run_cli
 
 
@@ -20,9 +20,9 @@ def test_modeled_prints_seed_figures_beside_modeled(tmp_path):
     data = json.loads((out / "matmul_modeled.json").read_text())
     assert data["rig"]["verdict"] == "SKIP"
     rows = data["raw"]["seed_comparison"]
-    seed = [a for a in ANCHORS if a.source.startswith("seed")]
+    seed = [a for a in ANCHORS if a.source.startswith("prototype board log")]
     assert [(r["M"], r["K"], r["N"], r["dtype"]) for r in rows] == [(a.M, a.K, a.N, a.dtype) for a in seed]
-    # the seed's own measured Milestone 7 figures, unchanged
+    # the prototype's own board figures [docs/history.md §7], unchanged
     assert [r["seed_gflops_measured"] for r in rows[:5]] == [8.1, 9.0, 10.9, 442, 548]
     for r in rows:
         # three cores beat one; DRAM parked at 528 MHz costs the bandwidth-bound GEMV most
@@ -40,7 +40,7 @@ def test_modeled_prints_seed_figures_beside_modeled(tmp_path):
                       "int8 3 cores (modeled)"]
     assert plot["series"][0]["x"] == [1, *mm.GEMM_MS]
     gemm = dict(zip(plot["series"][0]["x"], plot["series"][0]["y"]))
-    assert gemm[512] > 20 * gemm[1]       # the seed's ~60x GEMM/GEMV gap (Milestone 7), modeled
+    assert gemm[512] > 20 * gemm[1]       # the prototype's ~60x GEMM/GEMV gap [docs/history.md §7], modeled
     for p in data["plots"]:
         assert valid_png(out / p["file"]) == (750, 450)
 
@@ -58,7 +58,6 @@ def test_failed_rig_refuses_unless_allowed(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_burst_reports_the_cores_the_envelope_allowed(tmp_path):
-    engine_or_skip()
     out = tmp_path / "capped"
     assert run_cli("matmul", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1", "--iters", "1",
                    "--warmup", "0", "--cores", "3", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
@@ -67,7 +66,6 @@ def test_burst_reports_the_cores_the_envelope_allowed(tmp_path):
 
 
 def test_burst_on_the_simulator_end_to_end(tmp_path, monkeypatch):
-    engine_or_skip()
     monkeypatch.setenv("RKNPU_ENVELOPE", "extended")   # 3 cores: beyond the proven envelope (1 core)
     out = tmp_path / "burst"
     assert run_cli("matmul", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1,16", "--iters", "2",
@@ -95,7 +93,6 @@ def test_burst_on_the_simulator_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_sustained_windows_on_the_simulator(tmp_path):
-    engine_or_skip()
     out = tmp_path / "sustained"
     assert run_cli("sustained", "--device", "sim-rknpu", "--K", "64", "--N", "32", "--seconds", "1.5",
                    "--window", "0.5", "--cores", "1", "--out", str(out), "--rig-root", str(RIGS / "healthy")) == 0

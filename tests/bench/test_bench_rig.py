@@ -39,7 +39,7 @@ def test_throttled_dram_fails_with_the_governor_fix():
     assert report.verdict == rig.FAIL and dram.status == rig.FAIL
     assert "DRAM at 528 MHz of 2112" in dram.reason
     assert dram.fix == "echo performance > /sys/class/devfreq/dmc/governor"
-    assert "Milestone 15" in dram.source
+    assert "docs/history.md §15" in dram.source
 
 
 def test_powersave_cpu_fails_on_the_big_cores_and_warns_on_the_little():

@@ -14,7 +14,7 @@ import pytest
 
 from ggml_rknpu.bench import selftest as st
 from ggml_rknpu.cli import selftest as cli
-from support.bench_support import SMALL_GOLDEN, engine_or_skip
+from support.bench_support import SMALL_GOLDEN
 
 RIGS = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
 SMALL = ((1, 64, 16), (3, 100, 40))
@@ -24,10 +24,6 @@ def run_cli(*argv: str) -> int:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     return cli.run(parser.parse_args(list(argv)))
-
-
-def sim_or_skip():
-    engine_or_skip()
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +55,6 @@ def test_compare_rules_catch_one_wrong_element():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("device", ["sim-rknpu", "sim-rocket"])
 def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkeypatch, device):
-    sim_or_skip()
     monkeypatch.setattr(st, "SIM_SWEEP", SMALL)
     monkeypatch.delenv(st.CORRUPT_ENV, raising=False)
     out = tmp_path / "st"
@@ -86,7 +81,6 @@ def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkey
 
 @pytest.mark.timeout(300)
 def test_selftest_fails_loudly_when_one_element_is_corrupted(tmp_path, monkeypatch, capsys):
-    sim_or_skip()
     monkeypatch.setattr(st, "SIM_SWEEP", SMALL)
     monkeypatch.setenv(st.CORRUPT_ENV, "1")
     out = tmp_path / "st"

@@ -48,3 +48,16 @@ def test_a_subcommand_imports_only_its_own_module():
     rc, modules = _modules_after(["check-rig", "--help"])
     assert rc == 0 and {m for m in modules if m.startswith("ggml_rknpu.cli.")} == {"ggml_rknpu.cli.main",
                                                                                    "ggml_rknpu.cli.check_rig"}
+
+
+def test_the_bench_help_names_every_benchmark():
+    import argparse
+
+    from ggml_rknpu.cli import bench
+    from ggml_rknpu.cli.main import SUBCOMMANDS
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    listed = SUBCOMMANDS["bench"][1].split(": ", 1)[1].split(", ")
+    assert listed == list(sub.choices)

@@ -11,6 +11,7 @@ from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import k_chunks
+from ggml_rknpu.hw.alignment import align_up
 
 NP = {"fp16": np.float16, "int8": np.int8}
 
@@ -28,7 +29,7 @@ def test_pack_a_matches_section6_formula(M, K, dtype, seed):
     a = rand(rng, (M, K), dtype)
     packed = pack_a(a, dtype).view(NP[dtype])
     c2 = 8 if dtype == "fp16" else 16
-    Kp = -(-K // 32) * 32
+    Kp = align_up(K, 32)
     assert packed.size == Kp * M
     m, k = np.meshgrid(np.arange(M), np.arange(K), indexing="ij")
     addr = (k // c2) * M * c2 + m * c2 + k % c2          # §6 A address
@@ -45,7 +46,7 @@ def test_pack_b_matches_section6_formula(N, K, dtype, seed):
     b = rand(rng, (N, K), dtype)
     packed = pack_b(b, dtype).view(NP[dtype])
     g = 16 if dtype == "fp16" else 32
-    Kp, Np = -(-K // 32) * 32, -(-N // g) * g
+    Kp, Np = align_up(K, 32), align_up(N, g)
     assert packed.size == Kp * Np
     n, k = np.meshgrid(np.arange(N), np.arange(K), indexing="ij")
     addr = (n // g) * g * Kp + (k // 32) * g * 32 + (n % g) * 32 + k % 32   # §6 B address
@@ -60,7 +61,7 @@ def test_pack_b_k_chunks_are_contiguous_blocks():
     N, K = 40, 10240 + 100
     b = rand(rng, (N, K), "fp16")
     chunks = k_chunks(K, "fp16")
-    assert len(chunks) >= 2 and sum(c.size for c in chunks) == -(-K // 32) * 32   # K > 8192: split
+    assert len(chunks) >= 2 and sum(c.size for c in chunks) == align_up(K, 32)   # K > 8192: split
     packed = pack_b(b, "fp16").view(np.float16)
     Np = 48
     for ch in chunks:

@@ -10,13 +10,14 @@ from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, SDK_SPLIT_K, k_chunks
 from ggml_rknpu.cost.model import modeled_time, vendor_style_workload
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 60000), st.sampled_from(["fp16", "int8"]))
 def test_k_chunks_partition_k_within_the_bank_rules(K, dtype):
     chunks = k_chunks(K, dtype, "extended")
-    Kp = -(-K // 32) * 32
+    Kp = align_up(K, 32)
     assert [c.index for c in chunks] == list(range(len(chunks)))
     k0 = 0
     for c in chunks:
@@ -29,7 +30,7 @@ def test_k_chunks_partition_k_within_the_bank_rules(K, dtype):
     if Kp <= SDK_SPLIT_K:
         assert len(chunks) == 1                                  # MTX/SDK single-task K
     else:
-        assert 2 <= len(chunks) <= max(-(-Kp // MAX_TASK_K), -(-Kp // MIN_CHUNK_K))
+        assert 2 <= len(chunks) <= max(ceil_div(Kp, MAX_TASK_K), ceil_div(Kp, MIN_CHUNK_K))
     assert all(c.size == chunks[0].size for c in chunks[:-1]) and chunks[-1].size <= chunks[0].size
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.tiling import k_chunks
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import Target, decode_word, fetch_amount, task_tail, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET
 
@@ -70,9 +71,9 @@ def run_program(a, b_nk, prog):
     a_np, b_np = pack_a(a, prog.shape.dtype, prog), pack_b(b_nk, prog.shape.dtype, prog)
     assert a_np.size == prog.a_bytes and b_np.size == prog.b_bytes
     A = 0x1000
-    B = A + -(-prog.a_bytes // 4096) * 4096
-    C = B + -(-prog.b_bytes // 4096) * 4096
-    R = C + -(-prog.c_bytes // 4096) * 4096
+    B = A + align_up(prog.a_bytes, 4096)
+    C = B + align_up(prog.b_bytes, 4096)
+    R = C + align_up(prog.c_bytes, 4096)
     arena = np.zeros(R + prog.regcmd_bytes, np.uint8)
     arena[A: A + a_np.size] = a_np
     arena[B: B + b_np.size] = b_np

@@ -11,6 +11,7 @@ from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, _tile, k_chunks, modeled_seconds, tile
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.envelope import PROVEN
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.regcmd import decode_word
@@ -121,8 +122,8 @@ def test_k_split_only_beyond_the_sdk_split_point():
     for K, dtype in [(8193, "fp16"), (8960, "fp16"), (10240, "fp16"), (11008, "int8"), (40000, "int8")]:
         chunks = k_chunks(K, dtype, "extended")
         assert len(chunks) >= 2
-        Kp = -(-K // 32) * 32
-        assert len(chunks) <= -(-Kp // MIN_CHUNK_K) and all(c.size <= MAX_TASK_K for c in chunks)
+        Kp = align_up(K, 32)
+        assert len(chunks) <= ceil_div(Kp, MIN_CHUNK_K) and all(c.size <= MAX_TASK_K for c in chunks)
         assert chunks[-1].size <= chunks[0].size
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.cost import model
 from ggml_rknpu.cost.anchors import ANCHOR_TOLERANCE, ANCHORS
 from ggml_rknpu.cost.model import (
@@ -145,9 +146,8 @@ def test_program_missing_a_shape_register_is_an_error():
 @pytest.mark.parametrize("anchor", ANCHORS, ids=lambda a: f"{a.label}-{a.M}x{a.K}x{a.N}-{a.dtype}")
 def test_real_compiled_program_is_priced_within_the_anchor_tolerance(anchor):
     """The same anchors, priced from our own compiler's register words (decoded with hw)."""
-    compiler = pytest.importorskip("ggml_rknpu.compiler.matmul")
     out = "fp32" if anchor.dtype == "fp16" else "int32"
-    program = compiler.compile_matmul(anchor.M, anchor.K, anchor.N, dtype=anchor.dtype, out=out,
+    program = compile_matmul(anchor.M, anchor.K, anchor.N, dtype=anchor.dtype, out=out,
                                       cores=anchor.cores, envelope="extended")
     work = workload_from_program(program)
     assert {t.core for t in work.tasks} == set(range(anchor.cores))
@@ -161,10 +161,9 @@ def test_real_compiled_program_is_priced_within_the_anchor_tolerance(anchor):
        dtype=st.sampled_from(("fp16", "int8")), cores=st.integers(1, 3))
 def test_never_faster_than_the_mac_peak_or_the_dram_stream(M, K, N, dtype, cores):
     """Any compiled program: modeled time >= MACs / (cores x peak) and >= weight bytes / DRAM."""
-    compiler = pytest.importorskip("ggml_rknpu.compiler.matmul")
     out = "fp32" if dtype == "fp16" else "int32"
     try:
-        program = compiler.compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores)
+        program = compile_matmul(M, K, N, dtype=dtype, out=out, cores=cores)
     except ValueError:
         return  # beyond one hardware run (the engine splits such calls along M)
     t = modeled_time(program)

@@ -27,10 +27,9 @@ pytestmark = [pytest.mark.llama]
 DATA = Path(__file__).parents[1] / "data"
 KLD_CTX = 128
 KLD_CHUNKS = 2
-# Mean KLD bound for the fp16 weight format. Host ops are ggml-cpu itself now, so only the NPU's fp16
+# Mean KLD bound for the fp16 weight format. Host ops are ggml-cpu itself, so only the NPU's fp16
 # matmuls differ from the CPU (which quantizes activations to q8 for its quantized dot products).
-# Measured (2 chunks x 128 tokens, this build's CPU reference): 0.00523; the numpy host ops before
-# issue 9: 0.00525 against the same reference. Issue 9 asked for <= 0.005 (0.0048 on an older build).
+# Measured (2 chunks x 128 tokens, this build's CPU reference): 0.00523.
 KLD_LIMIT_FP16 = 0.0055
 # gemma-3-270m here is the base model (no chat template in the GGUF; llama-server falls back to
 # chatml), so the question comes with two worked turns; on the CPU it answers "...is Paris."
@@ -100,7 +99,7 @@ def gemma_rpc_texts(tmp_path_factory: pytest.TempPathFactory, gemma: Path) -> di
 
 @pytest.mark.timeout(3600)
 def test_greedy_text_is_the_same_through_every_client(gemma_rpc_texts: dict[str, str]) -> None:
-    """Issue 16: b11434's gemma3 graph selects its input embedding among branches
+    """b11434's gemma3 graph selects its input embedding among branches
     (ggml_build_forward_select); the unselected mixed-batch SET_ROWS must not run. Through the
     same server, the newer client must then produce exactly the pinned client's tokens."""
     print(f"\n{gemma_rpc_texts}")
@@ -125,7 +124,7 @@ def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str]
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("client", CLIENTS)
 def test_greedy_text_through_the_host_device_equals_the_cpu_run(tmp_path: Path, gemma: Path, client: str) -> None:
-    """Issue 16, the protocol path alone: with ``--device host`` every node (the matmuls too) runs
+    """The protocol path alone: with ``--device host`` every node (the matmuls too) runs
     on ggml-cpu in our process, so all 16 greedy tokens must equal the client's own CPU-only run
     on the same kernels (``--no-repack``: RPC buffers are never repacked) — any byte the server
     read differently from ggml's deserializer would show here, with either client."""

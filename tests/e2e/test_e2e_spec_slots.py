@@ -1,7 +1,7 @@
 """``llama-server --rpc`` through ``rknpu serve`` (simulated NPU) in the regime with several rows
 per weight pass: speculative decoding with a draft model, and ``-np 4`` parallel slots.
 
-What must hold (issue 13): at temperature 0 a speculative answer is the same text as the plain
+What must hold: at temperature 0 a speculative answer is the same text as the plain
 answer, and the target's verification batches (M = 2..n_draft+1) ran as NPU matmuls; four
 concurrent chats through the device each get the same answer as the CPU-only llama-server with
 the same settings, and the slots' tokens were batched into NPU matmuls with M > 1.

@@ -9,6 +9,7 @@ import pytest
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 
 
 @pytest.mark.parametrize("M,K,N,dtype,out", [(1, 1536, 8960, "fp16", "fp32"), (300, 9000, 100, "fp16", "fp32"),
@@ -17,7 +18,7 @@ def test_one_canary_per_task_and_plane_each_caught(M, K, N, dtype, out):
     p = compile_matmul(M, K, N, dtype=dtype, out=out)
     c = Canaries.for_program(p)
     c2 = limits.c2(p.c_dtype)
-    assert c.elements.size == sum(-(-kernels // c2) for kernels in _kernels(p))
+    assert c.elements.size == sum(ceil_div(kernels, c2) for kernels in _kernels(p))
     assert len(set(c.elements.tolist())) == c.elements.size          # no two tasks share a canary
     buf = np.zeros(p.c_bytes, np.uint8)
     c.arm(buf)

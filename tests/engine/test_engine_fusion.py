@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py not landed")
 
-from ggml_rknpu.compiler.chain import chain_image  # noqa: E402
-from ggml_rknpu.compiler.matmul import compile_matmul  # noqa: E402
-from ggml_rknpu.engine import FusedWeight, open_engine  # noqa: E402
-from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload  # noqa: E402
-from ggml_rknpu.cost.model import modeled_time, workload_from_program  # noqa: E402
-from ggml_rknpu.hw.regcmd import decode_word  # noqa: E402
-from ggml_rknpu.hw.registers import REGISTERS  # noqa: E402
+from ggml_rknpu.compiler.chain import chain_image
+from ggml_rknpu.compiler.matmul import compile_matmul
+from ggml_rknpu.engine import FusedWeight, open_engine
+from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload
+from ggml_rknpu.cost.model import modeled_time, workload_from_program
+from ggml_rknpu.hw.alignment import align_up
+from ggml_rknpu.hw.regcmd import decode_word
+from ggml_rknpu.hw.registers import REGISTERS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,7 +116,7 @@ def test_step_run_reports_its_modeled_device_time_like_a_matmul(npu):
 def test_chain_image_links_each_core_through_every_member():
     progs = [compile_matmul(1, 256, n, cores=3) for n in (48, 160)]
     base = 0x10000
-    offsets = [0, (progs[0].words.size + 7) // 8 * 8]
+    offsets = [0, align_up(progs[0].words.size, 8)]
     bound = [p.bind(a=0x1000, b=0x2000, c=0x3000, regcmd=base + off * 8) for p, off in zip(progs, offsets)]
     image, per_core = chain_image(progs, bound, base)
     pc_base = REGISTERS["PC_BASE_ADDRESS"].offset

@@ -22,12 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("ggml_rknpu.kernel.device", reason="kernel/device.py (engineer K) not landed")
-pytest.importorskip("ggml_rknpu.compiler.matmul", reason="compiler/matmul.py (engineer HW) not landed")
-pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py (engineer SIM) not landed")
 
-from ggml_rknpu.engine import Npu, m_bucket, open_engine  # noqa: E402
-from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout  # noqa: E402
+from ggml_rknpu.engine import Npu, m_bucket, open_engine
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 pytestmark = pytest.mark.timeout(600)
 ABIS = ("sim-rknpu", "sim-rocket")
@@ -74,7 +71,7 @@ def check_matmul(npu: Npu, M: int, K: int, N: int, dtype: str, seed: int = 0) ->
     assert (err <= bound).all(), f"max err/bound {float((err / bound).max()):.3g} at {M}x{K}x{N}"
 
 
-# --- the sweep of issue 3 -----------------------------------------------------------------
+# --- a sweep of model shapes ------------------------------------------------------------
 SWEEP_M = (1, 3, 64, 196, 513, 4096)
 SWEEP_K = (32, 100, 1024, 4096, 8192, 11008)
 SWEEP_N = (16, 1001, 4096, 32000, 151936)

@@ -9,14 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("ggml_rknpu.kernel.device", reason="kernel/device.py (engineer K) not landed")
-pytest.importorskip("ggml_rknpu.compiler.matmul", reason="compiler/matmul.py (engineer HW) not landed")
-pytest.importorskip("ggml_rknpu.sim.npu", reason="sim/npu.py (engineer SIM) not landed")
 
-from ggml_rknpu.engine import Npu, open_engine  # noqa: E402
-from ggml_rknpu.engine import api  # noqa: E402
-from ggml_rknpu.engine.api import RESERVE_ROWS  # noqa: E402
-from ggml_rknpu.kernel.errors import NpuOutOfMemory  # noqa: E402
+from ggml_rknpu.engine import Npu, open_engine
+from ggml_rknpu.engine import api
+from ggml_rknpu.engine.api import RESERVE_ROWS
+from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from support.kernel_fake_npu import attach, regcmd_words
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
@@ -164,7 +165,7 @@ def test_vendor_submit_three_cores_core_major_with_subcore_i_plus_2():
     task_con = {c: v for c, o, v in npu.writes if o == 0x30}
     assert task_con == {0: 0x7002, 1: 0x7001, 2: 0x7002}  # PC|PINGPONG, per-core task counts
     assert [npu.executed_tasks(c) for c in range(3)] == [2, 1, 2]  # the tail chain was followed
-    assert (0, 0x14, (10 + 4 + 1) // 2 - 1) in npu.writes and (1, 0x14, (12 + 4 + 1) // 2 - 1) in npu.writes
+    assert (0, 0x14, ceil_div(10 + 4, 2) - 1) in npu.writes and (1, 0x14, ceil_div(12 + 4, 2) - 1) in npu.writes
 
 
 def test_vendor_submit_two_cores_uses_subcore_task_i():
@@ -225,7 +226,7 @@ def test_rocket_submit_one_job_per_core_with_tail_counted():
     done = dev.submit(Job(cores=((t, t), (), (t,)), outputs=(out,)))
     assert done.task_counter == 3 and done.hw_elapsed_ns is None
     amounts = [v for _, o, v in npu.writes if o == 0x14]
-    assert amounts == [(10 + 4 + 1) // 2 - 1] * 3  # regcmd_count = body + 4
+    assert amounts == [ceil_div(10 + 4, 2) - 1] * 3  # regcmd_count = body + 4
     assert sorted(npu.executed[c] for c in range(3)) == [0, 1, 2]  # two jobs, on two cores
 
 

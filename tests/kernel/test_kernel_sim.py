@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from support.kernel_fake_npu import attach, regcmd_words
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rocket import uapi as ro
@@ -354,7 +355,7 @@ def test_vendor_pc_sequence_for_three_cores_uses_subcore_task_i_plus_2():
         pointer = 0xE + 0x10000000 * core
         assert writes[:11] == [
             (0x10, 1), (0x1004, pointer), (0x3004, pointer), (0x10, rc.dma_addr),
-            (0x14, (10 + 4 + 1) // 2 - 1), (0x20, 0x300), (0x24, 0x300),
+            (0x14, ceil_div(10 + 4, 2) - 1), (0x20, 0x300), (0x24, 0x300),
             (0x30, (0x7 << 12) | 1), (0x34, 0), (0x08, 1), (0x08, 0),
         ]
         assert npu.executed_tasks(core) == 1
@@ -472,7 +473,7 @@ def test_rocket_per_task_sequence_and_dpu_only_completion():
     r.submit([RocketJobSpec(tasks=((rc.dma_address, 14),), in_handles=(rc.handle,), out_handles=(out.handle,))])
     writes = [(o, v) for c, o, v in npu.writes if c == 0]
     assert writes[:10] == [
-        (0x10, 1), (0x1004, 0xE), (0x3004, 0xE), (0x10, rc.dma_address), (0x14, (14 + 1) // 2 - 1),
+        (0x10, 1), (0x1004, 0xE), (0x3004, 0xE), (0x10, rc.dma_address), (0x14, ceil_div(14, 2) - 1),
         (0x20, 0x300), (0x24, 0x300), (0x30, 0x7001), (0x34, 0), (0x08, 1),
     ]
     r.prep_bo(out.handle)  # mainline: the job times out and PREP_BO still returns 0

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from support.bench_support import RIGS, engine_or_skip, valid_png
+from support.bench_support import RIGS, valid_png
 from support.bench_support import run_bench_cli as run_cli
 from support.rknn_support import standin_path  # noqa: F401  (fixture)
 from support.rpc_testkit import RpcClient, T, wait_for_line
@@ -148,7 +148,6 @@ def test_serve_engine_rknn_runs_a_matmul_through_the_standin(standin_path, tmp_p
 # --- rknpu bench matmul --engines ours,rknn -----------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_bench_matmul_rows_for_both_engines(monkeypatch, standin_path, tmp_path):
-    engine_or_skip()
     monkeypatch.setenv("LIBRKNNRT_PATH", str(standin_path))
     out = tmp_path / "bench"
     assert run_cli("matmul", "--engines", "ours,rknn", "--device", "sim-rknpu", "--shapes", "small", "--ms", "1,16",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from support.rknn_support import build_so as _gcc
 from support.rknn_support import standin_path  # noqa: F401  (fixture)
 
+from ggml_rknpu.compiler import layout
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType, check_type
 
@@ -74,7 +75,6 @@ def test_create_reports_native_shapes(lib):
 @pytest.mark.parametrize("dtype, mtype", [("fp16", 1), ("int8", 2)])
 def test_runtime_b_layout_equals_our_compiler_layout(lib, dtype, mtype):
     """Two independent writings of the native B layout agree [§4.4 vs npu-programming.md §6]."""
-    layout = pytest.importorskip("ggml_rknpu.compiler.layout")
     rng = np.random.default_rng(1)
     K, N = 96, 64
     b_nk = (rng.standard_normal((N, K)).astype(np.float16) if dtype == "fp16"
@@ -256,7 +256,7 @@ def test_free_destroys_contexts_and_memory(lib):
     npu.close()
 
 
-@pytest.mark.parametrize("mtype, match", [(5, "seed Milestone 8"), (7, "seed Milestone 8"), (9, "unverified"),
+@pytest.mark.parametrize("mtype, match", [(5, "docs/history.md §8"), (7, "docs/history.md §8"), (9, "unverified"),
                                           (4, "unverified")])
 def test_unsupported_types_are_reported_not_attempted(npu, lib, mtype, match):
     before = (_live(lib), lib._lib.standin_runs())

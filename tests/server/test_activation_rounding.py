@@ -11,6 +11,7 @@ import ctypes
 import numpy as np
 import pytest
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.libggml import lib
@@ -147,7 +148,7 @@ def run_matmuls(npu, mode: str | None, types: tuple[str, ...]) -> tuple[list[np.
                 as_sent.append((x @ w16.T, ggml_rounded(st.state.host, wtype, x) @ w16.T))
                 wt = T(ne=(K, N, 1, 1), buffer=wh, data=wb + offset, type=wtype, name=f"w{i}")
                 c.set_tensor(wt, wq.tobytes())
-                offset += -(-wq.nbytes // 64) * 64
+                offset += align_up(wq.nbytes, 64)
                 weights.append(wt)
                 outs.append(T(ne=(N, M, 1, 1), buffer=ch, data=cb + 8192 * (i + 1), op=MUL_MAT,
                               src=(wt.id, a.id), name=f"out{i}"))

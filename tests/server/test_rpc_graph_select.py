@@ -1,4 +1,4 @@
-"""Nodes the client did not flag GGML_TENSOR_FLAG_COMPUTE are not run (issue 16).
+"""Nodes the client did not flag GGML_TENSOR_FLAG_COMPUTE are not run.
 
 llama.cpp's ``ggml_build_forward_select`` puts every alternative branch into the graph and
 sets the COMPUTE flag only on the chosen one; ggml-cpu under the C++ ``ggml-rpc-server``

@@ -1,10 +1,14 @@
-"""The simulator's fast paths against its reference path, bit for bit.
+"""The simulator's fast paths against its reference path.
 
 * Bulk execution (``conv.BulkConv``: a run's M tiles over one weight block as one GEMM)
-  gives the same bytes as executing every task on its own (``SimNpu.bulk = False``), on
-  a sweep of shapes, dtypes and output types, through the public API on both ABIs.
-* Split GEMMs (``conv.Gemm``: a one-row fp16 GEMM over large weights on several host
-  threads, each on a block of weight rows) give the same bytes as one BLAS call.
+  gives what executing every task on its own gives (``SimNpu.bulk = False``): the same
+  integers for int8; for fp16 the same exact products summed in another fp32 order, since a
+  BLAS picks its kernel (and its own thread split) per shape, so within the summation bound
+  of the per-task result, on a sweep of shapes, dtypes and output types, through the public
+  API on both ABIs.
+* Split GEMMs (``conv.Gemm``: a one-row fp16 GEMM over large weights in blocks on several
+  host threads) give the same bytes whatever the thread count (the blocks follow from the
+  shape alone), and stay within the summation bound of one BLAS call.
 * Decode once, execute many: a replayed program gives the same result and a refused one
   the same diagnostic; decoded operands are reused only while their bytes are unchanged
   (a synced weight change is seen, an unsynced CPU write is not, untracked memory is read
@@ -18,7 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
@@ -65,10 +69,29 @@ def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
     return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
+def _same_up_to_summation_order(got: np.ndarray, ref: np.ndarray, a: np.ndarray, b: np.ndarray,
+                                dtype: str) -> bool:
+    """int8: the same integers. fp16: two fp32 sums of the same K exact products, in orders
+    we do not assume, are each within gamma_K * sum_k |a_k b_k| of the exact sum, gamma_K =
+    K u / (1 - K u), u = 2^-24 [Higham, Accuracy and Stability of Numerical Algorithms, Thm
+    3.1/Lemma 3.1], so within twice that of each other; an fp16 output adds one fp16 step."""
+    if dtype == "int8" or got.dtype != ref.dtype or got.shape != ref.shape:
+        return _same_bits(got, ref)
+    k = a.shape[1]
+    u = 2.0 ** -24
+    gamma = k * u / (1 - k * u)
+    a16, b16 = (np.abs(x.astype(np.float16).astype(np.float64)) for x in (a, b))
+    bound = 2 * gamma * (a16 @ b16.T)
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    if got.dtype == np.float16:
+        bound = bound + np.spacing(np.maximum(np.abs(got), np.abs(ref))).astype(np.float64)
+    return bool(np.all(diff <= bound))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(m=st.integers(1, 600), k32=st.integers(1, 64), n=st.integers(1, 400),
        kind=st.sampled_from(("fp16", "fp16->fp16", "int8")), seed=st.integers(0, 2**16))
-def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
+def test_bulk_equals_per_task(engine, m, k32, n, kind, seed):
     rng = np.random.default_rng(seed)
     k = 32 * k32
     if kind == "int8":
@@ -81,7 +104,7 @@ def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
         dtype, out = "fp16", ("fp16" if kind == "fp16->fp16" else None)
     bulk, reference, merged = _both_paths(engine, a, b, dtype, out)
     event(f"tasks merged: {'some' if merged else 'none'}")
-    assert _same_bits(bulk, reference)
+    assert _same_up_to_summation_order(bulk, reference, a, b, dtype)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -89,7 +112,7 @@ def test_bulk_equals_per_task_bit_for_bit(engine, m, k32, n, kind, seed):
        n=st.one_of(st.integers(8193, 40000), st.builds(lambda j, r: 8192 * j + r,
                                                        st.integers(1, 4), st.integers(-2, 2))),
        seed=st.integers(0, 2**16))
-def test_one_row_n_tiles_in_bulk_equal_per_task_bit_for_bit(engine, k32, n, out, seed):
+def test_one_row_n_tiles_in_bulk_equal_per_task(engine, k32, n, out, seed):
     """Decode (M=1) over weights wider than one N tile (8192): the tiles of a run merge
     into one GEMM on the vendor ABI."""
     rng = np.random.default_rng(seed)
@@ -97,19 +120,19 @@ def test_one_row_n_tiles_in_bulk_equal_per_task_bit_for_bit(engine, k32, n, out,
     b = rng.standard_normal((n, 32 * k32)).astype(np.float32)
     bulk, reference, merged = _both_paths(engine, a, b, "fp16", out)
     event(f"tasks merged: {'some' if merged else 'none'}")
-    assert _same_bits(bulk, reference)
+    assert _same_up_to_summation_order(bulk, reference, a, b, "fp16")
 
 
 @pytest.mark.slow
 def test_output_projection_tiles_merge_into_one_gemm(engine):
     """gemma3-270m's output projection (K=640, N=262144) at one row: on the vendor ABI the
-    tiles of each core's run become one GEMM, with the per-task path's bits (slow: 30 s and
+    tiles of each core's run become one GEMM, within the per-task path's summation bound (slow: 30 s and
     2.7 GB of decoded weights; the one-row sweep above covers the merge in CI)."""
     rng = np.random.default_rng(6)
     a = rng.standard_normal((1, 640)).astype(np.float32)
     b = rng.standard_normal((262144, 640)).astype(np.float32)
     bulk, reference, merged = _both_paths(engine, a, b, "fp16", None)
-    assert _same_bits(bulk, reference)
+    assert _same_up_to_summation_order(bulk, reference, a, b, "fp16")
     if engine.device.kind == "rknpu":
         assert merged > 0
     _model(engine).operands.clear()      # 1.3 GB of decoded weights
@@ -126,7 +149,7 @@ def test_prefill_tiles_run_in_bulk_and_match(engine, dtype):
         a = rng.integers(-128, 128, a.shape).astype(np.int8)
     b = rng.standard_normal((96, 2048)).astype(np.float32)
     bulk, reference, merged = _both_paths(engine, a, b, dtype, None)
-    assert _same_bits(bulk, reference)
+    assert _same_up_to_summation_order(bulk, reference, a, b, dtype)
     if engine.device.kind == "rknpu" and dtype == "fp16":
         assert merged > 0
     else:
@@ -155,31 +178,30 @@ def _fp16_valued(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray
 @settings(max_examples=40, deadline=None)
 @given(k32=st.integers(1, 96), n=st.integers(128, 5000), threads=st.integers(2, 4),
        seed=st.integers(0, 2**16))
-def test_split_gemm_equals_one_call_bit_for_bit(monkeypatch_module, k32, n, threads, seed):
+@example(k32=45, n=322, threads=2, seed=0)   # OpenBLAS on 2 threads: one call's last 2 columns differ
+def test_split_gemm_does_not_depend_on_the_thread_count(k32, n, threads, seed):
     rng = np.random.default_rng(seed)
     a, b = _fp16_valued(rng, (1, 32 * k32)), _fp16_valued(rng, (n, 32 * k32))
     task = SimpleNamespace(precision="fp16")
-    gemm = conv.Gemm(threads)
-    try:
-        split = gemm(task, a, b)
-    finally:
-        gemm.close()
-    assert gemm.split_calls == 1
-    assert _same_bits(split, conv.multiply(task, a, b))
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    """Split every GEMM of the sweep (the threshold is for speed, not for correctness)."""
+    results = []
     with pytest.MonkeyPatch.context() as mp:
+        # split every GEMM of the sweep (the threshold is for speed, not for correctness)
         mp.setattr(conv, "SPLIT_MIN_WEIGHT_BYTES", 0)
-        yield mp
+        for gemm in (conv.Gemm(threads), conv.Gemm(1)):
+            try:
+                results.append(gemm(task, a, b))
+            finally:
+                gemm.close()
+            assert gemm.split_calls == 1
+    assert _same_bits(*results)
+    assert _same_up_to_summation_order(results[0], conv.multiply(task, a, b), a, b, "fp16")
 
 
 def test_decode_shape_splits_through_the_public_api_and_matches(engine):
     """Two of gemma3-270m's output projection tiles (K=640, N=16384: 42 MB of decoded
     weights, over ``conv.SPLIT_MIN_WEIGHT_BYTES`` once the tiles merge on the vendor ABI;
-    rocket runs one tile per PC run, so nothing merges or splits there)."""
+    rocket runs one tile per PC run, so nothing merges or splits there): the same bytes on
+    two host threads as on one, within the summation bound of the per-task path."""
     rng = np.random.default_rng(5)
     a, b = _fp16_valued(rng, (1, 640)), _fp16_valued(rng, (16384, 640))
     sim = _model(engine)
@@ -193,7 +215,7 @@ def test_decode_shape_splits_through_the_public_api_and_matches(engine):
         assert _same_bits(split, engine.matmul(a, w))
         sim.gemm = two
         bulk, reference, _ = _both_paths(engine, a, b, "fp16", None)   # bulk=False: one call
-        assert _same_bits(bulk, split) and _same_bits(reference, split)
+        assert _same_bits(bulk, split) and _same_up_to_summation_order(reference, split, a, b, "fp16")
     finally:
         two.close()
         sim.gemm = default

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, vendor_submit
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import Target, fetch_amount, regcmd_word, task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim.npu import SimNpu
@@ -68,7 +69,7 @@ def place(mem: FakeMemory, tasks: list[list[int]], enable: int = 0x0D) -> list[i
     addrs, addr = [], REGCMD_ADDR
     for body in tasks:
         addrs.append(addr)
-        addr += -(-(len(body) + 4) * 8 // 64) * 64
+        addr += align_up((len(body) + 4) * 8, 64)
     for i, body in enumerate(tasks):
         nxt = (addrs[i + 1], len(tasks[i + 1])) if i + 1 < len(tasks) else (0, 0)
         words = np.array(body + task_tail(*nxt, enable), dtype=np.uint64)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, \
     vendor_submit, within_fp16_model
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim.npu import SimNpu
@@ -46,8 +47,8 @@ def task_body(template, mode, *, w, h, hf, k, n, row0, plane_atoms):
     prec, _, out_dt, group, s = MODES[mode]
     b = 1 if prec == "int8" else 2
     ob = np.dtype(out_dt).itemsize
-    np_ = -(-n // group) * group
-    data_banks = -(-(h * w * k * b) // 32768)
+    np_ = align_up(n, group)
+    data_banks = ceil_div(h * w * k * b, 32768)
     return set_fields(template, {
         "CNA_CONV_CON2": {"FEATURE_GRAINS": h + 1},
         "CNA_DATA_SIZE0": {"DATAIN_WIDTH": w, "DATAIN_HEIGHT": h},
@@ -58,7 +59,7 @@ def task_body(template, mode, *, w, h, hf, k, n, row0, plane_atoms):
         "CNA_WEIGHT_SIZE1": {"WEIGHT_BYTES_PER_KERNEL": k * b},
         "CNA_WEIGHT_SIZE2": {"WEIGHT_WIDTH": 1, "WEIGHT_HEIGHT": 1, "WEIGHT_KERNELS": n},
         "CNA_CBUF_CON0": {"WEIGHT_BANK": 12 - data_banks, "DATA_BANK": data_banks},
-        "CNA_CBUF_CON1": {"DATA_ENTRIES": -(-(w * k * b) // 64)},
+        "CNA_CBUF_CON1": {"DATA_ENTRIES": ceil_div(w * k * b, 64)},
         "CNA_FEATURE_DATA_ADDR": FEATURE + row0 * w * 16,
         "CNA_DMA_CON1": {"LINE_STRIDE": 4 * w},
         "CNA_DMA_CON2": {"SURF_STRIDE": (w * (hf - 4)) % (1 << 28)},

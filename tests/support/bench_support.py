@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pytest
 from PIL import Image
 
 from ggml_rknpu.cli import bench as bench_cli
@@ -33,24 +32,3 @@ def valid_png(path: Path) -> tuple[int, int]:
     with Image.open(path) as img:
         assert img.format == "PNG"
         return img.size
-
-
-def engine_or_skip(device: str = "sim-rknpu"):
-    """The real engine on the simulator; skipped only while its layers are genuinely absent."""
-    import numpy as np
-
-    import ggml_rknpu
-    from ggml_rknpu.kernel.errors import NpuError
-
-    try:
-        npu = ggml_rknpu.open(device=device, cores=1)
-    except ModuleNotFoundError as exc:
-        pytest.skip(f"engine dependency not in the tree yet: {exc}")
-    try:
-        npu.matmul(np.ones((1, 32), np.float32), npu.upload_weight(np.ones((16, 32), np.float32)))
-    except NpuError as exc:
-        if "no NPU model attached" in str(exc):
-            pytest.skip(f"simulated NPU (sim/npu.py) not in the tree yet: {exc}")
-        raise
-    finally:
-        npu.close()

@@ -1,4 +1,4 @@
-"""A tiny stand-in for ``sim.npu.SimNpu`` (CONTRACT B) so the kernel's submit path can be
+"""A tiny stand-in for ``sim.npu.SimNpu`` (its MMIO window) so the kernel's submit path can be
 tested on its own: it logs every MMIO write, fetches the programmed regcmd range through
 ``DeviceMemory.view`` (so bad addresses fault like the real model's), follows the task
 tails for TASK_NUMBER tasks and raises the configured interrupt bits - or hangs."""
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+
+from ggml_rknpu.hw.alignment import ceil_div
 
 PC_BASE, PC_AMOUNTS, PC_INT_MASK, PC_INT_CLEAR, PC_TASK_CON, PC_OP_EN = 0x10, 0x14, 0x20, 0x24, 0x30, 0x08
 
@@ -81,7 +83,7 @@ def attach(kernel, **kwargs) -> FakeNpu:
 def regcmd_words(body_words: int, next_addr: int = 0, next_body: int = 0, enable: int = 0x0D) -> np.ndarray:
     """A body of NOP-ish CNA writes plus the 4-word tail [npu-programming.md §2]."""
     body = [(0x0201 << 48) | (0x1040) for _ in range(body_words)]
-    amount = (next_body + 4 + 1) // 2 - 1 if next_addr else 0
+    amount = ceil_div(next_body + 4, 2) - 1 if next_addr else 0
     tail = [
         ((0x0101 << 48) | (next_addr << 16) | 0x0010) if next_addr else 0,
         ((0x0101 << 48) | (amount << 16) | 0x0014) if next_addr else 0,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.server.ops import geometry as geo
 from ggml_rknpu.server.ops.rules import RULES, check_node
@@ -193,7 +194,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
     placed: dict[int, T] = {}
     if not separate:
         sizes = [max(geo.span(t), 1) for t in (*tensors, node)]
-        h, addr = c.alloc_base(sum(-(-n // 64) * 64 for n in sizes) + 64 * len(sizes) + (1 << 16))
+        h, addr = c.alloc_base(sum(align_up(n, 64) for n in sizes) + 64 * len(sizes) + (1 << 16))
     for t in (*tensors, node):
         if t.id in placed:
             continue
@@ -209,7 +210,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
                          # builders' tensors were never in a graph
                          flags=t.flags | GgmlTensorFlag.COMPUTE if t is node else 0)
         if not separate:
-            addr += -(-max(geo.span(t), 1) // 64) * 64 + 64
+            addr += align_up(max(geo.span(t), 1), 64) + 64
     rng = np.random.default_rng(0)
     for i, s in enumerate(srcs):
         if s is not None and s.id != node.id and geo.span(s):

@@ -1,5 +1,5 @@
 """Test helpers for the RPC server: a wire-level Python client, a server in a thread and
-a fake NPU engine (CONTRACT E shape).
+a fake NPU engine (the ``MatmulEngine`` protocol of engine/contract.py).
 
 The fake engine exists so protocol, planning and residency tests do not depend on the
 simulator's speed; host ops are the real ggml-cpu (libggml).

@@ -14,7 +14,7 @@ REGCMD_ADDR = 0x4000_0000
 
 
 class FakeMemory:
-    """Buffers at fixed IOVAs; a view outside any one buffer raises DmaFault (CONTRACT B)."""
+    """Buffers at fixed IOVAs; a view outside any one buffer raises DmaFault, as in ``SimNpu``."""
 
     def __init__(self) -> None:
         self.buffers: dict[int, np.ndarray] = {}

@@ -32,23 +32,23 @@ class Shape:
 
 
 SEED_SHAPES = (
-    Shape("seed attn 2048x2048", 2048, 2048, "seed log, Milestone 7 (K=2048, N=2048)"),
-    Shape("seed ffn 2048x5504", 2048, 5504, "seed log, Milestone 7 (K=2048, N=5504)"),
-    Shape("seed lm_head 2048x32000", 2048, 32000, "seed log, Milestone 7 (K=2048, N=32000)"),
+    Shape("seed attn 2048x2048", 2048, 2048, "docs/history.md §7 (K=2048, N=2048)"),
+    Shape("seed ffn 2048x5504", 2048, 5504, "docs/history.md §7 (K=2048, N=5504)"),
+    Shape("seed lm_head 2048x32000", 2048, 32000, "docs/history.md §7 (K=2048, N=32000)"),
 )
 MODEL_SHAPES = (
     Shape("qwen2.5-1.5b q/o 1536x1536", 1536, 1536, "docs/rknn-toolkit.md §4 (1x1536x1536)"),
     Shape("qwen2.5-1.5b ffn up 1536x8960", 1536, 8960, "docs/rknn-toolkit.md §4 (64x1536x8960)"),
     Shape("qwen2.5-1.5b ffn down 8960x1536", 8960, 1536, "docs/rknn-toolkit.md §4 (1x8960x1536)"),
-    Shape("qwen lm_head 1536x151936", 1536, 151936, "issue 3 sweep (N=151936, Qwen vocabulary)"),
-    Shape("llama-7b ffn 4096x11008", 4096, 11008, "issue 3 sweep (K=4096, N=11008)"),
+    Shape("qwen lm_head 1536x151936", 1536, 151936, "the Qwen vocabulary (N=151936)"),
+    Shape("llama-7b ffn 4096x11008", 4096, 11008, "llama-7b FFN (K=4096, N=11008)"),
 )
 SMALL_SHAPES = (
     Shape("small 64x64", 64, 64, "CI size"),
     Shape("small 256x128", 256, 128, "CI size"),
 )
 SHAPE_SETS = {"seed": SEED_SHAPES, "model": MODEL_SHAPES, "small": SMALL_SHAPES}
-GEMM_MS = (16, 64, 256, 512, 1024, 2048)       # prefill batch sizes up to 2048 (issue 5)
+GEMM_MS = (16, 64, 256, 512, 1024, 2048)       # prefill batch sizes up to 2048
 # our phase name -> engine.api.Timing attribute (submit_s is the whole device submit: cache
 # clean of A, the driver's blocking wait, cache invalidate of C [engine.api docstring])
 HOST_PHASES = {"pack_a": "pack_s", "submit": "submit_s", "unpack_c": "unpack_s"}
@@ -89,7 +89,7 @@ def modeled_program_time(M: int, K: int, N: int, dtype: str, cores: int, *, dram
     return modeled_time(program, npu_mhz=npu_mhz, dram_mhz=dram_mhz, profile=OWN_DRIVER).total_s
 
 
-THROTTLED_DRAM_MHZ = 528   # the DMC governor's parked step [seed log Milestone 15; docs/anchors.md §3.2]
+THROTTLED_DRAM_MHZ = 528   # the DMC governor's parked step [docs/history.md §15; docs/anchors.md §3.2]
 
 
 def modeled_engine_time(engine: str, M: int, K: int, N: int, dtype: str, cores: int) -> float:
@@ -101,11 +101,11 @@ def modeled_engine_time(engine: str, M: int, K: int, N: int, dtype: str, cores: 
 
 
 def seed_comparison(*, dram_mhz: float = 2112) -> list[dict]:
-    """The seed's measured figures (seed log, Milestones 7 and 8, via ``cost.anchors``) beside
+    """The seed's measured figures ([docs/history.md §7, §8], via ``cost.anchors``) beside
     two modeled figures: the seed's own path (librknnrt, vendor tiling) and our compiled
     program on 1 and 3 cores."""
     rows = []
-    for a in (a for a in ANCHORS if a.source.startswith("seed")):
+    for a in (a for a in ANCHORS if a.source.startswith("prototype board log")):
         seed_path = modeled_time(vendor_style_workload(a.M, a.K, a.N, dtype=a.dtype, cores=a.cores),
                                  profile=a.profile, dram_mhz=dram_mhz).total_s
         row = {"label": a.label, "M": a.M, "K": a.K, "N": a.N, "dtype": a.dtype, "source": a.source,
@@ -257,7 +257,7 @@ def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, w
 def sustained(npu, case: Case, *, seconds: float, window_s: float, snapshot: Callable[[], dict],
               on_board: bool, advance: Callable[[int], None] = lambda n=1: None, seed: int = 0) -> list[dict]:
     """Back-to-back calls for ``seconds``, summarized per ``window_s`` window with the clocks
-    and temperatures at the end of each window (seed log, Milestone 12)."""
+    and temperatures at the end of each window [docs/history.md §12]."""
     rng = np.random.default_rng(seed)
     a, b = make_operands(case.shape, case.M, case.dtype, rng)
     w = npu.upload_weight(b, dtype=case.dtype)
@@ -293,8 +293,8 @@ def _flat_snapshot(snap: dict) -> dict:
 
 
 def trend(windows: list[dict], key: str) -> float | None:
-    """Relative change of ``key`` from the first to the last window (seed Milestone 12: the NPU
-    lost ~14% after 13 s). None when fewer than two windows carry it."""
+    """Relative change of ``key`` from the first to the last window (the prototype's board log: the NPU
+    lost ~14% after 13 s [docs/history.md §12]). None when fewer than two windows carry it."""
     vals = [w[key] for w in windows if w.get(key)]
     return (vals[-1] - vals[0]) / vals[0] if len(vals) >= 2 else None
 

@@ -23,7 +23,7 @@ from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport
 from ggml_rknpu.toolchain import launch
 
-BIG_CORES = "4-7"        # RK3588 A76 cluster [seed log Milestone 16; docs/anchors.md §3.4]
+BIG_CORES = "4-7"        # RK3588 A76 cluster [docs/history.md §16; docs/anchors.md §3.4]
 BIG_CORE_THREADS = 4
 SIDES = ("CPU", "NPU (rknpu serve)")
 # A short public-domain-style text for a smoke KL figure; pass --kl-text for a real corpus.
@@ -34,8 +34,8 @@ KL_TEXT = " ".join(["The quick brown fox jumps over the lazy dog near the river 
 def add_arguments(p: argparse.ArgumentParser, common) -> None:
     common(p, "bench-out/model")
     p.add_argument("model", type=Path, help="GGUF file (the same file runs on both sides)")
-    p.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (pp); seed Milestone 13 used 128")
-    p.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (tg); seed Milestone 13 used 32")
+    p.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (pp); the prototype's board run used 128 [docs/history.md §13]")
+    p.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (tg); the prototype's board run used 32 [docs/history.md §13]")
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("--threads", type=int, default=None,
                    help=f"llama-bench threads (default {BIG_CORE_THREADS} pinned to cpus {BIG_CORES} on a board, else 1)")
@@ -234,11 +234,11 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
              f"NPU side: rknpu serve stages them as {npu_w} - "
              + ("same precision on both sides" if _same_precision(quants, args.server_weights) else
                 "NOT the same precision: for a like-for-like fight compare with a CPU run of a GGUF in "
-                f"{args.server_weights} (seed log, Milestone 15)"),
+                f"{args.server_weights} [docs/history.md §15]"),
              f"same llama-bench binary and arguments on both sides: {' '.join(common)}; NPU side adds "
              "-ngl 99 --rpc <rknpu serve>; CPU side -ngl 0"]
     if on_board:
-        notes.append(f"pinned: taskset -c {BIG_CORES} -t {threads} (big cores; seed log Milestone 16)")
+        notes.append(f"pinned: taskset -c {BIG_CORES} -t {threads} (big cores; docs/history.md §16)")
     else:
         notes.append("not a board: -t 1, unpinned")
     notes.append("MUL_MAT nodes on the NPU side: " + (

@@ -94,7 +94,7 @@ class Table:
 class Series:
     label: str
     x: list
-    y: list[float]
+    y: list[float | None]     # None: no value there (a gap in the line)
 
     def __post_init__(self) -> None:
         if not any(b in self.label for b in BASES):

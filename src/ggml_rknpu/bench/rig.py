@@ -31,7 +31,7 @@ RKNPU_DEBUGFS_VERSION = "/sys/kernel/debug/rknpu/version"
 ROCKET_MODULE = "/sys/module/rocket"
 ROCKET_DRIVER = "/sys/bus/platform/drivers/rocket"
 
-DRAM_MAX_MHZ_RK3588 = 2112          # [docs/anchors.md A3; seed log Milestone 15]
+DRAM_MAX_MHZ_RK3588 = 2112          # [docs/anchors.md A3; docs/history.md §15]
 NPU_VENDOR_MHZ = 1000               # [seed log "Target interface"; docs/anchors.md §3.1]
 NPU_ROCKET_BOOT_MHZ = 200           # [docs/anchors.md §3.1]
 RKNPU_HW_ELAPSE_VERSION = (0, 9, 8)  # [docs/anchors.md §4 gotchas: 0.9.6 -> 0.9.8 submit layout]
@@ -222,7 +222,7 @@ def _version(text: str | None) -> tuple[int, ...] | None:
 
 
 def check_dram(fs: Sysfs) -> Check:
-    src = "seed log Milestone 15; docs/anchors.md §3.2 pitfalls (sbc-reviews#2, rknn-llm#532)"
+    src = "docs/history.md §15; docs/anchors.md §3.2 pitfalls (sbc-reviews#2, rknn-llm#532)"
     dmc = read_devfreq(fs, DMC_DIR)
     if dmc is None:
         return Check("dram", WARN, "no /sys/class/devfreq/dmc",
@@ -251,7 +251,7 @@ def check_dram(fs: Sysfs) -> Check:
 
 
 def check_cpus(fs: Sysfs) -> list[Check]:
-    src = "seed log Milestones 15-16; docs/anchors.md §2 (rknn-llm#27, #29), §3.1"
+    src = "docs/history.md §15-16; docs/anchors.md §2 (rknn-llm#27, #29), §3.1"
     policies = read_cpufreq(fs)
     if not policies:
         return [Check("cpufreq", WARN, "no cpufreq policies",
@@ -274,7 +274,7 @@ def check_cpus(fs: Sysfs) -> list[Check]:
         elif p["governor"] != "performance":
             checks.append(Check(name, WARN, value,
                                 f"governor '{p['governor']}' ramps with load: short bursts measure cold clocks "
-                                "(seed log Milestone 12)", CPU_FIX, src))
+                                "(docs/history.md §12)", CPU_FIX, src))
         elif cur and hw and cur < hw * 0.98:
             checks.append(Check(name, WARN, value,
                                 f"performance governor but running at {cur:.0f} of {hw:.0f} MHz "
@@ -282,7 +282,7 @@ def check_cpus(fs: Sysfs) -> list[Check]:
         else:
             checks.append(Check(name, PASS, value, "pinned at its maximum", "", src))
         if checks[-1].status == FAIL and p["cluster"] == "Cortex-A55":
-            # benchmarks pin to the A76 cores 4-7 [seed log Milestone 16]: a slow A55 cluster only
+            # benchmarks pin to the A76 cores 4-7 [docs/history.md §16]: a slow A55 cluster only
             # slows what is left unpinned, so it warns instead of refusing the run
             c = checks[-1]
             checks[-1] = Check(c.name, WARN, c.value, c.reason + " (little cores: benchmarks pin to the big "
@@ -319,7 +319,7 @@ def check_npu_clock(fs: Sysfs, rocket: bool) -> Check:
 
 
 def check_thermal(fs: Sysfs) -> Check:
-    src = "kernel trip points (trip_point_*_temp); fallbacks are guesses; seed log Milestone 12 (40-47 degC: no throttling)"
+    src = "kernel trip points (trip_point_*_temp); fallbacks are guesses; docs/history.md §12 (40-47 degC: no throttling)"
     zones = [z for z in read_thermal(fs) if z["temp_c"] is not None]
     if not zones:
         return Check("thermal", WARN, "no thermal zones", "temperatures cannot be read: throttling would go unseen",

@@ -3,7 +3,7 @@
 WHY: off a board the simulator is the NPU (CI, the demo, a newcomer's first run), so its
 speed is the product's speed there. This times ``ggml_rknpu.open(device="sim-...")``,
 ``upload_weight`` and ``matmul`` through the public API, and a plain float32 numpy matmul
-of the same shape, in one process, and prints the ratio (goal: <= 3x numpy, issue 15).
+of the same shape, in one process, and prints the ratio (goal: <= 3x numpy).
 Every figure is wall time *measured* on this host; nothing here says how fast an NPU is.
 The ``sim share`` column is the part of the call spent inside the NPU model
 (``SimKernel.simulation_seconds``); the rest is the engine's host path (pack, submit,

@@ -1,6 +1,7 @@
-"""Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the seed's figures), ``sustained``
-(per-second windows with clocks and temperatures) and ``model`` (llama-bench CPU-only vs
-through ``rknpu serve``).
+"""Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
+``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
+CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``spec``,
+``npu-step`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
 (throttled DRAM, powersave CPU, hot board, no driver) refuses to benchmark unless
@@ -17,6 +18,7 @@ import argparse
 import re
 import subprocess
 import sys
+from typing import Any
 
 from rich.console import Console
 
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = sub.add_parser("matmul", help="GEMV/GEMM burst benchmark per shape, dtype, cores")
     _common(m, "bench-out/matmul")
     m.add_argument("--modeled", action="store_true",
-                   help="no device: modeled GFLOP/s for the seed's Milestone 7/8 [docs/decisions.md] shapes beside its measured figures")
+                   help="no device: modeled GFLOP/s for the prototype's board shapes [docs/history.md §7, §8] beside its measured figures")
     m.add_argument("--engines", type=_engines, default=["ours"],
                    help="comma list: ours (our register commands), rknn (Rockchip's librknnrt via $LIBRKNNRT_PATH "
                         "or the usual directories; --device does not apply to it). Default ours")
@@ -84,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--M", type=int, default=1)
     s.add_argument("--dtype", default="fp16", choices=("fp16", "int8"))
     s.add_argument("--cores", type=int, default=3, choices=(1, 2, 3))
-    s.add_argument("--seconds", type=float, default=18.0, help="duration (seed Milestone 12 ran 18 s)")
+    s.add_argument("--seconds", type=float, default=18.0, help="duration (the prototype's sustained board run: 18 s [docs/history.md §12])")
     s.add_argument("--window", type=float, default=1.0, help="window length in seconds")
     from ggml_rknpu.bench import model as model_bench
     model_bench.add_arguments(sub.add_parser("model", help="llama-bench CPU-only vs through rknpu serve"), _common)
@@ -156,7 +158,7 @@ def _slug(text: str) -> str:
 def run_matmul_modeled(args, rig: RigReport) -> rp.Report:
     seed_rows = mm.seed_comparison()
     seed_table = rp.Table(
-        "Seed log Milestones 7/8 shapes: seed measured vs modeled", [
+        "The prototype's board shapes (docs/history.md §7, §8): measured vs modeled", [
             rp.Column("label", "workload"), rp.Column("M", "M"), rp.Column("K", "K"), rp.Column("N", "N"),
             rp.Column("dtype", "dtype"),
             rp.Column("seed_gflops_measured", "seed GFLOP/s", "{:.1f}", figure=True),
@@ -165,10 +167,10 @@ def run_matmul_modeled(args, rig: RigReport) -> rp.Report:
             rp.Column("ours_3c_gflops_modeled", "ours 3 cores GFLOP/s", "{:.1f}", figure=True),
             rp.Column("ours_3c_dram528_gflops_modeled", "ours 3 cores, DRAM 528 MHz", "{:.1f}", figure=True)],
         seed_rows,
-        note="seed GFLOP/s: measured by the seed through rknn_matmul_api (seed log, Milestones 7 and 8); "
+        note="seed GFLOP/s: measured by the prototype through rknn_matmul_api [docs/history.md §7, §8]; "
              "other columns modeled by cost.model at NPU 1000 MHz, DRAM 2112 MHz: the seed's own path "
              "(librknnrt submit cost, vendor tiling) and our compiled program on 1 and 3 cores; the last column "
-             "is our 3-core program with DRAM parked at 528 MHz (seed log, Milestone 15 retraction).")
+             "is our 3-core program with DRAM parked at 528 MHz [docs/history.md §15: the retraction].")
     sweep = mm.modeled_sweep(mm.SEED_SHAPES[:1], args.dtypes, args.cores, args.ms)
     sweep_table = rp.Table("Modeled GFLOP/s vs M (K=2048, N=2048)", [
         rp.Column("dtype", "dtype"), rp.Column("cores", "cores"), rp.Column("M", "M"),
@@ -178,7 +180,7 @@ def run_matmul_modeled(args, rig: RigReport) -> rp.Report:
         r["series"] = f"{r['dtype']} {r['cores']} core{'s' if r['cores'] > 1 else ''}"
     plot = rp.Plot("gflops_vs_m.png", "GFLOP/s vs M, K=2048 N=2048 (modeled)", "M", "GFLOP/s",
                    rp.series_by(sweep, "series", "M", "gflops_modeled", "{} ({})"), log_x=True)
-    bars = rp.Plot("seed_vs_modeled.png", "Seed Milestones 7/8: measured vs modeled", "workload", "GFLOP/s",
+    bars = rp.Plot("seed_vs_modeled.png", "Prototype board log (docs/history.md §7, §8): measured vs modeled", "workload", "GFLOP/s",
                    [rp.Series("seed (measured)", [_bar_key(r) for r in seed_rows],
                               [r["seed_gflops_measured"] for r in seed_rows]),
                     rp.Series("librknnrt path (modeled)", [_bar_key(r) for r in seed_rows],
@@ -296,7 +298,7 @@ def run_matmul(args, rig: RigReport, console: Console) -> rp.Report | None:
         notes.append(f"{len(skipped)} case(s) too large to run off a board were priced by the cost model only "
                      "(executed=false in the JSON)")
     table = rp.Table("Matmul burst (median per call)", _present(mm.MATMUL_COLUMNS, rows), rows)
-    ours = next((r["meta"] for r in runs if r["engine"] == "ours"), {})
+    ours: dict[str, Any] = next((r["meta"] for r in runs if r["engine"] == "ours"), {})
     meta = {**ours, "engines": [r["engine"] for r in runs], "iters": args.iters, "warmup": args.warmup,
             "mode": "burst"}
     meta.update({r["engine"]: r["meta"] for r in runs if r["engine"] != "ours"})

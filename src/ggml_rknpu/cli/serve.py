@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("rknpu serve: ggml RPC %s on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)", _protocol_text(server),
              args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
-             state.threads.n)
+             state.threads.n if state.threads else 0)
     if state.placer is not None:
         log.info("%s", state.placer.describe())
     try:

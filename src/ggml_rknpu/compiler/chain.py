@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE, TAIL_WORDS, task_tail
 from ggml_rknpu.hw import limits
 
@@ -36,7 +37,7 @@ def member_offsets(programs) -> list[int]:
     offsets, pos = [], 0
     for program in programs:
         offsets.append(pos)
-        pos += -(-int(program.words.size) // align) * align
+        pos += align_up(int(program.words.size), align)
     return offsets
 
 

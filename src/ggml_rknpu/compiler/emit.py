@@ -13,6 +13,7 @@ from __future__ import annotations
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import FEATURE_GRAINS_EXTRA, TaskTile
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.registers import REGISTERS
 
 R = REGISTERS
@@ -93,7 +94,7 @@ def task_registers(shape: MatmulShape, tile: TaskTile, c_dtype: str) -> list[tup
         ("CNA_WEIGHT_SIZE1", R["CNA_WEIGHT_SIZE1"].encode(WEIGHT_BYTES_PER_KERNEL=kc * b)),
         ("CNA_WEIGHT_SIZE2", R["CNA_WEIGHT_SIZE2"].encode(WEIGHT_WIDTH=1, WEIGHT_HEIGHT=1, WEIGHT_KERNELS=kernels)),
         ("CNA_CBUF_CON0", R["CNA_CBUF_CON0"].encode(DATA_BANK=tile.data_banks, WEIGHT_BANK=tile.weight_banks)),
-        ("CNA_CBUF_CON1", R["CNA_CBUF_CON1"].encode(DATA_ENTRIES=-(-width * kc * b // DATA_ENTRY_BYTES))),
+        ("CNA_CBUF_CON1", R["CNA_CBUF_CON1"].encode(DATA_ENTRIES=ceil_div(width * kc * b, DATA_ENTRY_BYTES))),
         ("CNA_CVT_CON0", R["CNA_CVT_CON0"].encode(DATA_SIGN=1, CVT_TYPE=1, CVT_BYPASS=1)),
         ("CNA_CVT_CON1", R["CNA_CVT_CON1"].encode(CVT_SCALE0=1)),
         ("CNA_CVT_CON2", R["CNA_CVT_CON2"].encode(CVT_SCALE1=1)),

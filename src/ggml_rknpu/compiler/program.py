@@ -1,5 +1,5 @@
 """``Program``: the whole regcmd buffer image of a matmul, its task table and the relocations
-that bind it to buffer addresses without recompiling (contract D [docs/decisions.md]).
+that bind it to buffer addresses without recompiling.
 
 Invariants: tasks are grouped by core in execution order, each 64-byte aligned, padding
 words 0 (a NOP); each task's tail points at the next task of the same core and the last
@@ -18,6 +18,7 @@ from ggml_rknpu.compiler.layout import a_bytes, b_bytes, c_bytes, partial_dtype
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import KChunk, Tiling
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.envelope import PROVEN, Envelope, by_name
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE, TAIL_WORDS, VALUE_SHIFT, regcmd_word, target_for_offset, task_tail
 from ggml_rknpu.hw.registers import REGISTERS
@@ -169,7 +170,7 @@ def build_program(tiling: Tiling, abi: str = "rknpu", envelope: Envelope | str =
     starts, pos = [], 0
     for body in bodies:
         starts.append(pos)
-        pos += -(-(len(body) + TAIL_WORDS) // _TASK_ALIGN_WORDS) * _TASK_ALIGN_WORDS
+        pos += align_up(len(body) + TAIL_WORDS, _TASK_ALIGN_WORDS)
     words = np.zeros(pos, dtype=np.uint64)
 
     tasks: list[ProgramTask] = []

@@ -10,16 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up
 
 # (input precision, output precision) pairs the compiler emits; all three are the
 # hardware-validated MTX modes [tests/data/oracle/README.md; docs/npu-programming.md §7, §12].
 SUPPORTED_MODES: frozenset[tuple[str, str]] = frozenset(
     {("fp16", "fp32"), ("fp16", "fp16"), ("int8", "int32")}
 )
-
-
-def align_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)

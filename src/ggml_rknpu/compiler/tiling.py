@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.envelope import PROVEN, Envelope, by_name
 
 MAX_TASK_K = limits.SDK_MAX_K
@@ -33,10 +34,6 @@ assert MAX_TASK_K * 2 <= limits.MAX_KERNEL_BYTES      # one fp16 kernel fits one
 # a whole kernel group of a maximal chunk leaves >= 1 data bank (16*10240*2 = 10 banks)
 assert max(g * MAX_TASK_K * limits.BYTES[d] for d, g in limits.KERNEL_GROUP.items()) \
     <= (limits.CBUF_BANKS - 1) * limits.CBUF_BANK_BYTES
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -93,14 +90,14 @@ def k_chunks(K: int, dtype: str, envelope: Envelope | str = PROVEN) -> tuple[KCh
 def _balanced_chunks(K: int, parts: int, unit: int = limits.K_ALIGN) -> tuple[KChunk, ...]:
     """K in about ``parts`` balanced runs of whole ``unit``-channel blocks (fewer when the
     blocks run out: every chunk is non-empty); the last chunk ends at Kp (a multiple of 32)."""
-    Kp = ceil_div(K, limits.K_ALIGN) * limits.K_ALIGN
+    Kp = align_up(K, limits.K_ALIGN)
     per = ceil_div(ceil_div(Kp, unit), parts) * unit
     return tuple(KChunk(i, k0, min(per, Kp - k0)) for i, k0 in enumerate(range(0, Kp, per)))
 
 
 @lru_cache(maxsize=512)
 def _tuned_chunks(K: int, dtype: str, envelope: Envelope) -> tuple[KChunk, ...]:
-    Kp = ceil_div(K, limits.K_ALIGN) * limits.K_ALIGN
+    Kp = align_up(K, limits.K_ALIGN)
     if Kp <= envelope.max_single_k[dtype]:
         return _balanced_chunks(K, 1)
     unit = envelope.k_chunk_multiple

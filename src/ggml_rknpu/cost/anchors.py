@@ -29,8 +29,8 @@ class Anchor:
         return 2 * self.M * self.K * self.N
 
 
-_M7 = "seed Milestone 7 (rknn_matmul_api, fp16, weight pre-loaded, K=2048)"
-_M8 = "seed Milestone 8 (rknn_matmul_api, rknpu_bench_q.c)"
+_M7 = "prototype board log, docs/history.md §7 (rknn_matmul_api, fp16, weight pre-loaded, K=2048)"
+_M8 = "prototype board log, docs/history.md §8 (rknn_matmul_api, rknpu_bench_q.c)"
 
 ANCHORS: tuple[Anchor, ...] = (
     Anchor("decode GEMV", 1, 2048, 2048, "fp16", 1, 8.1, RKNN_RUNTIME, _M7),

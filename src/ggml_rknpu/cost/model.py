@@ -10,11 +10,11 @@ Why a separate model and the terms' sources: docs/decisions.md "cost/model.py"."
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 
 # --- hardware rates -------------------------------------------------------------------
 MACS_PER_CYCLE_PER_CORE = {"fp16": 512, "int8": 1024}
@@ -62,7 +62,7 @@ OWN_DRIVER = SubmitProfile(
 RKNN_RUNTIME = SubmitProfile(
     "librknnrt rknn_matmul_run",
     250e-6,
-    "FIT: intercept of the seed's Milestone 7 [docs/decisions.md] GEMV times (M=1, K=2048, N=2048/5504/32000 at "
+    "FIT: intercept of the prototype's board GEMV times [docs/history.md §7] (M=1, K=2048, N=2048/5504/32000 at "
     "1.04/2.50/12.0 ms) against weight bytes; one call of the closed runtime",
 )
 
@@ -84,13 +84,13 @@ class TaskWork:
 
     def macs_padded(self) -> int:
         group = KERNEL_GROUP[self.in_dtype]
-        n_pad = -(-self.n // group) * group
-        k_pad = -(-self.k // K_ALIGN) * K_ALIGN
-        return math.ceil(self.m / M_ATOM) * M_ATOM * k_pad * n_pad
+        n_pad = align_up(self.n, group)
+        k_pad = align_up(self.k, K_ALIGN)
+        return align_up(self.m, M_ATOM) * k_pad * n_pad
 
     def bytes_moved(self) -> int:
         b = IN_BYTES[self.in_dtype]
-        k_pad = -(-self.k // K_ALIGN) * K_ALIGN
+        k_pad = align_up(self.k, K_ALIGN)
         return k_pad * self.n * b + self.m * k_pad * b + self.m * self.n * self.out_bytes
 
 
@@ -177,18 +177,18 @@ def vendor_style_workload(M: int, K: int, N: int, *, dtype: str = "fp16", out_by
     if min(M, K, N) < 1 or not 1 <= cores <= 3:
         raise ValueError(f"bad shape or cores: M={M} K={K} N={N} cores={cores}")
     b = IN_BYTES[dtype]
-    k_segments = -(-K // 8192)
-    k_seg = -(-K // k_segments)
-    k_pad = -(-k_seg // K_ALIGN) * K_ALIGN
+    k_segments = ceil_div(K, 8192)
+    k_seg = ceil_div(K, k_segments)
+    k_pad = align_up(k_seg, K_ALIGN)
     m_tile = min(2047, (11 * 32768) // (k_pad * b))  # DATAIN_HEIGHT is 11 bits [§9]
-    n_per_core = -(-N // cores)
+    n_per_core = ceil_div(N, cores)
     tasks = []
     for core in range(cores):
         n_core = min(N, (core + 1) * n_per_core) - core * n_per_core
         if n_core <= 0:
             continue
-        n_tiles = -(-n_core // 8176)
-        n_tile = -(-n_core // n_tiles)
+        n_tiles = ceil_div(n_core, 8176)
+        n_tile = ceil_div(n_core, n_tiles)
         for _ in range(n_tiles * k_segments):
             for m0 in range(0, M, m_tile):
                 tasks.append(TaskWork(core, min(m_tile, M - m0), k_pad, n_tile, dtype, out_bytes))

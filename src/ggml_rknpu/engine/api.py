@@ -800,7 +800,7 @@ def _with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple
                  for i, job in enumerate(jobs))
 
 
-# --- the compiler seam (contract D [docs/decisions.md]) ---------------------------------------------------
+# --- the compiler seam (docs/decisions.md "Interfaces between the layers") ---------------------------------------------
 def _compile(m: int, k: int, n: int, dtype: str, out: str, cores: int, abi: str, envelope: Envelope) -> Any:
     from ggml_rknpu.compiler.matmul import compile_matmul
 

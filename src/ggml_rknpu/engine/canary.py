@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.envelope import decode_task
 from ggml_rknpu.kernel.errors import NpuFault
 
@@ -51,7 +52,7 @@ class Canaries:
             out = t.out_dtype
             plane_atoms = t.plane_rows * max(t.width, 1)
             first = t.c_offset // _ATOM + (t.rows * max(t.width, 1) - 1)
-            planes = -(-t.kernels // limits.c2(t.out_dtype))
+            planes = ceil_div(t.kernels, limits.c2(t.out_dtype))
             atoms.append(first + plane_atoms * np.arange(planes, dtype=np.int64))
         if out not in PATTERN:
             raise ValueError(f"no canary value for output precision {out!r}")

@@ -20,6 +20,7 @@ from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
 from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up
 
 C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
 
@@ -245,11 +246,11 @@ class _Chain:
         # A and the members' C regions share one buffer, C from a cache-line boundary after A:
         # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then
         # one invalidate of C; no cache line holds both A bytes and C bytes
-        c_base = -(-programs[0].a_bytes // C_ALIGN) * C_ALIGN
+        c_base = align_up(programs[0].a_bytes, C_ALIGN)
         c_offsets, pos = [], c_base
         for p in programs:
             c_offsets.append(pos)
-            pos += -(-p.c_bytes // C_ALIGN) * C_ALIGN
+            pos += align_up(p.c_bytes, C_ALIGN)
         self.buffers: list[Any] = []
         try:
             self.data = self._alloc(pos, "data", what)
@@ -309,7 +310,7 @@ class _Chain:
         return canary_s, completion
 
     def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        buf = self.npu._alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what,
+        buf = self.npu._alloc(align_up(max(size, 1), limits.REGCMD_TASK_ALIGN), purpose, what,
                               resident=True)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf

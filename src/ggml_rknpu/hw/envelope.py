@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.regcmd import Target, decode_word
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS
 
@@ -55,12 +56,12 @@ class Envelope:
 
     def row_bytes(self, chunk_k: int, in_bytes: int) -> int:
         """CBUF bytes one row of a task's input takes under this envelope's sizing rule."""
-        return -(-chunk_k * in_bytes // self.data_entry_bytes) * self.data_entry_bytes
+        return align_up(chunk_k * in_bytes, self.data_entry_bytes)
 
     def weight_banks_for(self, group_bytes: int) -> int:
         """Fewest WEIGHT_BANK banks that hold ``group_bytes`` at no more than max_weight_fill."""
         need = Fraction(group_bytes) / (self.max_weight_fill * limits.CBUF_BANK_BYTES)
-        return max(limits.MIN_WEIGHT_BANKS, -(-need.numerator // need.denominator))
+        return max(limits.MIN_WEIGHT_BANKS, ceil_div(need.numerator, need.denominator))
 
     def describe(self) -> str:
         return (f"{self.name}: {self.max_cores} core(s), chains <= {self.max_chain_tasks['fp16']} fp16 / "

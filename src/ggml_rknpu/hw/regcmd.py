@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from enum import IntEnum, IntFlag
 
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 
 TARGET_SHIFT = 48
@@ -108,7 +109,7 @@ def fetch_amount(body_words: int) -> int:
     ROCKET (regcmd_count+1)/2-1; matches the blob chain 108/13/12/17 -> 55/8/7/10]."""
     if body_words < 0:
         raise ValueError(f"body_words must be >= 0, got {body_words}")
-    amount = -(-(body_words + TAIL_WORDS) // FETCH_UNIT_WORDS) - 1
+    amount = ceil_div(body_words + TAIL_WORDS, FETCH_UNIT_WORDS) - 1
     _PC_AMOUNTS.field("PC_DATA_AMOUNT").insert(amount)   # 16-bit field [TRM]
     return amount
 

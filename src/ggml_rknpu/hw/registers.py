@@ -5,7 +5,7 @@ The bulk is Mesa's ``registers.xml`` (MIT, machine-extracted from the TRM), conv
 ``scripts/gen-hw-registers`` into ``_register_table.py``; registers real streams write but
 no document describes are added below with their own source. Keys are ``<BLOCK>_<NAME>``;
 the XML's redundant ``RDMA_`` prefix inside the DPU_RDMA / PPU_RDMA domains is dropped.
-Additive to contract C [docs/decisions.md]: ``Block`` also lists DDMA (0x8) and SDMA (0x9)
+``Block`` also lists DDMA (0x8) and SDMA (0x9)
 [docs/npu-programming.md §1]."""
 
 from __future__ import annotations

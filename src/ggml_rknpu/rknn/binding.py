@@ -5,8 +5,8 @@ confidential and its licence grants no redistribution [docs/rknn-toolkit.md §4.
 struct is written from the field tables of docs/rknn-toolkit.md §4.3 and its size and
 offsets are asserted at import; the library is the user's, found at ``$LIBRKNNRT_PATH``,
 then in the usual directories; 0 or positive is success, negative an error [§4.1], named
-after a public error table (TensorStack ``rknn_utils.h``); -5 is also what the seed saw
-for a type the RK3588 runtime lacks (seed Milestone 8 [docs/decisions.md])."""
+after a public error table (TensorStack ``rknn_utils.h``); -5 is also what the C prototype
+saw on a board for a type the RK3588 runtime lacks [docs/history.md §8]."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ once and B filled once, bounded by an LRU of ``max_contexts`` (default 32); only
 fp16 -> fp32 and int8 x int8 -> int32, the types validated on an RK3588, are ever run;
 B is converted by the runtime's own native-layout call, K beyond 8192 is cut into chunks
 summed on the host [docs/rknn-toolkit.md §4.4]; device seconds are *modeled*. Why
-(seed Milestones 2, 8-10, 16): docs/decisions.md "rknn/engine.py"."""
+(docs/history.md §2, §8-10, §16): docs/decisions.md "rknn/engine.py"."""
 
 from __future__ import annotations
 
@@ -28,16 +28,17 @@ from ggml_rknpu.engine.weights import (
     stage_activation,
     stage_weight,
 )
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.rknn import binding as rb
 
 TYPE_FOR_DTYPE = {"fp16": rb.FLOAT16_MM_FLOAT16_TO_FLOAT32, "int8": rb.INT8_MM_INT8_TO_INT32}
 SUPPORTED_RK3588 = {
-    1: "validated on RK3588 (seed Milestone 2)",
-    2: "validated on RK3588 (seed Milestone 8)",
+    1: "validated on RK3588 [docs/history.md §2]",
+    2: "validated on RK3588 [docs/history.md §8]",
 }
 UNSUPPORTED_RK3588 = {
-    5: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
-    7: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' (seed Milestone 8)",
+    5: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' [docs/history.md §8]",
+    7: "librknnrt on RK3588 refuses it: 'unsupported matmul dtype ... in this platform' [docs/history.md §8]",
 }
 N_ALIGN = limits.KERNEL_GROUP        # the runtime's N alignment is the kernel group [docs/rknn-toolkit.md §4.4]
 K_ALIGN = limits.K_ALIGN
@@ -139,10 +140,10 @@ class RknnNpu:
             raise ValueError(f"matmul_type {mtype} does not match dtype {dtype!r}")
         staged = stage_weight(b, dtype)
         N, K = staged.shape
-        n_pad = -(-N // N_ALIGN[dtype]) * N_ALIGN[dtype]
-        k_pad = -(-K // K_ALIGN) * K_ALIGN
-        n_chunks = -(-k_pad // K_CHUNK)
-        per = -(-(k_pad // K_ALIGN) // n_chunks) * K_ALIGN
+        n_pad = align_up(N, N_ALIGN[dtype])
+        k_pad = align_up(K, K_ALIGN)
+        n_chunks = ceil_div(k_pad, K_CHUNK)
+        per = ceil_div(k_pad // K_ALIGN, n_chunks) * K_ALIGN
         k_chunks = [(k0, min(per, k_pad - k0)) for k0 in range(0, k_pad, per)]
         padded = np.zeros((n_pad, k_pad), dtype=ELEMENT[dtype])
         padded[:N, :K] = staged.data

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.server.rpc.wire import ProtocolError
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -134,7 +135,7 @@ class BufferTable:
         handle = (0xB0F << 40) | self._next_handle   # recognisable, never 0, never an address
         self._next_handle += 1
         base = self._next_base
-        granules = -(-max(size, 1) // _BASE_GRANULE) + 1
+        granules = ceil_div(max(size, 1), _BASE_GRANULE) + 1
         self._next_base += granules * _BASE_GRANULE
         buf = DeviceBuffer(handle=handle, base=base, size=size, array=array)
         self._by_handle[handle] = buf

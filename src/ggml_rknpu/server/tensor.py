@@ -1,7 +1,7 @@
 """rpc_tensor → a checked tensor: valid type, sane shape and strides, bytes inside its buffer.
 
 This is the one place a client-supplied tensor description becomes something the
-server touches memory through (contract G [docs/decisions.md] ``TensorRef``). The rules mirror
+server touches memory through (the host ops' ``TensorRef``). The rules mirror
 ``ggml_nbytes`` and C++ ``deserialize_tensor``: the tensor's bytes
 ``[data, data + nbytes)`` must lie inside the buffer its handle names; on top of
 that we reject what would let a tiny span describe an enormous array (zero strides
@@ -102,7 +102,7 @@ class CheckedTensor:
         return self.buffer.array[self.start:self.end]
 
     def ref(self) -> TensorRef:
-        """The contract G [docs/decisions.md] TensorRef the host ops work on."""
+        """The ``TensorRef`` the host ops work on."""
         t = self.rpc
         return TensorRef(type=t.type, ne=t.ne, nb=t.nb, raw=self.raw)
 

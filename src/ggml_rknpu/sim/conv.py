@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
 from ggml_rknpu.sim.validate import (
     CONV_RULES,
@@ -33,6 +34,8 @@ from ggml_rknpu.sim.validate import (
 INT8_EXACT_K_CHUNK = 1024      # 1024 * 2^14 = 2^24: exact integer partial sums in fp32
 _NUMPY_DTYPE = {"fp16": np.float16, "int8": np.int8, "fp32": np.float32, "int32": np.int32}
 _MODELED = {("fp16", "fp32"), ("fp16", "fp16"), ("int8", "int32")}
+# (task, features (M, K), weights (N, K)) -> the (M, N) accumulator: ``multiply`` or a ``Gemm``
+GemmFn = Callable[["ConvTask", np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -335,15 +338,17 @@ def _gemv_into(a: np.ndarray, b_kn: np.ndarray, out: np.ndarray) -> None:
 class Gemm:
     """``multiply`` of a task, on up to ``threads`` host threads.
 
-    With ``threads`` > 1 a one-row (M=1) fp16 task over large weights runs as one BLAS call
-    per contiguous block of weight rows, shared out between that many threads (numpy
-    releases the GIL in BLAS). Bit-identical to one call: every output element is the dot
-    product of the one feature row with one weight row, and BLAS's gemv computes it the
-    same way whichever rows share the call (tests/sim/test_sim_bulk.py checks split against
-    unsplit, bit for bit). No block has one row: numpy computes a 1 x 1 result with sdot,
-    whose summation order differs (found by that sweep). Other tasks (M > 1, int8) run as
-    ``multiply``. The host threads are a speed of this simulator on a multi-core host;
-    they say nothing about the NPU."""
+    A one-row (M=1) fp16 task over large weights runs as one BLAS call per contiguous block
+    of weight rows; the blocks follow from the task's shape alone, and ``threads`` only
+    decides how many host threads share them out (numpy releases the GIL in BLAS). So the
+    result does not depend on the thread count, bit for bit, on any BLAS: the same calls on
+    the same operands. It may differ from one unsplit call in the last fp32 bit, because a
+    BLAS picks its kernel and its own thread split per shape (OpenBLAS with two threads sums
+    the last columns of a 322-row gemv differently from a 130-row one): the model's fp16
+    numerics leave the summation order open (module docstring). No block has one row:
+    numpy computes a 1 x 1 result with sdot. Other tasks (M > 1, int8) run as ``multiply``.
+    The host threads are a speed of this simulator on a multi-core host; they say nothing
+    about the NPU."""
 
     def __init__(self, threads: int = 1) -> None:
         self.threads = max(1, threads)
@@ -352,16 +357,21 @@ class Gemm:
 
     def __call__(self, task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
         n = b_nk.shape[0]
-        if (self.threads == 1 or task.precision != "fp16" or a.shape[0] != 1
+        if (task.precision != "fp16" or a.shape[0] != 1
                 or b_nk.nbytes < SPLIT_MIN_WEIGHT_BYTES or n < 2 * SPLIT_ROW_ALIGN):
             return multiply(task, a, b_nk)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
         n_blocks = min(SPLIT_MAX_BLOCKS, max(2, b_nk.nbytes // SPLIT_BLOCK_BYTES))
-        rows = -(-n // (n_blocks * SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+        rows = ceil_div(n, n_blocks * SPLIT_ROW_ALIGN) * SPLIT_ROW_ALIGN
         cuts = [j for j in range(rows, n, rows) if n - j >= 2]   # no one-row block (see above)
         out = np.empty((1, n), dtype=np.float32)
         blocks = [(a, b_nk[j0:j1].T, out[:, j0:j1]) for j0, j1 in zip([0, *cuts], [*cuts, n])]
+        self.split_calls += 1
+        if self.threads == 1:
+            for block in blocks:
+                _gemv_into(*block)
+            return out
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="sim-gemm")
         # The workers take blocks from the front, this thread from the back: on a loaded
         # host it waits for at most the blocks a worker has started.
         futures = [self._pool.submit(_gemv_into, *block) for block in blocks[:-1]]
@@ -373,7 +383,6 @@ class Gemm:
         for future in futures:
             if not future.cancelled():
                 future.result()
-        self.split_calls += 1
         return out
 
     def close(self) -> None:
@@ -523,7 +532,7 @@ def output_span(task: ConvTask) -> int:
 
 
 def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache,
-                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
+                 gemm: GemmFn = multiply) -> None:
     a = cache.features(memory, task)
     b = cache.weights(memory, task)
     write_output(memory, task, gemm(task, a, b))
@@ -551,22 +560,23 @@ class BulkConv:
     * N tiles of one row: consecutive one-row tasks over the same features whose weights
       follow each other in memory (whole kernel groups, packed exactly) and whose outputs
       are the next channel planes (e.g. gemma3-270m's output projection: 32 tiles of 8192
-      kernels become one GEMM over 262144). Only for one row: then each output element is
-      the same gemv dot product whatever kernels share the call (``Gemm``); for several
-      rows BLAS may choose another kernel for another N (seen on this host), so those never
-      merge, and neither does a one-kernel task (numpy computes its 1 x 1 result with sdot).
+      kernels become one GEMM over 262144). Only for one row, and never a one-kernel task
+      (numpy computes its 1 x 1 result with sdot).
 
-    Equivalent to ``execute_conv`` task by task, because a task joins the pending batch
-    only if (a) nothing can fail once its addresses are mapped (fp16; int8 with K < 2^17),
+    Equivalent to ``execute_conv`` task by task up to the fp32 summation order (exact for
+    int8; for fp16 a BLAS picks its kernel per shape, so the merged GEMM may round an
+    element differently, which the model's fp16 numerics allow: docs/simulator.md), because
+    a task joins the pending batch only if (a) nothing can fail once its addresses are
+    mapped (fp16; int8 with K < 2^17),
     and its features, weights and output were checked mapped when it was submitted (a
     fault flushes the batch first, then raises the same error ``execute_conv`` would);
     (b) the batch's outputs overlap none of its inputs; (c) the caller flushes before
     anything else reads memory the batch writes (``writes_into``: the next regcmd fetch)
-    and at the end of the run. tests/sim/test_sim_bulk.py checks it bit for bit.
+    and at the end of the run. tests/sim/test_sim_bulk.py checks it.
     """
 
     def __init__(self, memory: DeviceMemory, cache: OperandCache,
-                 gemm: Callable[[ConvTask, np.ndarray, np.ndarray], np.ndarray] = multiply) -> None:
+                 gemm: GemmFn = multiply) -> None:
         self.memory, self.cache, self.gemm = memory, cache, gemm
         self.pending: list[ConvTask] = []
         self.tasks_merged = 0

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.envelope import ROCKET_BOOT_MHZ, ROCKET_JOB_TIMEOUT_MS, decode_task
 from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
 from ggml_rknpu.hw.registers import REGISTERS
@@ -104,7 +105,7 @@ class _BestFit(RangeAllocator):
     (rocket_gem.c rocket_ioctl_create_bo)."""
 
     def alloc(self, length: int) -> int | None:
-        length = -(-length // self.granule) * self.granule
+        length = align_up(length, self.granule)
         if length <= 0:
             raise ValueError("allocation length must be positive")
         fitting = [i for i, (s, e) in enumerate(self._free) if e - s >= length]
@@ -533,7 +534,7 @@ class SimKernel:
                    task_base_addr: int) -> tuple[int, str | None]:
         """rknpu_job_commit_pc for one core and its IRQ handler: (INT_STATUS, failure or None)."""
         first, last = tasks[start], tasks[start + number - 1]
-        amount = (first.regcfg_amount + rk.PC_DATA_EXTRA_AMOUNT + rk.PC_DATA_AMOUNT_SCALE - 1) // rk.PC_DATA_AMOUNT_SCALE - 1
+        amount = ceil_div(first.regcfg_amount + rk.PC_DATA_EXTRA_AMOUNT, rk.PC_DATA_AMOUNT_SCALE) - 1
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
         fault = self._run(npu, core, [
             (PC_BASE_ADDRESS, 1),
@@ -762,7 +763,7 @@ class SimKernel:
                 (CNA_S_POINTER, pointer),
                 (CORE_S_POINTER, pointer),
                 (PC_BASE_ADDRESS, regcmd),
-                (PC_REGISTER_AMOUNTS, (count + 1) // 2 - 1),
+                (PC_REGISTER_AMOUNTS, ceil_div(count, 2) - 1),
                 (PC_INTERRUPT_MASK, ro.INT_MASK_DPU),
                 (PC_INTERRUPT_CLEAR, ro.INT_MASK_DPU),
                 (PC_TASK_CON, TASK_CON_RESERVED_14 | TASK_CON_COUNT_CLEAR | TASK_CON_PP_EN | 1),

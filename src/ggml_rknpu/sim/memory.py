@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 
 PAGE = PAGE_BYTES
@@ -28,7 +29,7 @@ MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x10000
 
 
 def page_align(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
+    return align_up(n, PAGE)
 
 
 class DmaFault(Exception):
@@ -99,7 +100,7 @@ class RangeAllocator:
 
     def alloc(self, length: int) -> int | None:
         """Start of a fresh ``length``-byte range (rounded up to the granule), or None."""
-        length = -(-length // self.granule) * self.granule
+        length = align_up(length, self.granule)
         if length <= 0:
             raise ValueError("allocation length must be positive")
         order = range(len(self._free) - 1, -1, -1) if self.top_down else range(len(self._free))

@@ -1,4 +1,4 @@
-"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software (contract B [docs/decisions.md]).
+"""``SimNpu``: the RK3588 NPU's per-core MMIO window in software.
 
 The simulated kernel drives it with the register writes the real drivers issue
 [docs/npu-programming.md §3]; writing 1 to PC_OPERATION_ENABLE runs the core's program
@@ -6,7 +6,7 @@ synchronously (``pc.ProgramCounter``) until it completes or stops as a board wou
 ``diagnostics(core)`` says why. Invariants: this is the witness half of the project, it
 decodes words with ``ggml_rknpu.hw`` only and never imports ``ggml_rknpu.compiler``
 (tests/sim/test_sim_independence.py); what stays across runs is only what a content check
-vouches for. Additions to contract B: docs/decisions.md "sim/npu.py"."""
+vouches for. What it adds to the interface the kernel drives: docs/decisions.md "sim/npu.py"."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
 from ggml_rknpu.sim.memory import DeviceMemory
-from ggml_rknpu.sim.conv import Gemm, OperandCache
+from ggml_rknpu.sim.conv import Gemm, OperandCache, multiply
 from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 
@@ -84,13 +84,12 @@ class SimNpu:
         self.decoded = DecodeCache()
         self.busy_seconds = 0.0
         # True: conv tasks of a run that tile M over one weight block, or N at one row,
-        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run on
-        # several host threads (conv.Gemm); False: every task on its own, one BLAS call
+        # execute as one (conv.BulkConv), and one-row GEMMs over large weights run in blocks
+        # on several host threads (conv.Gemm); False: every task on its own, one BLAS call
         # each: the reference the fast paths are tested against (tests/sim/test_sim_bulk.py).
         self.bulk = True
         self.merged_tasks = 0
         self.gemm = Gemm(host_threads())
-        self._one_call = Gemm(1)
 
     def _core(self, core: int) -> _Core:
         if not 0 <= core < self.n_cores:
@@ -165,7 +164,7 @@ class SimNpu:
         try:
             result = ProgramCounter(core, self.memory, c.regs, c.state, self.operands,
                                     self.decoded, self.bulk,
-                                    self.gemm if self.bulk else self._one_call).run()
+                                    self.gemm if self.bulk else multiply).run()
         finally:
             self.busy_seconds += time.perf_counter() - t0
         self.merged_tasks += result.merged_tasks

@@ -21,8 +21,8 @@ from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
     decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, Gemm, OperandCache, \
-    decode_conv, execute_conv
+from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, GemmFn, OperandCache, \
+    decode_conv, execute_conv, multiply
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
 from ggml_rknpu.sim.regfile import PP_BLOCKS, S_POINTER_OFFSET, RegisterFile
@@ -163,11 +163,11 @@ class ProgramCounter:
 
     def __init__(self, core: int, memory: DeviceMemory, regs: RegisterFile, state: RunState,
                  operands: OperandCache | None = None, decoded: DecodeCache | None = None,
-                 bulk: bool = False, gemm: Gemm | None = None) -> None:
+                 bulk: bool = False, gemm: GemmFn = multiply) -> None:
         self.core, self.memory, self.regs, self.state = core, memory, regs, state
         self.cache = operands if operands is not None else OperandCache()
         self.decoded = decoded
-        self.gemm = gemm if gemm is not None else Gemm()
+        self.gemm = gemm
         self.bulk = BulkConv(memory, self.cache, self.gemm) if bulk else None
         self.cbuf_weights: tuple[ConvTask, int] | None = None   # last conv task's weights, task no.
         self.cbuf_data: tuple[ConvTask, int] | None = None

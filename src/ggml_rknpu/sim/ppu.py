@@ -16,6 +16,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.sim.conv import DmaRead, DmaWrite
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
 from ggml_rknpu.sim.validate import NotModeled, RegisterSource, check_reserved, fld, refuse
@@ -91,7 +92,7 @@ def _cube(memory: DeviceMemory, base: int, planes: int, height: int, width: int,
 
 
 def execute_ppu(memory: DeviceMemory, task: PoolTask) -> None:
-    planes = -(-task.channels * task.element_bytes // limits.ATOM_BYTES)
+    planes = ceil_div(task.channels * task.element_bytes, limits.ATOM_BYTES)
     src = _cube(memory, task.src_addr, planes, task.height, task.width, task.src_plane_bytes,
                 task.src_line_bytes, f"pooling input (PPU_RDMA_SRC_BASE_ADDR=0x{task.src_addr:08X})",
                 DmaRead)

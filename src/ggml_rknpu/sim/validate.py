@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Callable, Mapping, Protocol
 
 from ggml_rknpu.hw import limits
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.registers import REGISTERS
 
 # --- symptoms a developer would see on a board --------------------------------------------
@@ -302,7 +303,7 @@ def rule_data_entries(regs: RegisterSource) -> None:
     w = fld(regs, "CNA_DATA_SIZE0", "DATAIN_WIDTH")
     c = fld(regs, "CNA_DATA_SIZE1", "DATAIN_CHANNEL")
     entries = fld(regs, "CNA_CBUF_CON1", "DATA_ENTRIES")
-    expect = -(-(w * c * limits.BYTES[prec]) // 64)
+    expect = ceil_div(w * c * limits.BYTES[prec], 64)
     if entries != expect:
         refuse("data-entries", f"DATA_ENTRIES={entries} but ceil(W*C*b/64) = {expect} for "
                f"W={w}, C={c}, {prec}", "CNA_CBUF_CON1", regs.value("CNA_CBUF_CON1"))

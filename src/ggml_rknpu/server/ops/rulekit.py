@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlType
 from ggml_rknpu.server.ops import geometry as geo
 from ggml_rknpu.server.ops.registry import type_name
@@ -111,4 +112,4 @@ def finite(x: float, what: str) -> None:
 def conv_out(ins: int, ks: int, s: int, p: int, d: int) -> int:
     """ggml_calc_conv_output_size, with C's truncating division."""
     num = ins + 2 * p - d * (ks - 1) - 1
-    return int(num / s) + 1 if num >= 0 else -((-num) // s) + 1
+    return int(num / s) + 1 if num >= 0 else ceil_div(num, s) + 1

@@ -41,7 +41,7 @@ from ggml_rknpu.libggml.compute import Threads, default_threads
 log = logging.getLogger("ggml_rknpu.rpc")
 
 AUTO_FIRST_MAJOR = 7         # --protocol auto answers the first client with the pinned build's major
-HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [contract A [docs/decisions.md]: 32-bit NPU IOVA]
+HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [docs/decisions.md "Interfaces between the layers": 32-bit NPU addresses]
 _RECV_CHUNK = 1 << 16
 
 
