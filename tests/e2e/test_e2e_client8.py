@@ -1,8 +1,8 @@
 """llama.cpp b11739 (RPC protocol 8.0.0, the llama-cpp-py-sync==0.11739 wheel) through
 ``rknpu serve --protocol 8``: greedy tokens equal the same client's CPU-only run, up to the
 near-tie rule (support.greedy), for tiny llama / qwen3 / qwen3moe on ``--device host`` and the
-real gemma3-270m on ``--device host`` and the simulated NPU; and ``--protocol auto`` serves the
-client's second run after refusing its first.
+real gemma3-270m on ``--device host`` and the simulated NPU; and ``--protocol auto`` serves it on
+its own port.
 
 Why the near-tie rule even on ``--device host``: the server's host ops are the pinned build's
 ggml-cpu, not b11739's, so two correct CPUs may round a top-2 near-tie either way. Every step's
@@ -73,17 +73,17 @@ def test_tiny_models_on_host_follow_the_clients_cpu_run(tmp_path: Path, client, 
 
 
 @pytest.mark.timeout(600)
-def test_protocol_auto_serves_the_clients_second_run(tmp_path: Path, client, tiny) -> None:
-    """``rknpu serve`` (auto) answers 7.0.0 first: the 8.0.0 client aborts right after HELLO, the
-    server logs what to do and answers the next connection with 8.0.0, and the rerun works."""
+def test_protocol_auto_serves_each_client_on_its_port(tmp_path: Path, client, tiny) -> None:
+    """``rknpu serve --protocol auto``: 7.0.0 on --port, 8.0.0 on the next port. The 8.0.0 client
+    on the 7.0.0 port aborts right after HELLO and the server's log names the port to use."""
     cpu = wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT)
-    with rknpu_server(tmp_path, device="host") as server:
+    with rknpu_server(tmp_path, device="host", extra=("--protocol", "auto")) as server:
         with pytest.raises(AssertionError, match="version mismatch|handshake failed"):
             wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[server.endpoint])
         log = server.log()
-        assert "the next connection is answered with 8.0.0" in log and "--protocol 8" in log, log
-        got = wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[server.endpoint])
-    agree(got.steps, cpu.steps, what="tiny llama, second run")
+        assert f"connect it to port {server.port + 1}" in log, log
+        got = wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[f"127.0.0.1:{server.port + 1}"])
+    agree(got.steps, cpu.steps, what="tiny llama on the 8.0.0 port")
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,8 @@ def test_non_loopback_bind_warns(caplog):
     state = ServerState(npu=None, memory=DeviceMemory(lambda: (1, 1)), config=ServerConfig())
     with caplog.at_level(logging.WARNING, logger="ggml_rknpu.rpc"):
         server = RpcServer(state, "0.0.0.0", 0)
-    server.listener.close()
+    for listener in server.listeners:
+        listener.close()
     assert any("NO authentication" in r.message for r in caplog.records)
 
 

@@ -194,21 +194,23 @@ def auto_srv():
     yield from serve(protocol=None)
 
 
-def test_auto_protocol_learns_from_a_client_that_hangs_up_after_hello(auto_srv, caplog):
-    caplog.set_level(logging.INFO, logger="ggml_rknpu.rpc")
-    st = auto_srv
-    assert st.server.major == 7
-    with RpcClient(st.port, hello=False) as c:         # an 8.x client: HELLO 7.0.0, abort
-        assert c.hello() == (7, 0, 0)
-    assert _wait(lambda: st.server.major == 8)
-    line = next(r.getMessage() for r in caplog.records if "right after HELLO" in r.getMessage())
-    assert "the next connection is answered with 8.0.0" in line and "--protocol 8" in line
-    with RpcClient(st.port, major=8) as c:             # its rerun is served
+def test_auto_protocol_answers_each_major_on_its_own_port(auto_srv, caplog):
+    caplog.set_level(logging.WARNING, logger="ggml_rknpu.rpc")
+    p7, p8 = auto_srv.server.ports[7], auto_srv.server.ports[8]
+    assert p7 != p8
+    with RpcClient(p7) as c:                            # checks HELLO == 7.0.0
         assert c.device_count() == 1
-    assert st.server.major == 8                        # a served client does not flip it back
-    with RpcClient(st.port, hello=False) as c:         # a 7.x client now: refused, flips back
-        assert c.hello() == (8, 0, 0)
-    assert _wait(lambda: st.server.major == 7)
+    with RpcClient(p8, major=8) as c:                   # checks HELLO == 8.0.0
+        _, a, b, out = _add_graph(c)
+        c.graph_compute([out], [a, b, out], uid=4)
+        c.graph_recompute(uid=4)
+        assert np.array_equal(c.get_array(out).ravel(), 1 + np.arange(16))
+    with RpcClient(p7, hello=False) as c:               # an 8.x client on the 7.0.0 port: HELLO, abort
+        assert c.hello() == (7, 0, 0)
+    assert _wait(lambda: any("right after HELLO" in r.getMessage() for r in caplog.records))
+    line = next(r.getMessage() for r in caplog.records if "right after HELLO" in r.getMessage())
+    assert f"connect it to port {p8}" in line and "8.0.0" in line
+    assert auto_srv.state.stats.rejected == 0
 
 
 def _wait(cond, timeout: float = 5.0) -> bool:

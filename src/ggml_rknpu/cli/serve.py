@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-H", "--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; anything else is reachable without authentication)")
     p.add_argument("-p", "--port", type=int, default=50052, help="TCP port (default 50052, 0 = any free port)")
-    p.add_argument("--protocol", default="auto", choices=("auto", "7", "8"),
-                   help="ggml RPC protocol major: 7 (the pinned llama.cpp, b11434), 8 (llama.cpp b11458 and later), "
-                        "auto (default: 7, switching after a client that refuses it right after HELLO)")
+    p.add_argument("--protocol", default="7", choices=("7", "8", "auto"),
+                   help="ggml RPC protocol major: 7 (default: the pinned llama.cpp, b11434), 8 (llama.cpp b11458 and "
+                        "later), auto (7 on --port and 8 on --port + 1)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="NPU to serve: real driver, simulator, or 'host' (no NPU, all ops in numpy); "
                         "auto = real NPU if present else sim-rknpu (env RKNPU_DEVICE overrides)")
@@ -172,14 +172,11 @@ def _activations_text(args: argparse.Namespace) -> str:
     return "rounded to ggml-cpu's vec_dot types" if args.activations == "ggml" else "fp16"
 
 
-def _protocol_text(server) -> str:
+def _listening_text(server, host: str) -> str:
+    """``ggml RPC 7.0.0 on host:port`` for each major the server answers, and on which port."""
     from ggml_rknpu.server.rpc.wire import version_text
 
-    if not server.auto:
-        return version_text(server.major)
-    other = next(m for m in (7, 8) if m != server.major)
-    return (f"{version_text(server.major)} (--protocol auto: {version_text(other)} after a client that refuses it "
-            f"right after HELLO; --protocol {other} to start there)")
+    return " and ".join(f"ggml RPC {version_text(m)} on {host}:{p}" for m, p in sorted(server.ports.items()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = RpcServer(state, args.host, args.port, protocol=None if args.protocol == "auto" else int(args.protocol))
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        log.error("cannot listen on %s:%d%s: %s", args.host, args.port,
+                  " and the next port (--protocol auto)" if args.protocol == "auto" else "", exc)
         state.close()
         if npu is not None:
             npu.close()
@@ -268,10 +266,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
     free, total = state.memory.report()
-    log.info("rknpu serve: ggml RPC %s on %s:%d, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
-             "free, host ops on ggml-cpu with %d thread(s)", _protocol_text(server),
-             args.host, server.port, engine, args.weights, _activations_text(args), free / 2**20, total / 2**20,
-             state.threads.n if state.threads else 0)
+    log.info("rknpu serve: %s, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
+             "free, host ops on ggml-cpu with %d thread(s)", _listening_text(server, args.host), engine, args.weights,
+             _activations_text(args), free / 2**20, total / 2**20, state.threads.n if state.threads else 0)
     if state.placer is not None:
         log.info("%s", state.placer.describe())
     try:

@@ -27,6 +27,8 @@ from ggml_rknpu.server.rpc.comm import CommError, PeerLink
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.tensor import CheckedTensor
 
+log = logging.getLogger("ggml_rknpu.rpc")
+
 
 class Session(Protocol):
     """What the 8.0.0 handlers use of their connection (``server.Session``)."""
@@ -42,7 +44,6 @@ class Session(Protocol):
     def _send(self, payload: bytes) -> None: ...
     def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None: ...
 
-log = logging.getLogger("ggml_rknpu.rpc")
 
 GRAPH_HEAD = struct.Struct("<IQI")          # dev, uid, n_nodes; then as in 7.0.0
 RECOMPUTE_REQ = struct.Struct("<IQ")        # dev, uid (12 bytes, packed)
@@ -78,14 +79,12 @@ class UidGraphs:
     by_uid: dict[int, StoredGraph] = field(default_factory=dict)
     payloads: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)   # digest -> (payload, uids)
     stored_bytes: int = 0
-    clears: int = 0
 
     def store(self, uid: int, digest: bytes, payload: bytes) -> None:
         if uid == 0:
             return
         if len(self.by_uid) >= GRAPH_CACHE_MAX:
             self.clear()
-            self.clears += 1
         old = self.by_uid.pop(uid, None)
         if old is not None:
             self._release(old)

@@ -40,7 +40,6 @@ from ggml_rknpu.libggml.compute import Threads, default_threads
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
-AUTO_FIRST_MAJOR = 7         # --protocol auto answers the first client with the pinned build's major
 HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [docs/decisions.md "Interfaces between the layers": 32-bit NPU addresses]
 _RECV_CHUNK = 1 << 16
 
@@ -219,15 +218,14 @@ class Session:
     """One client connection: its buffers, weights and graphs, processed strictly in order."""
 
     def __init__(self, state: ServerState, sock: socket.socket, peer: str, major: int = 7,
-                 next_major: int | None = None) -> None:
-        """``major``: the protocol this connection is answered with; ``next_major``: what the next
-        connection gets if this client refuses it right after HELLO (``--protocol auto``)."""
+                 other_port: int | None = None) -> None:
+        """``major``: the protocol this connection is answered with; ``other_port``: where this
+        server answers the other major (``--protocol auto``), for the log line of a refusal."""
         self.state = state
         self.sock = sock
         self.peer = peer
         self.major = major
-        self.next_major = next_major
-        self.refused_hello = False        # closed right after our HELLO reply, before any command
+        self.other_port = other_port
         sock.settimeout(state.config.stall_timeout_s)
         self.reader = Reader(sock)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
@@ -281,8 +279,7 @@ class Session:
                 stats.rejected += 1
                 log.warning("closing %s: %s", self.peer, exc)
             elif self.hello and not self.commands_after_hello:   # every llama.cpp client sends a command next
-                self.refused_hello = True
-                log.warning("%s: %s", self.peer, wire.hello_then_gone(self.major, self.next_major is not None))
+                log.warning("%s: %s", self.peer, wire.hello_then_gone(self.major, self.other_port))
             else:
                 log.debug("%s: %s", self.peer, exc)
         except ProtocolError as exc:
@@ -565,9 +562,9 @@ class RpcServer:
     """Accepts clients one after another on (host, port); ``serve_forever`` until ``stop``.
 
     ``protocol``: the RPC major every connection is answered with, or None (``--protocol auto``):
-    start with 7 and switch to the other major after a client that hung up right after HELLO
-    (the only sign of a client of another major: its HELLO carries no version) [docs/server.md:
-    Choosing the protocol]."""
+    7.0.0 on ``port`` and 8.0.0 on ``port + 1`` (any free port for both when ``port`` is 0), one
+    listener per major because a client's HELLO carries no version [docs/server.md: Choosing
+    the protocol]. Clients of both ports are still served one at a time."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 50052,
                  protocol: int | None = 7) -> None:
@@ -576,44 +573,60 @@ class RpcServer:
         self.state = state
         self.host = host
         self.auto = protocol is None
-        self.major = protocol or AUTO_FIRST_MAJOR
         if not is_loopback(host):
             log.warning("!!! rknpu serve is bound to %s: the ggml RPC protocol has NO authentication; anyone who "
                         "can reach this port can read and write its memory. Use 127.0.0.1 unless this network "
                         "is trusted (P13). !!!", host)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((host, port))
-        self.listener.listen(16)
-        self.port = self.listener.getsockname()[1]
+        majors = sorted(wire.PROTO_VERSIONS) if self.auto else [protocol]
+        self.listeners: dict[socket.socket, int] = {}
+        try:
+            for i, major in enumerate(majors):
+                self.listeners[self._listen(host, port + i if port else 0)] = major
+        except OSError:
+            for listener in self.listeners:
+                listener.close()
+            raise
+        self.ports = {major: listener.getsockname()[1] for listener, major in self.listeners.items()}
+        self.major = majors[0]
+        self.port = self.ports[self.major]
         self._stop = threading.Event()
         self._session: Session | None = None
+
+    @staticmethod
+    def _listen(host: str, port: int) -> socket.socket:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(16)
+        except OSError:
+            listener.close()
+            raise
+        return listener
 
     def serve_forever(self, poll_s: float = 0.2) -> None:
         runs_reported = 0
         try:
             while not self._stop.is_set():
-                ready, _, _ = select.select([self.listener], [], [], poll_s)
+                ready, _, _ = select.select(list(self.listeners), [], [], poll_s)
                 if not ready:
                     continue
+                major = self.listeners[ready[0]]
                 try:
-                    sock, addr = self.listener.accept()
+                    sock, addr = ready[0].accept()
                 except OSError:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _keepalive(sock)
                 peer = f"{addr[0]}:{addr[1]}"
-                log.debug("client %s connected", peer)
+                log.debug("client %s connected (protocol %d)", peer, major)
                 t0 = time.perf_counter()
-                other = self._other_major() if self.auto else None
+                other_port = next((p for m, p in self.ports.items() if m != major), None)
                 try:
-                    self._session = session = Session(self.state, sock, peer, self.major, other)
+                    self._session = Session(self.state, sock, peer, major, other_port)
                     if self._stop.is_set():     # stopped between accept and here
                         self._session.hang_up()
                     self._session.run()
-                    if other is not None and session.refused_hello:
-                        self.major = other
                 except Exception:          # a failure while tearing a session down must not end the server
                     log.exception("error while closing the session of %s", peer)
                     sock.close()
@@ -626,10 +639,8 @@ class RpcServer:
                         log.info("\n%s", self.state.render_stats())
                     self.state.write_stats_json()
         finally:
-            self.listener.close()
-
-    def _other_major(self) -> int:
-        return next(m for m in wire.PROTO_VERSIONS if m != self.major)
+            for listener in self.listeners:
+                listener.close()
 
     def stop(self) -> None:
         """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on the current client,

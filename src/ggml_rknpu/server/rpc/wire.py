@@ -178,17 +178,18 @@ def other_major(found: str, major: int, client_major: int | None) -> ProtocolErr
                          f"{protocol_advice(client_major)}")
 
 
-def hello_then_gone(major: int, auto: bool) -> str:
+def hello_then_gone(major: int, other_port: int | None) -> str:
     """Log text for a client that closed right after our HELLO reply, before any command.
 
-    ``auto``: under ``--protocol auto`` the next connection is answered with the other major."""
+    Usually a client of the other major (it reads our version and aborts); a client of this
+    major may also drop a connection it opened and never used, so this is advice, not a verdict.
+    ``other_port``: where this server answers the other major (``--protocol auto``), if it does."""
     other = next(m for m in PROTO_VERSIONS if m != major)
-    head = (f"client closed the connection right after HELLO: it refused this server's RPC protocol "
-            f"{version_text(major)} (a llama.cpp client of another major, e.g. {version_text(other)}, logs 'RPC "
-            f"server version mismatch: {version_text(major)}' and aborts); ")
-    if auto:
-        return (head + f"the next connection is answered with {version_text(other)}: run the client again, or "
-                f"{protocol_advice(other)}")
+    head = (f"client closed the connection right after HELLO: if it logged 'RPC server version mismatch: "
+            f"{version_text(major)}', it speaks another RPC protocol than this port's {version_text(major)} "
+            f"(e.g. {version_text(other)}); ")
+    if other_port is not None:
+        return head + f"connect it to port {other_port}, where this server speaks {version_text(other)}"
     return head + protocol_advice(other)
 
 
