@@ -1077,6 +1077,25 @@ def _t5encoder(m: Tiny) -> None:
         m.ffn(blk)
 
 
+def _llama_like(*, n_layer: int = N_LAYER, rms: bool = True, norm_bias: bool = False, fused: bool = False,
+                bias: bool = False, out_bias: bool = False, gate: bool = True, ffn_bias: bool = False,
+                post_attention_norm: bool = False) -> Callable[[Tiny], None]:
+    """A writer for the architectures whose tensors are a llama's with some of these options."""
+    def write(m: Tiny) -> None:
+        m.base(n_layer=n_layer, rms=rms)
+        m.embeddings(output_norm_bias=norm_bias)
+        for i in range(n_layer):
+            blk = f"blk.{i}"
+            m.norm(f"{blk}.attn_norm", bias=norm_bias)
+            m.attention(blk, fused=fused, bias=bias, out_bias=out_bias)
+            if post_attention_norm:
+                m.norm(f"{blk}.post_attention_norm")
+            else:
+                m.norm(f"{blk}.ffn_norm", bias=norm_bias)
+            m.ffn(blk, gate=gate, bias=ffn_bias)
+    return write
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture of the check: the name llama.cpp knows it by, how it is run, its writer
@@ -1151,6 +1170,16 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("nemotron", "text", _nemotron, ("NORM", "UNARY")),
     Arch("jais", "text", _jais, ("GLU",)),
     Arch("t5encoder", "embed", _t5encoder, ("SOFT_MAX",)),
+    # llama-like tensors, each through its own graph builder (models/<arch>.cpp)
+    Arch("smollm3", "text", _llama_like(n_layer=4), ("ROPE",)),          # no rope in every fourth layer
+    Arch("internlm2", "text", _llama_like(fused=True), ("ROPE",)),
+    Arch("baichuan", "text", _llama_like(), ("FLASH_ATTN_EXT",)),     # not 7B: ALiBi, no rope
+    Arch("orion", "text", _llama_like(rms=False, norm_bias=True), ("NORM",)),
+    Arch("xverse", "text", _llama_like(), ("ROPE",)),
+    Arch("exaone", "text", _llama_like(), ("ROPE",)),
+    Arch("codeshell", "text", _llama_like(rms=False, norm_bias=True, bias=True, out_bias=True, gate=False,
+                                          ffn_bias=True), ("NORM", "UNARY")),
+    Arch("seed_oss", "text", _llama_like(post_attention_norm=True), ("ROPE",)),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
