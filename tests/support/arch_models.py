@@ -1007,6 +1007,95 @@ def _qwen(m: Tiny) -> None:
         m.ffn(blk, n_ff=N_FF // 2)
 
 
+def _glm4moe(m: Tiny) -> None:
+    """models/glm4-moe.cpp: a dense first layer, then sigmoid-gated experts with a selection
+    bias (exp_probs_b) and a shared expert."""
+    n_ff_exp = 32
+    m.base()
+    m.u32("expert_count", 4)
+    m.u32("expert_used_count", 2)
+    m.u32("expert_shared_count", 1)
+    m.u32("expert_feed_forward_length", n_ff_exp)
+    m.u32("leading_dense_block_count", 1)
+    m.flag("expert_weights_norm", True)
+    m.embeddings()
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        m.attention(blk, bias=True)
+        m.norm(f"{blk}.post_attention_norm")
+        if i == 0:
+            m.ffn(blk)
+            continue
+        m.experts(blk, 4, n_ff_exp)
+        m.vec(f"{blk}.exp_probs_b.bias", 4)
+        for part, n_in, n_out in (("gate", N_EMBD, n_ff_exp), ("up", N_EMBD, n_ff_exp), ("down", n_ff_exp, N_EMBD)):
+            m.mat(f"{blk}.ffn_{part}_shexp.weight", n_in, n_out)
+
+
+def _nemotron(m: Tiny) -> None:
+    """models/nemotron.cpp: layer norms with biases, partial rope, a squared-ReLU MLP."""
+    m.base(rms=False)
+    m.u32("rope.dimension_count", HEAD_DIM // 2)
+    m.embeddings(output_norm_bias=True)
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm", bias=True)
+        m.attention(blk)
+        m.norm(f"{blk}.ffn_norm", bias=True)
+        m.ffn(blk, gate=False)
+
+
+def _jais(m: Tiny) -> None:
+    """models/jais.cpp: ALiBi, a fused QKV and a SwiGLU MLP, all with biases."""
+    m.base(n_head_kv=N_HEAD, rms=False)
+    m.embeddings(output_norm_bias=True)
+    for i in range(N_LAYER):
+        blk = f"blk.{i}"
+        m.norm(f"{blk}.attn_norm", bias=True)
+        m.attention(blk, n_head_kv=N_HEAD, fused=True, bias=True, out_bias=True)
+        m.norm(f"{blk}.ffn_norm", bias=True)
+        m.ffn(blk, bias=True)
+
+
+def _t5encoder(m: Tiny) -> None:
+    """models/t5encoder.cpp: t5's encoder alone, pooled into an embedding."""
+    m.base(n_head_kv=N_HEAD)
+    m.u32("attention.relative_buckets_count", 32)
+    m.u32("pooling_type", POOLING_MEAN)
+    m.mat("token_embd.weight", N_EMBD, m.n_vocab, scale=1.0)
+    m.norm("enc.output_norm")
+    for i in range(N_LAYER):
+        blk = f"enc.blk.{i}"
+        m.norm(f"{blk}.attn_norm")
+        if i == 0:
+            m.vec(f"{blk}.attn_rel_b.weight", N_HEAD, 32)
+        for part in ("q", "k", "v"):
+            m.mat(f"{blk}.attn_{part}.weight", N_EMBD, N_EMBD)
+        m.mat(f"{blk}.attn_o.weight", N_EMBD, N_EMBD)
+        m.norm(f"{blk}.ffn_norm")
+        m.ffn(blk)
+
+
+def _llama_like(*, n_layer: int = N_LAYER, rms: bool = True, norm_bias: bool = False, fused: bool = False,
+                bias: bool = False, out_bias: bool = False, gate: bool = True, ffn_bias: bool = False,
+                post_attention_norm: bool = False) -> Callable[[Tiny], None]:
+    """A writer for the architectures whose tensors are a llama's with some of these options."""
+    def write(m: Tiny) -> None:
+        m.base(n_layer=n_layer, rms=rms)
+        m.embeddings(output_norm_bias=norm_bias)
+        for i in range(n_layer):
+            blk = f"blk.{i}"
+            m.norm(f"{blk}.attn_norm", bias=norm_bias)
+            m.attention(blk, fused=fused, bias=bias, out_bias=out_bias)
+            if post_attention_norm:
+                m.norm(f"{blk}.post_attention_norm")
+            else:
+                m.norm(f"{blk}.ffn_norm", bias=norm_bias)
+            m.ffn(blk, gate=gate, bias=ffn_bias)
+    return write
+
+
 @dataclass(frozen=True)
 class Arch:
     """One architecture of the check: the name llama.cpp knows it by, how it is run, its writer
@@ -1077,6 +1166,20 @@ ARCHITECTURES: tuple[Arch, ...] = (
     Arch("gemma", "text", _gemma, ("GLU",)),
     Arch("refact", "text", _refact, ("FLASH_ATTN_EXT",)),
     Arch("qwen", "text", _qwen, ("ROPE",)),
+    Arch("glm4moe", "text", _glm4moe, ("MUL_MAT_ID", "UNARY")),
+    Arch("nemotron", "text", _nemotron, ("NORM", "UNARY")),
+    Arch("jais", "text", _jais, ("GLU",)),
+    Arch("t5encoder", "embed", _t5encoder, ("SOFT_MAX",)),
+    # llama-like tensors, each through its own graph builder (models/<arch>.cpp)
+    Arch("smollm3", "text", _llama_like(n_layer=4), ("ROPE",)),          # no rope in every fourth layer
+    Arch("internlm2", "text", _llama_like(fused=True), ("ROPE",)),
+    Arch("baichuan", "text", _llama_like(), ("FLASH_ATTN_EXT",)),     # not 7B: ALiBi, no rope
+    Arch("orion", "text", _llama_like(rms=False, norm_bias=True), ("NORM",)),
+    Arch("xverse", "text", _llama_like(), ("ROPE",)),
+    Arch("exaone", "text", _llama_like(), ("ROPE",)),
+    Arch("codeshell", "text", _llama_like(rms=False, norm_bias=True, bias=True, out_bias=True, gate=False,
+                                          ffn_bias=True), ("NORM", "UNARY")),
+    Arch("seed_oss", "text", _llama_like(post_attention_norm=True), ("ROPE",)),
 )
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
