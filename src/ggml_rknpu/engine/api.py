@@ -41,7 +41,7 @@ BUCKET_POW2_MAX = 256
 MAX_PROGRAM_M = 2048
 OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}
 # Under ``memory_cap``, resident memory (weights, chained steps) leaves room for the programs of
-# every resident weight at this many rows: the decode path (graph.GROUP_MAX_ROWS: one token,
+# every resident weight at this many rows: the decode path (server.grouping.GROUP_MAX_ROWS: one token,
 # drafts, a few slots). A larger bucket that finds no memory splits its call along M.
 RESERVE_ROWS = 16
 

@@ -113,3 +113,17 @@ class ActivationRounding:
         """``--stats-json``'s ``activations``: the mode and the rounded steps per vec_dot type."""
         return {"mode": self.mode,
                 "rounded_steps": {TYPE_NAMES[GgmlType(t)]: r.calls for t, r in sorted(self.rounders.items())}}
+
+
+def as_f32_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
+    """src1 rows of a MUL_MAT or gathered for MUL_MAT_ID, as contiguous float32 (bf16 arrives as
+    its raw uint16 view)."""
+    if type_id == GgmlType.BF16:
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def npu_rows(rows: np.ndarray, type_id: int, k: int, rounder: ActivationRounder | None) -> np.ndarray:
+    """An NPU step's activations as float32 [M, K], rounded as ggml-cpu would for the weight."""
+    a = as_f32_rows(rows, type_id).reshape(-1, k)
+    return a if rounder is None else rounder(a)

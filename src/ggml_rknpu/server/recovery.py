@@ -101,7 +101,7 @@ class NpuRecovery:
         return None
 
     def step_failed(self, what: str, exc: BaseException) -> None:
-        """A grouped step (several matmuls in one submit, ``graph.NpuGroup``) failed; its
+        """A grouped step (several matmuls in one submit, ``plan_steps.NpuGroup``) failed; its
         members run one by one next, each behind ``matmul``. A fault is counted and the NPU
         reset as for a matmul, so the members' attempts start fresh; anything else is logged."""
         kind = fault_kind(exc)

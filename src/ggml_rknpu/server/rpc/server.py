@@ -25,7 +25,8 @@ from typing import Any, Callable
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
-from ggml_rknpu.server.graph import DeviceGraphs, GraphPlanner, graph_digest
+from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
+from ggml_rknpu.server.planner import GraphPlanner
 from ggml_rknpu.server.placement import ServerStats
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
@@ -121,7 +122,7 @@ class ServerConfig:
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
     threads: int | None = None        # ggml-cpu host threads (None: libggml.compute.default_threads())
-    group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (graph.NpuGroup)
+    group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (plan_steps.NpuGroup)
     activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
 
 
