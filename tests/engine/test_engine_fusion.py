@@ -178,7 +178,7 @@ def test_freeing_a_member_closes_its_chained_step_and_frees_its_buffers(npu):
     assert step.closed and all(b.closed for b in buffers)
     with pytest.raises(ValueError, match="closed"):
         step.run(np.ones((1, 64), np.float32))
-    assert step not in npu._steps
+    assert step not in npu.parts.steps
     ws[0].free()
 
 

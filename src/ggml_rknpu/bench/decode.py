@@ -115,12 +115,14 @@ def _envelope(name):
 def step_programs(step: NpuStep, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
     """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket) in
     ``envelope`` (default: the fully laddered board's)."""
-    from ggml_rknpu.engine.api import OUT_FOR_WEIGHT, _compile, m_bucket
+    from ggml_rknpu.compiler.matmul import compile_matmul
+    from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, m_bucket
 
     env = _envelope(envelope)
     out = OUT_FOR_WEIGHT[dtype]
     Ns = (sum(step.Ns),) if step.fused else step.Ns
-    return [_compile(m_bucket(m), step.K, n, dtype, out, min(cores, env.max_cores), abi, env) for n in Ns]
+    return [compile_matmul(m_bucket(m), step.K, n, dtype=dtype, out=out, cores=min(cores, env.max_cores), abi=abi,
+                           envelope=env) for n in Ns]
 
 
 def step_workload_for(step: NpuStep, m: int, dtype: str, cores: int, envelope=None):

@@ -91,14 +91,14 @@ def shapes_from_gguf(path: Path) -> ModelShapes:
 def modeled_step_s(shapes: ModelShapes, m: int, *, dtype: str, cores: int) -> float:
     """Modeled NPU seconds of one step with ``m`` rows: each weight once, at the engine's M bucket."""
     from ggml_rknpu.bench.matmul import modeled_program_time
-    from ggml_rknpu.engine.api import m_bucket
+    from ggml_rknpu.engine.programs import m_bucket
 
     bucket = m_bucket(m)
     return sum(n * modeled_program_time(bucket, k, width, dtype, cores) for (k, width), n in shapes.weights)
 
 
 def regime_rows(shapes: ModelShapes, ms: list[int], *, dtype: str, cores: int) -> list[dict]:
-    from ggml_rknpu.engine.api import m_bucket
+    from ggml_rknpu.engine.programs import m_bucket
 
     base = modeled_step_s(shapes, 1, dtype=dtype, cores=cores)
     rows = []

@@ -3,7 +3,7 @@
 Invariants: a program's A and C windows get their native-layout views once; a call is a
 few numpy operations, with no Python loop over rows, tasks or K chunks; K padding of A is
 zeroed on every write (the A buffer is shared by programs of other K); the int8
-arithmetic is ``engine.weights``' own, so results are bit-identical to ``Npu.matmul``; a
+arithmetic is ``engine.weights``' own, so results are bit-identical to its staging path; a
 wrong shape or a non-finite or out-of-fp16-range activation raises ValueError before the
 submit. Why and what each port does: docs/decisions.md "engine/hostpath.py"."""
 
