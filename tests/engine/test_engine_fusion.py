@@ -288,7 +288,7 @@ def test_lean_matmul_equals_the_general_path(npu, K, N, rows):
 
 @pytest.mark.parametrize("K,N,rows", [(100, 48, 1), (9000, 40, 2), (64, 1000, 16)])
 def test_lean_int8_matmul_equals_the_quantised_reference(npu, K, N, rows):
-    from ggml_rknpu.engine.weights import quantize_rows_int8
+    from ggml_rknpu.engine.staging import quantize_rows_int8
 
     rng = np.random.default_rng(K + N)
     b = rng.standard_normal((N, K)).astype(np.float32)
@@ -310,7 +310,7 @@ def test_tiny_activations_quantise_like_the_general_path(npu, peak):
     """Rows whose scale underflows (peak / 127 = 0) or is subnormal: same q and scales as
     quantize_rows_int8, so the same result."""
     from ggml_rknpu.engine.hostpath import ActivationPort
-    from ggml_rknpu.engine.weights import quantize_rows_int8
+    from ggml_rknpu.engine.staging import quantize_rows_int8
     from ggml_rknpu.compiler.shape import MatmulShape
 
     rng = np.random.default_rng(8)

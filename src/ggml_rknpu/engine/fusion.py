@@ -23,7 +23,7 @@ from ggml_rknpu.engine.memory import c_base
 from ggml_rknpu.engine.timing import Timing, device_seconds
 from ggml_rknpu.hw import limits
 from ggml_rknpu.kernel.buffer import Buffer
-from ggml_rknpu.kernel.job import BufferRange, Completion, HwTask, Job
+from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 if TYPE_CHECKING:
     from ggml_rknpu.compiler.program import Program
@@ -51,7 +51,7 @@ def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[in
     return np.concatenate(parts, axis=0), tuple(splits)
 
 
-def step_workload(programs: Sequence[Any]) -> Workload:
+def step_workload(programs: Sequence[Program]) -> Workload:
     """What the cost model prices for one step running ``programs``: every task of every
     member; one submit when chained (members of one chain each), else the one program's
     submits (an envelope may cut it into several chains)."""
@@ -154,21 +154,21 @@ class Step:
         if self.closed:
             raise ValueError("this step was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
-        completion: Completion
-        if self._chain:
+        submitter = self.parts.submitter
+        if self._chain:   # one chained job over private buffers, its members' canaries checked
             a_port, r_ports = self._chain.ports()
             act_scales = a_port.write(a)
             t1 = time.perf_counter()
-            self.canary_s, completion = self._chain.submit(self._label)
-            hw_ns, submits = completion.hw_elapsed_ns, 1
+            jobs: tuple[Job, ...] = (self._chain.job,)
+            completion, hw_ns = submitter.run(jobs, self._chain.canaries, self._label)
         else:   # the engine's bound program: its chains in order, canaries checked
             a_port, r_ports, bound = self._single()
             act_scales = a_port.write(a)
             t1 = time.perf_counter()
-            submitter = self.parts.submitter
+            jobs = bound.jobs
             completion, hw_ns = submitter.run_bound(bound)
-            self.canary_s = submitter.last_canary_s
-            submits = len(bound.jobs)
+        self.canary_s = submitter.last_canary_s
+        submits = len(jobs)
         t2 = time.perf_counter()
         rows = a.shape[0]
         if outs is not None and len(outs) != len(self._views):
@@ -303,21 +303,6 @@ class _Chain:
         # checked as one set over the shared buffer: one store before, one compare after
         self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
                                           ).over(c_raw)
-
-    def submit(self, what: str) -> tuple[float, Completion]:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset):
-        (the host seconds the canaries took, the submit's completion)."""
-        t0 = time.perf_counter()
-        self.canaries.arm()
-        t1 = time.perf_counter()
-        completion = self.parts.submitter.submit(self.job, what)
-        t2 = time.perf_counter()
-        unwritten = self.canaries.unwritten()
-        canary_s = t1 - t0 + time.perf_counter() - t2
-        if unwritten:
-            self.parts.submitter.stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
-                                  "unwritten after the chained submit: a task did not finish")
-        return canary_s, completion
 
     def _alloc(self, size: int, purpose: str, what: str) -> Buffer:
         buf = self.parts.memory.alloc(-(-max(size, 1) // limits.REGCMD_TASK_ALIGN) * limits.REGCMD_TASK_ALIGN, purpose, what,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ggml_rknpu.engine.memory import Headroom
-from ggml_rknpu.engine.weights import ResidentWeight, StagedWeight
+from ggml_rknpu.engine.staging import ResidentWeight, StagedWeight
 from ggml_rknpu.kernel.buffer import Buffer
 
 if TYPE_CHECKING:

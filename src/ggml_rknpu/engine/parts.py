@@ -25,6 +25,8 @@ class LiveStep(Protocol):
 
 @dataclass(eq=False)
 class EngineParts:
+    """The memory, the program cache, the submitter and the counters of one ``Npu``."""
+
     memory: NpuMemory
     programs: ProgramCache
     submitter: Submitter

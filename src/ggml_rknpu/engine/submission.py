@@ -12,7 +12,7 @@ from typing import Callable, NoReturn
 
 import numpy as np
 
-from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.engine.canary import CanaryCells, StaleOutput
 from ggml_rknpu.engine.bound_program import BoundProgram
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
@@ -36,29 +36,32 @@ class Submitter:
         return completion
 
     def run_bound(self, bound: BoundProgram) -> tuple[Completion, int | None]:
-        """Run a bound program: canaries armed in C, its jobs (one per chain) in order, the
-        canaries checked (stale output -> reset + StaleOutput, an NpuFault). (last completion,
-        summed hw_elapsed_ns or None)."""
+        """Run a bound program (``run`` of its jobs), its canaries bound to the current C scratch
+        buffer (re-bound when the shared buffer was replaced by a larger one)."""
         assert bound.jobs and bound.canaries is not None and bound.c_buf is not None, "not bound yet"
-        t0 = time.perf_counter()
         cells = bound.cells
         if cells is None or bound.cells_bound_to is not bound.c_buf.scratch.buf:
-            # (re)bound when the shared C buffer was replaced by a larger one
             cells = bound.cells = bound.canaries.over(bound.c_buf.array(np.uint8))
             bound.cells_bound_to = bound.c_buf.scratch.buf
+        return self.run(bound.jobs, cells, bound.label)
+
+    def run(self, jobs: tuple[Job, ...], cells: CanaryCells, what: str) -> tuple[Completion, int | None]:
+        """``jobs`` in order with their canaries armed before and checked after (stale output ->
+        reset + StaleOutput, an NpuFault): (last completion, summed hw_elapsed_ns or None)."""
+        t0 = time.perf_counter()
         cells.arm()
         t1 = time.perf_counter()
         hw_ns: int | None = 0
-        for job in bound.jobs:
-            completion = self.submit(job, bound.label)
+        for job in jobs:
+            completion = self.submit(job, what)
             hw_ns = None if completion.hw_elapsed_ns is None or hw_ns is None else hw_ns + completion.hw_elapsed_ns
         t2 = time.perf_counter()
         unwritten = cells.unwritten()
         self.last_canary_s = t1 - t0 + time.perf_counter() - t2
         if unwritten:
-            self.stale_output(f"matmul {bound.program.shape}: {unwritten} output "
-                              f"canar{'y' if unwritten == 1 else 'ies'} left unwritten after {len(bound.jobs)} "
-                              "submit(s): a task did not finish (rocket: job killed at its 500 ms timeout?)")
+            self.stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
+                              f"after {len(jobs)} submit(s): a task did not finish (rocket: job killed at its "
+                              "500 ms timeout?)")
         return completion, hw_ns
 
     def stale_output(self, what: str) -> NoReturn:

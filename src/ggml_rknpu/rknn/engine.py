@@ -22,7 +22,7 @@ from ggml_rknpu.engine.npu_weight import MAX_PROGRAM_M
 from ggml_rknpu.engine.programs import m_bucket
 from ggml_rknpu.engine.timing import Timing
 from ggml_rknpu.hw import limits
-from ggml_rknpu.engine.weights import (
+from ggml_rknpu.engine.staging import (
     ResidentWeight,
     StagedWeight,
     check_matrix,

@@ -62,7 +62,7 @@ class ActivationRounder:
         n = rows.size
         packed, out, q8_0 = self._addrs
         self.quantize(rows.ctypes.data, packed, n)
-        if q8_0:
+        if q8_0 and self.q8_0 is not None:
             blocks = self.packed[:n // self.block[0] * self.block[1]].reshape(-1, self.block[1])
             mine = self.q8_0[:blocks.shape[0] * (self.block[1] - 2)].reshape(blocks.shape[0], -1)
             mine[:, :_Q8_1_S.start] = blocks[:, :_Q8_1_S.start]
@@ -102,7 +102,7 @@ class ActivationRounding:
         g = self.ggml
         quantize = g.from_float(vdt)
         if vdt == GgmlType.Q8_K:
-            dequantize: Any = g.dequantize_row_q8_K
+            dequantize: Any = g.dequantize_row_q8_K  # type: ignore[attr-defined]  # bound from lib's table at load
         else:
             dequantize = g.to_float(GgmlType.Q8_0 if vdt == GgmlType.Q8_1 else vdt)
         if quantize is None or dequantize is None:

@@ -18,11 +18,12 @@ import numpy as np
 
 from ggml_rknpu.server.activations import ActivationRounder, as_f32_rows
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.placement import HOST, NPU, OpCounter, ServerStats
+from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.plan_steps import IndexCheck
 from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.tensor import CheckedTensor
-from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.compute import HostCompute, HostContext
 
@@ -152,8 +153,8 @@ class ExpertStep:
 
     def _npu_rows(self, pairs: np.ndarray) -> Callable[[], np.ndarray]:
         """The pairs' rows for the NPU (rounded; the host's rows are not: ggml-cpu rounds them)."""
-        gather = self._gatherer(pairs)
-        return gather if self.rounder is None else lambda: self.rounder(gather())
+        gather, rounder = self._gatherer(pairs), self.rounder
+        return gather if rounder is None else lambda: rounder(gather())
 
     def _on_host(self, pairs: np.ndarray, flat: np.ndarray, stats: ServerStats) -> None:
         t0 = time.perf_counter()

@@ -50,14 +50,15 @@ def merge_deliveries(steps: list[PlannedStep], host: HostContext, ptrs: dict[int
         deliveries = [p for p in stretch if isinstance(p, Delivery)]
         if deliveries and all(d.group is not None for d in deliveries) and \
                 all(not p.checks for p in stretch if isinstance(p, HostSegment)):
-            nodes = []
+            nodes: list[Any] = []
             for part in stretch:
                 if isinstance(part, HostSegment):
                     nodes += part.compute.nodes
                 else:
+                    assert part.kept is not None and part.member is not None, "a grouped delivery"
                     nodes.append(host.copy_node(ptrs[part.node], part.kept, f"delivered {part.member.slot.name}"))
             merged = HostSegment(host.segment(nodes), [], [])
-            groups = tuple({id(d.group): d.group for d in deliveries}.values())
+            groups = tuple({id(d.group): d.group for d in deliveries if d.group is not None}.values())
             out.append(DeliveredRun(merged, list(stretch), groups))
         else:
             out.extend(stretch)
@@ -92,7 +93,7 @@ def group_npu_steps(steps: list[PlannedStep]) -> list[PlannedStep]:
                     and nxt.rounder is step.rounder:
                 j += 1
         run = steps[i:j]
-        group = _group(run, deliveries) if len(run) > 1 else None
+        group = _group([s for s in run if isinstance(s, NpuStep)], deliveries) if len(run) > 1 else None
         if group is not None:
             out.append(group)
         else:

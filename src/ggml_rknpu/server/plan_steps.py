@@ -18,10 +18,10 @@ import numpy as np
 from ggml_rknpu.engine.contract import EngineStep, EngineWeight, MatmulEngine, MatmulTiming, stepping
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
-from ggml_rknpu.server.ops.registry import OpDataError, UnsupportedOp
-from ggml_rknpu.server.placement import OpCounter, ServerStats
+from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.recovery import NpuRecovery
-from ggml_rknpu.server.weights import WeightSlot
+from ggml_rknpu.server.weight_store import WeightSlot
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,9 @@ class NpuGroup:
     def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         self.ran = False
         npu, weights = recovery.npu, recovery.weights
-        handles = tuple(weights.weight(m.slot) for m in self.members)
-        if npu is None or self.refused or any(h is None for h in handles):
+        found = tuple(weights.weight(m.slot) for m in self.members)
+        handles = tuple(h for h in found if h is not None)
+        if npu is None or self.refused or len(handles) < len(found):
             self._one_by_one(stats, recovery)
             return
         t0 = time.perf_counter()
@@ -221,8 +222,10 @@ class Delivery:
 
     def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         if self.group is not None and self.group.ran:
+            assert self.dst is not None and self.kept is not None, "a grouped delivery has its arrays"
             np.copyto(self.dst, self.kept)
         else:
+            assert self.member is not None, "planned with its member (grouping.group_npu_steps)"
             self.member.run(stats, recovery)
 
 

@@ -22,16 +22,17 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
-from ggml_rknpu.server.ops.registry import VIEW_OPS, UnsupportedOp, op_name
+from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
-from ggml_rknpu.server.placement import HOST, NPU, OpCounter, ServerStats, experts_host_reason, matmul_host_reason
+from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, matmul_host_reason
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.plan import GraphPlan
 from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor
-from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 
 
 class GraphPlanner:
@@ -65,6 +66,7 @@ class GraphPlanner:
                    for nid in computing}                  # UnsupportedOp before anything is touched
         for nid in computing:                            # bytes written by nodes are never weights
             c = checked[nid]
+            assert c.buffer is not None, "a computing node has bytes (end > start)"
             c.buffer.graph_written.add(c.start, c.end)
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
@@ -79,17 +81,17 @@ class GraphPlanner:
         runs: list[list[Node]] = []
         current: list[Node] = []
         written: list[CheckedTensor] = []
-        for nid in order:
-            if isinstance(nid, DeliveryMark) or slots.get(nid) is not None or nid in experts:   # its own step
-                runs += [current, [nid]] if current else [[nid]]
+        for entry in order:
+            if isinstance(entry, DeliveryMark) or slots.get(entry) is not None or entry in experts:   # its own step
+                runs += [current, [entry]] if current else [[entry]]
                 current, written = [], []
                 continue
-            if overlap([checked[g.tensors[nid].src[src]] for src, _ in indices[nid]], written):
+            if overlap([checked[g.tensors[entry].src[src]] for src, _ in indices[entry]], written):
                 runs.append(current)
                 current, written = [], []
-            current.append(nid)
-            if checked[nid].buffer is not None:
-                written.append(checked[nid])
+            current.append(entry)
+            if checked[entry].buffer is not None:
+                written.append(checked[entry])
         if current:
             runs.append(current)
 
@@ -106,11 +108,11 @@ class GraphPlanner:
                     t = g.tensors[nid]
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
-            steps = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
+            steps: list[PlannedStep] = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
                      if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok)
                      for run in runs]
             checks = hoist_checks(steps, runs, checked)
-            planned = group_npu_steps(steps) if self.group else steps
+            planned: list[PlannedStep] = group_npu_steps(steps) if self.group else steps
             counts = take_counts(planned)
             if self.group:
                 planned = merge_deliveries(planned, host, ptrs)
@@ -150,11 +152,12 @@ class GraphPlanner:
         first = run[0]
         if isinstance(first, DeliveryMark):
             return Delivery(first.node)
+        nodes = [node_id(n) for n in run]   # a host run or one MUL_MAT: tensor ids
         slot = slots.get(first)
         if slot is None:
-            return self._segment(run, g, checked, ptrs, host, indices)
+            return self._segment(nodes, g, checked, ptrs, host, indices)
         t = g.tensors[first]
-        segment = self._segment(run, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
+        segment = self._segment(nodes, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
         a, a_type = checked[t.src[1]].ref().as_array(), g.tensors[t.src[1]].type
         return NpuStep(slot=slot, a=a, a_type=a_type,
                        out=checked[t.id].ref().as_array(), host=segment,

@@ -20,7 +20,7 @@ import numpy as np
 
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.engine.contract import MatmulEngine
-from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 log = logging.getLogger("ggml_rknpu.rpc")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ggml_rknpu.server.parsed_graph import ParsedGraph
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor
-from ggml_rknpu.server.weights import WeightSlot
+from ggml_rknpu.server.weight_store import WeightSlot
 
 
 @dataclass(frozen=True)

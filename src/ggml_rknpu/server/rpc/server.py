@@ -27,12 +27,12 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
-from ggml_rknpu.server.placement import ServerStats
+from ggml_rknpu.server.stats import ServerStats
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
-from ggml_rknpu.server.weights import RetiredWeights, WeightStats, WeightStore
+from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats, WeightStore
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 
@@ -196,7 +196,7 @@ class ServerState:
 
 def _unsupported_signature(exc: BaseException) -> str | None:
     try:
-        from ggml_rknpu.server.ops.registry import UnsupportedOp
+        from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
     except ImportError:
         return None
     return str(exc) if isinstance(exc, UnsupportedOp) else None
