@@ -42,7 +42,6 @@ def test_measured_times_override_the_models():
 
 @pytest.mark.timeout(600)
 def test_calibrate_a_tiny_gguf_on_the_simulator(tmp_path):
-    pytest.importorskip("ggml_rknpu.sim.npu")
     from support.gguf_models import write_tiny_gguf
 
     from ggml_rknpu.cli.main import main

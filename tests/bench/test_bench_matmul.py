@@ -117,7 +117,7 @@ def test_sustained_windows_on_the_simulator(tmp_path):
 def test_board_rows_carry_measured_and_modeled_side_by_side():
     """On a board the engine reports measured device time (hw_elapse_time); the row keeps it
     apart from the cost model's figure for the same program, each under its own label."""
-    from ggml_rknpu.engine.api import Timing
+    from ggml_rknpu.engine.timing import Timing
 
     case = mm.Case(mm.SEED_SHAPES[0], 1, "fp16", 3)
     calls = [(2e-3, mm.read_timing(Timing(1e-4, 1.2e-3, 2e-5, d, "measured", 1))) for d in (9e-4, 1e-3, 1.1e-3)]

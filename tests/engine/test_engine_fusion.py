@@ -178,7 +178,7 @@ def test_freeing_a_member_closes_its_chained_step_and_frees_its_buffers(npu):
     assert step.closed and all(b.closed for b in buffers)
     with pytest.raises(ValueError, match="closed"):
         step.run(np.ones((1, 64), np.float32))
-    assert step not in npu._steps
+    assert step not in npu.parts.steps
     ws[0].free()
 
 
@@ -288,7 +288,7 @@ def test_lean_matmul_equals_the_general_path(npu, K, N, rows):
 
 @pytest.mark.parametrize("K,N,rows", [(100, 48, 1), (9000, 40, 2), (64, 1000, 16)])
 def test_lean_int8_matmul_equals_the_quantised_reference(npu, K, N, rows):
-    from ggml_rknpu.engine.weights import quantize_rows_int8
+    from ggml_rknpu.engine.staging import quantize_rows_int8
 
     rng = np.random.default_rng(K + N)
     b = rng.standard_normal((N, K)).astype(np.float32)
@@ -310,7 +310,7 @@ def test_tiny_activations_quantise_like_the_general_path(npu, peak):
     """Rows whose scale underflows (peak / 127 = 0) or is subnormal: same q and scales as
     quantize_rows_int8, so the same result."""
     from ggml_rknpu.engine.hostpath import ActivationPort
-    from ggml_rknpu.engine.weights import quantize_rows_int8
+    from ggml_rknpu.engine.staging import quantize_rows_int8
     from ggml_rknpu.compiler.shape import MatmulShape
 
     rng = np.random.default_rng(8)

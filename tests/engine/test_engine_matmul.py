@@ -300,16 +300,16 @@ def test_fewer_cores(cores):
 def test_bucket_refused_by_the_compiler_splits_the_call(monkeypatch):
     """Real compiler and device; the compiler is made to refuse buckets above 64 rows as it
     refuses programs of more than 4095 tasks per core (too big to build here)."""
-    from ggml_rknpu.engine import api
+    from ggml_rknpu.engine.programs import ProgramCache
 
-    real = api._compile
+    real = ProgramCache.compile
 
-    def refusing(m, *args):
+    def refusing(self, m, *args):
         if m > 64:
             raise ValueError(f"matmul needs more than 4095 tasks on core 0 (M={m}); split the call along M")
-        return real(m, *args)
+        return real(self, m, *args)
 
-    monkeypatch.setattr(api, "_compile", refusing)
+    monkeypatch.setattr(ProgramCache, "compile", refusing)
     rng = np.random.default_rng(12)
     a = rng.integers(-128, 128, (300, 64), dtype=np.int8)
     b = rng.integers(-128, 128, (24, 64), dtype=np.int8)

@@ -11,8 +11,8 @@ import pytest
 
 
 from ggml_rknpu.engine import Npu, open_engine
-from ggml_rknpu.engine import api
-from ggml_rknpu.engine.api import RESERVE_ROWS
+from ggml_rknpu.engine import bound_program
+from ggml_rknpu.engine.programs import RESERVE_ROWS
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,7 +56,7 @@ def test_shared_scratch_is_exact_across_weights_buckets_and_growth(device):
             _exact(npu, a_big, big, b_big)
         _exact(npu, _ints(rng, (1, 64)), small, b_small)      # other buckets have their own
         _exact(npu, _ints(rng, (70, 200)), big, b_big)
-        assert {key[1] for key in npu._scratch} == {1, 4, 128}
+        assert set(npu.scratch.buckets) == {1, 4, 128}
 
 
 def test_steady_state_calls_neither_rebind_nor_allocate(monkeypatch):
@@ -68,7 +68,7 @@ def test_steady_state_calls_neither_rebind_nor_allocate(monkeypatch):
         _exact(npu, a1, w1, b1)
         _exact(npu, a2, w2, b2)
         binds, allocs = [], []
-        monkeypatch.setattr(api._BoundProgram, "write_words", lambda self: binds.append(self))
+        monkeypatch.setattr(bound_program.BoundProgram, "write_words", lambda self: binds.append(self))
         real_alloc = npu.device.alloc
         monkeypatch.setattr(npu.device, "alloc", lambda *a, **k: allocs.append(a) or real_alloc(*a, **k))
         for _ in range(3):
@@ -112,7 +112,7 @@ def test_free_keeps_the_other_weights_programs_working():
         assert npu.scratch_bytes() > 0
         _exact(npu, a1, w1, b1)
         w1.free()                                             # last user: shared buffers freed
-        assert npu.scratch_bytes() == 0 and not npu._scratch
+        assert npu.scratch_bytes() == 0 and not npu.scratch.buckets
         assert npu.memory_budget()[0] == free0
 
 

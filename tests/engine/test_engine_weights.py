@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from ggml_rknpu.engine.weights import (
+from ggml_rknpu.engine.staging import (
     dequantize_output,
     quantize_rows_int8,
     stage_activation,

@@ -200,7 +200,7 @@ def test_rknn_rows_on_a_board_plot_wall_time_as_the_measured_figure():
     measured figure, and the plot names it end-to-end."""
     from ggml_rknpu.bench import matmul as mm
     from ggml_rknpu.cli.bench import _gflops_plots
-    from ggml_rknpu.engine.api import Timing
+    from ggml_rknpu.engine.timing import Timing
 
     rows = []
     for engine in ("ours", "rknn"):

@@ -1,5 +1,5 @@
 """Host segments that only grouped members' Deliveries separate run as one ggml graph
-(``graph.DeliveredRun``: each delivery a CPY node from the group's kept result), with the
+(``plan_steps.DeliveredRun``: each delivery a CPY node from the group's kept result), with the
 results of the ungrouped plan, and as their parts when the group cannot run."""
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def test_host_only_server_runs_weight_matmuls_on_host():
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F16", "F32", "Q4_0", "BF16"])
 def test_weight_conversion_matches_gguf_exactly(qtype, monkeypatch):
-    from ggml_rknpu.server import weights
+    from ggml_rknpu.server import weight_store as weights
 
     monkeypatch.setattr(weights, "CONVERT_ROWS", 7)              # several chunks, a ragged last one
     gq = GGMLQuantizationType[qtype]

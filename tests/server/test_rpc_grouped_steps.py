@@ -1,5 +1,5 @@
 """NPU matmuls that read one activation (Q/K/V, gate/up) run as one engine step
-(``graph.NpuGroup``): same results as one submit each, one submit per replay, every write to
+(``plan_steps.NpuGroup``): same results as one submit each, one submit per replay, every write to
 a member's weight seen by the next graph, and each member's own fallback when the group
 cannot run (a member not resident, the engine refusing the step, a fault in its submit)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.server import graph
+from ggml_rknpu.server import plan_steps
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from support.rpc_testkit import FakeNpu, T, serve
 
@@ -31,12 +31,12 @@ def closed_and_alive(st, c) -> bool:
 def checks_run(monkeypatch):
     """How many index checks the server ran."""
     calls = [0]
-    check = graph.IndexCheck.check
+    check = plan_steps.IndexCheck.check
 
     def counted(self):
         calls[0] += 1
         check(self)
-    monkeypatch.setattr(graph.IndexCheck, "check", counted)
+    monkeypatch.setattr(plan_steps.IndexCheck, "check", counted)
     return calls
 
 

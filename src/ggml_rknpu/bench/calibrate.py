@@ -94,7 +94,7 @@ def host_seconds(g, threads, type_name: str, K: int, N: int, raw: np.ndarray, M:
 def npu_seconds(npu, type_name: str, K: int, N: int, raw: np.ndarray, M: int, reps: int, dtype: str) -> float:
     """Median wall time of the engine's matmul of M rows with the weight resident."""
     from ggml_rknpu.libggml.enums import GgmlType
-    from ggml_rknpu.server.weights import to_float_rows
+    from ggml_rknpu.server.weight_store import to_float_rows
 
     w = npu.upload_weight(to_float_rows(raw, int(GgmlType[type_name]), N, K), dtype=dtype)
     try:

@@ -79,7 +79,7 @@ ANCHORS: dict[tuple[str, str], tuple[float, str]] = {
 
 
 @dataclass(frozen=True)
-class NpuStep:
+class DecodeSubmit:
     """One submit of a decode token: matmuls reading one activation [M, K]."""
 
     names: tuple[str, ...]
@@ -89,13 +89,13 @@ class NpuStep:
     count: int = 1         # how many times per token (the layers)
 
 
-def decode_steps(model: ModelShape, fused: bool = True) -> list[NpuStep]:
+def decode_steps(model: ModelShape, fused: bool = True) -> list[DecodeSubmit]:
     """The NPU steps of one decode token, as the server plans them (module doc)."""
     mm = model.layer_matmuls()
     groups = [("q", "k", "v"), ("o",), ("gate", "up"), ("down",)] if fused else [(n,) for n in mm]
-    steps = [NpuStep(g, mm[g[0]][0], tuple(mm[n][1] for n in g), fused and len(g) > 1, model.layers)
+    steps = [DecodeSubmit(g, mm[g[0]][0], tuple(mm[n][1] for n in g), fused and len(g) > 1, model.layers)
              for g in groups]
-    steps.append(NpuStep(("output",), model.hidden, (model.vocab,), False, 1))
+    steps.append(DecodeSubmit(("output",), model.hidden, (model.vocab,), False, 1))
     return steps
 
 
@@ -113,24 +113,26 @@ def _envelope(name):
     return laddered_envelope() if name in (None, "laddered") else by_name(name)
 
 
-def step_programs(step: NpuStep, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
+def step_programs(step: DecodeSubmit, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
     """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket) in
     ``envelope`` (default: the fully laddered board's)."""
-    from ggml_rknpu.engine.api import OUT_FOR_WEIGHT, _compile, m_bucket
+    from ggml_rknpu.compiler.matmul import compile_matmul
+    from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, m_bucket
 
     env = _envelope(envelope)
     out = OUT_FOR_WEIGHT[dtype]
     Ns = (sum(step.Ns),) if step.fused else step.Ns
-    return [_compile(m_bucket(m), step.K, n, dtype, out, min(cores, env.max_cores), abi, env) for n in Ns]
+    return [compile_matmul(m_bucket(m), step.K, n, dtype=dtype, out=out, cores=min(cores, env.max_cores), abi=abi,
+                           envelope=env) for n in Ns]
 
 
-def step_workload_for(step: NpuStep, m: int, dtype: str, cores: int, envelope=None):
+def step_workload_for(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None):
     from ggml_rknpu.engine.fusion import step_workload
 
     return step_workload(step_programs(step, m, dtype, cores, envelope=envelope))
 
 
-def modeled_step_s(step: NpuStep, m: int, dtype: str, cores: int, envelope=None) -> float:
+def modeled_step_s(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None) -> float:
     return modeled_time(step_workload_for(step, m, dtype, cores, envelope),
                         npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
@@ -167,7 +169,7 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
     }
 
 
-def measure_host_step(npu, step: NpuStep, m: int, dtype: str, reps: int,
+def measure_host_step(npu, step: DecodeSubmit, m: int, dtype: str, reps: int,
                       rng: np.random.Generator) -> tuple[float, float]:
     """Median host seconds of the lean path around one submit of ``step`` on this host,
     the submit itself excluded: (alone: ``Step.rehearse``, A written and C read with no

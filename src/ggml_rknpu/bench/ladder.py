@@ -132,7 +132,7 @@ def run_program(dev, program, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Run one compiled program on ``dev`` with canary-armed output; C [M, N]. Raises
     NpuFault when a canary survives (a task did not write)."""
     from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
-    from ggml_rknpu.engine.api import program_jobs
+    from ggml_rknpu.engine.bound_program import program_jobs
     from ggml_rknpu.engine.canary import Canaries
     from ggml_rknpu.kernel.errors import NpuFault
 

@@ -49,7 +49,7 @@ SMALL_SHAPES = (
 )
 SHAPE_SETS = {"seed": SEED_SHAPES, "model": MODEL_SHAPES, "small": SMALL_SHAPES}
 GEMM_MS = (16, 64, 256, 512, 1024, 2048)       # prefill batch sizes up to 2048
-# our phase name -> engine.api.Timing attribute (submit_s is the whole device submit: cache
+# our phase name -> engine.timing.Timing attribute (submit_s is the whole device submit: cache
 # clean of A, the driver's blocking wait, cache invalidate of C [engine.api docstring])
 HOST_PHASES = {"pack_a": "pack_s", "submit": "submit_s", "unpack_c": "unpack_s"}
 ENGINES = ("ours", "rknn")
@@ -137,7 +137,7 @@ def modeled_sweep(shapes: Iterable[Shape], dtypes: Iterable[str], cores: Iterabl
 # --- engine runs ----------------------------------------------------------------------
 
 def read_timing(timing) -> dict:
-    """The engine's ``last_timing`` (``engine.api.Timing``) as a flat dict: host phases in
+    """The engine's ``last_timing`` (``engine.timing.Timing``) as a flat dict: host phases in
     seconds and the device time with its basis ('measured' from hw_elapse_time on a board,
     'modeled' by the cost model; None when the engine could give neither)."""
     out = {f"{phase}_s": getattr(timing, attr) for phase, attr in HOST_PHASES.items()}

@@ -55,7 +55,7 @@ def shapes_from_gguf(path: Path) -> ModelShapes:
 
 
 def regime_rows(shapes: ModelShapes, ms: list[int], *, dtype: str, cores: int) -> list[dict]:
-    from ggml_rknpu.engine.api import m_bucket
+    from ggml_rknpu.engine.programs import m_bucket
 
     base = modeled_step_s(shapes, 1, dtype=dtype, cores=cores)
     rows = []

@@ -52,7 +52,7 @@ DRAFT_FOR = {"qwen2.5-1.5b": "qwen2.5-0.5b"}   # same tokenizer, the usual pairi
 def modeled_step_s(shapes: ModelShapes, m: int, *, dtype: str, cores: int) -> float:
     """Modeled NPU seconds of one step with ``m`` rows: each weight once, at the engine's M bucket."""
     from ggml_rknpu.bench.matmul import modeled_program_time
-    from ggml_rknpu.engine.api import m_bucket
+    from ggml_rknpu.engine.programs import m_bucket
 
     bucket = m_bucket(m)
     return sum(n * modeled_program_time(bucket, k, width, dtype, cores) for (k, width), n in shapes.weights)

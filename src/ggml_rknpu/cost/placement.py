@@ -16,6 +16,7 @@ from typing import Callable
 
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost.model import IN_BYTES, OWN_DRIVER, dram_bandwidth, modeled_time, vendor_style_workload
+from ggml_rknpu.hw.alignment import ceil_div
 
 NPU = "npu"
 HOST = "host"
@@ -132,7 +133,7 @@ def place_matmul(weight_type: int | str, M: int, K: int, N: int, *, npu_dtype: s
     submit of its share of the rows; on the host one ggml-cpu op streams them all."""
     bpw = cpu.bytes_per_weight(weight_type)
     npu_b = IN_BYTES[npu_dtype]
-    rows = -(-M // experts)
+    rows = ceil_div(M, experts)
     return choose(
         N,
         lambda n: experts * npu_matmul_seconds(rows, K, n, npu_dtype, cores),

@@ -9,7 +9,7 @@ other failure of a matmul is an ordinary exception (that weight falls back to th
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -19,13 +19,18 @@ OutOfMemory = NpuOutOfMemory
 
 
 class EngineWeight(Protocol):
-    """A weight resident for an engine: shape (N, K), its dtype, released by ``free``."""
+    """A weight resident for an engine: shape (N, K), its dtype and size, released by ``free``."""
 
     @property
     def shape(self) -> tuple[int, int]: ...
 
     @property
     def dtype(self) -> str: ...
+
+    @property
+    def packed_bytes(self) -> int:
+        """NPU bytes the weight holds in its native layout."""
+        ...
 
     def free(self) -> None: ...
 
@@ -72,7 +77,7 @@ class EngineStep(Protocol):
 
     closed: bool
 
-    def run(self, a: np.ndarray, outs: Any = None) -> list[np.ndarray]:
+    def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """``a`` [M, K] (M up to the planned rows) -> one [M, N_i] result per weight, written
         into ``outs`` (one float32 array per weight) when given. Sets the engine's
         ``last_timing`` for the whole step, as ``matmul`` does for one call."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ggml_rknpu.hw.envelope import EXTENDED, PROVEN, Envelope, by_name
+from ggml_rknpu.kernel.device import NpuDevice
 
 FILE_ENV = "RKNPU_ENVELOPE_FILE"
 OVERRIDE_ENV = "RKNPU_ENVELOPE"
@@ -45,7 +46,7 @@ def record_path() -> Path:
     return Path(os.environ.get(FILE_ENV) or DEFAULT_FILE).expanduser()
 
 
-def board_key(device: Any) -> str:
+def board_key(device: NpuDevice) -> str:
     """Which board and driver a record is for: the device-tree model (if readable), the
     driver and its version, and "sim" for the simulator."""
     model = "unknown-board"
@@ -92,7 +93,7 @@ def envelope_for_rungs(passed: list[str] | tuple[str, ...], abi: str | None = No
     return env if last is None else env.widen(f"proven+ladder:{last}")
 
 
-def recorded_envelope(device: Any) -> Envelope:
+def recorded_envelope(device: NpuDevice) -> Envelope:
     """The envelope the engine plans in on ``device`` (module doc)."""
     override = os.environ.get(OVERRIDE_ENV)
     if override:

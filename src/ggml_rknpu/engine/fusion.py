@@ -10,7 +10,7 @@ chained steps using it. Why and the two ways: docs/decisions.md "engine/fusion.p
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -19,11 +19,18 @@ from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
 from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
+from ggml_rknpu.engine.memory import c_base
+from ggml_rknpu.engine.timing import Timing, device_seconds
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up
+from ggml_rknpu.kernel.buffer import Buffer
+from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
-C_ALIGN = 64   # member C regions start 64-byte aligned (DATA_ALIGN is 16; 64 keeps cache lines apart)
-
+if TYPE_CHECKING:
+    from ggml_rknpu.compiler.program import Program
+    from ggml_rknpu.engine.npu_weight import Weight
+    from ggml_rknpu.engine.parts import EngineParts
+    from ggml_rknpu.engine.bound_program import BoundProgram
 
 def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
     """Sibling weights [N_i, K] -> one [sum N_i, K] array and each sibling's row range."""
@@ -45,7 +52,7 @@ def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[in
     return np.concatenate(parts, axis=0), tuple(splits)
 
 
-def step_workload(programs: Sequence[Any]) -> Workload:
+def step_workload(programs: Sequence[Program]) -> Workload:
     """What the cost model prices for one step running ``programs``: every task of every
     member; one submit when chained (members of one chain each), else the one program's
     submits (an envelope may cut it into several chains)."""
@@ -93,21 +100,18 @@ class Step:
     ``[:rows]`` of arrays the step owns: they are overwritten by its next run (copy them to
     keep them), or pass ``outs`` to receive the results in your own arrays."""
 
-    def __init__(self, npu: Any, weights: Sequence[Any], m: int, out: str | None) -> None:
-        """``m``: the engine's M bucket for the rows this step takes (``api.m_bucket``)."""
-        if not weights:
-            raise ValueError("a step needs at least one weight")
-        for w in weights:
-            npu._check_weight(w)
+    def __init__(self, parts: EngineParts, weights: Sequence[Weight], m: int, out: str) -> None:
+        """``weights``: checked by the engine (``Npu.step``); ``m``: its M bucket for the rows this
+        step takes (``programs.m_bucket``); ``out``: the output type."""
         ks = {(w.shape[1], w.dtype) for w in weights}
         if len(ks) != 1:
             raise ValueError(f"the weights of one step must share K and dtype; got {sorted(ks)}")
-        self.npu = npu
+        self.parts = parts
         self.weights = tuple(weights)
         self.K = weights[0].shape[1]
         self.dtype = weights[0].dtype
         self.m = m
-        self.out = npu._out_dtype(weights[0], out)
+        self.out = out
         self.closed = False
         scaled = self.dtype == "int8"
         self._result_dtype = np.float32 if scaled or self.out == "fp32" else (
@@ -121,15 +125,16 @@ class Step:
         self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
         self.canary_s = 0.0   # of the submit: arming and checking the canaries (measured)
-        self._chain = _Chain(npu, self) if len(self.weights) > 1 else None
+        self._chain = _Chain(parts, self) if len(self.weights) > 1 else None
         self._label = f"decode step {self!r}"   # what a timeout names (formatted once)
         self.modeled = self._chain.modeled if self._chain else None
 
     # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
-    def _single(self) -> tuple[ActivationPort, list[ResultPort], Any]:
+    def _single(self) -> tuple[ActivationPort, list[ResultPort], BoundProgram]:
         w = self.weights[0]
-        bound = self.npu._bound_program(w, self.m, self.out)
-        a_port, c_port = self.npu._ports(bound, w, self.out)
+        programs = self.parts.programs
+        bound = programs.bound(w, self.m, self.out)
+        a_port, c_port = programs.ports(bound, w, self.out)
         self.modeled = bound.modeled
         return a_port, [c_port], bound
 
@@ -140,7 +145,7 @@ class Step:
         if self.closed:
             raise ValueError("this step was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
-        a_port, r_ports, _job = self._chain.ports() if self._chain else self._single()
+        a_port, r_ports = self._chain.ports() if self._chain else self._single()[:2]
         act_scales = a_port.write(a)
         for port, result in zip(r_ports, self._results):
             port.read(result, a.shape[0], act_scales)
@@ -150,16 +155,21 @@ class Step:
         if self.closed:
             raise ValueError("this step was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
-        a_port, r_ports, target = self._chain.ports() if self._chain else self._single()
-        act_scales = a_port.write(a)
-        t1 = time.perf_counter()
-        if self._chain:
-            self.canary_s, completion = self._chain.submit(self._label)
-            hw_ns, submits = completion.hw_elapsed_ns, 1
+        submitter = self.parts.submitter
+        if self._chain:   # one chained job over private buffers, its members' canaries checked
+            a_port, r_ports = self._chain.ports()
+            act_scales = a_port.write(a)
+            t1 = time.perf_counter()
+            jobs: tuple[Job, ...] = (self._chain.job,)
+            completion, hw_ns = submitter.run(jobs, self._chain.canaries, self._label)
         else:   # the engine's bound program: its chains in order, canaries checked
-            completion, hw_ns = self.npu._submit_bound(target, target.c_buf.array(np.uint8))
-            self.canary_s = self.npu.last_canary_s
-            submits = len(target.jobs)
+            a_port, r_ports, bound = self._single()
+            act_scales = a_port.write(a)
+            t1 = time.perf_counter()
+            jobs = bound.jobs
+            completion, hw_ns = submitter.run_bound(bound)
+        self.canary_s = submitter.last_canary_s
+        submits = len(jobs)
         t2 = time.perf_counter()
         rows = a.shape[0]
         if outs is not None and len(outs) != len(self._views):
@@ -180,8 +190,9 @@ class Step:
                 results = [o[:rows] for o in outs]
         t3 = time.perf_counter()
         self.timing = (t1 - t0, t2 - t1, t3 - t2)
-        self.npu._record_step_timing(self.timing, self.modeled, completion, hw_ns, submits)
-        c = self.npu.counters
+        dev, label = device_seconds(self.modeled, completion, hw_ns)
+        self.parts.last_timing = Timing(*self.timing, device_s=dev, device_label=label, submits=submits)
+        c = self.parts.counters
         c["matmuls"] += len(self.weights)
         c["step_runs"] += 1
         if self._chain:
@@ -203,7 +214,7 @@ class Step:
         """Release the step (a chained step's private buffers); idempotent."""
         if not self.closed:
             self.closed = True
-            self.npu._steps.discard(self)
+            self.parts.steps.discard(self)
             if self._chain:
                 self._chain.close()
 
@@ -212,7 +223,7 @@ class Step:
         return f"Step(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
 
 
-def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
+def _check_chainable(programs: Sequence[Program], parts: EngineParts) -> None:
     """Chained members must each be one chain, and the chained image must stay inside the
     engine's envelope (``hw.envelope``: tasks per vendor PC chain); else ValueError."""
     if any(p.n_submits > 1 for p in programs):
@@ -222,10 +233,11 @@ def _check_chainable(programs: Sequence[Any], npu: Any) -> None:
     for p in programs:
         for t in p.tasks:
             per_core[t.core] = per_core.get(t.core, 0) + 1
-    limit = npu.envelope.max_chain_tasks[programs[0].shape.dtype]
-    if npu.abi == "rknpu" and max(per_core.values()) > limit:
+    envelope = parts.programs.envelope
+    limit = envelope.max_chain_tasks[programs[0].shape.dtype]
+    if parts.programs.abi == "rknpu" and max(per_core.values()) > limit:
         raise ValueError(f"chaining these programs puts {max(per_core.values())} tasks in one PC chain, more "
-                         f"than the {npu.envelope.name} envelope's {limit}; use a fused weight or separate steps")
+                         f"than the {envelope.name} envelope's {limit}; use a fused weight or separate steps")
 
 
 class _Chain:
@@ -233,25 +245,24 @@ class _Chain:
     C regions (one clean covers what the CPU wrote, one invalidate what the NPU wrote) and
     the chained regcmd image (cleaned once, here)."""
 
-    def __init__(self, npu: Any, step: Step) -> None:
-        from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
-
-        self.npu = npu
-        programs = [npu._program_for(w, step.m, step.out) for w in step.weights]
+    def __init__(self, parts: EngineParts, step: Step) -> None:
+        self.parts = parts
+        cache = parts.programs
+        programs = [cache.program_for(w, step.m, step.out) for w in step.weights]
         self.programs = programs
-        _check_chainable(programs, npu)
-        self.modeled = (None if npu.npu_mhz is None
-                        else modeled_time(step_workload(programs), npu_mhz=npu.npu_mhz))
+        _check_chainable(programs, parts)
+        self.modeled = (None if cache.npu_mhz is None
+                        else modeled_time(step_workload(programs), npu_mhz=cache.npu_mhz))
         what = repr(step)
         # A and the members' C regions share one buffer, C from a cache-line boundary after A:
         # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then
         # one invalidate of C; no cache line holds both A bytes and C bytes
-        c_base = align_up(programs[0].a_bytes, C_ALIGN)
-        c_offsets, pos = [], c_base
+        c_start = c_base(programs[0].a_bytes)
+        c_offsets, pos = [], c_start
         for p in programs:
             c_offsets.append(pos)
-            pos += align_up(p.c_bytes, C_ALIGN)
-        self.buffers: list[Any] = []
+            pos += c_base(p.c_bytes)   # member C regions start memory.C_ALIGN apart: no shared cache line
+        self.buffers: list[Buffer] = []
         try:
             self.data = self._alloc(pos, "data", what)
             self.regcmd = self._alloc(image_words(programs) * 8, "regcmd", what)
@@ -268,12 +279,12 @@ class _Chain:
         cores = [tuple(HwTask(regcmd_addr=self.regcmd.dma_addr + t.word_offset * 8, body_words=t.body_words,
                               int_mask=t.int_mask, enable_mask=t.enable_mask) for t in tasks)
                  for tasks in per_core]
-        cores += [()] * (npu.device.n_cores - len(cores))
-        # C is an input too, as in the engine's own jobs (api._with_ranges): the CPU wrote its canaries
+        cores += [()] * (cache.device.n_cores - len(cores))
+        # C is an input too, as in the engine's own jobs (bound_program.with_ranges): the CPU wrote its canaries
         self.job = Job(cores=tuple(cores), inputs=(BufferRange(self.data, 0, pos),),
-                       outputs=(BufferRange(self.data, c_base, pos - c_base),))
+                       outputs=(BufferRange(self.data, c_start, pos - c_start),))
         try:
-            npu._prepare_jobs((self.job,), what)
+            parts.memory.prepare_jobs((self.job,), what)
         except BaseException:
             self.close()
             raise
@@ -287,35 +298,20 @@ class _Chain:
             port.bind(c_raw[co: co + c_bytes(p.shape, p.k_splits)])
             r_ports.append(port)
         assert a_bytes(programs[0].shape) == programs[0].a_bytes
-        self._ports = (a_port, r_ports, self.job)
+        self._ports = (a_port, r_ports)
         # each member's canaries in its own C region, as the engine's own submits
         # (engine.canary): a task that never wrote its output is a fault, not a result
         # checked as one set over the shared buffer: one store before, one compare after
         self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
                                           ).over(c_raw)
 
-    def submit(self, what: str) -> tuple[float, Any]:
-        """The chained submit, canaries armed before and checked after (StaleOutput, NPU reset):
-        (the host seconds the canaries took, the submit's completion)."""
-        t0 = time.perf_counter()
-        self.canaries.arm()
-        t1 = time.perf_counter()
-        completion = self.npu._submit_job(self.job, what)
-        t2 = time.perf_counter()
-        unwritten = self.canaries.unwritten()
-        canary_s = t1 - t0 + time.perf_counter() - t2
-        if unwritten:
-            self.npu.stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
-                                  "unwritten after the chained submit: a task did not finish")
-        return canary_s, completion
-
-    def _alloc(self, size: int, purpose: str, what: str) -> Any:
-        buf = self.npu._alloc(align_up(max(size, 1), limits.REGCMD_TASK_ALIGN), purpose, what,
+    def _alloc(self, size: int, purpose: str, what: str) -> Buffer:
+        buf = self.parts.memory.alloc(align_up(max(size, 1), limits.REGCMD_TASK_ALIGN), purpose, what,
                               resident=True)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf
 
-    def ports(self) -> tuple[ActivationPort, list[ResultPort], Any]:
+    def ports(self) -> tuple[ActivationPort, list[ResultPort]]:
         return self._ports
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 Invariants: a program's A and C windows get their native-layout views once; a call is a
 few numpy operations, with no Python loop over rows, tasks or K chunks; K padding of A is
 zeroed on every write (the A buffer is shared by programs of other K); the int8
-arithmetic is ``engine.weights``' own, so results are bit-identical to ``Npu.matmul``; a
+arithmetic is ``engine.staging``' own, so results are bit-identical to its staging path; a
 wrong shape or a non-finite or out-of-fp16-range activation raises ValueError before the
 submit. Why and what each port does: docs/decisions.md "engine/hostpath.py"."""
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.layout import NUMPY_DTYPE, a_bytes, c_bytes, partial_dtype
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.engine.weights import FP16_MAX, INT8_QMAX
+from ggml_rknpu.engine.staging import FP16_MAX, INT8_QMAX
 from ggml_rknpu.hw import limits
 
 _FP32_TINY = np.float32(np.finfo(np.float32).tiny)   # smallest normal float32

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
-from ggml_rknpu.engine.api import MAX_PROGRAM_M, Timing, m_bucket
+from ggml_rknpu.engine.npu_weight import MAX_PROGRAM_M
+from ggml_rknpu.engine.programs import m_bucket
+from ggml_rknpu.engine.timing import Timing
 from ggml_rknpu.hw import limits
-from ggml_rknpu.engine.weights import (
+from ggml_rknpu.engine.staging import (
     ResidentWeight,
     StagedWeight,
     check_matrix,
@@ -175,7 +177,7 @@ class RknnNpu:
         M = a.shape[0]
         acc_dtype = np.float32 if w.dtype == "fp16" else np.int64
         result = np.zeros((M, N), dtype=acc_dtype)
-        times = [0.0, 0.0, 0.0]       # pack A / sync A + run + sync C / unpack C (engine.api.Timing)
+        times = [0.0, 0.0, 0.0]       # pack A / sync A + run + sync C / unpack C (engine.timing.Timing)
         device_s = 0.0
         runs = 0
         for m0 in range(0, M, MAX_PROGRAM_M):

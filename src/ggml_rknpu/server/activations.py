@@ -62,7 +62,7 @@ class ActivationRounder:
         n = rows.size
         packed, out, q8_0 = self._addrs
         self.quantize(rows.ctypes.data, packed, n)
-        if q8_0:
+        if q8_0 and self.q8_0 is not None:
             blocks = self.packed[:n // self.block[0] * self.block[1]].reshape(-1, self.block[1])
             mine = self.q8_0[:blocks.shape[0] * (self.block[1] - 2)].reshape(blocks.shape[0], -1)
             mine[:, :_Q8_1_S.start] = blocks[:, :_Q8_1_S.start]
@@ -102,7 +102,7 @@ class ActivationRounding:
         g = self.ggml
         quantize = g.from_float(vdt)
         if vdt == GgmlType.Q8_K:
-            dequantize: Any = g.dequantize_row_q8_K
+            dequantize: Any = g.dequantize_row_q8_K  # type: ignore[attr-defined]  # bound from lib's table at load
         else:
             dequantize = g.to_float(GgmlType.Q8_0 if vdt == GgmlType.Q8_1 else vdt)
         if quantize is None or dequantize is None:
@@ -113,3 +113,17 @@ class ActivationRounding:
         """``--stats-json``'s ``activations``: the mode and the rounded steps per vec_dot type."""
         return {"mode": self.mode,
                 "rounded_steps": {TYPE_NAMES[GgmlType(t)]: r.calls for t, r in sorted(self.rounders.items())}}
+
+
+def as_f32_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
+    """src1 rows of a MUL_MAT or gathered for MUL_MAT_ID, as contiguous float32 (bf16 arrives as
+    its raw uint16 view)."""
+    if type_id == GgmlType.BF16:
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def npu_rows(rows: np.ndarray, type_id: int, k: int, rounder: ActivationRounder | None) -> np.ndarray:
+    """An NPU step's activations as float32 [M, K], rounded as ggml-cpu would for the weight."""
+    a = as_f32_rows(rows, type_id).reshape(-1, k)
+    return a if rounder is None else rounder(a)

@@ -12,29 +12,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
-from ggml_rknpu.server.activations import ActivationRounder
+from ggml_rknpu.server.activations import ActivationRounder, as_f32_rows
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.placement import HOST, NPU, OpCounter, ServerStats
+from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.stats import OpCounter, ServerStats
+from ggml_rknpu.server.plan_steps import IndexCheck
 from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.tensor import CheckedTensor
-from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.compute import HostCompute, HostContext
 
 F32, I32 = int(GgmlType.F32), int(GgmlType.I32)
 HOST_TENSORS = 3       # ggml tensors ``HostExperts`` adds to a plan's context (rows, ids, dst)
-
-
-class IndexChecker(Protocol):
-    """``graph.IndexCheck``: the validator's index check, run before every replay."""
-
-    values: np.ndarray
-
-    def check(self) -> None: ...
 
 
 def expert_slots(w: CheckedTensor, weights: WeightStore) -> tuple[WeightSlot | None, ...]:
@@ -48,20 +42,6 @@ def expert_slots(w: CheckedTensor, weights: WeightStore) -> tuple[WeightSlot | N
                        data=r.data + e * step, name=f"{r.name}[{e}]")
         slots.append(weights.slot_for(CheckedTensor(part, w.buffer, start, start + step), expert=True))
     return tuple(slots)
-
-
-def as_f32_rows(rows: np.ndarray, type_id: int) -> np.ndarray:
-    """src1 rows of a MUL_MAT or gathered for MUL_MAT_ID, as contiguous float32 (bf16 arrives as
-    its raw uint16 view)."""
-    if type_id == GgmlType.BF16:
-        return (rows.astype(np.uint32) << 16).view(np.float32)
-    return np.ascontiguousarray(rows, dtype=np.float32)
-
-
-def npu_rows(rows: np.ndarray, type_id: int, k: int, rounder: ActivationRounder | None) -> np.ndarray:
-    """An NPU step's activations as float32 [M, K], rounded as ggml-cpu would for the weight."""
-    a = as_f32_rows(rows, type_id).reshape(-1, k)
-    return a if rounder is None else rounder(a)
 
 
 @dataclass(eq=False)
@@ -114,7 +94,7 @@ class ExpertStep:
 
     name: str
     slots: tuple[WeightSlot | None, ...]   # per expert
-    ids: IndexChecker                      # values: the ids' typed view (1, 1, n_tokens, n_used)
+    ids: IndexCheck                      # values: the ids' typed view (1, 1, n_tokens, n_used)
     b: np.ndarray                          # src1 as (n_tokens, ne11, K), typed view in its buffer
     b_type: int
     out: np.ndarray                        # dst as (n_tokens, n_used, N), view in its buffer
@@ -128,7 +108,7 @@ class ExpertStep:
     rounder: ActivationRounder | None = None   # ggml-cpu's activation rounding for the experts' type
 
     @classmethod
-    def plan(cls, name: str, slots: tuple[WeightSlot | None, ...], ids: IndexChecker, b: CheckedTensor,
+    def plan(cls, name: str, slots: tuple[WeightSlot | None, ...], ids: IndexCheck, b: CheckedTensor,
              out: CheckedTensor, host: HostExperts, stats: ServerStats,
              rounder: ActivationRounder | None = None) -> "ExpertStep":
         b_view = b.ref().as_array()[0]
@@ -173,8 +153,8 @@ class ExpertStep:
 
     def _npu_rows(self, pairs: np.ndarray) -> Callable[[], np.ndarray]:
         """The pairs' rows for the NPU (rounded; the host's rows are not: ggml-cpu rounds them)."""
-        gather = self._gatherer(pairs)
-        return gather if self.rounder is None else lambda: self.rounder(gather())
+        gather, rounder = self._gatherer(pairs), self.rounder
+        return gather if rounder is None else lambda: rounder(gather())
 
     def _on_host(self, pairs: np.ndarray, flat: np.ndarray, stats: ServerStats) -> None:
         t0 = time.perf_counter()

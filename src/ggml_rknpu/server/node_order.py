@@ -6,7 +6,7 @@ and may also be the node itself, as ``ggml_cast`` builds it (pinned ggml.c:
 ``result->src[1] = result``). llama.cpp casts K and V to f16 that way for flash attention
 outside the KV cache (encoders, embedding models); the C++ server links the self-reference
 and ggml-cpu copies src0 into dst. Any other self-reference or later source is refused.
-Why: docs/decisions.md "server/graph.py".
+Why: docs/decisions.md "server/planner.py".
 """
 
 from __future__ import annotations

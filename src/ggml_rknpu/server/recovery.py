@@ -20,7 +20,7 @@ import numpy as np
 
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.engine.contract import MatmulEngine
-from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -101,7 +101,7 @@ class NpuRecovery:
         return None
 
     def step_failed(self, what: str, exc: BaseException) -> None:
-        """A grouped step (several matmuls in one submit, ``graph.NpuGroup``) failed; its
+        """A grouped step (several matmuls in one submit, ``plan_steps.NpuGroup``) failed; its
         members run one by one next, each behind ``matmul``. A fault is counted and the NPU
         reset as for a matmul, so the members' attempts start fresh; anything else is logged."""
         kind = fault_kind(exc)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
 from ggml_rknpu.libggml.enums import TYPE_TRAITS
-from ggml_rknpu.server.ops.registry import TensorRef, tensor_span
+from ggml_rknpu.server.ops.vocabulary import TensorRef, tensor_span
 from ggml_rknpu.server.rpc.wire import RPC_TENSOR, ProtocolError, tensor_name
 
 # Largest logical size of one tensor (elements × element size). ne/nb are u32 on the

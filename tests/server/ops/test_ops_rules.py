@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ggml_rknpu.libggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.registry import UnsupportedOp
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.ops.rules import RULES, check_node
 from ggml_rknpu.server.tensor import RpcTensor
 from ggml_rknpu.libggml.lib import TensorP

@@ -10,7 +10,7 @@ import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.registry import UnsupportedOp
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.ops.rules import check_node
 from ggml_rknpu.server.ops.rules_conv import GGML_IM2COL_WORK_SIZE, UPSCALE_DIM_LIMIT
 from ggml_rknpu.libggml import abi

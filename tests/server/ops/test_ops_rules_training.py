@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.ops.registry import UnsupportedOp
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.ops.rules import check_node
 
 from support.ggml_builders import assert_refused, F16, F32, I32, Q8_0, with_params, with_src

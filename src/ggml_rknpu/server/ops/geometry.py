@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlType
-from ggml_rknpu.server.ops.registry import tensor_span
+from ggml_rknpu.server.ops.vocabulary import tensor_span
 
 
 class Geometry(Protocol):

@@ -15,7 +15,7 @@ from typing import Callable
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlType
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.registry import type_name
+from ggml_rknpu.server.ops.vocabulary import type_name
 from ggml_rknpu.server.tensor import RpcTensor
 from ggml_rknpu.libggml import abi
 

@@ -15,7 +15,7 @@ import math
 
 from ggml_rknpu.libggml.enums import GGML_GLU_OP_COUNT, GGML_UNARY_OP_COUNT, GgmlGluOp, GgmlOp, GgmlUnaryOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.registry import UnsupportedOp, op_name, type_name
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp, op_name, type_name
 from ggml_rknpu.server.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I16, I32, I64, OPERAND_ONLY, QUANTIZED,
                                          Index, Node,
                                          Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,

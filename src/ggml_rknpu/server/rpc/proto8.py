@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ggml_rknpu.libggml.enums import GgmlType
-from ggml_rknpu.server.graph import graph_digest
+from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.ops.geometry import contiguous_nb
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.comm import CommError, PeerLink

@@ -26,15 +26,16 @@ from typing import Any, Callable
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
-from ggml_rknpu.server.graph import DeviceGraphs, GraphPlanner, graph_digest
-from ggml_rknpu.server.placement import ServerStats
+from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
+from ggml_rknpu.server.planner import GraphPlanner
+from ggml_rknpu.server.stats import ServerStats
 from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.proto8 import Proto8
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
-from ggml_rknpu.server.weights import RetiredWeights, WeightStats, WeightStore
+from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats, WeightStore
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 
@@ -124,7 +125,7 @@ class ServerConfig:
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
     threads: int | None = None        # ggml-cpu host threads (None: libggml.compute.default_threads())
-    group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (graph.NpuGroup)
+    group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (plan_steps.NpuGroup)
     activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
     placement: str = "npu"            # weight matmuls: "auto" by cost (rknpu serve's default), "npu", "host"
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
@@ -208,7 +209,7 @@ class ServerState:
 
 def _unsupported_signature(exc: BaseException) -> str | None:
     try:
-        from ggml_rknpu.server.ops.registry import UnsupportedOp
+        from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
     except ImportError:
         return None
     return str(exc) if isinstance(exc, UnsupportedOp) else None

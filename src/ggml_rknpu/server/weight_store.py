@@ -291,7 +291,7 @@ class WeightStore:
         raw = slot.buffer.array[slot.start:slot.end]
         slot.content_key = None
         if self.retired is not None:
-            digest = hashlib.sha256(raw).digest()
+            digest = hashlib.sha256(raw.data).digest()
             slot.content_key = (digest, slot.type, slot.layout, self.fmt)
             self.stats.digest_seconds += time.perf_counter() - t0
             slot.handle = self.retired.take(slot.content_key)
@@ -311,6 +311,7 @@ class WeightStore:
 
     def _upload(self, b: np.ndarray) -> EngineWeight:
         """``npu.upload_weight``, freeing retired copies LRU-first while NPU memory is short."""
+        assert self.npu is not None, "weights are staged only with an engine"
         while True:
             try:
                 return self.npu.upload_weight(b, dtype=self.fmt)

@@ -1,0 +1,93 @@
+"""docs/decode-walk.md's call sequences are the code's: a tiny graph (two MUL_MATs of one
+activation, grouped, and one of another, single) replayed on the simulated rknpu device,
+with the Python frames recorded at each SUBMIT ioctl, from the GRAPH_COMPUTE handler down."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ggml_rknpu
+from ggml_rknpu.kernel.rknpu import uapi
+from ggml_rknpu.libggml.enums import GgmlOp
+from support.rpc_testkit import T, serve
+
+pytestmark = pytest.mark.timeout(180)
+WALK = Path(__file__).resolve().parents[2] / "docs" / "decode-walk.md"
+HANDLER = "Session._graph_compute"
+MUL_MAT = int(GgmlOp.MUL_MAT)
+K, N, M = 64, 32, 1
+
+
+def _documented() -> dict[str, list[tuple[str, str]]]:
+    blocks = re.findall(r"```decode-walk (\w+)\n(.*?)```", WALK.read_text(), re.S)
+    return {name: [tuple(line.split()) for line in body.strip().splitlines()] for name, body in blocks}
+
+
+def _frames(syscalls: object) -> list[tuple[str, str]]:
+    """(file under ggml_rknpu/, qualified name) of every package frame from the handler to the ioctl."""
+    frames = []
+    f = sys._getframe(2)          # the caller of the traced ioctl
+    while f is not None:
+        path = f.f_code.co_filename.replace("\\", "/")
+        if "/ggml_rknpu/" in path:
+            frames.append((path.rsplit("/ggml_rknpu/", 1)[1], f.f_code.co_qualname))
+        f = f.f_back
+    frames.reverse()
+    names = [q for _, q in frames]
+    own = type(syscalls)
+    return frames[names.index(HANDLER):] + [(own.__module__.removeprefix("ggml_rknpu.").replace(".", "/") + ".py",
+                                             f"{own.__qualname__}.ioctl")]
+
+
+def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch):
+    documented = _documented()
+    assert set(documented) == {"grouped", "single"}
+    npu = ggml_rknpu.open(device="sim-rknpu")
+    cls = type(npu.device.syscalls)
+    real = cls.ioctl
+    recorded: list[list[tuple[str, str]]] = []
+    recording = [False]
+
+    def traced(self, fd, request, arg):
+        if recording[0] and request == uapi.DRM_IOCTL_RKNPU_SUBMIT:
+            recorded.append(_frames(self))
+        return real(self, fd, request, arg)
+
+    monkeypatch.setattr(cls, "ioctl", traced)
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(3)]
+    x, y = (rng.standard_normal((M, K)).astype(np.float32) for _ in range(2))
+    try:
+        for st in serve(npu=npu):
+            with st.client() as c:
+                wh, wb = c.alloc_base(3 * N * K * 4)
+                ch, cb = c.alloc_base(1 << 16)
+                wt = [T(ne=(K, N, 1, 1), buffer=wh, data=wb + i * N * K * 4, name=f"blk.0.w{i}") for i in range(3)]
+                xt = T(ne=(K, M, 1, 1), buffer=ch, data=cb, name="x")
+                yt = T(ne=(K, M, 1, 1), buffer=ch, data=cb + 4096, name="y")
+                q = T(ne=(N, M, 1, 1), buffer=ch, data=cb + 8192, op=MUL_MAT, src=(wt[0].id, xt.id), name="q")
+                k = T(ne=(N, M, 1, 1), buffer=ch, data=cb + 12288, op=MUL_MAT, src=(wt[1].id, xt.id), name="k")
+                o = T(ne=(N, M, 1, 1), buffer=ch, data=cb + 16384, op=MUL_MAT, src=(wt[2].id, yt.id), name="o")
+                for t, w in zip(wt, ws):
+                    c.set_array(t, w)
+                c.set_array(xt, x)
+                c.set_array(yt, y)
+                tensors = [*wt, xt, yt, q, k, o]
+                c.graph_compute([q, k, o], tensors)      # planned and staged
+                c.get_array(o)
+                recording[0] = True
+                c.graph_compute([q, k, o], tensors)      # the decode token: the plan replayed
+                got = [c.get_array(t).reshape(M, N) for t in (q, k, o)]
+                recording[0] = False
+                stats = st.state.stats_dict()
+    finally:
+        npu.close()
+    for out, a, w in zip(got, (x, x, y), ws):
+        np.testing.assert_allclose(out, a @ w.T, rtol=2e-2, atol=5e-2)
+    assert stats["plan_cache_hits"] == 1 and stats["npu_grouped_runs"] == 2
+    assert recorded == [documented["grouped"], documented["single"]]
