@@ -81,7 +81,7 @@ class ServeProcess:
         self.port = launch.free_port()
         self.argv = [*prefix, sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1",
                      "--port", str(self.port), "--device", device, "--weights", weights, "-t", str(threads),
-                     "--no-progress", "--stats"]
+                     "--no-progress", "--stats", "--placement", "npu"]   # the NPU side: every eligible matmul there
         self.log_path = log_path
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None

@@ -212,12 +212,18 @@ def run(args: argparse.Namespace) -> int:
             return 2
         npu.memory_cap = args.npu_memory << 20
         engine += f", NPU memory capped at {args.npu_memory} MiB"
+    placement = args.placement
+    if args.engine == "rknn" and placement == "auto":
+        # the cost models price our own driver path, not librknnrt's per-call cost (docs/placement.md)
+        placement = "npu"
+        log.info("--engine rknn: --placement auto has no cost model of librknnrt, so every eligible matmul "
+                 "runs on the NPU (--placement host runs them in ggml-cpu)")
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
                           threads=args.threads, group_matmuls=not args.no_fuse,
-                          activations=args.activations, placement=args.placement,
+                          activations=args.activations, placement=placement,
                           host_threads=args.host_threads)
     from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
