@@ -42,9 +42,8 @@ def test_measured_times_override_the_models():
 
 @pytest.mark.timeout(600)
 def test_calibrate_a_tiny_gguf_on_the_simulator(tmp_path):
-    from support.gguf_models import write_tiny_gguf
-
     from ggml_rknpu.cli.main import main
+    from support.gguf_models import write_tiny_gguf
 
     model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "q8_0")
     record = tmp_path / "placement.json"

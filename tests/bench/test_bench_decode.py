@@ -82,9 +82,8 @@ def test_goal_bounds_are_the_weights_at_the_ceiling_plus_the_submits(name, dtype
 
 
 def test_gguf_shape_and_cli_report(tmp_path):
-    from support.gguf_models import TinyConfig, write_tiny_gguf
-
     from ggml_rknpu.cli.main import main
+    from support.gguf_models import TinyConfig, write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
     shape = dec.load_gguf_shape(path)

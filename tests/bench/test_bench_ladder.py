@@ -106,7 +106,7 @@ def test_the_long_rocket_job_rung_passes_on_the_simulated_mainline_driver():
 
 def test_the_golden_rung_submits_the_golden_streams_word_for_word(reference_dir):
     from ggml_rknpu.compiler.matmul import compile_matmul
-    from support.golden import A, B, C, REGCMD, golden_cases, register_map
+    from support.golden import REGCMD, A, B, C, golden_cases, register_map
 
     rung = next(r for r in ld.LADDER if r.name == "golden")
     cases = {(c["M"], c["K"], c["N"], c["mode"]): c for c in golden_cases(reference_dir)}

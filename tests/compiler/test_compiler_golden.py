@@ -6,11 +6,10 @@ change deviates on purpose, list the register there with the reason."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from ggml_rknpu.compiler.matmul import compile_matmul
-from support.golden import A, B, C, MODES, REGCMD, golden_cases, register_map
+from support.golden import MODES, REGCMD, A, B, C, golden_cases, register_map
 
 DELIBERATE_EXCEPTIONS: dict[int, str] = {}   # register offset -> reason (none needed)
 

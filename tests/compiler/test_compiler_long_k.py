@@ -4,7 +4,8 @@ when one 8960-channel chunk's kernel group took 9 of the 12 CBUF banks)."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, SDK_SPLIT_K, k_chunks

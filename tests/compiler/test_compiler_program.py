@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
 from ggml_rknpu.compiler.matmul import compile_matmul

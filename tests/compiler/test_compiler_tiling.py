@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.compiler.tiling import MAX_TASK_K, MIN_CHUNK_K, _tile, k_chunks, modeled_seconds, tile
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
+from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.envelope import PROVEN
-from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import BY_OFFSET
 

@@ -8,7 +8,8 @@ import json
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.tiling import k_chunks

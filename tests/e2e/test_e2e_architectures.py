@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 from support.arch_models import ARCHITECTURES, BY_NAME, write_arch_gguf
-from support.e2e_support import (RknpuServer, Server, completion, cpp_server, llama_server, rknpu_server,
-                                 tool_or_skip)
+from support.e2e_support import RknpuServer, Server, completion, cpp_server, llama_server, rknpu_server, tool_or_skip
 from support.greedy import agree, steps
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(600)]

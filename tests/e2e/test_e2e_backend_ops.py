@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from support.e2e_support import Server, cpp_server, parse_backend_ops, rknpu_server, run_backend_ops, tool_or_skip
 from ggml_rknpu.toolchain.llamacpp import CLIENTS, PINNED
+from support.e2e_support import Server, cpp_server, parse_backend_ops, rknpu_server, run_backend_ops, tool_or_skip
 
 pytestmark = [pytest.mark.llama]
 

@@ -18,8 +18,8 @@ import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from ggml_rknpu.server.rpc import proto8
-from ggml_rknpu.server.tensor import RpcTensor
 from ggml_rknpu.server.rpc.wire import Cmd
+from ggml_rknpu.server.tensor import RpcTensor
 from support import rpc_record, wheel_client
 from support.e2e_support import rknpu_server
 from support.gguf_models import write_tiny_gguf

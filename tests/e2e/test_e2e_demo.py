@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from support.e2e_support import tool_or_skip, tool_env
+from support.e2e_support import tool_env, tool_or_skip
 
 
 def test_bad_token_count_is_refused_before_any_work() -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from support.e2e_support import completion, rknpu_server, tool_or_skip
 from ggml_rknpu.toolchain import models
+from support.e2e_support import completion, rknpu_server, tool_or_skip
 from support.gguf_models import write_tiny_gguf
 
 pytestmark = [pytest.mark.llama]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from support.e2e_support import completion, llama_server, rknpu_server, run_tool, tool_or_skip
 from ggml_rknpu.toolchain import llamacpp, models
 from ggml_rknpu.toolchain.llamacpp import CLIENTS, PINNED
+from support.e2e_support import completion, llama_server, rknpu_server, run_tool, tool_or_skip
 
 pytestmark = [pytest.mark.llama]
 DATA = Path(__file__).parents[1] / "data"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ggml_rknpu.toolchain.llamacpp import CLIENTS
 from support.e2e_support import completion, rknpu_server, tool_or_skip
 from support.gguf_models import ARCHES, MORE_ARCHES, write_tiny_gguf
-from ggml_rknpu.toolchain.llamacpp import CLIENTS
 
 pytestmark = [pytest.mark.llama]
 PROMPT = "The capital of France is"

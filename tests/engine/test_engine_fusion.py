@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
 from ggml_rknpu.compiler.chain import chain_image
 from ggml_rknpu.compiler.matmul import compile_matmul
+from ggml_rknpu.cost.model import modeled_time, workload_from_program
 from ggml_rknpu.engine import FusedWeight, open_engine
 from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload
-from ggml_rknpu.cost.model import modeled_time, workload_from_program
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import REGISTERS
@@ -309,9 +308,9 @@ def test_lean_int8_matmul_equals_the_quantised_reference(npu, K, N, rows):
 def test_tiny_activations_quantise_like_the_general_path(npu, peak):
     """Rows whose scale underflows (peak / 127 = 0) or is subnormal: same q and scales as
     quantize_rows_int8, so the same result."""
+    from ggml_rknpu.compiler.shape import MatmulShape
     from ggml_rknpu.engine.hostpath import ActivationPort
     from ggml_rknpu.engine.staging import quantize_rows_int8
-    from ggml_rknpu.compiler.shape import MatmulShape
 
     rng = np.random.default_rng(8)
     for rows in (1, 3):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
 import ggml_rknpu
 from ggml_rknpu.compiler.tiling import k_chunks
 

@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-
 from ggml_rknpu.engine import Npu, m_bucket, open_engine
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 

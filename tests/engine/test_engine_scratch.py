@@ -9,9 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-
-from ggml_rknpu.engine import Npu, open_engine
-from ggml_rknpu.engine import bound_program
+from ggml_rknpu.engine import Npu, bound_program, open_engine
 from ggml_rknpu.engine.programs import RESERVE_ROWS
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.hw.regcmd import (
-    BLOCK_OF_TARGET, MATMUL_ENABLE, OpEnable, Target, decode_word, fetch_amount,
-    regcmd_word, target_for_offset, task_tail, words_for_amount, write_word,
+    BLOCK_OF_TARGET,
+    MATMUL_ENABLE,
+    OpEnable,
+    Target,
+    decode_word,
+    fetch_amount,
+    regcmd_word,
+    target_for_offset,
+    task_tail,
+    words_for_amount,
+    write_word,
 )
 from ggml_rknpu.hw.registers import BY_OFFSET, Block
 

@@ -7,7 +7,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset, register_at

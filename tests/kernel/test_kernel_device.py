@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.kernel_fake_npu import attach, regcmd_words
-from ggml_rknpu.hw.alignment import ceil_div
-from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.devices import open_device
-from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
+from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice, discover
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
 from ggml_rknpu.sim.kernel import SimKernel
+from support.kernel_fake_npu import attach, regcmd_words
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from support.sim_support import pack_feature, pack_weights, unpack_output, within_fp16_model
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.kernel.device import HwTask, Job
+from support.sim_support import pack_feature, pack_weights, unpack_output, within_fp16_model
 
 pytestmark = pytest.mark.timeout(120)
 GOLDEN_BASES = (0x1000_0000, 0x2000_0000, 0x3000_0000)  # feature, weights, output [golden/README.md]

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
 from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls
 from ggml_rknpu.sim.kernel import SimKernel

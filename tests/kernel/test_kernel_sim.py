@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from support.kernel_fake_npu import attach, regcmd_words
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel.rknpu import uapi as rk
-from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuOutOfMemory, NpuTimeout
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
+from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
 from ggml_rknpu.sim.kernel import SimKernel, fuzz_status
+from support.kernel_fake_npu import attach, regcmd_words
 
 pytestmark = pytest.mark.timeout(60)
 

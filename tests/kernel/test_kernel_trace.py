@@ -6,9 +6,9 @@ import errno
 
 import pytest
 
-from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
 from ggml_rknpu.kernel.trace import TracingSyscalls
 from ggml_rknpu.sim.kernel import SimKernel

@@ -7,10 +7,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from ggml_rknpu.toolchain import llamacpp
-from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.codegen import ggml_abi as gen_abi
 from ggml_rknpu.libggml import abi, lib
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.toolchain import llamacpp
 
 
 def test_generated_abi_is_current():

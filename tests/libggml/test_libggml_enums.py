@@ -6,8 +6,8 @@ import pytest
 
 from ggml_rknpu.codegen import ggml_enums as gen_enums
 from ggml_rknpu.libggml import enums
-from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.libggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.toolchain import llamacpp
 
 
 def test_spot_values_from_reference_note() -> None:

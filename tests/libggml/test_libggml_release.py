@@ -10,9 +10,9 @@ import signal
 import numpy as np
 import pytest
 
-from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext, Threads
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 
 _LIBC = ctypes.CDLL(None)
 

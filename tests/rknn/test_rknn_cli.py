@@ -14,14 +14,14 @@ import sys
 
 import numpy as np
 import pytest
-from support.bench_support import RIGS, valid_png
-from support.bench_support import run_bench_cli as run_cli
-from support.rknn_support import standin_path  # noqa: F401  (fixture)
-from support.rpc_testkit import RpcClient, T, wait_for_line
 
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn import opener
+from support.bench_support import RIGS, valid_png
+from support.bench_support import run_bench_cli as run_cli
+from support.rknn_support import standin_path  # noqa: F401  (fixture)
+from support.rpc_testkit import RpcClient, T, wait_for_line
 
 pytestmark = pytest.mark.timeout(120)
 K, N, M = 64, 32, 3

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.rknn_support import build_so as _gcc
-from support.rknn_support import standin_path  # noqa: F401  (fixture)
 
 from ggml_rknpu.compiler import layout
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType, check_type
+from support.rknn_support import build_so as _gcc
+from support.rknn_support import standin_path  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)
 

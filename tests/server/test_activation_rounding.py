@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.hw.alignment import align_up
-from ggml_rknpu.server.activations import ActivationRounding
-from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.libggml import lib
+from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
+from ggml_rknpu.server.activations import ActivationRounding
 from support.rpc_testkit import FakeNpu, SteppingFakeNpu, T, serve
 
 F32 = int(GgmlType.F32)

@@ -4,8 +4,8 @@ SIGUSR1 and at exit; binding elsewhere warns loudly."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import signal
 import subprocess
 import sys

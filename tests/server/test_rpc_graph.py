@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.placement import HOST, NPU
 from support import rpc_testkit
-from support.matmul_graph import K, M, N, MatmulGraph, f32, fp16_ref, rng_w
+from support.matmul_graph import K, M, MatmulGraph, N, f32, fp16_ref, rng_w
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)

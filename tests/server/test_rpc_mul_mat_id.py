@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from ggml_rknpu.kernel.errors import NpuOutOfMemory, NpuTimeout
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.placement import HOST, NPU
-from ggml_rknpu.kernel.errors import NpuOutOfMemory, NpuTimeout
 from support.rpc_testkit import FakeNpu, FaultyNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)

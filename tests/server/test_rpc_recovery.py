@@ -11,9 +11,9 @@ import pytest
 import ggml_rknpu
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.server.placement import HOST, NPU
 from ggml_rknpu.server.recovery import DEMOTE_AFTER
-from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.sim.faults import inject_faults
 from support.matmul_graph import K, M, MatmulGraph, fp16_ref, rng_w
 from support.rpc_testkit import FaultyNpu, serve

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from support.rpc_testkit import GIB, FakeNpu, FakeWeight, T, serve
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,12 +25,12 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
 import ggml_rknpu
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim import conv
 from ggml_rknpu.sim.npu import SimNpu
+from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
 
 pytestmark = pytest.mark.timeout(300)
 ABIS = ("sim-rknpu", "sim-rocket")

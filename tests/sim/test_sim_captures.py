@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.sim_support import FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit, \
-    within_fp16_model
 from ggml_rknpu.hw.regcmd import Target, decode_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim.npu import SimNpu
+from support.sim_support import FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit, within_fp16_model
 
 PC_BASE = REGISTERS["PC_BASE_ADDRESS"].offset
 

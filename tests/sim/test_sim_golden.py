@@ -10,9 +10,17 @@ import json
 import numpy as np
 import pytest
 
-from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, \
-    vendor_irq_fuzz, vendor_submit, within_fp16_model
 from ggml_rknpu.sim.npu import SimNpu
+from support.sim_support import (
+    REGCMD_ADDR,
+    FakeMemory,
+    pack_feature,
+    pack_weights,
+    unpack_output,
+    vendor_irq_fuzz,
+    vendor_submit,
+    within_fp16_model,
+)
 
 FEATURE, WEIGHTS, OUTPUT = 0x1000_0000, 0x2000_0000, 0x3000_0000
 MODES = {  # mode -> (input dtype, output dtype, kernel group) [§6, §7]

@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, vendor_submit
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import Target, fetch_amount, regcmd_word, task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim.npu import SimNpu
+from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, vendor_submit
 
 FEATURE, WEIGHTS, OUTPUT = 0x1000_0000, 0x2000_0000, 0x3000_0000
 INT_STATUS, RAW_STATUS = 0x28, 0x2C

@@ -13,12 +13,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, \
-    vendor_submit, within_fp16_model
 from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.sim.npu import SimNpu
+from support.sim_support import (
+    REGCMD_ADDR,
+    FakeMemory,
+    pack_feature,
+    pack_weights,
+    unpack_output,
+    vendor_submit,
+    within_fp16_model,
+)
 
 FEATURE, WEIGHTS, OUTPUT = 0x1000_0000, 0x2000_0000, 0x3000_0000
 MODES = {"fp16_fp32": ("fp16", np.float16, np.float32, 16, 4),

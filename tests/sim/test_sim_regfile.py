@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_rknpu.hw.registers import Block, REGISTERS
+from ggml_rknpu.hw.registers import REGISTERS, Block
 from ggml_rknpu.sim.regfile import RegisterFile
 from ggml_rknpu.sim.validate import TaskRefused
 

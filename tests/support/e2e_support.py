@@ -11,6 +11,7 @@ said.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -19,7 +20,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import pytest
 
 from ggml_rknpu.toolchain import launch, llamacpp
 from ggml_rknpu.toolchain.launch import free_port, one_thread_env
+
 
 def tool_or_skip(name: str, client: str = llamacpp.PINNED) -> Path:
     """Path of a llama.cpp tool of a client build; skips the test when scripts/build-llama-cpp
@@ -63,7 +64,7 @@ class Server:
     def env(self) -> dict[str, str]:
         return tool_env()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                      stdin=subprocess.DEVNULL)

@@ -5,7 +5,7 @@ tails for TASK_NUMBER tasks and raises the configured interrupt bits - or hangs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

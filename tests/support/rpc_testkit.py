@@ -13,18 +13,18 @@ import struct
 import subprocess
 import threading
 import time
-from types import SimpleNamespace
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 
-from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.enums import GgmlType
+from ggml_rknpu.server.buffers import DeviceMemory
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState
 from ggml_rknpu.server.rpc.wire import Cmd
-from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 
 F32 = int(GgmlType.F32)
 GIB = 1 << 30
@@ -32,7 +32,7 @@ GIB = 1 << 30
 
 # --- fake engine ----------------------------------------------------------------------------
 class FakeWeight:
-    def __init__(self, engine: "FakeNpu", b: np.ndarray, dtype: str) -> None:
+    def __init__(self, engine: FakeNpu, b: np.ndarray, dtype: str) -> None:
         self.engine = engine
         self.b = b.astype(np.float16).astype(np.float32) if dtype == "fp16" else b.astype(np.float32)
         self.shape: tuple[int, int] = b.shape
@@ -87,7 +87,7 @@ class FakeNpu:
 class FakeStep:
     """``SteppingFakeNpu.step``: the members' matmuls, one ``submits`` count per run."""
 
-    def __init__(self, engine: "SteppingFakeNpu", weights: list[FakeWeight], m: int) -> None:
+    def __init__(self, engine: SteppingFakeNpu, weights: list[FakeWeight], m: int) -> None:
         self.engine, self.weights, self.m, self.closed = engine, weights, m, False
 
     def run(self, a: np.ndarray, outs=None) -> list[np.ndarray]:
@@ -220,7 +220,7 @@ class RpcClient:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RpcClient":
+    def __enter__(self) -> RpcClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -255,7 +255,7 @@ class RpcClient:
             return self.sock.recv(1) == b""
         except ConnectionResetError:
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
 
     # commands

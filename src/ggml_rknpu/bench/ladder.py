@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -251,8 +252,8 @@ def passed_rungs(results: list[RungResult]) -> list[str]:
 
 def record(device_name: str | None, results: list[RungResult], report: str = "") -> tuple[str, Path]:
     """Save what this board and driver passed (engine.envelope_record); returns (key, file)."""
-    from ggml_rknpu.engine.envelope_record import board_key, save_passed
     from ggml_rknpu.devices import open_device
+    from ggml_rknpu.engine.envelope_record import board_key, save_passed
 
     with open_device(device_name) as dev:
         key = board_key(dev)

@@ -90,7 +90,7 @@ class ServeProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.ready_timeout

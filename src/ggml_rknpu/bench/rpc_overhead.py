@@ -16,8 +16,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.bench import report as rp
 from ggml_rknpu.toolchain import launch, llamacpp
 
 

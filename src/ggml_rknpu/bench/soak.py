@@ -22,8 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.bench import report as rp
 from ggml_rknpu.toolchain import launch, llamacpp
 
 DEFAULT_FAULTS = "timeout:0.002,dma:0.002,stale:0.002,core:0.002,seed=1"

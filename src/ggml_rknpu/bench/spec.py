@@ -151,7 +151,7 @@ class LlamaServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "LlamaServerProcess":
+    def __enter__(self) -> LlamaServerProcess:
         from ggml_rknpu.toolchain import launch
 
         with open(self.log_path, "wb") as log:

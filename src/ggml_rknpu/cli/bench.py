@@ -378,9 +378,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:
+        from ggml_rknpu.bench import calibrate, host_placement, rpc8_decode, rpc_overhead, soak, spec
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
-        from ggml_rknpu.bench import calibrate, host_placement, rpc8_decode, rpc_overhead, soak, spec
 
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,

@@ -19,8 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from ggml_rknpu.toolchain import llamacpp
 from ggml_rknpu.codegen.ggml_enums import parse_enum
+from ggml_rknpu.toolchain import llamacpp
 
 OUTPUT = Path(__file__).resolve().parent.parent / "libggml" / "abi.py"
 

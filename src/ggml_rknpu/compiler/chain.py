@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE, TAIL_WORDS, task_tail
-from ggml_rknpu.hw import limits
 
 WORD_BYTES = 8
 

@@ -10,8 +10,9 @@ Why a separate model and the terms' sources: docs/decisions.md "cost/model.py"."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up, ceil_div

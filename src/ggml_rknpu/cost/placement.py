@@ -11,8 +11,8 @@ at the bucket's largest M (``BUCKET_M``). Why: docs/placement.md."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost.model import IN_BYTES, OWN_DRIVER, dram_bandwidth, modeled_time, vendor_style_workload

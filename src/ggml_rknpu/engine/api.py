@@ -26,9 +26,9 @@ from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
 from ggml_rknpu.engine.parts import EngineParts
 from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, ProgramCache, m_bucket
 from ggml_rknpu.engine.scratch import ScratchPool
+from ggml_rknpu.engine.staging import check_matrix, stage_weight
 from ggml_rknpu.engine.submission import Submitter
 from ggml_rknpu.engine.timing import Timing, device_seconds
-from ggml_rknpu.engine.staging import check_matrix, stage_weight
 from ggml_rknpu.hw.envelope import Envelope, by_name
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError

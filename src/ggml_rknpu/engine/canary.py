@@ -44,7 +44,7 @@ class Canaries:
     pattern: np.generic    # np.uint32 or np.uint16
 
     @classmethod
-    def for_program(cls, program) -> "Canaries":
+    def for_program(cls, program) -> Canaries:
         atoms = []
         out = None
         for task in program.tasks:
@@ -59,7 +59,7 @@ class Canaries:
         pattern = PATTERN[out]
         return cls(np.concatenate(atoms) * (_ATOM // pattern.itemsize), pattern)
 
-    def at(self, byte_offset: int) -> "Canaries":
+    def at(self, byte_offset: int) -> Canaries:
         """The same canaries for a C region that starts ``byte_offset`` bytes into a larger
         buffer (a chained step's members share one)."""
         width = self.pattern.itemsize
@@ -68,14 +68,14 @@ class Canaries:
         return Canaries(self.elements + byte_offset // width, self.pattern)
 
     @classmethod
-    def combined(cls, parts: "list[Canaries]") -> "Canaries":
+    def combined(cls, parts: list[Canaries]) -> Canaries:
         """The canaries of several programs over one buffer, armed and checked as one."""
         patterns = {(p.pattern.dtype, int(p.pattern)) for p in parts}
         if len(patterns) != 1:
             raise ValueError("combined canaries need one output precision")
         return cls(np.concatenate([p.elements for p in parts]), parts[0].pattern)
 
-    def over(self, c_bytes: np.ndarray) -> "CanaryCells":
+    def over(self, c_bytes: np.ndarray) -> CanaryCells:
         """These canaries bound to the bytes of one C buffer (views made once)."""
         return CanaryCells(self, c_bytes)
 

@@ -9,7 +9,8 @@ other failure of a matmul is an ordinary exception (that weight falls back to th
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -10,7 +10,8 @@ chained steps using it. Why and the two ways: docs/decisions.md "engine/fusion.p
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,9 +29,9 @@ from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 if TYPE_CHECKING:
     from ggml_rknpu.compiler.program import Program
+    from ggml_rknpu.engine.bound_program import BoundProgram
     from ggml_rknpu.engine.npu_weight import Weight
     from ggml_rknpu.engine.parts import EngineParts
-    from ggml_rknpu.engine.bound_program import BoundProgram
 
 def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
     """Sibling weights [N_i, K] -> one [sum N_i, K] array and each sibling's row range."""

@@ -8,15 +8,15 @@ staged weights never starve the matmul programs. Why: docs/decisions.md "engine/
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import PAGE_BYTES
 from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 from ggml_rknpu.kernel.job import Job
-from ggml_rknpu.hw.alignment import align_up
 
 C_ALIGN = 64   # C starts this far into a bucket's scratch buffer: no cache line holds A and C bytes
 

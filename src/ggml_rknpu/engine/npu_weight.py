@@ -7,7 +7,8 @@ programs, its buffer and the chained steps using it, once. Why: docs/decisions.m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ggml_rknpu.engine.memory import Headroom
 from ggml_rknpu.engine.staging import ResidentWeight, StagedWeight

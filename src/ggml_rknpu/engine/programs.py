@@ -8,6 +8,7 @@ the engine's ``envelope``; a bucket the compiler refuses or that finds no memory
 from __future__ import annotations
 
 from collections import OrderedDict
+
 import numpy as np
 
 from ggml_rknpu.compiler.matmul import compile_matmul
@@ -19,11 +20,11 @@ from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort, bind_ports
 from ggml_rknpu.engine.memory import Headroom, NpuMemory, pages
 from ggml_rknpu.engine.npu_weight import MAX_PROGRAM_M, Weight
 from ggml_rknpu.engine.scratch import ScratchPool
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.envelope import Envelope
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError, NpuOutOfMemory
 from ggml_rknpu.kernel.job import Job
-from ggml_rknpu.hw.alignment import align_up
 
 BUCKET_POW2_MAX = 256
 OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}

@@ -34,7 +34,7 @@ class StagedWeight:
     def shape(self) -> tuple[int, int]:
         return self.data.shape  # type: ignore[return-value]
 
-    def without_data(self) -> "StagedWeight":
+    def without_data(self) -> StagedWeight:
         """The same weight with its host copy released (a zero-byte read-only view keeps the
         shape and element type): what an engine holds once the data is in device memory,
         so a resident model does not also occupy host RAM."""

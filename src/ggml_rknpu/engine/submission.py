@@ -8,12 +8,13 @@ the step on the host). Why: docs/decisions.md "engine/canary.py"."""
 from __future__ import annotations
 
 import time
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
-from ggml_rknpu.engine.canary import CanaryCells, StaleOutput
 from ggml_rknpu.engine.bound_program import BoundProgram
+from ggml_rknpu.engine.canary import CanaryCells, StaleOutput
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.kernel.job import Completion, Job

@@ -50,7 +50,7 @@ class Envelope:
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
                           for v in dataclasses.astuple(self)))
 
-    def widen(self, name: str | None = None, **fields) -> "Envelope":
+    def widen(self, name: str | None = None, **fields) -> Envelope:
         """This envelope with some fields taken wider (e.g. ``max_cores=3``)."""
         return dataclasses.replace(self, name=name or f"{self.name}+" + ",".join(sorted(fields)), **fields)
 

@@ -30,9 +30,9 @@ class Allocation:
 class BufferOwner(Protocol):
     """What a buffer asks of the device it came from."""
 
-    def _sync(self, buf: "Buffer", offset: int, size: int, *, to_device: bool) -> None: ...
+    def _sync(self, buf: Buffer, offset: int, size: int, *, to_device: bool) -> None: ...
 
-    def _free(self, buf: "Buffer") -> None: ...
+    def _free(self, buf: Buffer) -> None: ...
 
 
 class Buffer:
@@ -74,7 +74,7 @@ class Buffer:
             self._view = None
             self.device._free(self)
 
-    def __enter__(self) -> "Buffer":
+    def __enter__(self) -> Buffer:
         return self
 
     def __exit__(self, *exc: object) -> None:

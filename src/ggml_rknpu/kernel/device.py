@@ -11,20 +11,20 @@ later needs ``Buffer.sync_to_device()`` [docs/npu-programming.md §4-§5]. One d
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
-
+from typing import Any
 
 from ggml_rknpu.hw.limits import N_CORES
-from ggml_rknpu.kernel.rknpu import uapi as rk
-from ggml_rknpu.kernel.rocket import uapi as ro
-from ggml_rknpu.kernel.driver import NpuDriver, SubmitTable
-from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
-from ggml_rknpu.kernel.rocket.driver import RocketDriver
 from ggml_rknpu.kernel.buffer import Buffer
+from ggml_rknpu.kernel.driver import NpuDriver, SubmitTable
 from ggml_rknpu.kernel.drm import query_version
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Completion, HwTask, Job, check_cores
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
+from ggml_rknpu.kernel.rocket import uapi as ro
+from ggml_rknpu.kernel.rocket.driver import RocketDriver
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 __all__ = ["DRIVERS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
@@ -85,7 +85,7 @@ def discover(syscalls: Syscalls, unopenable: list[str] | None = None) -> list[tu
     return found
 
 
-def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> "NpuDevice":
+def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> NpuDevice:
     """Open the NPU node ``path`` through ``syscalls`` (``simulated`` only labels results)."""
     try:
         fd = syscalls.open(path)
@@ -200,7 +200,7 @@ class NpuDevice:
         self._live_tables.discard(table)
         self.driver.release_table(table)
 
-    def _replay(self, job: Job) -> "_Replay":
+    def _replay(self, job: Job) -> _Replay:
         """``job`` planned for replay: found by identity (no hashing of its tasks), else its
         table, its ranges checked and the cleans of its inputs packed once."""
         replay = self._replays.get(id(job))
@@ -268,7 +268,7 @@ class NpuDevice:
             buf.close()
         self.syscalls.close(self.fd)
 
-    def __enter__(self) -> "NpuDevice":
+    def __enter__(self) -> NpuDevice:
         return self
 
     def __exit__(self, *exc: object) -> None:

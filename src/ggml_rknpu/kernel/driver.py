@@ -7,12 +7,14 @@ that object. A third ABI is a third class plus one entry in ``device.DRIVERS``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.drm import DrmVersion
 from ggml_rknpu.kernel.job import BufferRange, Cores
+
 
 @dataclass(frozen=True)
 class DriverFacts:

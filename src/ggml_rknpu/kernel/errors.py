@@ -15,7 +15,7 @@ class NpuError(Exception):
         self.errno = errno
 
     @classmethod
-    def from_oserror(cls, what: str, exc: OSError) -> "NpuError":
+    def from_oserror(cls, what: str, exc: OSError) -> NpuError:
         """Wrap an OSError from an ioctl into the most specific NpuError subclass."""
         detail = exc.strerror or _errno.errorcode.get(exc.errno or 0, "unknown error")
         message = f"{what}: {detail}"

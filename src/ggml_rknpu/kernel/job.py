@@ -9,13 +9,14 @@ ranges CPU-visible after it.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_MASK_DPU, MAX_TASKS_PER_SUBMIT, REGCMD_ALIGN
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE
 from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.errors import NpuError
+
 
 @dataclass(frozen=True)
 class HwTask:
@@ -34,14 +35,14 @@ class BufferRange:
     size: int = 0
 
     @classmethod
-    def whole(cls, buffer: Buffer) -> "BufferRange":
+    def whole(cls, buffer: Buffer) -> BufferRange:
         return cls(buffer, 0, buffer.size)
 
 
 Cores = tuple[tuple[HwTask, ...], ...]  # cores[i]: tasks for core i in order; () = unused
 
 
-def _ranges(items: tuple[Union[Buffer, BufferRange], ...]) -> tuple[BufferRange, ...]:
+def _ranges(items: tuple[Buffer | BufferRange, ...]) -> tuple[BufferRange, ...]:
     return tuple(i if isinstance(i, BufferRange) else BufferRange.whole(i) for i in items)
 
 

@@ -14,7 +14,7 @@ import ctypes
 import os
 import sys as _sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ggml_rknpu.kernel import drm
 from ggml_rknpu.kernel.rknpu import uapi as rk

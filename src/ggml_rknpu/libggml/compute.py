@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml import abi
+from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import GGML_STATUS_SUCCESS, Ggml, TensorP
 
 WORK_ALIGN = 64                    # work buffer: cache-line aligned (ggml-cpu pads its own use)

@@ -13,9 +13,9 @@ import ctypes
 import os
 from pathlib import Path
 
-from ggml_rknpu.toolchain import llamacpp
-from ggml_rknpu.libggml.enums import (TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp)
 from ggml_rknpu.libggml import abi
+from ggml_rknpu.libggml.enums import TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.toolchain import llamacpp
 
 LIB_DIR_ENV = llamacpp.GGML_LIB_DIR_ENV
 _FIX = ("rebuild the pinned libraries (scripts/build-llama-cpp, or scripts/build-ggml where only the server "
@@ -126,7 +126,7 @@ class Ggml:
             raise MemoryError(f"ggml_init of {size} bytes failed")
         return ctx
 
-    def new_tensor(self, ctx: int, type_: int, ne: tuple[int, ...]) -> "ctypes._Pointer[abi.Tensor]":
+    def new_tensor(self, ctx: int, type_: int, ne: tuple[int, ...]) -> ctypes._Pointer[abi.Tensor]:
         dims = (ctypes.c_int64 * 4)(*ne)
         t = self.ggml_new_tensor(ctx, type_, 4, dims)
         if not t:
@@ -148,7 +148,7 @@ class Ggml:
         ``type_`` weight (``type_traits_cpu.vec_dot_type``, ggml-cpu.c)."""
         return int(self.ggml_get_type_traits_cpu(type_).contents.vec_dot_type)
 
-    def supports_op(self, t: "ctypes._Pointer[abi.Tensor]") -> bool:
+    def supports_op(self, t: ctypes._Pointer[abi.Tensor]) -> bool:
         """The CPU backend's own ``supports_op`` (types with a quantizer, matmul vec_dot types...)."""
         return bool(self.ggml_backend_dev_supports_op(self.cpu_device, t))
 

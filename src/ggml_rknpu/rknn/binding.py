@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -247,7 +247,7 @@ class RknnLibrary:
                              scale_len=scale.size, zp=zp.ctypes.data_as(_P(ctypes.c_int32)), zp_len=zp.size)
         self._call("rknn_matmul_set_quant_params", ctx, ctypes.byref(params))
 
-    def matmul_set_io_mem(self, ctx: int, mem: "_P[TensorMem]", attr: MatmulTensorAttr) -> None:
+    def matmul_set_io_mem(self, ctx: int, mem: _P[TensorMem], attr: MatmulTensorAttr) -> None:
         self._call("rknn_matmul_set_io_mem", ctx, mem, ctypes.byref(attr),
                    hint=f"tensor {attr.name.decode()} needs {attr.size} bytes")
 
@@ -258,20 +258,20 @@ class RknnLibrary:
         self._call("rknn_matmul_destroy", ctx)
 
     # -- memory ----------------------------------------------------------------------
-    def create_mem(self, ctx: int, size: int) -> "_P[TensorMem]":
+    def create_mem(self, ctx: int, size: int) -> _P[TensorMem]:
         mem = self._lib.rknn_create_mem(ctx, size)
         if not mem:
             raise RknnError("rknn_create_mem", -4, f"{size} bytes; NPU memory exhausted?")
         return mem
 
-    def destroy_mem(self, ctx: int, mem: "_P[TensorMem]") -> None:
+    def destroy_mem(self, ctx: int, mem: _P[TensorMem]) -> None:
         self._call("rknn_destroy_mem", ctx, mem)
 
-    def mem_sync(self, ctx: int, mem: "_P[TensorMem]", mode: int) -> None:
+    def mem_sync(self, ctx: int, mem: _P[TensorMem], mode: int) -> None:
         self._call("rknn_mem_sync", ctx, mem, mode)
 
     @staticmethod
-    def mem_array(mem: "_P[TensorMem]", dtype: np.dtype, count: int) -> np.ndarray:
+    def mem_array(mem: _P[TensorMem], dtype: np.dtype, count: int) -> np.ndarray:
         """A numpy view of ``count`` elements of the buffer's CPU mapping."""
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes > mem.contents.size:

@@ -20,8 +20,6 @@ import numpy as np
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
 from ggml_rknpu.engine.npu_weight import MAX_PROGRAM_M
 from ggml_rknpu.engine.programs import m_bucket
-from ggml_rknpu.engine.timing import Timing
-from ggml_rknpu.hw import limits
 from ggml_rknpu.engine.staging import (
     ResidentWeight,
     StagedWeight,
@@ -30,6 +28,8 @@ from ggml_rknpu.engine.staging import (
     stage_activation,
     stage_weight,
 )
+from ggml_rknpu.engine.timing import Timing
+from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.rknn import binding as rb
 
@@ -77,7 +77,7 @@ class RknnWeight(ResidentWeight):
     """A weight staged on the host (converted, padded, in native layout per K chunk) and,
     per M bucket, resident in the contexts that use it."""
 
-    def __init__(self, npu: "RknnNpu", staged: StagedWeight, native_chunks: list[np.ndarray],
+    def __init__(self, npu: RknnNpu, staged: StagedWeight, native_chunks: list[np.ndarray],
                  k_chunks: list[tuple[int, int]], n_padded: int) -> None:
         self._npu = npu
         self.staged = staged
@@ -306,7 +306,7 @@ class RknnNpu:
             w.free()
         self._closed = True
 
-    def __enter__(self) -> "RknnNpu":
+    def __enter__(self) -> RknnNpu:
         return self
 
     def __exit__(self, *exc: object) -> None:

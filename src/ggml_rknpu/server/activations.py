@@ -12,8 +12,9 @@ run (docs/server.md "Activation numerics" has the measurements and why).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

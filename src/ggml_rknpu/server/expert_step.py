@@ -11,21 +11,22 @@ experts not resident or sent to the host run through ggml-cpu's own MUL_MAT_ID i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from ggml_rknpu.server.activations import ActivationRounder, as_f32_rows
-from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.placement import HOST, NPU
-from ggml_rknpu.server.stats import OpCounter, ServerStats
-from ggml_rknpu.server.plan_steps import IndexCheck
-from ggml_rknpu.server.recovery import NpuRecovery
-from ggml_rknpu.server.tensor import CheckedTensor
-from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.compute import HostCompute, HostContext
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.activations import ActivationRounder, as_f32_rows
+from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.plan_steps import IndexCheck
+from ggml_rknpu.server.recovery import NpuRecovery
+from ggml_rknpu.server.stats import OpCounter, ServerStats
+from ggml_rknpu.server.tensor import CheckedTensor
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 
 F32, I32 = int(GgmlType.F32), int(GgmlType.I32)
 HOST_TENSORS = 3       # ggml tensors ``HostExperts`` adds to a plan's context (rows, ids, dst)
@@ -61,7 +62,7 @@ class HostExperts:
     resize: tuple[tuple[Any, int], ...]   # (ggml tensor, dim holding the row count)
 
     @classmethod
-    def plan(cls, host: HostContext, weight: Any, k: int, n: int, pairs: int, name: str) -> "HostExperts":
+    def plan(cls, host: HostContext, weight: Any, k: int, n: int, pairs: int, name: str) -> HostExperts:
         rows = np.zeros((pairs, k), np.float32)
         ids = np.zeros(pairs, np.int32)
         out = np.zeros((pairs, n), np.float32)
@@ -110,7 +111,7 @@ class ExpertStep:
     @classmethod
     def plan(cls, name: str, slots: tuple[WeightSlot | None, ...], ids: IndexCheck, b: CheckedTensor,
              out: CheckedTensor, host: HostExperts, stats: ServerStats,
-             rounder: ActivationRounder | None = None) -> "ExpertStep":
+             rounder: ActivationRounder | None = None) -> ExpertStep:
         b_view = b.ref().as_array()[0]
         out_view = out.ref().as_array()[0]
         n_tokens, n_used = out_view.shape[0], out_view.shape[1]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggml_rknpu.libggml.enums import GgmlTensorFlag
+from ggml_rknpu.server.node_order import order_error
 from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, op_name
 from ggml_rknpu.server.rpc.wire import GRAPH_HEAD, MAX_GRAPH_NODES, RPC_TENSOR_SIZE, U32, ProtocolError
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, unbacked_reason
-from ggml_rknpu.server.node_order import order_error
 
 
 def computes(t: RpcTensor) -> bool:

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 from ggml_rknpu.libggml.compute import HostContext
-from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.plan_steps import IndexCheck, NpuGroup, ReplayStep, add_counts
 from ggml_rknpu.server.recovery import NpuRecovery
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 
 
 @dataclass(eq=False)

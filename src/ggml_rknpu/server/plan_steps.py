@@ -19,8 +19,8 @@ from ggml_rknpu.engine.contract import EngineStep, EngineWeight, MatmulEngine, M
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
 from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
-from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.recovery import NpuRecovery
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.weight_store import WeightSlot
 
 log = logging.getLogger(__name__)

@@ -22,16 +22,16 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
-from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.ops.rules import check_node, signature
+from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
 from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, matmul_host_reason
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
-from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.plan import GraphPlan
 from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
+from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor
 from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 

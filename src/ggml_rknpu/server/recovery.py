@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.engine.contract import MatmulEngine
-from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
+from ggml_rknpu.server.weight_store import WeightSlot, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
 from ggml_rknpu.libggml.enums import TYPE_TRAITS
+from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
 from ggml_rknpu.server.ops.vocabulary import TensorRef, tensor_span
 from ggml_rknpu.server.rpc.wire import RPC_TENSOR, ProtocolError, tensor_name
 
@@ -48,7 +48,7 @@ class RpcTensor:
     use_count: int
 
     @classmethod
-    def unpack_from(cls, payload: bytes | memoryview, offset: int = 0) -> "RpcTensor":
+    def unpack_from(cls, payload: bytes | memoryview, offset: int = 0) -> RpcTensor:
         f = RPC_TENSOR.unpack_from(payload, offset)
         return cls(
             id=f[0], type=f[1], buffer=f[2], ne=f[3:7], nb=f[7:11], op=f[11], op_params=f[12:28],

@@ -15,17 +15,17 @@ import logging
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import numpy as np
 
-from ggml_rknpu.server.buffers import DeviceBuffer
-from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
-from ggml_rknpu.server.tensor import CheckedTensor
-from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
+from ggml_rknpu.libggml import lib as libggml
+from ggml_rknpu.libggml.enums import GgmlType
+from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
 

@@ -10,9 +10,9 @@ The layouts, inferences and numerics with sources: docs/decisions.md "sim/conv.p
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 

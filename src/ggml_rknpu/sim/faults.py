@@ -40,7 +40,7 @@ class FaultSpec:
     seed: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         rates: dict[str, float] = {}
         schedule: dict[int, str] = {}
         seed = 0

@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -153,7 +153,7 @@ class GemObject:
     dram: np.ndarray = field(init=False, repr=False)
     cpu: np.ndarray = field(init=False, repr=False)
     dma_addr: int = 0
-    domain: "IommuDomain | None" = None
+    domain: IommuDomain | None = None
     mmap_offset: int | None = None
     handle_refs: int = 0  # open handles (GEM handles hold references)
     mappings: int = 0  # live CPU mmaps (each holds a reference, like a VMA)

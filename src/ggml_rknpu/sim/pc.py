@@ -13,21 +13,37 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
 from ggml_rknpu.hw.describe import describe_word
-from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, \
-    decode_word, words_for_amount
+from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import BulkConv, ConvTask, DmaRead, DmaWrite, GemmFn, OperandCache, \
-    decode_conv, execute_conv, multiply
+from ggml_rknpu.sim.conv import (
+    BulkConv,
+    ConvTask,
+    DmaRead,
+    DmaWrite,
+    GemmFn,
+    OperandCache,
+    decode_conv,
+    execute_conv,
+    multiply,
+)
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
 from ggml_rknpu.sim.regfile import PP_BLOCKS, S_POINTER_OFFSET, RegisterFile
-from ggml_rknpu.sim.validate import SYMPTOM_DMA_FAULT, SYMPTOM_HANG, SYMPTOM_NOT_MODELED, \
-    SYMPTOM_SILENT, NotModeled, TaskRefused, Violation, check_reserved
+from ggml_rknpu.sim.validate import (
+    SYMPTOM_DMA_FAULT,
+    SYMPTOM_HANG,
+    SYMPTOM_NOT_MODELED,
+    SYMPTOM_SILENT,
+    NotModeled,
+    TaskRefused,
+    Violation,
+    check_reserved,
+)
 
 _INT = REGISTERS["PC_INTERRUPT_RAW_STATUS"]
 DMA_READ_ERROR = _INT.field("DMA_READ_ERROR").mask        # bit 12 [§3]
@@ -46,7 +62,7 @@ def interrupt_bit(enable: int, task_in_run: int) -> int:
     return _interrupt_bit(enable, task_in_run % 2)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _interrupt_bit(enable: int, group: int) -> int:
     for flag, name in _LAST_BLOCK_INTERRUPT:
         if enable & flag:
@@ -131,7 +147,7 @@ class RunResult:
     records: list[TaskRecord] = field(default_factory=list)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _enabled_blocks(mask: int) -> frozenset[Block]:
     names = {OpEnable.CNA: Block.CNA, OpEnable.CORE: Block.CORE, OpEnable.DPU: Block.DPU,
              OpEnable.DPU_RDMA: Block.DPU_RDMA, OpEnable.PPU: Block.PPU,

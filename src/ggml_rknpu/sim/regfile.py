@@ -100,7 +100,7 @@ class RegisterFile:
             if block in self.pointers:
                 self.pointers[block].task_done()
 
-    def view(self, task_index: int) -> "TaskView":
+    def view(self, task_index: int) -> TaskView:
         return TaskView(self, task_index)
 
 

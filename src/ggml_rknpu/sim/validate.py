@@ -10,9 +10,10 @@ captures and golden streams, and say so where a rule is an empirical fit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Callable, Mapping, Protocol
+from functools import cache
+from typing import Protocol
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import ceil_div
@@ -143,7 +144,7 @@ RESERVED_BITS_SEEN_IN_WORKING_STREAMS: dict[str, tuple[int, str]] = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reserved_mask(name: str) -> int:
     mask = 0
     for f in REGISTERS[name].fields:

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 from ggml_rknpu.toolchain import llamacpp
 

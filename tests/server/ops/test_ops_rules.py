@@ -16,12 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_rknpu.libggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
-from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
-from ggml_rknpu.server.ops.rules import RULES, check_node
-from ggml_rknpu.server.tensor import RpcTensor
 from ggml_rknpu.libggml.lib import TensorP
-
+from ggml_rknpu.server.ops import geometry as geo
+from ggml_rknpu.server.ops.rules import RULES, check_node
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
+from ggml_rknpu.server.tensor import RpcTensor
 from support.ggml_builders import _B, _SZ, F16, F32, I32, I64, PREDICATES, Q4_0, Q8_0, Scratch, _made_by_ggml
 
 

@@ -8,15 +8,13 @@ import dataclasses
 
 import pytest
 
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.ops.rules import check_node
 from ggml_rknpu.server.ops.rules_conv import GGML_IM2COL_WORK_SIZE, UPSCALE_DIM_LIMIT
-from ggml_rknpu.libggml import abi
-
-from support.ggml_builders import assert_refused, BF16, F16, F32, I32, Scratch, with_params, with_src
-
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
+from support.ggml_builders import BF16, F16, F32, I32, Scratch, assert_refused, with_params, with_src
 
 # the dst shapes ggml's builders made for the nodes of support.ggml_builders._vision
 BUILT_SHAPES = {

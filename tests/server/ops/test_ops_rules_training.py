@@ -9,10 +9,9 @@ import dataclasses
 import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.ops.rules import check_node
-
-from support.ggml_builders import assert_refused, F16, F32, I32, Q8_0, with_params, with_src
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
+from support.ggml_builders import F16, F32, I32, Q8_0, assert_refused, with_params, with_src
 
 Q8_1, Q8_K = int(GgmlType.Q8_1), int(GgmlType.Q8_K)
 

@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import ctypes
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_CLEAR_ALL, PAGE_BYTES
-from ggml_rknpu.kernel.rknpu import uapi as rk
-from ggml_rknpu.kernel.driver import DriverFacts, Finished
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
+from ggml_rknpu.kernel.driver import DriverFacts, Finished
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
 from ggml_rknpu.kernel.syscalls import Syscalls
+
+
 def _nothing() -> None:
     """No sync needed."""
 

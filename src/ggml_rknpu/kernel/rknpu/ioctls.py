@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel.rknpu import uapi
 from ggml_rknpu.kernel.drm import DrmVersion, query_version
 from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.rknpu import uapi
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 _HINTS: dict[tuple[str, int], str] = {

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 from ggml_rknpu.hw.regcmd import TAIL_WORDS
-from ggml_rknpu.kernel.rocket import uapi as ro
-from ggml_rknpu.kernel.driver import DriverFacts, Finished
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
+from ggml_rknpu.kernel.driver import DriverFacts, Finished
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
+from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
 from ggml_rknpu.kernel.syscalls import Syscalls
+
 
 @dataclass(frozen=True, eq=False)
 class RocketSubmitTable:

@@ -12,9 +12,9 @@ import errno
 from dataclasses import dataclass
 
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel.rocket import uapi
 from ggml_rknpu.kernel.drm import DrmVersion, gem_close, query_version
 from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.rocket import uapi
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 INT64_MAX = (1 << 63) - 1

@@ -9,15 +9,15 @@ the dst a builder makes (``dst_is``, ``like``), the type rows a ggml-cpu kernel 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ggml_rknpu.hw.alignment import ceil_div
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlType
 from ggml_rknpu.server.ops import geometry as geo
 from ggml_rknpu.server.ops.vocabulary import type_name
 from ggml_rknpu.server.tensor import RpcTensor
-from ggml_rknpu.libggml import abi
 
 F32, F16, BF16, I32, I64 = (int(t) for t in (GgmlType.F32, GgmlType.F16, GgmlType.BF16, GgmlType.I32, GgmlType.I64))
 I8, I16 = int(GgmlType.I8), int(GgmlType.I16)

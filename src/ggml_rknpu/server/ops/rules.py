@@ -13,18 +13,40 @@ from __future__ import annotations
 
 import math
 
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import GGML_GLU_OP_COUNT, GGML_UNARY_OP_COUNT, GgmlGluOp, GgmlOp, GgmlUnaryOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.vocabulary import UnsupportedOp, op_name, type_name
-from ggml_rknpu.server.ops.rulekit import (ANY, BF16, DST, F16, F32, FLOAT, I8, I16, I32, I64, OPERAND_ONLY, QUANTIZED,
-                                         Index, Node,
-                                         Refused, Rule, RpcTensor, conv_out, dst_is, finite, is_type, like, need,
-                                         types_in, unit_stride)
+from ggml_rknpu.server.ops.rulekit import (
+    ANY,
+    BF16,
+    DST,
+    F16,
+    F32,
+    FLOAT,
+    I8,
+    I16,
+    I32,
+    I64,
+    OPERAND_ONLY,
+    QUANTIZED,
+    Index,
+    Node,
+    Refused,
+    RpcTensor,
+    Rule,
+    conv_out,
+    dst_is,
+    finite,
+    is_type,
+    like,
+    need,
+    types_in,
+    unit_stride,
+)
 from ggml_rknpu.server.ops.rules_conv import RULES as CONV_RULES
 from ggml_rknpu.server.ops.rules_dsv4 import RULES as DSV4_RULES
 from ggml_rknpu.server.ops.rules_training import RULES as TRAINING_RULES
-from ggml_rknpu.libggml import abi
-
+from ggml_rknpu.server.ops.vocabulary import UnsupportedOp, op_name, type_name
 
 # (src0, src1, dst) the binary kernels implement (ggml-cpu/binary-ops.cpp binary_op)
 BINARY_TYPES = frozenset({(F32, F32, F32), (F16, F16, F16), (BF16, BF16, BF16), (BF16, F32, BF16),

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.rulekit import (ANY, BF16, F16, F32, Node, Rule, conv_out, dst_is, is_type, need,
-                                         unit_stride)
-from ggml_rknpu.libggml import abi
+from ggml_rknpu.server.ops.rulekit import ANY, BF16, F16, F32, Node, Rule, conv_out, dst_is, is_type, need, unit_stride
 
 GGML_IM2COL_WORK_SIZE = 16 * 1024 * 1024      # ggml-cpu/ops.h: the cplan's work size for CONV_2D / CONV_3D
 PARAM_LIMIT = 1 << 20                          # |padding|, dilation, stride: far beyond any model, far from overflow

@@ -11,8 +11,20 @@ from __future__ import annotations
 
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.rulekit import (ANY, BF16, F16, F32, OPERAND_ONLY, QUANTIZED, Node, Rule, dst_is, is_type,
-                                         need, unit_stride)
+from ggml_rknpu.server.ops.rulekit import (
+    ANY,
+    BF16,
+    F16,
+    F32,
+    OPERAND_ONLY,
+    QUANTIZED,
+    Node,
+    Rule,
+    dst_is,
+    is_type,
+    need,
+    unit_stride,
+)
 
 # K types of the indexer: f32 read as is, or a type whose ggml type traits have to_float
 # (ggml.c type_traits: every quantized type but the operand-only Q8_1 and Q8_K)

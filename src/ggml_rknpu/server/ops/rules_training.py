@@ -11,8 +11,20 @@ from __future__ import annotations
 
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.rulekit import (F16, F32, I32, Index, Node, Rule, dst_is, finite, is_type, like, need,
-                                         unit_stride)
+from ggml_rknpu.server.ops.rulekit import (
+    F16,
+    F32,
+    I32,
+    Index,
+    Node,
+    Rule,
+    dst_is,
+    finite,
+    is_type,
+    like,
+    need,
+    unit_stride,
+)
 
 # src0 types of ggml_compute_forward_out_prod_q_f32 (the dispatch in ggml_compute_forward_out_prod)
 OUT_PROD_QUANTIZED = frozenset(int(GgmlType[n]) for n in (

@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 
-
 log = logging.getLogger("ggml_rknpu.rpc")
 
 CAPS_SIZE = 24                 # RPC_CONN_CAPS_SIZE (transport.h), zero: TCP only
@@ -63,7 +62,7 @@ class PeerLink:
         self.peer = peer
 
     @classmethod
-    def open(cls, rank: int, world: int, host: str, port: int, listen_host: str, timeout_s: float) -> "PeerLink":
+    def open(cls, rank: int, world: int, host: str, port: int, listen_host: str, timeout_s: float) -> PeerLink:
         """Join the pair (``timeout_s``: the stall timeout, which also caps the join)."""
         if world != WORLD or rank >= world:
             raise CommError(f"rank {rank} of {world}: the communicator is pairwise (world 2, rank 0 or 1)")

@@ -14,14 +14,15 @@ from __future__ import annotations
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ggml_rknpu.libggml.enums import GgmlType
-from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.ops.geometry import contiguous_nb
+from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.comm import CommError, PeerLink
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError

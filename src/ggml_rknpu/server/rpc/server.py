@@ -19,25 +19,26 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.libggml import lib as libggml
+from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
+from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
-from ggml_rknpu.server.stats import ServerStats
-from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.proto8 import Proto8
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
+from ggml_rknpu.server.stats import ServerStats
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
 from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats, WeightStore
-from ggml_rknpu.libggml import lib as libggml
-from ggml_rknpu.libggml.compute import Threads, default_threads
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
