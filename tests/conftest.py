@@ -8,6 +8,22 @@ from pathlib import Path
 
 import pytest
 
+# The tests `-m arm64` selects besides tests/e2e/test_arm64.py (marked there): what the arm64
+# root (scripts/arm64-env, docs/arm64.md) runs. Node-id prefixes, relative to the repository.
+ARM64_SUBSET = (
+    "tests/hostggml/",                                     # the ctypes binding and its ABI check
+    "tests/server/test_rpc_fuzz_asan.py::test_sanitizer_sees_an_out_of_bounds_read",
+    "tests/server/test_rpc_fuzz_asan.py::test_every_mutation_of_every_case_is_refused_or_safe",  # the fuzz's CI part
+    "tests/e2e/test_e2e_tiny_models.py::test_greedy_tokens_equal_cpu",
+    "tests/bench/test_bench_rig.py",                       # check-rig on the fake sysfs trees
+    "tests/bench/test_bench_selftest.py",                  # selftest on the simulator
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(ARM64_SUBSET):
+            item.add_marker(pytest.mark.arm64)
 
 
 @pytest.fixture(scope="session")
