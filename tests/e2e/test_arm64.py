@@ -124,8 +124,9 @@ def test_quantized_tiny_model_greedy_equals_cpu(tmp_path: Path, wtype: str) -> N
 # --- the board kit: what a first board owner types -----------------------------------------------
 
 def _rknpu(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    # a tiny random model's text is not valid UTF-8
     return subprocess.run([sys.executable, "-m", "ggml_rknpu.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env=tool_env())
+                          errors="replace", timeout=timeout, env=tool_env())
 
 
 @pytest.mark.timeout(600)
@@ -153,5 +154,6 @@ def test_demo_with_a_tiny_model(tmp_path: Path) -> None:
     proc = _rknpu("demo", "--device", "sim-rknpu", "-m", str(model), "-n", "8", "--server-log", str(log),
                   timeout=1700)
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{log.read_text()[-3000:]}"
-    assert proc.stdout.startswith(PROMPT) and len(proc.stdout) > len(PROMPT), proc.stdout
+    text = proc.stdout.strip()   # the tiny vocabulary's SPM pieces start with a space
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT), proc.stdout
     assert "uploads" in log.read_text(), log.read_text()[-3000:]
