@@ -47,8 +47,8 @@ def _private_envelope_record(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def host_ggml():
-    """The pinned ggml loaded through ctypes (hostggml.lib); skips where it is not built yet."""
-    from ggml_rknpu.hostggml import lib
+    """The pinned ggml loaded through ctypes (libggml.lib); skips where it is not built yet."""
+    from ggml_rknpu.libggml import lib
     try:
         return lib.load()
     except lib.GgmlLibraryMissing as exc:

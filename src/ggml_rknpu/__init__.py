@@ -1,10 +1,6 @@
 """ggml-rknpu: the Rockchip RK3588 NPU as a compute device for unmodified llama.cpp.
 
-Layers (see docs/architecture.md): ``kernel`` (the one seam to the kernel),
-``hw`` (hardware facts as data), ``compiler`` (matmul -> register commands),
-``sim`` (the NPU and its kernel drivers in software), ``engine`` (resident
-weights, matmul through the real submit path), ``cost`` (modeled timing),
-``ggml`` (the RPC server llama.cpp talks to), ``bench``, ``rknn``, ``cli``.
+Layers, lowest first, with what each may import: docs/architecture.md.
 """
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-HEAVY = ("matplotlib", "ggml_rknpu.bench", "ggml_rknpu.ggml", "ggml_rknpu.rknn", "ggml_rknpu.engine",
+HEAVY = ("matplotlib", "ggml_rknpu.bench", "ggml_rknpu.server", "ggml_rknpu.rknn", "ggml_rknpu.engine",
          "ggml_rknpu.compiler", "gguf")
 
 

@@ -8,8 +8,8 @@ import ctypes
 import pytest
 
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
 
 
 def offsets(struct: type[ctypes.Structure]) -> dict[str, int]:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from support.kernel_fake_npu import attach, regcmd_words
-from ggml_rknpu.kernel import rknpu_abi as rk
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.devices import open_device
-from ggml_rknpu.kernel.abi_rknpu import RknpuAbi
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
 from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice, discover
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.sim.kernel import SimKernel
@@ -61,7 +61,7 @@ def test_discovery_on_a_board_picks_the_vendor_render_node():
     assert not any("card" in p for p in board.opened)  # only render nodes are probed
     with open_device(None, syscalls=board) as dev:
         assert (dev.kind, dev.path, dev.simulated) == ("rknpu", "/dev/dri/renderD129", False)
-        assert isinstance(dev.driver, RknpuAbi)
+        assert isinstance(dev.driver, RknpuDriver)
         info = dev.info()
         assert info.driver_version == "0.9.8" and info.hw_version == 0x46495245 and not info.simulated
         free, total = dev.iova_budget()

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from ggml_rknpu.kernel import rknpu_abi as rk
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
-from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
-from ggml_rknpu.kernel.rocket_driver import RocketDriver
+from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
+from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls
 from ggml_rknpu.sim.kernel import SimKernel
 from ggml_rknpu.sim.memory import PAGE, RangeAllocator
 
@@ -72,7 +72,7 @@ def test_allocator_random_workload_keeps_invariants():
 def test_ten_thousand_lifetimes_leave_nothing_behind(abi):
     k = SimKernel(abi)
     fd = k.open(k._device_paths()[-1])
-    d = RknpuDriver(k, fd) if abi == "rknpu" else RocketDriver(k, fd)
+    d = RknpuIoctls(k, fd) if abi == "rknpu" else RocketIoctls(k, fd)
     keep = []  # a few long-lived buffers interleaved, so frees happen in the middle too
     for i in range(10_000):
         size = 4096 * (1 + i % 5) - 100
@@ -109,7 +109,7 @@ def test_ten_thousand_lifetimes_leave_nothing_behind(abi):
 def test_mapping_keeps_the_object_alive_until_munmap():
     """GEM semantics: destroying the handle of a mapped buffer frees it at munmap."""
     k = SimKernel("rknpu")
-    d = RknpuDriver(k, k.open("/dev/dri/renderD129"))
+    d = RknpuIoctls(k, k.open("/dev/dri/renderD129"))
     m = d.mem_create(4096, rk.DATA_BO_FLAGS)
     view = d.mmap(d.mem_map(m.handle), 4096)
     d.mem_destroy(m.handle, m.obj_addr)
@@ -124,7 +124,7 @@ def test_mapping_keeps_the_object_alive_until_munmap():
 def test_closing_the_fd_releases_its_handles():
     k = SimKernel("rocket")
     fd = k.open("/dev/accel/accel0")
-    r = RocketDriver(k, fd)
+    r = RocketIoctls(k, fd)
     for _ in range(5):
         r.create_bo(8192)
     k.close(fd)
@@ -133,7 +133,7 @@ def test_closing_the_fd_releases_its_handles():
 
 def test_fragmentation_and_exhaustion_give_enomem_then_recover():
     k = SimKernel("rknpu", iova_window=(PAGE, 65 * PAGE))  # 64 pages of NPU address space
-    d = RknpuDriver(k, k.open("/dev/dri/renderD129"))
+    d = RknpuIoctls(k, k.open("/dev/dri/renderD129"))
     bufs = [d.mem_create(PAGE, rk.DATA_BO_FLAGS) for _ in range(64)]
     with pytest.raises(NpuOutOfMemory) as e:
         d.mem_create(PAGE, rk.DATA_BO_FLAGS)
@@ -152,7 +152,7 @@ def test_fragmentation_and_exhaustion_give_enomem_then_recover():
 
 def test_host_memory_limit_is_enomem():
     k = SimKernel("rknpu", memory_limit=1 << 20)
-    d = RknpuDriver(k, k.open("/dev/dri/renderD129"))
+    d = RknpuIoctls(k, k.open("/dev/dri/renderD129"))
     d.mem_create(1 << 20, rk.DATA_BO_FLAGS)
     with pytest.raises(NpuOutOfMemory) as e:
         d.mem_create(PAGE, rk.DATA_BO_FLAGS)

@@ -13,11 +13,11 @@ import pytest
 
 from support.kernel_fake_npu import attach, regcmd_words
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuOutOfMemory, NpuTimeout
-from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
-from ggml_rknpu.kernel.rocket_driver import RocketDriver, RocketJobSpec
+from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
+from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
 from ggml_rknpu.sim.kernel import SimKernel, fuzz_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,14 +25,14 @@ pytestmark = pytest.mark.timeout(60)
 VENDOR, ROCKET = "/dev/dri/renderD129", "/dev/accel/accel0"
 
 
-def vendor(version=(0, 9, 8), **kw) -> tuple[SimKernel, RknpuDriver]:
+def vendor(version=(0, 9, 8), **kw) -> tuple[SimKernel, RknpuIoctls]:
     k = SimKernel("rknpu", version, **kw)
-    return k, RknpuDriver(k, k.open(VENDOR))
+    return k, RknpuIoctls(k, k.open(VENDOR))
 
 
-def rocket(**kw) -> tuple[SimKernel, RocketDriver]:
+def rocket(**kw) -> tuple[SimKernel, RocketIoctls]:
     k = SimKernel("rocket", **kw)
-    return k, RocketDriver(k, k.open(ROCKET))
+    return k, RocketIoctls(k, k.open(ROCKET))
 
 
 def expect(code: int, *words: str):
@@ -54,7 +54,7 @@ def expect(code: int, *words: str):
     return _Check()
 
 
-def regcmd_bo(d: RknpuDriver, k: SimKernel, words: np.ndarray, flags=rk.DATA_BO_FLAGS):
+def regcmd_bo(d: RknpuIoctls, k: SimKernel, words: np.ndarray, flags=rk.DATA_BO_FLAGS):
     m = d.mem_create(words.nbytes, flags)
     view = d.mmap(d.mem_map(m.handle), m.size)
     np.frombuffer(view, np.uint64, words.size)[:] = words
@@ -63,7 +63,7 @@ def regcmd_bo(d: RknpuDriver, k: SimKernel, words: np.ndarray, flags=rk.DATA_BO_
     return m, view
 
 
-def task_bo(d: RknpuDriver, tasks: list[rk.rknpu_task], flags=rk.TASK_BO_FLAGS):
+def task_bo(d: RknpuIoctls, tasks: list[rk.rknpu_task], flags=rk.TASK_BO_FLAGS):
     m = d.mem_create(max(1, len(tasks)) * 40, flags)
     view = d.mmap(d.mem_map(m.handle), m.size)
     for i, t in enumerate(tasks):
@@ -485,5 +485,5 @@ def test_rocket_per_task_sequence_and_dpu_only_completion():
 
 def test_rocket_files_have_separate_address_spaces():
     k = SimKernel("rocket")
-    a, b = RocketDriver(k, k.open(ROCKET)), RocketDriver(k, k.open(ROCKET))
+    a, b = RocketIoctls(k, k.open(ROCKET)), RocketIoctls(k, k.open(ROCKET))
     assert a.create_bo(4096).dma_address == b.create_bo(4096).dma_address

@@ -6,10 +6,10 @@ import errno
 
 import pytest
 
-from ggml_rknpu.kernel import rknpu_abi as rk
+from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.kernel.errors import NpuError
-from ggml_rknpu.kernel.rknpu_driver import RknpuDriver
+from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
 from ggml_rknpu.kernel.trace import TracingSyscalls
 from ggml_rknpu.sim.kernel import SimKernel
 
@@ -17,7 +17,7 @@ from ggml_rknpu.sim.kernel import SimKernel
 def test_trace_decodes_struct_fields_and_errors():
     lines: list[str] = []
     sys = TracingSyscalls(SimKernel("rknpu"), lines.append)
-    d = RknpuDriver(sys, sys.open("/dev/dri/renderD129"))
+    d = RknpuIoctls(sys, sys.open("/dev/dri/renderD129"))
     m = d.mem_create(440, rk.TASK_BO_FLAGS)
     with pytest.raises(NpuError):
         d.mem_sync(m.obj_addr, 0, 1 << 20, rk.SyncFlag.TO_DEVICE)

@@ -5,18 +5,39 @@ part in an import cycle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "ggml_rknpu"
 
-# layer -> the layers it may import (itself included). sim/ is never below kernel/:
-# the opener (ggml_rknpu.devices) chooses between them from above.
-ALLOWED = {
-    "hw": {"hw"},
-    "kernel": {"kernel", "hw"},
-    "compiler": {"compiler", "hw", "cost"},
+# layer -> the layers it may import (itself always allowed), lowest layer first. This is
+# the table docs/architecture.md shows (test_the_documented_table_is_this_one); every
+# package and top-level module of src/ggml_rknpu must have a row ("" is the package's own
+# __init__, the public Python API). sim/ is never below kernel/: the opener
+# (ggml_rknpu.devices) chooses between them from above.
+ALLOWED: dict[str, set[str]] = {
+    "hw": set(),
+    "toolchain": set(),
+    "kernel": {"hw"},
+    "cost": {"hw"},
+    "compiler": {"hw", "cost"},
+    "sim": {"hw", "kernel", "cost"},
+    "devices": {"kernel", "sim"},
+    "engine": {"hw", "kernel", "cost", "compiler", "devices"},
+    "rknn": {"hw", "kernel", "cost", "engine"},
+    "libggml": {"toolchain"},
+    "codegen": {"toolchain"},
+    "server": {"hw", "kernel", "cost", "engine", "libggml", "toolchain"},
+    "bench": {"hw", "toolchain", "kernel", "cost", "compiler", "sim", "devices", "engine", "rknn", "libggml",
+              "server"},
+    "cli": {"hw", "toolchain", "kernel", "cost", "compiler", "sim", "devices", "engine", "rknn", "libggml",
+            "codegen", "server", "bench"},
+    "": {"engine", "devices"},
 }
+ARCHITECTURE_MD = SRC.parent / "docs" / "architecture.md"
 # Cycles that exist and have an owner; the test fails when one disappears too, so the
 # list cannot outlive the cycle. None today.
 KNOWN_CYCLES: list[frozenset[str]] = []
@@ -100,10 +121,35 @@ def test_the_walk_sees_the_package():
     assert "ggml_rknpu.sim.kernel" in GRAPH["ggml_rknpu.devices"]  # a lazy import is still an edge
 
 
-def test_lower_layers_import_nothing_above_them():
-    wrong = sorted(f"{m} imports {i}" for m in GRAPH if _layer(m) in ALLOWED
-                   for i in GRAPH[m] if _layer(i) not in ALLOWED[_layer(m)])
-    assert wrong == []
+def test_every_layer_has_a_row():
+    assert sorted({_layer(m) for m in GRAPH} - set(ALLOWED)) == []
+
+
+def _violations() -> list[str]:
+    return sorted(f"{m} imports {i}" for m in GRAPH for i in GRAPH[m]
+                  if _layer(i) != _layer(m) and _layer(i) not in ALLOWED.get(_layer(m), set()))
+
+
+def test_no_layer_imports_what_its_row_does_not_allow():
+    assert _violations() == []
+
+
+def _documented_table() -> dict[str, set[str]]:
+    """The layer table of docs/architecture.md: first column the layer (`x/`, `x.py` or the
+    package itself), last column the layers it may import (backticked names, or "nothing")."""
+    rows: dict[str, set[str]] = {}
+    for line in ARCHITECTURE_MD.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        layer = cells[0].strip("`").removesuffix("/").removesuffix(".py").removesuffix("__init__")
+        layer = "" if layer in ("ggml_rknpu", "ggml_rknpu/") else layer
+        rows[layer] = set(re.findall(r"`([a-z_]+)`", cells[-1]))
+    return rows
+
+
+def test_the_documented_table_is_this_one():
+    assert _documented_table() == ALLOWED
 
 
 def test_no_import_cycles():
@@ -116,5 +162,8 @@ def test_the_checks_catch_a_violation(monkeypatch):
     monkeypatch.setitem(GRAPH, "ggml_rknpu.kernel.device", GRAPH["ggml_rknpu.kernel.device"] | {"ggml_rknpu.sim.kernel"})
     monkeypatch.setitem(GRAPH, "ggml_rknpu.hw.limits", GRAPH["ggml_rknpu.hw.limits"] | {"ggml_rknpu.kernel.job"})
     assert frozenset({"hw.limits", "kernel.job"}) in _cycles()
-    wrong = [i for i in GRAPH["ggml_rknpu.kernel.device"] if _layer(i) not in ALLOWED["kernel"]]
-    assert wrong == ["ggml_rknpu.sim.kernel"]
+    assert _violations() == ["ggml_rknpu.hw.limits imports ggml_rknpu.kernel.job",
+                             "ggml_rknpu.kernel.device imports ggml_rknpu.sim.kernel"]
+    monkeypatch.setitem(GRAPH, "ggml_rknpu.newlayer", set())
+    with pytest.raises(AssertionError):
+        test_every_layer_has_a_row()

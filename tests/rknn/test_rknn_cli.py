@@ -19,7 +19,7 @@ from support.bench_support import run_bench_cli as run_cli
 from support.rknn_support import standin_path  # noqa: F401  (fixture)
 from support.rpc_testkit import RpcClient, T, wait_for_line
 
-from ggml_rknpu.ggml.enums import GgmlOp
+from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.rknn import binding as rb
 from ggml_rknpu.rknn import opener
 

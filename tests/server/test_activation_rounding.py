@@ -1,4 +1,4 @@
-"""``--activations ggml`` (ggml/activations.py): NPU activations rounded as ggml-cpu rounds them.
+"""``--activations ggml`` (server/activations.py): NPU activations rounded as ggml-cpu rounds them.
 
 Judged by ggml itself: the rounding equals ggml's quantize-then-dequantize of each vec_dot type,
 the rounded rows times the dequantized weight give ggml-cpu's own ``vec_dot`` for every weight
@@ -11,9 +11,9 @@ import ctypes
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.activations import ActivationRounding
-from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
-from ggml_rknpu.hostggml import lib
+from ggml_rknpu.server.activations import ActivationRounding
+from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
+from ggml_rknpu.libggml import lib
 from support.rpc_testkit import FakeNpu, SteppingFakeNpu, T, serve
 
 F32 = int(GgmlType.F32)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.ggml.buffers import ADDRESS_SPACE_START, BufferTable, DeviceMemory, IntervalSet
-from ggml_rknpu.ggml.rpc.wire import ProtocolError
+from ggml_rknpu.server.buffers import ADDRESS_SPACE_START, BufferTable, DeviceMemory, IntervalSet
+from ggml_rknpu.server.rpc.wire import ProtocolError
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=25)
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import ggml_rknpu
-from ggml_rknpu.ggml.enums import GgmlOp
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import T, graph_payload, serve
 
 MUL_MAT = int(GgmlOp.MUL_MAT)

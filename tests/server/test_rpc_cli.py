@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from ggml_rknpu.ggml.buffers import DeviceMemory
-from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState, is_loopback
+from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState, is_loopback
 from support.rpc_testkit import RpcClient, wait_for_line
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp
+from ggml_rknpu.libggml.enums import GgmlOp
 from support.rpc_testkit import SteppingFakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.ggml.enums import GgmlOp
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import FakeNpu, ServerClosed, ServerThread, T, graph_payload
 
 pytestmark = pytest.mark.timeout(120)

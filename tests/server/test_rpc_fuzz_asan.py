@@ -37,14 +37,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.ggml.enums import GgmlOp
-from ggml_rknpu.ggml.ops.rules import RULES
+from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.ops.rules import RULES
 from ggml_rknpu.toolchain import llamacpp
 from support.malformed import BAD, MUTATIONS, Case, builder_cases, mutate, send, still_talking
 from support.rpc_testkit import RpcClient, ServerClosed, T, wait_for_line
 
 pytestmark = pytest.mark.timeout(600)
-# ops the sweep must reach: every index-reading op, and the families of tests/ops (a floor, so a
+# ops the sweep must reach: every index-reading op, and the families of tests/server/ops (a floor, so a
 # rule added without a builder case does not silently shrink the sweep)
 MUST_COVER = frozenset({GgmlOp.GET_ROWS, GgmlOp.SET_ROWS, GgmlOp.MUL_MAT_ID, GgmlOp.ADD_ID, GgmlOp.SSM_SCAN,
                         GgmlOp.MUL_MAT, GgmlOp.ROPE, GgmlOp.SOFT_MAX, GgmlOp.FLASH_ATTN_EXT, GgmlOp.CPY,
@@ -227,8 +227,8 @@ def test_sanitizer_sees_an_out_of_bounds_read(asan_lib_dir, tmp_path):
     env = _asan_env(asan_lib_dir, tmp_path)
     script = (
         "import ctypes, numpy as np\n"
-        "from ggml_rknpu.hostggml import abi, lib\n"
-        "from ggml_rknpu.ggml.enums import GgmlType\n"
+        "from ggml_rknpu.libggml import abi, lib\n"
+        "from ggml_rknpu.libggml.enums import GgmlType\n"
         "g = lib.load()\n"
         "assert 'asan' in str(g.lib_dir), g.lib_dir\n"
         "ctx = g.context(4, (2,))\n"

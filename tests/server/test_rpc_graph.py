@@ -9,8 +9,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.placement import HOST, NPU
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.placement import HOST, NPU
 from support import rpc_testkit
 from support.matmul_graph import K, M, N, MatmulGraph, f32, fp16_ref, rng_w
 from support.rpc_testkit import FakeNpu, T, serve
@@ -298,7 +298,7 @@ def test_host_only_server_runs_weight_matmuls_on_host():
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "F16", "F32", "Q4_0", "BF16"])
 def test_weight_conversion_matches_gguf_exactly(qtype, monkeypatch):
-    from ggml_rknpu.ggml import weights
+    from ggml_rknpu.server import weights
 
     monkeypatch.setattr(weights, "CONVERT_ROWS", 7)              # several chunks, a ragged last one
     gq = GGMLQuantizationType[qtype]

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlTensorFlag, GgmlType
 from support.rpc_testkit import T, serve
 
 pytestmark = pytest.mark.timeout(60)

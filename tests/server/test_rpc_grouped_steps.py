@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ggml_rknpu
-from ggml_rknpu.ggml.enums import GgmlOp
+from ggml_rknpu.libggml.enums import GgmlOp
 from support.rpc_testkit import MATMUL_DEVICE_S, STEP_DEVICE_S, SteppingFakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)

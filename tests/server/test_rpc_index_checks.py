@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml import graph
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server import graph
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The server with the real pieces behind it: the host backend (ggml-cpu through hostggml) and the
+"""The server with the real pieces behind it: the host backend (ggml-cpu through libggml) and the
 engine on the simulated NPU (``ggml_rknpu.open("sim-rknpu")``), driven over the wire."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.placement import HOST, NPU
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.placement import HOST, NPU
 from support.rpc_testkit import T, serve
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.ggml.ops import geometry as geo
+from ggml_rknpu.server.ops import geometry as geo
 from support.malformed import BAD, builder_cases, mutate, send
 from support.rpc_testkit import FakeNpu, ServerThread, T
 
@@ -33,7 +33,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def cases(host_ggml):
-    """One case per builder node (support.malformed, tests/ops/test_ops_rules.py)."""
+    """One case per builder node (support.malformed, tests/server/ops/test_ops_rules.py)."""
     return builder_cases(host_ggml)
 
 

@@ -1,4 +1,4 @@
-"""MUL_MAT_ID (MoE experts) through the wire (ggml/expert_step.py): each expert slice of a
+"""MUL_MAT_ID (MoE experts) through the wire (server/expert_step.py): each expert slice of a
 leaf 3-D weight resident on the (fake) NPU, rows routed by the ids at every replay, results
 equal to ggml-cpu's own MUL_MAT_ID (a server with no engine); experts that are not resident
 or whose matmul faults run on the host; a bad id fails the graph, the server keeps serving."""
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.placement import HOST, NPU
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.placement import HOST, NPU
 from ggml_rknpu.kernel.errors import NpuOutOfMemory, NpuTimeout
 from support.rpc_testkit import FakeNpu, FaultyNpu, T, serve
 

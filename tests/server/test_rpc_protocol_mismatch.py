@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import RpcClient, serve
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Recovery with nothing lost (ggml/recovery.py): a faulted NPU matmul step resets, retries
+"""Recovery with nothing lost (server/recovery.py): a faulted NPU matmul step resets, retries
 once, else runs on the host for this run; repeated faults demote the weight for good;
 weights a reset destroyed are re-staged; the counters say what happened. Against a fake
 engine (exact fault sequences) and the simulated NPU behind --sim-faults."""
@@ -11,8 +11,8 @@ import pytest
 import ggml_rknpu
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.engine.canary import StaleOutput
-from ggml_rknpu.ggml.placement import HOST, NPU
-from ggml_rknpu.ggml.recovery import DEMOTE_AFTER
+from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.recovery import DEMOTE_AFTER
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.sim.faults import inject_faults
 from support.matmul_graph import K, M, MatmulGraph, fp16_ref, rng_w

@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml import buffers as buffers_mod
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd
+from ggml_rknpu.server import buffers as buffers_mod
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import GIB, FakeNpu, RpcClient, T, graph_payload, serve
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp
-from ggml_rknpu.ggml.placement import NPU
+from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.placement import NPU
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)

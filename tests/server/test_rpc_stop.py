@@ -7,7 +7,7 @@ closes the plans), it left the handle set, the unwinding session closed the plan
 glibc aborted the server with "double free or corruption (!prev)" (seen once in CI, in the
 e2e tests, which SIGTERM the server as soon as their client is done). The first signal now
 hangs up on the client and lets the session end on its own path; a second one exits at once,
-and every native handle is taken from its owner before it is freed (hostggml.compute).
+and every native handle is taken from its owner before it is freed (libggml.compute).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp
+from ggml_rknpu.libggml.enums import GgmlOp
 from support.matmul_graph import f32
 from support.rpc_testkit import RpcClient, wait_for_line
 

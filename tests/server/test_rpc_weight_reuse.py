@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 from support.rpc_testkit import GIB, FakeNpu, FakeWeight, T, serve
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.ggml.enums import RPC_PROTO
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.wire import Cmd, ProtocolError
-from ggml_rknpu.ggml.tensor import RpcTensor
+from ggml_rknpu.libggml.enums import RPC_PROTO
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
+from ggml_rknpu.server.tensor import RpcTensor
 
 
 def test_protocol_version_matches_the_pinned_headers():

@@ -13,7 +13,7 @@ from ggml_rknpu.engine import Npu
 from ggml_rknpu.hw.envelope import PROVEN
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuFault
-from ggml_rknpu.kernel.rocket_driver import RocketDriver
+from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls
 from ggml_rknpu.sim.kernel import SimKernel
 
 SLOW_CLOCK_MHZ = 20   # a 10x slower simulated NPU, so a small matmul overruns the timeout
@@ -80,7 +80,7 @@ def test_the_first_buffer_of_a_rocket_file_is_at_iova_0_and_the_device_uses_it()
 
 def test_best_fit_picks_the_smallest_hole():
     k = SimKernel("rocket")
-    r = RocketDriver(k, k.open("/dev/accel/accel0"))
+    r = RocketIoctls(k, k.open("/dev/accel/accel0"))
     bos = [r.create_bo(n * 4096) for n in (4, 1, 2, 1)]   # at 0, 4, 5, 7 pages
     assert [b.dma_address // 4096 for b in bos] == [0, 4, 5, 7]
     for i in (0, 2):                                      # holes of 4 pages at 0 and 2 pages at 5
@@ -90,7 +90,7 @@ def test_best_fit_picks_the_smallest_hole():
 
 def test_prep_bo_keeps_cpu_writes_and_fini_bo_keeps_npu_writes():
     k = SimKernel("rocket")
-    r = RocketDriver(k, k.open("/dev/accel/accel0"))
+    r = RocketIoctls(k, k.open("/dev/accel/accel0"))
     bo = r.create_bo(8192)
     cpu = np.frombuffer(r.mmap(bo.offset, 8192), np.uint8)
     obj = k.address_space(r.fd).lookup(bo.dma_address)

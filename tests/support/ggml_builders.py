@@ -1,6 +1,6 @@
 """ggml's own builders through ctypes, for the validator's tests: a scratch no-alloc
 context whose tensors read back as RpcTensor, and one node per admitted op family as
-ggml itself makes it (tests/ops/test_ops_rules.py, tests/server/test_rpc_malformed.py)."""
+ggml itself makes it (tests/server/ops/test_ops_rules.py, tests/server/test_rpc_malformed.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 
-from ggml_rknpu.ggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
-from ggml_rknpu.ggml.ops import geometry as geo
-from ggml_rknpu.ggml.ops.registry import UnsupportedOp
-from ggml_rknpu.ggml.ops.rules import check_node
-from ggml_rknpu.ggml.tensor import RpcTensor
-from ggml_rknpu.hostggml import abi
-from ggml_rknpu.hostggml.lib import TensorP
+from ggml_rknpu.libggml.enums import GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.server.ops import geometry as geo
+from ggml_rknpu.server.ops.registry import UnsupportedOp
+from ggml_rknpu.server.ops.rules import check_node
+from ggml_rknpu.server.tensor import RpcTensor
+from ggml_rknpu.libggml import abi
+from ggml_rknpu.libggml.lib import TensorP
 
 F32, F16, BF16, I32, I64, Q4_0, Q8_0 = (int(GgmlType[n]) for n in ("F32", "F16", "BF16", "I32", "I64", "Q4_0", "Q8_0"))
 _VP, _I, _I64, _F, _B, _SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_bool, ctypes.c_size_t

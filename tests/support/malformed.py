@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggml_rknpu.ggml.enums import TYPE_TRAITS, GgmlOp, GgmlTensorFlag, GgmlType
-from ggml_rknpu.ggml.ops import geometry as geo
-from ggml_rknpu.ggml.ops.rules import RULES, check_node
-from ggml_rknpu.ggml.tensor import RpcTensor
-from ggml_rknpu.hostggml import abi
-from ggml_rknpu.hostggml.lib import TensorP
+from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlTensorFlag, GgmlType
+from ggml_rknpu.server.ops import geometry as geo
+from ggml_rknpu.server.ops.rules import RULES, check_node
+from ggml_rknpu.server.tensor import RpcTensor
+from ggml_rknpu.libggml import abi
+from ggml_rknpu.libggml.lib import TensorP
 from support.ggml_builders import F16, F32, I32, Scratch, _made_by_ggml
 from support.rpc_testkit import RpcClient, ServerClosed, T
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggml_rknpu.ggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from support.rpc_testkit import T
 
 MUL_MAT = int(GgmlOp.MUL_MAT)

@@ -2,7 +2,7 @@
 a fake NPU engine (CONTRACT E shape).
 
 The fake engine exists so protocol, planning and residency tests do not depend on the
-simulator's speed; host ops are the real ggml-cpu (hostggml).
+simulator's speed; host ops are the real ggml-cpu (libggml).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Iterator
 
 import numpy as np
 
-from ggml_rknpu.ggml.buffers import DeviceMemory
-from ggml_rknpu.ggml.enums import GgmlType
-from ggml_rknpu.ggml.rpc import wire
-from ggml_rknpu.ggml.rpc.server import RpcServer, ServerConfig, ServerState
-from ggml_rknpu.ggml.rpc.wire import Cmd
-from ggml_rknpu.hostggml.abi import GGML_TENSOR_FLAG_COMPUTE
+from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.libggml.enums import GgmlType
+from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState
+from ggml_rknpu.server.rpc.wire import Cmd
+from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 
 F32 = int(GgmlType.F32)
 GIB = 1 << 30
@@ -180,7 +180,7 @@ class T:
         if self.flags is None:
             self.flags = GGML_TENSOR_FLAG_COMPUTE if self.op else 0
         if self.nb is None:
-            from ggml_rknpu.ggml.enums import TYPE_TRAITS
+            from ggml_rknpu.libggml.enums import TYPE_TRAITS
             block, size = TYPE_TRAITS[GgmlType(self.type)]
             nb0, nb1 = size, size * (self.ne[0] // block)
             self.nb = (nb0, nb1, nb1 * self.ne[1], nb1 * self.ne[1] * self.ne[2])

@@ -14,7 +14,7 @@ import ctypes
 import signal
 import sys
 
-from ggml_rknpu.hostggml import lib
+from ggml_rknpu.libggml import lib
 
 _LIBC = ctypes.CDLL(None)
 

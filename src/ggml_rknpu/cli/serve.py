@@ -144,7 +144,7 @@ def _ensure_host_libraries() -> None:
     when no build has them; a failed build surfaces as the usual missing-library error."""
     import subprocess
 
-    from ggml_rknpu.hostggml.lib import GgmlLibraryMissing
+    from ggml_rknpu.libggml.lib import GgmlLibraryMissing
     from ggml_rknpu.toolchain import llamacpp
     from ggml_rknpu.toolchain.launch import ensure_ggml_built
 
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger("ggml_rknpu.rpc")
 
-    from ggml_rknpu.ggml.buffers import DeviceMemory
-    from ggml_rknpu.ggml.rpc.server import HOST_ONLY_BUDGET, RpcServer, ServerConfig, ServerState
+    from ggml_rknpu.server.buffers import DeviceMemory
+    from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, RpcServer, ServerConfig, ServerState
 
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
                           threads=args.threads, group_matmuls=not args.no_fuse,
                           activations=args.activations)
-    from ggml_rknpu.hostggml.lib import GgmlAbiError, GgmlLibraryMissing
+    from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:
         log.error("--threads must be at least 1, got %d", args.threads)

@@ -1,7 +1,7 @@
-"""``NpuDevice``: the NPU as buffers and jobs over exactly one ``DriverAbi``.
+"""``NpuDevice``: the NPU as buffers and jobs over exactly one ``NpuDriver``.
 
 The device knows nothing of boards or simulators: it is handed a ``Syscalls`` object and an
-open fd, asks the node's DRM name and drives it with that ABI's class from ``ABIS``;
+open fd, asks the node's DRM name and drives it with that driver's class from ``DRIVERS``;
 choosing and opening a device by name is ``ggml_rknpu.devices``. Invariants: buffers are
 CPU-cached; ``submit`` cleans every input range before a submit and the ABI makes the
 output ranges CPU-visible after it; a job's submit table is built once and replayed, and
@@ -16,21 +16,21 @@ from typing import Any, Callable
 
 
 from ggml_rknpu.hw.limits import N_CORES
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
-from ggml_rknpu.kernel.abi import DriverAbi, SubmitTable
-from ggml_rknpu.kernel.abi_rknpu import RknpuAbi
-from ggml_rknpu.kernel.abi_rocket import RocketAbi
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
+from ggml_rknpu.kernel.driver import NpuDriver, SubmitTable
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
+from ggml_rknpu.kernel.rocket.driver import RocketDriver
 from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.drm import query_version
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Completion, HwTask, Job, check_cores
 from ggml_rknpu.kernel.syscalls import Syscalls
 
-__all__ = ["ABIS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
+__all__ = ["DRIVERS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
            "discover", "open_node"]
 
-ABIS: dict[str, Callable[[Syscalls, int], DriverAbi[Any]]] = {rk.DRIVER_NAME: RknpuAbi, ro.DRIVER_NAME: RocketAbi}
+DRIVERS: dict[str, Callable[[Syscalls, int], NpuDriver[Any]]] = {rk.DRIVER_NAME: RknpuDriver, ro.DRIVER_NAME: RocketDriver}
 NODE_PATTERNS = (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME))
 PURPOSES = ("data", "regcmd", "task")
 # distinct Job.cores kept as submit tables. A table also goes when its regcmd buffer is freed
@@ -113,11 +113,11 @@ class _Replay:
 class NpuDevice:
     def __init__(self, syscalls: Syscalls, fd: int, path: str, *, simulated: bool = False) -> None:
         name = self._driver_name(syscalls, fd, path)
-        abi = ABIS.get(name)
+        abi = DRIVERS.get(name)
         if abi is None:
-            raise NpuError(f"{path} is driven by {name!r}, not {' or '.join(ABIS)}", errno.ENODEV)
+            raise NpuError(f"{path} is driven by {name!r}, not {' or '.join(DRIVERS)}", errno.ENODEV)
         self.syscalls, self.fd, self.path, self.simulated = syscalls, fd, path, simulated
-        self.driver: DriverAbi[Any] = abi(syscalls, fd)
+        self.driver: NpuDriver[Any] = abi(syscalls, fd)
         self.kind = self.driver.name
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}

@@ -17,12 +17,12 @@ import time
 from typing import Callable
 
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 # request number -> (name, struct used to decode it). The vendor SUBMIT is decoded with
-# the 0.9.8 layout (same size as 0.9.6; fields 32..55 differ, see rknpu_abi).
+# the 0.9.8 layout (same size as 0.9.6; fields 32..55 differ, see rknpu.uapi).
 IOCTLS: dict[int, tuple[str, type[ctypes.Structure]]] = {
     drm.DRM_IOCTL_VERSION: ("DRM_IOCTL_VERSION", drm.drm_version),
     drm.DRM_IOCTL_GEM_CLOSE: ("DRM_IOCTL_GEM_CLOSE", drm.drm_gem_close),

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
 
 KINDS = ("timeout", "dma", "stale", "core")
 _RATE = re.compile(r"^(?P<kind>[a-z]+):(?P<rate>[0-9.eE+-]+)$")

@@ -23,8 +23,8 @@ from ggml_rknpu.hw.envelope import ROCKET_BOOT_MHZ, ROCKET_JOB_TIMEOUT_MS, decod
 from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.kernel import drm
-from ggml_rknpu.kernel import rknpu_abi as rk
-from ggml_rknpu.kernel import rocket_abi as ro
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.sim.memory import (
     IOVA_BASE,
     IOVA_END,
@@ -435,7 +435,7 @@ class SimKernel:
         try:
             action = rk.Action(a.flags)
         except ValueError:
-            raise _fail(errno.EINVAL, f"ACTION {a.flags} is not a known RKNPU action (see rknpu_abi.Action)") from None
+            raise _fail(errno.EINVAL, f"ACTION {a.flags} is not a known RKNPU action (see kernel.rknpu.uapi.Action)") from None
         if action == rk.Action.POWER_ON:
             self._power_refs += 1
             self.powered = True

@@ -1,4 +1,4 @@
 """Tooling around the server: locating and building llama.cpp, launching sessions, models.
 
-Kept apart from the server (``ggml_rknpu.ggml``) it serves: nothing in the server imports it.
+Kept apart from the server (``ggml_rknpu.server``) it serves: nothing in the server imports it.
 """

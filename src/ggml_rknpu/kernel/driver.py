@@ -1,0 +1,92 @@
+"""``NpuDriver``: what ``NpuDevice`` needs from a kernel driver, one class per ABI.
+
+``rknpu.driver.RknpuDriver`` (vendor DRM driver) and ``rocket.driver.RocketDriver`` (mainline accel
+driver) implement it over a ``Syscalls`` object; a board and the simulator differ only in
+that object. A third ABI is a third class plus one entry in ``device.DRIVERS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, TypeVar
+
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
+from ggml_rknpu.kernel.drm import DrmVersion
+from ggml_rknpu.kernel.job import BufferRange, Cores
+
+@dataclass(frozen=True)
+class DriverFacts:
+    """What the driver reports about itself (None: not reported by this ABI or kernel build)."""
+
+    hw_version: int | None = None
+    npu_freq_hz: int | None = None
+    npu_volt_uv: int | None = None
+    iommu_enabled: bool | None = None
+    sram_total_bytes: int | None = None
+    sram_free_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A submit that completed: the driver's commit-to-IRQ time (None: not reported) and
+    how many tasks it counted."""
+
+    hw_elapsed_ns: int | None
+    task_counter: int
+
+
+class SubmitTable(Protocol):
+    """A ``Job.cores`` in one ABI's submit form, built once per distinct ``cores``."""
+
+    regcmd_buffers: tuple[Buffer, ...]
+    n_tasks: int
+
+
+TableT = TypeVar("TableT", bound=SubmitTable)
+
+
+class NpuDriver(Protocol[TableT]):
+    """One kernel driver ABI; ``TableT`` is its submit table type."""
+
+    name: str  # the DRM driver name: "rknpu" | "rocket"
+    drm: DrmVersion
+    version: tuple[int, int, int]
+
+    def alloc(self, size: int, purpose: str) -> Allocation: ...
+
+    def free(self, allocation: Allocation) -> None: ...
+
+    def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None: ...
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """``sync`` of that range as a callable planned once (a replayed job's cleans)."""
+        ...
+
+    def iova_budget(self) -> tuple[int, int]:
+        """(free, total) bytes of NPU address space as far as this process can tell."""
+        ...
+
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...
+
+    def table_bytes(self, cores: Cores) -> int:
+        """NPU bytes ``submit_table(cores)`` allocates (the vendor task BO; 0 for rocket)."""
+        ...
+
+    def release_table(self, table: TableT) -> None:
+        """The device dropped ``table`` (evicted, or rebuilt after a regcmd buffer closed)."""
+        ...
+
+    def submit(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
+               timeout_ms: int) -> Finished:
+        """Run ``table`` (inputs already clean), wait, and make ``outputs`` CPU-visible."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def power(self, on: bool) -> None: ...
+
+    def facts(self) -> DriverFacts: ...
+
+    def close(self) -> None:
+        """Free what the ABI allocated for itself (the vendor task BO)."""
+        ...

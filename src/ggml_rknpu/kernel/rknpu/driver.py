@@ -1,0 +1,177 @@
+"""``RknpuDriver``: the vendor ``rknpu`` DRM driver as a ``NpuDriver`` [docs/npu-programming.md §3-§4].
+
+Invariants: one SUBMIT per job; each submit table owns its task BO (KERNEL_MAPPING, one page,
+up to 102 tasks), written and cleaned once when the table is built, so a replay costs the
+SUBMIT alone; buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
+MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; the
+SUBMIT and every MEM_SYNC are packed once (``drm.PreparedIoctl``) and replayed. The task
+array, core_mask/subcore_task and flags, with sources: docs/decisions.md "kernel/rknpu/driver.py"."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_CLEAR_ALL, PAGE_BYTES
+from ggml_rknpu.kernel.rknpu import uapi as rk
+from ggml_rknpu.kernel.driver import DriverFacts, Finished
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
+from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.job import BufferRange, Cores
+from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
+from ggml_rknpu.kernel.syscalls import Syscalls
+def _nothing() -> None:
+    """No sync needed."""
+
+
+MAX_PACKED_SYNCS = 4096   # packed MEM_SYNC arguments kept (a model's jobs name a few hundred ranges)
+_FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GET_FREQ),
+          ("npu_volt_uv", rk.Action.GET_VOLT), ("iommu_enabled", rk.Action.GET_IOMMU_EN),
+          ("sram_total_bytes", rk.Action.GET_TOTAL_SRAM_SIZE), ("sram_free_bytes", rk.Action.GET_FREE_SRAM_SIZE))
+
+
+@dataclass(frozen=True, eq=False)
+class RknpuSubmitTable:
+    """A ``Job.cores`` as the vendor SUBMIT takes it."""
+
+    regcmd_buffers: tuple[Buffer, ...]
+    n_tasks: int
+    task_array: bytes  # the rknpu_task array, core-major
+    core_mask: int
+    subcore: tuple[tuple[int, int], ...]  # subcore_task[0..4]
+    task_bo: Allocation   # this table's own task BO, holding task_array (cleaned once)
+    submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMIT
+
+
+class RknpuDriver:
+    name = rk.DRIVER_NAME
+
+    def __init__(self, syscalls: Syscalls, fd: int) -> None:
+        self.ioctls = RknpuIoctls(syscalls, fd)
+        self.drm, self.version = self.ioctls.drm, self.ioctls.version
+        self._live: dict[int, int] = {}  # handle -> capacity of every object we hold
+        self._tables: set[RknpuSubmitTable] = set()   # live tables: each owns its task BO
+        # (obj_addr, offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed)
+        self._syncs: dict[tuple[int, int, int, int], Callable[[], Any]] = {}
+
+    # ------------------------------------------------------------------ memory
+    def alloc(self, size: int, purpose: str) -> Allocation:
+        flags = rk.TASK_BO_FLAGS if purpose == "task" else rk.DATA_BO_FLAGS
+        mem = self.ioctls.mem_create(size, flags)
+        try:
+            view = self.ioctls.mmap(self.ioctls.mem_map(mem.handle), mem.size)
+        except (NpuError, OSError):
+            self.ioctls.mem_destroy(mem.handle, mem.obj_addr)
+            raise
+        self._live[mem.handle] = mem.size
+        return Allocation(mem.handle, mem.dma_addr, mem.size, bool(flags & rk.MemFlag.CACHEABLE), view, mem.obj_addr)
+
+    def free(self, allocation: Allocation) -> None:
+        self._live.pop(allocation.handle, None)
+        self.ioctls.syscalls.munmap(allocation.view)
+        self.ioctls.mem_destroy(allocation.handle, allocation.obj_addr)
+
+    def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """The MEM_SYNC of one range, packed once (an uncached buffer or an empty range needs none)."""
+        if not (allocation.cached and size):
+            return _nothing
+        key = (allocation.obj_addr, offset, size, 1 if to_device else 2)
+        call = self._syncs.get(key)
+        if call is None:
+            if len(self._syncs) >= MAX_PACKED_SYNCS:
+                self._syncs.clear()
+            flag = rk.SyncFlag.TO_DEVICE if to_device else rk.SyncFlag.FROM_DEVICE
+            call = self._syncs[key] = self.ioctls.mem_sync_call(allocation.obj_addr, offset, size, flag)
+        return call
+
+    def iova_budget(self) -> tuple[int, int]:
+        """The 32-bit window (less the never-mapped page 0) minus our own objects; other
+        processes' objects share the domain but are not visible from here."""
+        total = ADDRESS_WINDOW_BYTES - PAGE_BYTES
+        return total - sum(self._live.values()), total
+
+    # ------------------------------------------------------------------ submit
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RknpuSubmitTable:
+        used = [(i, tasks) for i, tasks in enumerate(cores) if tasks]
+        slot = 2 if len(used) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
+        subcore = [(0, 0)] * rk.N_SUBCORE_TASKS
+        records: list[rk.rknpu_task] = []
+        for core, tasks in used:
+            subcore[core + slot] = (len(records), len(tasks))
+            records.extend(rk.rknpu_task(
+                flags=0, op_idx=1, enable_mask=t.enable_mask, int_mask=t.int_mask, int_clear=INT_CLEAR_ALL,
+                int_status=0, regcfg_amount=t.body_words, regcfg_offset=0, regcmd_addr=t.regcmd_addr,
+            ) for t in tasks)
+        task_array = b"".join(bytes(r) for r in records)
+        # whole pages; written and cleaned once: the kernel reads it at every submit of the table
+        bo = self.alloc(-(-len(task_array) // PAGE_BYTES) * PAGE_BYTES, "task")
+        try:
+            np.frombuffer(bo.view, np.uint8)[: len(task_array)] = np.frombuffer(task_array, np.uint8)
+            self.sync(bo, 0, len(task_array), to_device=True)
+        except BaseException:
+            self.free(bo)
+            raise
+        table = RknpuSubmitTable(regcmd_buffers=regcmd_buffers, n_tasks=len(records), task_array=task_array,
+                                 core_mask=sum(1 << core for core, _ in used), subcore=tuple(subcore), task_bo=bo)
+        self._tables.add(table)
+        return table
+
+    def table_bytes(self, cores: Cores) -> int:
+        """The task BO ``submit_table(cores)`` allocates: whole pages of rknpu_task records."""
+        n = sum(len(tasks) for tasks in cores)
+        return -(-n * ctypes.sizeof(rk.rknpu_task) // PAGE_BYTES) * PAGE_BYTES
+
+    def release_table(self, table: RknpuSubmitTable) -> None:
+        """The device no longer replays ``table``: free its task BO."""
+        if table in self._tables:
+            self._tables.discard(table)
+            self.free(table.task_bo)
+
+    def submit(self, table: RknpuSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
+               timeout_ms: int) -> Finished:
+        submit = table.submits.get(timeout_ms)
+        if submit is None:
+            submit = table.submits[timeout_ms] = self.ioctls.submit_call(
+                task_obj_addr=table.task_bo.obj_addr, task_number=table.n_tasks,
+                flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=table.core_mask,
+                subcore_tasks=table.subcore)
+        result = submit()
+        for r in outputs:   # open and inside their buffers: the device checked them
+            self.sync_call(r.buffer.allocation, r.offset, r.size, to_device=False)()
+        # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
+        # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
+        return Finished(hw_elapsed_ns=result.hw_elapse_time or None, task_counter=result.task_counter)
+
+    # ------------------------------------------------------------------ control
+    def reset(self) -> None:
+        self.ioctls.action(rk.Action.ACT_RESET)
+
+    def power(self, on: bool) -> None:
+        """The 0.9.x driver performs POWER_ON/OFF and then returns EINVAL anyway
+        [capture pw_c256_h14: ret=-1 for both], so that EINVAL is not an error."""
+        try:
+            self.ioctls.action(rk.Action.POWER_ON if on else rk.Action.POWER_OFF)
+        except NpuError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+
+    def facts(self) -> DriverFacts:
+        values: dict[str, int | None] = {}
+        for key, action in _FACTS:
+            try:
+                values[key] = self.ioctls.action(action)
+            except NpuError:
+                values[key] = None  # not supported by this kernel build
+        iommu = values.pop("iommu_enabled")
+        return DriverFacts(iommu_enabled=None if iommu is None else bool(iommu), **values)
+
+    def close(self) -> None:
+        for table in list(self._tables):
+            self.release_table(table)

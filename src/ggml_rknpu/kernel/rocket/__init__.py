@@ -1,0 +1,2 @@
+"""The mainline ``rocket`` accel driver: its UAPI structs (``uapi``), one typed callable per ioctl
+(``ioctls``) and the ``NpuDriver`` implementation ``NpuDevice`` holds (``driver``)."""

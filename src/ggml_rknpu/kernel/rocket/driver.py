@@ -1,0 +1,109 @@
+"""``RocketDriver``: the mainline ``rocket`` accel driver as a ``NpuDriver`` [docs/npu-programming.md §5].
+
+Submit: one ``drm_rocket_job`` per non-empty core, tasks ``{regcmd, body_words + 4}``
+(rocket counts the tail); the inputs and regcmd buffers are the job's in-BOs, the outputs
+its out-BOs; PREP_BO on each output waits for the job. Buffers are shmem (CPU-cached),
+synced whole: FINI_BO before the device reads, PREP_BO before the CPU does. No reset or
+power ioctl: rocket resets a core after a job timeout and powers cores per job.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
+from ggml_rknpu.hw.regcmd import TAIL_WORDS
+from ggml_rknpu.kernel.rocket import uapi as ro
+from ggml_rknpu.kernel.driver import DriverFacts, Finished
+from ggml_rknpu.kernel.buffer import Allocation, Buffer
+from ggml_rknpu.kernel.errors import NpuError
+from ggml_rknpu.kernel.job import BufferRange, Cores
+from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
+from ggml_rknpu.kernel.syscalls import Syscalls
+
+@dataclass(frozen=True, eq=False)
+class RocketSubmitTable:
+    """A ``Job.cores`` as rocket's SUBMIT takes it."""
+
+    regcmd_buffers: tuple[Buffer, ...]
+    n_tasks: int
+    jobs: tuple[tuple[tuple[int, int], ...], ...]  # per used core: (regcmd address, body + tail words)
+
+
+class RocketDriver:
+    name = ro.DRIVER_NAME
+
+    def __init__(self, syscalls: Syscalls, fd: int) -> None:
+        self.ioctls = RocketIoctls(syscalls, fd)
+        self.drm, self.version = self.ioctls.drm, self.ioctls.version
+        self._live: dict[int, int] = {}  # handle -> capacity
+
+    # ------------------------------------------------------------------ memory
+    def alloc(self, size: int, purpose: str) -> Allocation:
+        if size >= ADDRESS_WINDOW_BYTES:
+            raise NpuError(f"rocket buffers are limited to < 4 GiB (u32 size), got {size}", errno.EINVAL)
+        bo = self.ioctls.create_bo(size)
+        capacity = -(-size // PAGE_BYTES) * PAGE_BYTES
+        try:
+            view = self.ioctls.mmap(bo.offset, capacity)
+        except (NpuError, OSError):
+            self.ioctls.gem_close(bo.handle)
+            raise
+        self._live[bo.handle] = capacity
+        return Allocation(bo.handle, bo.dma_address, capacity, True, view)
+
+    def free(self, allocation: Allocation) -> None:
+        self._live.pop(allocation.handle, None)
+        self.ioctls.syscalls.munmap(allocation.view)
+        self.ioctls.gem_close(allocation.handle)
+
+    def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
+        self.sync_call(allocation, offset, size, to_device=to_device)()
+
+    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+        """FINI_BO (to the device) or PREP_BO (to the CPU) of the whole BO: rocket syncs whole BOs."""
+        return partial(self.ioctls.fini_bo if to_device else self.ioctls.prep_bo, allocation.handle)
+
+    def iova_budget(self) -> tuple[int, int]:
+        """The 32-bit window (less page 0) minus our objects (rocket: one domain per open file)."""
+        total = ADDRESS_WINDOW_BYTES - PAGE_BYTES
+        return total - sum(self._live.values()), total
+
+    # ------------------------------------------------------------------ submit
+    def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RocketSubmitTable:
+        jobs = tuple(tuple((t.regcmd_addr, t.body_words + TAIL_WORDS) for t in tasks) for tasks in cores if tasks)
+        return RocketSubmitTable(regcmd_buffers, sum(len(j) for j in jobs), jobs)
+
+    def table_bytes(self, cores: Cores) -> int:
+        """Nothing: a rocket table allocates no NPU memory."""
+        return 0
+
+    def release_table(self, table: RocketSubmitTable) -> None:
+        """Nothing to free: a rocket table is plain data."""
+
+    def submit(self, table: RocketSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
+               timeout_ms: int) -> Finished:
+        in_handles = tuple(b.handle for b in (*(r.buffer for r in inputs), *table.regcmd_buffers))
+        out_handles = tuple(r.buffer.handle for r in outputs)
+        self.ioctls.submit([RocketJobSpec(tasks, in_handles, out_handles) for tasks in table.jobs])
+        deadline = time.monotonic_ns() + timeout_ms * 1_000_000  # PREP_BO takes an absolute timeout
+        for handle in out_handles:
+            self.ioctls.prep_bo(handle, deadline)
+        return Finished(hw_elapsed_ns=None, task_counter=table.n_tasks)
+
+    # ------------------------------------------------------------------ control
+    def reset(self) -> None:
+        raise NpuError("rocket has no reset ioctl; it resets a core itself after a job timeout", errno.EOPNOTSUPP)
+
+    def power(self, on: bool) -> None:
+        """Nothing to do: rocket powers cores per job through runtime PM."""
+
+    def facts(self) -> DriverFacts:
+        return DriverFacts()
+
+    def close(self) -> None:
+        """Rocket needs no objects of its own."""

@@ -1,0 +1,145 @@
+"""What an NPU matmul step does when the NPU faults: reset, retry once, else the host.
+
+Invariants: the graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else,
+and this module holds the whole policy; a *fault* (timeout, DMA fault, or
+``engine.canary.StaleOutput``, whose reset the engine has already done, so it is not done
+twice) resets the NPU and re-stages what the reset destroyed, retries once, and then
+computes the step on the host, so the graph completes with the right result; a weight is
+demoted for good only after ``DEMOTE_AFTER`` faulted attempts in a row; anything that is
+not a fault keeps ``WeightStore.matmul_failed``'s policy. How: docs/faults.md "Recovery";
+why: docs/decisions.md "server/recovery.py"."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.server.weights import WeightSlot, WeightStore
+from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+# Faulted NPU attempts in a row on one weight (four steps that each failed twice). At 4, random
+# faults at 0.2 per submit demoted a weight of a tiny model within 8 tokens (tests/e2e/test_e2e_faults.py);
+# 0.2^8 makes that negligible while a weight that always faults costs four steps' resets.
+DEMOTE_AFTER = 8
+FAULT_KINDS = ((StaleOutput, "stale"), (NpuTimeout, "timeout"), (NpuFault, "dma"))
+
+
+def fault_kind(exc: BaseException) -> str | None:
+    """"timeout" | "dma" | "stale" for an NPU fault, None for any other failure."""
+    for cls, kind in FAULT_KINDS:
+        if isinstance(exc, cls):
+            return kind
+    return None
+
+
+@dataclass
+class RecoveryStats:
+    """Server-wide counters (``--stats-json`` "recovery")."""
+
+    faults: dict[str, int] = field(default_factory=lambda: {kind: 0 for _, kind in FAULT_KINDS})
+    resets: int = 0                  # NPU resets after faults (one per fault: the engine's own after stale output)
+    retries: int = 0                 # second NPU attempts
+    retried_ok: int = 0              # ... that succeeded
+    host_fallbacks: int = 0          # steps computed on the host after two faulted attempts
+    restaged: int = 0                # weights re-staged after a reset destroyed them
+    demoted: int = 0                 # weights sent to the host for good after repeated faults
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        faults = ", ".join(f"{k} {n}" for k, n in self.faults.items())
+        return (f"NPU faults: {faults}; resets {self.resets}, retries {self.retries} ({self.retried_ok} ok), "
+                f"host fallbacks {self.host_fallbacks}, re-staged {self.restaged}, demoted {self.demoted}")
+
+
+class NpuRecovery:
+    """The fault policy for one connection's NPU matmul steps (stats shared server-wide)."""
+
+    def __init__(self, npu: MatmulEngine | None, weights: WeightStore, stats: RecoveryStats) -> None:
+        self.npu = npu
+        self.weights = weights
+        self.stats = stats
+        self._streak: weakref.WeakKeyDictionary[WeightSlot, int] = weakref.WeakKeyDictionary()
+
+    def matmul(self, slot: WeightSlot, rows: Callable[[], np.ndarray]) -> np.ndarray | None:
+        """``rows() @ W^T`` on the NPU, or None: the caller runs this step on the host."""
+        handle = self.weights.weight(slot)
+        if handle is None or self.npu is None:
+            return None
+        a = rows()
+        for attempt in range(2):
+            try:
+                c = self.npu.matmul(a, handle)
+            except Exception as exc:
+                kind = fault_kind(exc)
+                if kind is None:
+                    self.weights.matmul_failed(slot, exc)
+                    return None
+                if not self._recover(slot, kind, exc):
+                    return None
+                handle = self.weights.weight(slot)
+                if handle is None:
+                    return None
+                if attempt == 0:
+                    self.stats.retries += 1
+                continue
+            if self._streak:   # a fault streak to end (WeakKeyDictionary.pop costs ~0.6 us a step)
+                self._streak.pop(slot, None)
+            if attempt:
+                self.stats.retried_ok += 1
+            return c
+        self.stats.host_fallbacks += 1
+        return None
+
+    def step_failed(self, what: str, exc: BaseException) -> None:
+        """A grouped step (several matmuls in one submit, ``graph.NpuGroup``) failed; its
+        members run one by one next, each behind ``matmul``. A fault is counted and the NPU
+        reset as for a matmul, so the members' attempts start fresh; anything else is logged."""
+        kind = fault_kind(exc)
+        if kind is None:
+            log.warning("grouped NPU step %s failed (%s: %s); its matmuls run one by one this time",
+                        what, type(exc).__name__, exc)
+            return
+        self.stats.faults[kind] += 1
+        log.warning("NPU %s in the grouped step %s: %s; its matmuls run one by one this time", kind, what, exc)
+        self._reset(exc)
+
+    def _recover(self, slot: WeightSlot, kind: str, exc: BaseException) -> bool:
+        """Count, reset, re-stage; False once the weight is demoted for good."""
+        self.stats.faults[kind] += 1
+        streak = self._streak.get(slot, 0) + 1
+        self._streak[slot] = streak
+        log.warning("NPU %s in a matmul with '%s' (%d in a row): %s", kind, slot.name, streak, exc)
+        self._reset(exc)
+        if streak >= DEMOTE_AFTER:
+            self._streak.pop(slot, None)
+            self.stats.demoted += 1
+            self.weights.demote(slot, f"{streak} NPU faults in a row, a reset in between each (last: {kind}: {exc})")
+            return False
+        return True
+
+    def _reset(self, exc: BaseException) -> None:
+        """The NPU reset after ``exc``: the engine's own (stale output) or one done here."""
+        lost = exc.lost if isinstance(exc, StaleOutput) else None
+        if lost is None:
+            reset = getattr(self.npu, "reset", None)
+            if reset is None:
+                return
+            try:
+                lost = reset()
+            except Exception as err:   # the reset itself failed: the retry will tell whether the NPU is back
+                log.error("NPU reset failed: %s", err)
+                return
+        self.stats.resets += 1
+        lost_ids = {id(h) for h in lost or ()}
+        if lost_ids:
+            self.stats.restaged += self.weights.restage(lambda handle: id(handle) in lost_ids)
