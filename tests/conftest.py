@@ -11,7 +11,7 @@ import pytest
 # The tests `-m arm64` selects besides tests/e2e/test_arm64.py (marked there): what the arm64
 # root (scripts/arm64-env, docs/arm64.md) runs. Node-id prefixes, relative to the repository.
 ARM64_SUBSET = (
-    "tests/hostggml/",                                     # the ctypes binding and its ABI check
+    "tests/libggml/",                                      # the ctypes binding and its ABI check
     "tests/server/test_rpc_fuzz_asan.py::test_sanitizer_sees_an_out_of_bounds_read",
     "tests/server/test_rpc_fuzz_asan.py::test_every_mutation_of_every_case_is_refused_or_safe",  # the fuzz's CI part
     # f16 weights: llama and qwen2; qwen3's 12th token differs on arm64 because ggml-cpu's ARM f16
