@@ -73,9 +73,47 @@ select_client() {
   version=${package##*==}
 }
 
+# --- the target: this machine (GGML_NATIVE=ON), or a cross build (RKNPU_CROSS) ----------------
+# RKNPU_CROSS=aarch64 builds for the RK3588's Cortex-A76 with Debian's gcc-aarch64-linux-gnu:
+# ggml's own GGML_CPU_ARM_ARCH (-march=armv8.2-a+dotprod+fp16, exactly the A76's features that
+# ggml-cpu has kernels for: NEON, dotprod, fp16 vector arithmetic; no i8mm, no SVE) plus
+# -mtune=cortex-a76, which together are what -mcpu=cortex-a76 means to gcc. The arm64 root of
+# scripts/arm64-env runs the result (docs/arm64.md).
+cross=${RKNPU_CROSS:-}
+case "$cross" in
+  "") cc=gcc; cxx=g++ ;;
+  aarch64) cc=aarch64-linux-gnu-gcc; cxx=aarch64-linux-gnu-g++ ;;
+  *) log "unknown RKNPU_CROSS='$cross' (known: aarch64)"; exit 2 ;;
+esac
+arm64_arch=armv8.2-a+dotprod+fp16
+arm64_tune=-mtune=cortex-a76
+
 # GGML_NATIVE=ON compiles for this CPU (-march=native), so a cache built on another CPU could
 # crash here with SIGILL: the CPU's identity is part of the key and of the build and ccache dirs.
-cpu_id=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-12)
+# A cross build's identity is its target's.
+if [ -n "$cross" ]; then
+  cpu_id=$(echo "$cross $arm64_arch $arm64_tune" | sha256sum | cut -c1-12)
+else
+  cpu_id=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-12)
+fi
+
+# native_flag goes where each script always had -DGGML_NATIVE=ON (a native build's key, and so
+# its cache, stay what they were); add_target_flags appends to cmake_flags[] the rest: the AMX
+# probe's flags for this machine, the cross compilers and the A76's architecture otherwise.
+native_flag=-DGGML_NATIVE=ON
+[ -z "$cross" ] || native_flag=-DGGML_NATIVE=OFF
+add_target_flags() {
+  if [ -z "$cross" ]; then
+    local no_amx
+    no_amx=$(amx_off_flags)
+    if [ -n "$no_amx" ]; then cmake_flags+=("-DCMAKE_C_FLAGS=$no_amx" "-DCMAKE_CXX_FLAGS=$no_amx"); fi
+    return 0
+  fi
+  cmake_flags+=(-DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64
+                "-DCMAKE_C_COMPILER=$cc" "-DCMAKE_CXX_COMPILER=$cxx"
+                "-DGGML_CPU_ARM_ARCH=$arm64_arch"
+                "-DCMAKE_C_FLAGS=$arm64_tune" "-DCMAKE_CXX_FLAGS=$arm64_tune")
+}
 
 # amx_off_flags: prints the compiler flags that turn AMX off, or nothing. Some x86 machines (this
 # project's VMs among them) advertise AMX in /proc/cpuinfo while the instructions trap (SIGILL),
@@ -108,6 +146,10 @@ ensure_build_tools() {
   command -v ninja >/dev/null || missing+=(ninja-build)
   command -v cmake >/dev/null || missing+=(cmake)
   command -v g++ >/dev/null || missing+=(g++)
+  if [ "$cross" = aarch64 ]; then
+    command -v "$cc" >/dev/null || missing+=(gcc-aarch64-linux-gnu)
+    command -v "$cxx" >/dev/null || missing+=(g++-aarch64-linux-gnu)
+  fi
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]} (apt)"
     run apt-get update -qq

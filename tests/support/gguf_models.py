@@ -25,7 +25,7 @@ ARCHES = ("llama", "qwen2", "qwen3")
 # beyond the dense transformers: a MoE (MUL_MAT_ID, ARGSORT/TOP_K, GET_ROWS of expert weights),
 # an SSM (SSM_CONV, SSM_SCAN, recurrent state rows) and a hybrid of both with attention and MoE
 MORE_ARCHES = ("qwen3moe", "mamba", "jamba")
-WEIGHT_TYPES = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
+WEIGHT_TYPES = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
                 "f32": GGMLQuantizationType.F32}
 
 _WORDS = ("the", "of", "and", "to", "in", "is", "capital", "France", "Paris", "city", "it",

@@ -42,7 +42,7 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch"):
         write_tiny_gguf(tmp_path / "x.gguf", "gpt2")
     with pytest.raises(ValueError, match="wtype"):
-        write_tiny_gguf(tmp_path / "x.gguf", "llama", "q4_0")
+        write_tiny_gguf(tmp_path / "x.gguf", "llama", "iq4_nl")
 
 
 @pytest.mark.llama

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate")
     parser.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
+    parser.add_argument("-m", "--model", type=Path, default=None, metavar="GGUF",
+                        help="serve this model instead of gemma3-270m (a tiny one where time is short: arm64 emulation)")
     parser.add_argument("--server-log", default=None, metavar="FILE",
                         help="write the server's output here instead of the terminal")
 
@@ -52,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
     if args.n_predict <= 0:
         print("demo: --n-predict must be positive", file=sys.stderr)
         return 2
+    if args.model is not None and not args.model.is_file():
+        print(f"demo: no model file {args.model}", file=sys.stderr)
+        return 2
     try:
-        launch.ensure_built()
-        model = models.gemma3_270m(install=True)
+        launch.ensure_built(needs="llama-completion")
+        model = args.model or models.gemma3_270m(install=True)
     except (llamacpp.LlamaCppNotBuilt, models.ModelUnavailable, subprocess.CalledProcessError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1

@@ -57,9 +57,11 @@ def _located_or_built(locate: Callable[[], Path], script_name: str, announce: st
     return locate()
 
 
-def ensure_built(quiet: bool = False) -> Path:
-    """The pinned tools' directory, building them first (scripts/build-llama-cpp) in a checkout."""
-    return _located_or_built(llamacpp.tools_dir, "build-llama-cpp",
+def ensure_built(quiet: bool = False, needs: str | None = None) -> Path:
+    """The pinned tools' directory, building them first (scripts/build-llama-cpp) in a checkout;
+    with ``needs``, only that tool must be there (a caller that runs one tool)."""
+    locate = (lambda: llamacpp.tool(needs).parent) if needs else llamacpp.tools_dir
+    return _located_or_built(locate, "build-llama-cpp",
                              "building the pinned llama.cpp (first run only; several minutes)...", quiet=quiet)
 
 

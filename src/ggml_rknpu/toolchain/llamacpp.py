@@ -73,8 +73,10 @@ def tools_dir(client: str = PINNED) -> Path:
 
 
 def tool(name: str, client: str = PINNED) -> Path:
-    """Path of one built tool, e.g. ``tool("llama-completion")`` or ``tool("llama-completion", "b11434")``."""
-    path = tools_dir(client) / name
+    """Path of one built tool, e.g. ``tool("llama-completion")`` or ``tool("llama-completion", "b11434")``.
+    Only that tool must be there: the aarch64 cross build (``RKNPU_CROSS=aarch64``) makes the
+    tools the arm64 tests run, not every tool of the client."""
+    path = _bin_dir(client) / name
     if not path.is_file():
         raise LlamaCppNotBuilt(f"llama.cpp tool {name!r} not found in {path.parent}: {_hint(client)}")
     return path
