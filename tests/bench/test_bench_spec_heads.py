@@ -1,6 +1,7 @@
 """rknpu bench spec, heads: the head shapes follow llama.cpp's tensors, a step is the target's
-verification plus the head's passes, the chain model inverts, and the goals' acceptance length
-is what the step costs say."""
+verification plus the head's passes priced by bench.plans, the auto plan and the head's
+placement are cost.placement's argmin, the chain model inverts, and the goals' acceptance
+length is what the step costs say."""
 
 from __future__ import annotations
 
@@ -10,41 +11,112 @@ from pathlib import Path
 
 import pytest
 
+from ggml_rknpu.bench import plans
 from ggml_rknpu.bench import spec_heads as sh
-from ggml_rknpu.bench.spec_shapes import PRESET_DIMS, PRESETS, modeled_step_s
+from ggml_rknpu.bench.spec_shapes import PRESET_DIMS
 from ggml_rknpu.cli import bench as cli
+from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost import placement as pl
 
 RIGS = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
-TARGET = PRESETS["qwen2.5-1.5b"]
-HEADS = sh.heads_for(PRESET_DIMS["qwen2.5-1.5b"], "qwen2.5-1.5b")
+DIMS = PRESET_DIMS["qwen2.5-1.5b"]
+BOARD = sh.Board("int8", 3)
+SHAPES = sh.heads_for(DIMS, "qwen2.5-1.5b")
+TARGET = sh.priced(sh.target_for(DIMS, "qwen2.5-1.5b", "test"), "Q4_0")
+Q4_0 = TARGET
+HEADS = {kind: sh.priced(shape, "Q4_0") for kind, shape in SHAPES.items()}
+
+
+def _kn(head: sh.HeadShape) -> dict[str, tuple[int, int]]:
+    return {w.name: (w.K, w.N) for w in plans.preset_weights(head, "Q4_0")}
 
 
 def test_eagle3_head_is_fc_one_layer_on_two_inputs_and_the_draft_vocab():
-    weights = dict(HEADS["eagle3"].weights)
-    assert weights[(3 * 1536, 1536)] == 1                 # fc over 3 target layers
-    assert weights[(2 * 1536, 12 * 128)] == 1             # q reads [embedding; features]
-    assert weights[(2 * 1536, 2 * 128)] == 2              # k, v
-    assert weights[(1536, 8960)] == 2 and weights[(8960, 1536)] == 1
-    assert weights[(1536, sh.EAGLE3_DRAFT_VOCAB)] == 1
-    assert HEADS["eagle3"].n_weights == 9
+    kn = _kn(SHAPES["eagle3"])
+    assert kn["fc"] == (3 * 1536, 1536)                   # fc over 3 target layers
+    assert kn["q"] == (2 * 1536, 12 * 128)                # q reads [embedding; features]
+    assert kn["k"] == kn["v"] == (2 * 1536, 2 * 128)
+    assert kn["gate"] == kn["up"] == (1536, 8960) and kn["down"] == (8960, 1536)
+    assert kn["output"] == (1536, sh.EAGLE3_DRAFT_VOCAB)
+    assert sum(w.count for w in HEADS["eagle3"].weights) == 9 and HEADS["eagle3"].layers == 1
 
 
 def test_mtp_head_is_eh_proj_one_target_layer_and_the_full_head():
-    weights = dict(HEADS["mtp"].weights)
-    assert weights[(2 * 1536, 1536)] == 1
-    assert weights[(1536, 151936)] == 1                   # the shared full-vocabulary head
-    assert HEADS["mtp"].n_weights == 1 + 7 + 1
+    kn = _kn(SHAPES["mtp"])
+    assert kn["eh_proj"] == (2 * 1536, 1536)
+    assert kn["q"] == (1536, 12 * 128)
+    assert kn["output"] == (1536, 151936)                  # the shared full-vocabulary head
+    assert sum(w.count for w in HEADS["mtp"].weights) == 1 + 7 + 1
 
 
-def test_step_is_verification_plus_the_head_passes():
+def test_head_weight_types_follow_llama_cpps_quantizer():
+    types = {w.name: w.type for w in HEADS["eagle3"].weights}
+    assert types["fc"] == types["q"] == "Q4_0" and types["output"] == "Q6_K"
+    q8 = {w.name: w.type for w in sh.priced(SHAPES["eagle3"], "Q8_0").weights}
+    assert set(q8.values()) == {"Q8_0"}
+
+
+@pytest.mark.parametrize("plan", sh.SPEC_PLANS)
+def test_step_is_verification_plus_the_head_passes_with_host_ops(plan):
     head = HEADS["eagle3"]
     for n in (1, 3, 7):
-        want = (modeled_step_s(TARGET, n + 1, dtype="int8", cores=3)
-                + n * modeled_step_s(head, 1, dtype="int8", cores=3)
-                + modeled_step_s(head, n + 1, dtype="int8", cores=3))
-        assert sh.step_s(TARGET, head, n, dtype="int8", cores=3) == pytest.approx(want)
+        want = (plans.step_seconds(list(TARGET.weights), 28, plan, n + 1, npu_dtype="int8", cores=3)
+                + n * plans.step_seconds(list(head.weights), 1, plan, 1, npu_dtype="int8", cores=3)
+                + plans.step_seconds(list(head.weights), 1, plan, n + 1, npu_dtype="int8", cores=3))
+        assert sh.step_s(TARGET, head, n, plan, BOARD) == pytest.approx(want)
+    # host ops are in every pass: one layer's for the head, 28 layers' for the target
+    assert sh.pass_s(head, plan, 1, BOARD) > cpu.host_ops_seconds(1)
+    assert sh.pass_s(TARGET, plan, 1, BOARD) > cpu.host_ops_seconds(28)
     # the head is far cheaper than the target: one layer and a 32k head against 28 layers and a 152k head
-    assert modeled_step_s(head, 1, dtype="int8", cores=3) < 0.1 * modeled_step_s(TARGET, 1, dtype="int8", cores=3)
+    assert sh.pass_s(head, plan, 1, BOARD) < 0.1 * sh.pass_s(TARGET, plan, 1, BOARD)
+
+
+def test_auto_is_never_slower_than_the_npu_or_the_servers_host_path():
+    """auto takes each matmul's argmin of the NPU and the server's host path (the GGUF bytes
+    unrepacked), so its step is never above either pure placement at any M."""
+    for model in (TARGET, *HEADS.values()):
+        for M in range(1, max(sh.DRAFT_NS) + 2):
+            auto = sh.pass_s(model, "auto", M, BOARD)
+            assert auto <= sh.pass_s(model, "npu", M, BOARD) + 1e-12
+            host = sum(w.count * pl.host_matmul_seconds(w.type, M, w.K, w.N, cpu.BIG_CORES) for w in model.weights)
+            assert auto <= host + cpu.host_ops_seconds(model.layers) + 1e-12
+            assert sh.pass_s(model, "auto-split", M, BOARD) <= auto + 1e-12
+
+
+def test_auto_against_llama_cpp_alone():
+    """llama.cpp alone repacks Q4_0 (q4_0_4x4); the server's host path does not. At M = 1 both
+    are bandwidth-bound and auto wins (it also uses the NPU); at M = 2 the repacked kernel makes
+    llama.cpp alone faster than auto for this target: a modeled shortfall the tables show."""
+    assert sh.pass_s(TARGET, "auto", 1, BOARD) < sh.pass_s(TARGET, "cpu", 1, BOARD)
+    assert sh.pass_s(TARGET, "auto", 2, BOARD) > sh.pass_s(TARGET, "cpu", 2, BOARD)
+    for M in range(4, max(sh.DRAFT_NS) + 2):
+        assert sh.pass_s(TARGET, "auto", M, BOARD) < sh.pass_s(TARGET, "cpu", M, BOARD)
+
+
+def test_head_placement_is_the_argmin_of_the_two_models():
+    for head in HEADS.values():
+        placed = plans.place(list(head.weights), "auto", 1, npu_dtype="int8", cores=3)
+        for p in placed:
+            w = p.weight
+            npu = pl.npu_matmul_seconds(1, w.K, w.N, "int8", 3)
+            host = pl.host_matmul_seconds(w.type, 1, w.K, w.N, cpu.BIG_CORES)
+            assert p.where == (pl.NPU if npu <= host else pl.HOST)
+            assert p.seconds == pytest.approx(min(npu, host))
+        # at M = 1 the CPU takes most of the head (bandwidth: Q4_0 streams fewer bytes than int8)
+        assert sum(p.weight.count for p in placed if p.where == pl.HOST) > len(placed) // 2
+    assert sh.placement_of(HEADS["eagle3"], "cpu", 1, BOARD) == pl.HOST
+    assert sh.placement_of(HEADS["eagle3"], "npu", 1, BOARD) == pl.NPU
+
+
+def test_step_rows_cover_every_plan_and_length():
+    rows = sh.step_rows(TARGET, HEADS, BOARD)
+    assert len(rows) == len(HEADS) * len(sh.DRAFT_NS) * len(sh.SPEC_PLANS)
+    by = {(r["head"], r["n_draft"], r["plan"]): r for r in rows}
+    for (kind, n, plan), r in by.items():
+        assert r["step_ms_modeled"] == pytest.approx(sh.step_s(TARGET, HEADS[kind], n, plan, BOARD) * 1e3)
+        assert r["ceiling_tok_s_modeled"] == pytest.approx((n + 1) / r["step_ms_modeled"] * 1e3)
+        if plan == "auto":
+            assert r["step_ms_modeled"] <= by[(kind, n, "npu")]["step_ms_modeled"] + 1e-9
 
 
 def test_chain_model_and_its_inverse():
@@ -57,28 +129,43 @@ def test_chain_model_and_its_inverse():
 
 
 def test_published_rows_carry_their_source_and_pick_the_best_length():
-    rows = sh.published_rows(TARGET, HEADS, dtype="int8", cores=3, rkllm=16.7)
-    assert [r["tau_published_measured"] for r in rows] == [p.tau for p in sh.PUBLISHED]
+    rows = sh.published_rows(TARGET, HEADS, BOARD, rkllm=16.7, q4_0=Q4_0)
+    assert len(rows) == len(sh.PUBLISHED) * len(sh.SPEC_PLANS)
     assert all(r["source"] for r in rows)
-    for row, pub in zip(rows, sh.PUBLISHED):
-        head = HEADS[pub.head]
+    plain = 1.0 / sh.pass_s(TARGET, "cpu", 1, BOARD)
+    for row in rows:
+        pub = next(p for p in sh.PUBLISHED if p.model == row["model"])
         alpha = sh.alpha_from_tau(pub.tau)
-        by_n = {n: sh.chain_tau(alpha, n) / sh.step_s(TARGET, head, n, dtype="int8", cores=3) for n in sh.DRAFT_NS}
+        by_n = {n: sh.chain_tau(alpha, n) / sh.step_s(TARGET, HEADS[pub.head], n, row["plan"], BOARD)
+                for n in sh.DRAFT_NS}
         assert row["best_n_draft"] == max(by_n, key=lambda n: by_n[n])
         assert row["tok_s_modeled"] == pytest.approx(by_n[row["best_n_draft"]])
         assert row["vs_rkllm_modeled"] == pytest.approx(row["tok_s_modeled"] / 16.7)
+        assert row["vs_cpu_plain_modeled"] == pytest.approx(row["tok_s_modeled"] / plain)
 
 
-def test_needed_tau_meets_the_goal_exactly_and_fits_the_draft():
-    rows = sh.needed_rows(TARGET, HEADS, dtype="int8", cores=3, rkllm=16.7)
-    assert {(r["head"], r["goal"]) for r in rows} == {(h, g) for h in HEADS for g in ("2.5x RKLLM", "1.5x CPU Q4_0")}
+def test_needed_tau_meets_the_goal_exactly_and_the_best_plan_needs_least():
+    rows = sh.needed_rows(TARGET, HEADS, BOARD, rkllm=16.7, q4_0=Q4_0)
+    goals = sh.goals(TARGET, Q4_0, BOARD, 16.7)
+    assert goals["2.5x RKLLM"] == pytest.approx(41.75)
+    assert goals["1.5x CPU Q4_0 (this target, modeled)"] == pytest.approx(1.5 / sh.pass_s(TARGET, "cpu", 1, BOARD))
+    assert {(r["head"], r["goal"], r["plan"]) for r in rows} == {
+        (h, g, p) for h in HEADS for g in goals for p in sh.SPEC_PLANS}
     for r in rows:
-        cost = sh.step_s(TARGET, HEADS[r["head"]], r["n_draft"], dtype="int8", cores=3)
+        if r["tau_needed_modeled"] is None:
+            # unreachable: at every length the goal needs more than n + 1 tokens a step
+            assert all(r["goal_tok_s"] * sh.step_s(TARGET, HEADS[r["head"]], n, r["plan"], BOARD) > n + 1
+                       for n in sh.DRAFT_NS)
+            continue
+        cost = sh.step_s(TARGET, HEADS[r["head"]], r["n_draft"], r["plan"], BOARD)
         assert r["tau_needed_modeled"] / cost == pytest.approx(r["goal_tok_s"])
         assert r["tau_needed_modeled"] <= r["n_draft"] + 1
-        for n in sh.DRAFT_NS:   # no other draft length needs less
-            tau = r["goal_tok_s"] * sh.step_s(TARGET, HEADS[r["head"]], n, dtype="int8", cores=3)
-            assert tau > n + 1 or tau >= r["tau_needed_modeled"] - 1e-9
+    for head in HEADS:
+        for goal in goals:
+            group = [r for r in rows if r["head"] == head and r["goal"] == goal and r["plan"] in sh.RUNNABLE
+                     and r["tau_needed_modeled"] is not None]
+            best = [r for r in group if r["best_plan"]]
+            assert len(best) == 1 and best[0]["tau_needed_modeled"] == min(r["tau_needed_modeled"] for r in group)
 
 
 def test_cli_writes_the_head_tables_and_the_tau_plot(tmp_path):
@@ -86,11 +173,14 @@ def test_cli_writes_the_head_tables_and_the_tau_plot(tmp_path):
     cli.add_arguments(parser)
     out = tmp_path / "out"
     args = parser.parse_args(["spec", "--modeled-only", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588"),
-                              "--ms", "1,4"])
+                              "--ms", "1,4", "--quant", "Q4_K_M"])
     assert cli.run(args) == 0
     report = json.loads((out / "spec.json").read_text())
     assert {r["head"] for r in report["raw"]["head_steps"]} == {"eagle3", "mtp"}
-    assert len(report["raw"]["head_published"]) == len(sh.PUBLISHED)
+    assert {r["plan"] for r in report["raw"]["head_steps"]} == set(sh.SPEC_PLANS)
+    assert len(report["raw"]["head_published"]) == len(sh.PUBLISHED) * len(sh.SPEC_PLANS)
+    assert report["meta"]["quant"] == "Q4_K_M"
+    assert report["raw"]["cpu_plain_tok_s_modeled"] < report["raw"]["cpu_q4_0_plain_tok_s_modeled"]
     assert (out / "tok_s_vs_tau.png").is_file() and (out / "tok_s_vs_m.png").is_file()
     text = (out / "spec.md").read_text()
-    assert "best --spec-draft-n-max" in text and "AngelSlim" in text
+    assert "best --spec-draft-n-max" in text and "AngelSlim" in text and "Q4_K_M" in text

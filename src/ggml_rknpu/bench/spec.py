@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench.plans import QUANT_MIXES
 from ggml_rknpu.bench.rig import RigReport
 from ggml_rknpu.bench.spec_shapes import DRAFT_FOR, PRESET_DIMS, PRESETS, ModelShapes, modeled_step_s
 
@@ -276,6 +277,8 @@ def add_arguments(p, common) -> None:
     p.add_argument("--model", type=Path, default=None, help="price this GGUF's matmul weights instead of a preset")
     p.add_argument("--dtype", default="int8", choices=("fp16", "int8"), help="NPU weight format (default int8)")
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3))
+    p.add_argument("--quant", default="Q4_0", choices=QUANT_MIXES,
+                   help="the GGUF mix the heads' cpu and auto plans price (llama.cpp's quantizer; default Q4_0)")
     p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="rows per step (default 1,2,4,8,16,32)")
     p.add_argument("--modeled-only", action="store_true", help="skip the measured acceptance part")
     p.add_argument("--n-predict", type=int, default=128, help="tokens per answer in the acceptance runs")
@@ -305,12 +308,13 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
         from ggml_rknpu.bench import spec_heads
 
         head_tables, head_plot, head_raw, head_notes = spec_heads.report_parts(
-            target, PRESET_DIMS[args.preset], dtype=args.dtype, cores=args.cores, rkllm=rkllm)
+            PRESET_DIMS[args.preset], target.name, target.source, quant=args.quant, dtype=args.dtype,
+            cores=args.cores, rkllm=rkllm)
         tables += head_tables
         plots.append(head_plot)
         raw |= head_raw
         notes += head_notes
-    meta = {"target": target.name, "dtype": args.dtype, "cores": args.cores,
+    meta = {"target": target.name, "dtype": args.dtype, "cores": args.cores, "quant": args.quant,
             "draft_preset": draft.name if draft else None}
     if not args.modeled_only:
         from ggml_rknpu.toolchain import launch, llamacpp, models
