@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from ggml_rknpu.toolchain import llamacpp
 from support.e2e_support import Server, completion, rknpu_server, run_backend_ops, tool_env, tool_or_skip
 from support.gguf_models import write_tiny_gguf
-from ggml_rknpu.toolchain import llamacpp
 
 needs_arm64 = pytest.mark.skipif(
     platform.machine() != "aarch64",
