@@ -1,17 +1,13 @@
 """Speculative heads in ``rknpu bench spec``: EAGLE-3 and MTP decode, *modeled* on the board
 under the placement plans of ``bench.plans``.
 
-A head reuses the target's hidden state: one decoder layer and an output head. One step with
-n drafts = the target's verification at M = n + 1, the head's n drafting passes at M = 1 and
-its pass over the verified rows at M = n + 1; decode = tau / step, tau the acceptance length
-(tokens per target step). Each pass is priced by ``plans.step_seconds`` (its weight matmuls
-plus its host ops): ``npu`` every weight matmul on the NPU, ``cpu`` llama.cpp alone (every
-matmul in ggml-cpu, repacked), ``auto`` each matmul where ``cost.placement`` puts it (what
-``rknpu serve --placement auto`` does; the head too, so an M = 1 head pass lands mostly on the
-CPU), ``auto-split`` splits allowed (modeled only). The weight types follow llama.cpp's
-quantizer for the chosen mix (``plans.preset_weights``). tau comes from others' publications
-(``PUBLISHED``); the best draft length uses a chain model with alpha = 1 - 1/tau, a lower bound
-(docs/speculative.md "Speculative heads").
+One step with n drafts = the target's verification at M = n + 1, the head's n drafting passes
+at M = 1 and its pass over the verified rows; decode = tau / step, tau the published acceptance
+length (``PUBLISHED``). Each pass is priced by ``plans.step_seconds`` (weight matmuls plus host
+ops) under ``npu``, ``cpu`` (llama.cpp alone), ``auto`` (``cost.placement``'s argmin, as
+``rknpu serve --placement auto``) and ``auto-split`` (modeled only). The best draft length
+uses a chain model with alpha = 1 - 1/tau, a lower bound (docs/speculative.md "Speculative
+heads").
 """
 
 from __future__ import annotations
