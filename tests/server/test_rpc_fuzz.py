@@ -3,6 +3,7 @@ answered, ignored, or closed that connection, and a fresh client still gets HELL
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -16,6 +17,7 @@ from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import FakeNpu, ServerClosed, ServerThread, T, graph_payload
 
 pytestmark = pytest.mark.timeout(120)
+SLOW_EXAMPLES = int(os.environ.get("RKNPU_FUZZ_SLOW_EXAMPLES", "3000"))
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +108,31 @@ def test_random_protocol8_requests(srv8, cmd, size, data):
     _finish(srv8, c)
 
 
+_PROTOCOL8_MUTATION = {
+    "which": st.sampled_from(["graph", "recompute", "set_2d", "get_2d", "comm_init", "allreduce", "comm_free"]),
+    "flips": st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+    "resize": st.integers(-3, 3),
+}
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(which=st.sampled_from(["graph", "recompute", "set_2d", "get_2d", "comm_init", "allreduce", "comm_free"]),
-       flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
-       resize=st.integers(-3, 3))
+@given(**_PROTOCOL8_MUTATION)
 def test_mutated_protocol8_requests(srv8, which, flips, resize):
+    _send_mutated_protocol8(srv8, which, flips, resize)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@settings(max_examples=SLOW_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_PROTOCOL8_MUTATION)
+def test_mutated_protocol8_requests_slow(srv8, which, flips, resize):
+    """The same mutations as the CI subset, many more of them."""
+    _send_mutated_protocol8(srv8, which, flips, resize)
+
+
+def _send_mutated_protocol8(srv8, which: str, flips: list[tuple[int, int]], resize: int) -> None:
+    """Send one mutated 8.0.0 request after a valid uid graph, then DEVICE_COUNT: the server
+    either still answers in order or closes this connection, and serves the next client."""
     c = srv8.client()
     reqs = _valid_protocol8_requests(c)
     c.sock.sendall(reqs["graph"])                           # uid 11 stored, so "recompute" is valid
