@@ -47,7 +47,9 @@ class Node:
     src: tuple[RpcTensor | None, ...]
 
     def s(self, i: int) -> RpcTensor:
-        return self.src[i]                     # presence checked by the arity before any rule runs
+        t = self.src[i]
+        assert t is not None, f"src{i} read past the arity check"   # which runs before any rule
+        return t
 
     def i32(self, k: int) -> int:
         v = self.dst.op_params[k]
