@@ -1,7 +1,7 @@
 """Fused NPU jobs and the lean decode host path (engine/fusion.py, engine/hostpath.py,
 compiler/chain.py), on the simulator through the real submit path.
 
-Exactness: a step running the same program as ``Npu.matmul`` gives bit-identical results
+Exactness: a fusion running the same program as ``Npu.matmul`` gives bit-identical results
 (same A bytes, same C bytes, same arithmetic on the host). Fused vs unfused: int8 is exact
 (integer sums); fp16 can differ in the last fp32 bit, because the simulator's float sum over
 K is a BLAS call whose rounding depends on the task's shape (a fused weight splits N over the
@@ -16,7 +16,7 @@ from ggml_rknpu.compiler.chain import chain_image
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.cost.model import modeled_time, workload_from_program
 from ggml_rknpu.engine import FusedWeight, open_engine
-from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, step_workload
+from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, fusion_workload
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import REGISTERS
@@ -40,7 +40,7 @@ def _parts(rng, K, Ns):
 
 @pytest.mark.parametrize("dtype", ("fp16", "int8"))
 @pytest.mark.parametrize("K,Ns,rows", CASES)
-def test_fused_chained_and_single_steps_match_matmul(npu, dtype, K, Ns, rows):
+def test_fused_chained_and_single_fusions_match_matmul(npu, dtype, K, Ns, rows):
     rng = np.random.default_rng(K + rows)
     parts = _parts(rng, K, Ns)
     singles = [npu.upload_weight(p, dtype=dtype) for p in parts]
@@ -50,10 +50,10 @@ def test_fused_chained_and_single_steps_match_matmul(npu, dtype, K, Ns, rows):
     whole = npu.matmul(a, fused)
 
     assert isinstance(fused, FusedWeight) and fused.shape == (sum(Ns), K)
-    got_single = npu.step([singles[0]], m=rows).run(a)
+    got_single = npu.fuse([singles[0]], m=rows).run(a)
     np.testing.assert_array_equal(got_single[0], want[0])
-    got_chain = npu.step(singles, m=rows).run(a)
-    got_fused = npu.step([fused], m=rows).run(a)
+    got_chain = npu.fuse(singles, m=rows).run(a)
+    got_fused = npu.fuse([fused], m=rows).run(a)
     assert [g.shape for g in got_fused] == [(rows, n) for n in Ns]
     for (n0, n1), g in zip(fused.splits, got_fused):
         np.testing.assert_array_equal(g, whole[:, n0:n1])     # same program: bit-identical
@@ -67,47 +67,47 @@ def test_fused_chained_and_single_steps_match_matmul(npu, dtype, K, Ns, rows):
         w.free()
 
 
-def test_chained_step_is_one_submit_and_counted(npu):
+def test_chained_fusion_is_one_submit_and_counted(npu):
     rng = np.random.default_rng(1)
     parts = _parts(rng, 128, (32, 32, 64))
     ws = [npu.upload_weight(p) for p in parts]
-    step = npu.step(ws, m=1)
+    fusion = npu.fuse(ws, m=1)
     a = rng.standard_normal((1, 128)).astype(np.float32)
     before = dict(npu.counters)
-    step.run(a)
+    fusion.run(a)
     c = npu.counters
     assert c["submits"] - before["submits"] == 1
     assert c["chained_submits"] - before["chained_submits"] == 1
     assert c["matmuls"] - before["matmuls"] == 3
     assert c["programs_compiled"] == before["programs_compiled"]   # planned once
-    total_tasks = sum(len(p.tasks) for p in step._chain.programs)
-    assert sum(len(t) for t in step._chain.job.cores) == total_tasks
+    total_tasks = sum(len(p.tasks) for p in fusion._chain.programs)
+    assert sum(len(t) for t in fusion._chain.job.cores) == total_tasks
     for w in ws:
         w.free()
 
 
-def test_step_run_reports_its_modeled_device_time_like_a_matmul(npu):
-    """A step sets the engine's ``last_timing`` as ``Npu.matmul`` does (the server counts it
+def test_fusion_run_reports_its_modeled_device_time_like_a_matmul(npu):
+    """A fusion sets the engine's ``last_timing`` as ``Npu.matmul`` does (the server counts it
     into npu_device_seconds): the cost model's figure for exactly the programs it submitted."""
     rng = np.random.default_rng(4)
     parts = _parts(rng, 256, (64, 32, 32))
     ws = [npu.upload_weight(p) for p in parts]
     a = rng.standard_normal((2, 256)).astype(np.float32)
-    chained = npu.step(ws, m=2)
+    chained = npu.fuse(ws, m=2)
     chained.run(a)
     t = npu.last_timing
-    want = modeled_time(step_workload(chained._chain.programs), npu_mhz=npu.npu_mhz).total_s
+    want = modeled_time(fusion_workload(chained._chain.programs), npu_mhz=npu.npu_mhz).total_s
     assert t.device_label == "modeled" and t.submits == 1
     assert t.device_s == pytest.approx(want, rel=1e-12) and t.device_s > 0
     assert (t.pack_s, t.submit_s, t.unpack_s) == chained.timing
-    single = npu.step([ws[0]], m=2)
+    single = npu.fuse([ws[0]], m=2)
     single.run(a)
     npu.matmul(a, ws[0])                     # the same program through the matmul path
     assert single.modeled is not None
     alone = npu.last_timing.device_s
     single.run(a)
     assert npu.last_timing.device_s == alone == single.modeled.total_s
-    assert alone < t.device_s                # the chained step streams three weights
+    assert alone < t.device_s                # the chained fusion streams three weights
     for w in ws:
         w.free()
 
@@ -132,9 +132,9 @@ def test_chain_image_links_each_core_through_every_member():
     np.testing.assert_array_equal(solo, bound[0])
 
 
-def test_step_workload_prices_all_members_in_one_submit():
+def test_fusion_workload_prices_all_members_in_one_submit():
     progs = [compile_matmul(1, 1536, n, dtype="int8", out="int32", cores=3) for n in (1536, 256, 256)]
-    work = step_workload(progs)
+    work = fusion_workload(progs)
     assert work.submits == 1
     assert len(work.tasks) == sum(len(workload_from_program(p).tasks) for p in progs)
     separate = sum(modeled_time(p).total_s for p in progs)
@@ -154,79 +154,79 @@ def test_fused_copy_invalidated_by_any_sibling(npu):
     a = rng.standard_normal((1, 64)).astype(np.float32)
     fused = cache.get(("q", "k", "v"), load)
     assert cache.get(("q", "k", "v"), load) is fused and len(loads) == 1
-    old = npu.step([fused], m=1).run(a)[1].copy()
+    old = npu.fuse([fused], m=1).run(a)[1].copy()
     parts[1] = parts[1] * -2.0                  # a write to the K sibling's bytes ...
     assert cache.invalidate("k") == 1           # ... invalidates the fused copy
     assert fused.freed
     fresh = cache.get(("q", "k", "v"), load)
     assert len(loads) == 2 and fresh is not fused
-    new = npu.step([fresh], m=1).run(a)[1]
+    new = npu.fuse([fresh], m=1).run(a)[1]
     np.testing.assert_allclose(new, -2.0 * old, rtol=1e-2, atol=1e-3)
     assert cache.invalidate("unrelated") == 0
     cache.clear()
     assert fresh.freed
 
 
-def test_freeing_a_member_closes_its_chained_step_and_frees_its_buffers(npu):
+def test_freeing_a_member_closes_its_chained_fusion_and_frees_its_buffers(npu):
     rng = np.random.default_rng(3)
     ws = [npu.upload_weight(p) for p in _parts(rng, 64, (16, 16))]
-    step = npu.step(ws, m=1)
-    buffers = list(step._chain.buffers)
+    fusion = npu.fuse(ws, m=1)
+    buffers = list(fusion._chain.buffers)
     assert len(buffers) == 2 and not any(b.closed for b in buffers)      # A and C in one, regcmd
     ws[1].free()
-    assert step.closed and all(b.closed for b in buffers)
+    assert fusion.closed and all(b.closed for b in buffers)
     with pytest.raises(ValueError, match="closed"):
-        step.run(np.ones((1, 64), np.float32))
-    assert step not in npu.parts.steps
+        fusion.run(np.ones((1, 64), np.float32))
+    assert fusion not in npu.parts.fusions
     ws[0].free()
 
 
-def test_step_results_reuse_their_arrays_and_accept_outs(npu):
+def test_fusion_results_reuse_their_arrays_and_accept_outs(npu):
     rng = np.random.default_rng(4)
     fused = npu.upload_fused_weight(_parts(rng, 96, (32, 16)), dtype="int8")
-    step = npu.step([fused], m=1)
+    fusion = npu.fuse([fused], m=1)
     a = rng.standard_normal((1, 96)).astype(np.float32)
-    first = step.run(a)
-    second = step.run(a * 2)
+    first = fusion.run(a)
+    second = fusion.run(a * 2)
     assert all(np.shares_memory(x, y) for x, y in zip(first, second))   # no per-call result arrays
     outs = [np.empty((1, 32), np.float32), np.empty((1, 16), np.float32)]
-    got = step.run(a * 2, outs)
+    got = fusion.run(a * 2, outs)
     assert got[0].base is outs[0] or got[0] is outs[0] or np.shares_memory(got[0], outs[0])
     np.testing.assert_array_equal(outs[1], second[1])
     fused.free()
 
 
-def test_step_refuses_bad_input_clearly(npu):
+def test_fusion_refuses_bad_input_clearly(npu):
     rng = np.random.default_rng(5)
     w = npu.upload_weight(_parts(rng, 64, (16,))[0])
-    step = npu.step([w], m=2)
+    fusion = npu.fuse([w], m=2)
     with pytest.raises(ValueError, match="shape"):
-        step.run(np.ones((1, 65), np.float32))
+        fusion.run(np.ones((1, 65), np.float32))
     with pytest.raises(ValueError, match="shape"):
-        step.run(np.ones((3, 64), np.float32))        # more rows than the step was planned for
+        fusion.run(np.ones((3, 64), np.float32))        # more rows than the fusion was planned for
     bad = np.ones((1, 64), np.float32)
     bad[0, 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
-        step.run(bad)
+        fusion.run(bad)
     with pytest.raises(ValueError, match="fp16 range"):
-        step.run(np.full((1, 64), 1e6, np.float32))
+        fusion.run(np.full((1, 64), 1e6, np.float32))
     with pytest.raises(TypeError, match="int8"):
-        step.run(np.ones((1, 64), np.int8))
+        fusion.run(np.ones((1, 64), np.int8))
     w8 = npu.upload_weight(_parts(rng, 64, (16,))[0].astype(np.float32), dtype="int8")
     with pytest.raises(ValueError, match="share K and dtype"):
-        npu.step([w, w8], m=1)
+        npu.fuse([w, w8], m=1)
     with pytest.raises(ValueError, match="share K"):
         concat_rows([np.ones((2, 3)), np.ones((2, 4))])
     w.free()
     w8.free()
 
 
-def test_int8_activations_are_exact_through_a_step(npu):
+def test_int8_activations_are_exact_through_a_fusion(npu):
     rng = np.random.default_rng(6)
     b = rng.integers(-128, 128, (48, 160), dtype=np.int8)
     w = npu.upload_weight(b, dtype="int8")
     a = rng.integers(-128, 128, (3, 160), dtype=np.int8)
-    got = npu.step([w], m=3).run(a)[0]
+    got = npu.fuse([w], m=3).run(a)[0]
     np.testing.assert_array_equal(got, a.astype(np.int32) @ b.astype(np.int32).T)
     w.free()
 
@@ -234,23 +234,23 @@ def test_int8_activations_are_exact_through_a_step(npu):
 def test_rehearse_is_the_host_side_of_run_without_a_submit(npu):
     rng = np.random.default_rng(7)
     fused = npu.upload_fused_weight(_parts(rng, 128, (64, 32)), dtype="int8")
-    step = npu.step([fused], m=1)
+    fusion = npu.fuse([fused], m=1)
     a = rng.standard_normal((1, 128)).astype(np.float32)
-    want = [x.copy() for x in step.run(a)]
+    want = [x.copy() for x in fusion.run(a)]
     submits = npu.counters["submits"]
-    seconds = step.rehearse(a)        # C still holds the last run's output: same values back
+    seconds = fusion.rehearse(a)        # C still holds the last run's output: same values back
     assert seconds > 0 and npu.counters["submits"] == submits
-    for got, w in zip(step._views, want):
+    for got, w in zip(fusion._views, want):
         np.testing.assert_array_equal(got[:1], w)
     fused.free()
 
 
 @pytest.mark.parametrize("K", (100, 9000))
-def test_fp16_output_step_matches_matmul(npu, K):
+def test_fp16_output_fusion_matches_matmul(npu, K):
     rng = np.random.default_rng(K)
     w = npu.upload_weight(_parts(rng, K, (40,))[0])
     a = rng.standard_normal((2, K)).astype(np.float32)
-    got = npu.step([w], m=2, out="fp16").run(a)[0]
+    got = npu.fuse([w], m=2, out="fp16").run(a)[0]
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, npu.matmul(a, w, out="fp16"))
     w.free()
@@ -265,7 +265,7 @@ def test_multirow_int8_reads_match_matmul(npu, a_int8, K, N, rows):
     w = npu.upload_weight(rng.standard_normal((N, K)).astype(np.float32), dtype="int8")
     a = (rng.integers(-128, 128, (rows, K), dtype=np.int8) if a_int8
          else rng.standard_normal((rows, K)).astype(np.float32))
-    np.testing.assert_array_equal(npu.step([w], m=rows).run(a)[0], npu.matmul(a, w))
+    np.testing.assert_array_equal(npu.fuse([w], m=rows).run(a)[0], npu.matmul(a, w))
     w.free()
 
 
@@ -328,7 +328,7 @@ def test_tiny_activations_quantise_like_the_general_path(npu, peak):
 
 def test_proven_envelope_refuses_an_int8_chain_but_runs_the_fused_weight():
     """The proven envelope has one-task int8 PC chains: chaining int8 siblings would leave
-    it, so the step is refused with the way out; the fused weight (one program, chains as
+    it, so the fusion is refused with the way out; the fused weight (one program, chains as
     the envelope cuts them) runs."""
     rng = np.random.default_rng(9)
     engine = open_engine("sim-rknpu", envelope="proven")
@@ -336,10 +336,10 @@ def test_proven_envelope_refuses_an_int8_chain_but_runs_the_fused_weight():
         parts = _parts(rng, 128, (64, 32, 32))
         ws = [engine.upload_weight(p, dtype="int8") for p in parts]
         with pytest.raises(ValueError, match="fused weight"):
-            engine.step(ws, m=1)
+            engine.fuse(ws, m=1)
         fused = engine.upload_fused_weight(parts, dtype="int8")
         a = rng.standard_normal((1, 128)).astype(np.float32)
-        got = engine.step([fused], m=1).run(a)
+        got = engine.fuse([fused], m=1).run(a)
         for w, g in zip(ws, got):
             np.testing.assert_array_equal(g, engine.matmul(a, w))
     finally:

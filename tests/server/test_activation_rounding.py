@@ -15,7 +15,7 @@ from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.libggml import lib
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.server.activations import ActivationRounding
-from support.rpc_testkit import FakeNpu, SteppingFakeNpu, T, serve
+from support.rpc_testkit import FakeNpu, FusingFakeNpu, T, serve
 
 F32 = int(GgmlType.F32)
 K = 512
@@ -174,13 +174,13 @@ def test_server_rounds_under_ggml_and_leaves_fp16_as_it_was(g):
 
 
 def test_grouped_matmuls_share_one_rounding(g):
-    """Q/K/V of one activation are one engine step only when their vec_dot types agree."""
+    """Q/K/V of one activation are one engine fusion only when their vec_dot types agree."""
     for types, groups in ((("Q4_0", "Q8_0"), 1), (("Q4_0", "Q4_K"), 0)):
-        results, stats, expected = run_matmuls(SteppingFakeNpu(), "ggml", types)
+        results, stats, expected = run_matmuls(FusingFakeNpu(), "ggml", types)
         assert stats["npu_groups_planned"] == groups, types
         for got, (_, want) in zip(results, expected):
             np.testing.assert_array_equal(got, want)
-        _, stats, _ = run_matmuls(SteppingFakeNpu(), "fp16", types)
+        _, stats, _ = run_matmuls(FusingFakeNpu(), "fp16", types)
         assert stats["npu_groups_planned"] == 1, types
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp
-from support.rpc_testkit import SteppingFakeNpu, T, serve
+from support.rpc_testkit import FusingFakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
 MUL_MAT, ADD = int(GgmlOp.MUL_MAT), int(GgmlOp.ADD)
@@ -55,11 +55,11 @@ def run(npu, group: bool) -> tuple[list[dict[str, np.ndarray]], dict]:
 
 @pytest.mark.parametrize("trouble", [None, "fault", "refused"])
 def test_deliveries_between_host_nodes_run_in_one_graph(trouble):
-    npu = SteppingFakeNpu()
-    npu.fail_step = trouble == "fault"
-    npu.refuse_steps = trouble == "refused"
+    npu = FusingFakeNpu()
+    npu.fail_fusion = trouble == "fault"
+    npu.refuse_fusions = trouble == "refused"
     results, stats = run(npu, group=True)
-    reference, ref_stats = run(SteppingFakeNpu(), group=False)
+    reference, ref_stats = run(FusingFakeNpu(), group=False)
     for got, want in zip(results, reference):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)

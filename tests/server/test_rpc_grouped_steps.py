@@ -1,7 +1,7 @@
-"""NPU matmuls that read one activation (Q/K/V, gate/up) run as one engine step
+"""NPU matmuls that read one activation (Q/K/V, gate/up) run as one engine fusion
 (``plan_steps.NpuGroup``): same results as one submit each, one submit per replay, every write to
 a member's weight seen by the next graph, and each member's own fallback when the group
-cannot run (a member not resident, the engine refusing the step, a fault in its submit)."""
+cannot run (a member not resident, the engine refusing the fusion, a fault in its submit)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import ggml_rknpu
 from ggml_rknpu.libggml.enums import GgmlOp
-from support.rpc_testkit import MATMUL_DEVICE_S, STEP_DEVICE_S, SteppingFakeNpu, T, serve
+from support.rpc_testkit import FUSION_DEVICE_S, MATMUL_DEVICE_S, FusingFakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
 MUL_MAT, ADD = int(GgmlOp.MUL_MAT), int(GgmlOp.ADD)
@@ -91,18 +91,18 @@ def same(a: dict, b: dict) -> None:
 
 
 def test_siblings_run_as_one_step_with_the_results_of_one_submit_each():
-    npu = SteppingFakeNpu()
+    npu = FusingFakeNpu()
     grouped, stats = run_graph(npu, group=True)
-    assert npu.steps_built == 1 and npu.counters["submits"] == 2          # Q/K/V once per graph run
+    assert npu.fusions_built == 1 and npu.counters["submits"] == 2          # Q/K/V once per graph run
     assert npu.matmuls == 2                                               # o alone, both runs
     assert stats["npu_groups_planned"] == 1 and stats["npu_grouped_runs"] == 2
     assert stats["npu_matmuls_by_m"] == {M: 8}
-    # device time: each grouped run counts its step's figure once, like a lone matmul's
-    assert stats["npu_device_seconds"] == pytest.approx(2 * STEP_DEVICE_S + 2 * MATMUL_DEVICE_S, rel=1e-12)
+    # device time: each grouped run counts its fusion's figure once, like a lone matmul's
+    assert stats["npu_device_seconds"] == pytest.approx(2 * FUSION_DEVICE_S + 2 * MATMUL_DEVICE_S, rel=1e-12)
     assert stats["npu_device_label"] == "modeled"
-    ungrouped_npu = SteppingFakeNpu()
+    ungrouped_npu = FusingFakeNpu()
     ungrouped, stats = run_graph(ungrouped_npu, group=False)
-    assert ungrouped_npu.steps_built == 0 and ungrouped_npu.matmuls == 8 and stats["npu_groups_planned"] == 0
+    assert ungrouped_npu.fusions_built == 0 and ungrouped_npu.matmuls == 8 and stats["npu_groups_planned"] == 0
     assert stats["npu_device_seconds"] == pytest.approx(8 * MATMUL_DEVICE_S, rel=1e-12)
     for a, b in zip(grouped, ungrouped):
         same(a, b)
@@ -110,11 +110,11 @@ def test_siblings_run_as_one_step_with_the_results_of_one_submit_each():
 
 @pytest.mark.parametrize("trouble", [None, "fault", "refused"])
 def test_llama_order_siblings_are_gathered_and_a_reused_dst_is_written_at_its_place(trouble):
-    npu = SteppingFakeNpu()
-    npu.fail_step = trouble == "fault"
-    npu.refuse_steps = trouble == "refused"
+    npu = FusingFakeNpu()
+    npu.fail_fusion = trouble == "fault"
+    npu.refuse_fusions = trouble == "refused"
     grouped, stats = run_graph(npu, group=True, llama_order=True)
-    reference, ref_stats = run_graph(SteppingFakeNpu(), group=False, llama_order=True)
+    reference, ref_stats = run_graph(FusingFakeNpu(), group=False, llama_order=True)
     for a, b in zip(grouped, reference):
         same(a, b)
     if trouble is None:
@@ -124,19 +124,19 @@ def test_llama_order_siblings_are_gathered_and_a_reused_dst_is_written_at_its_pl
         assert stats["npu_grouped_runs"] == 0 and npu.matmuls == 8
 
 
-def test_a_write_to_one_member_rebuilds_the_step():
-    npu = SteppingFakeNpu()
+def test_a_write_to_one_member_rebuilds_the_fusion():
+    npu = FusingFakeNpu()
     k_new = np.random.default_rng(9).standard_normal((NK, K)).astype(np.float32)
     (first, second), _ = run_graph(npu, group=True, writes=[("k", k_new)])
-    assert npu.steps_built == 2
+    assert npu.fusions_built == 2
     assert not np.allclose(first["k"], second["k"])
-    reference, _ = run_graph(SteppingFakeNpu(), group=False, writes=[("k", k_new)])
+    reference, _ = run_graph(FusingFakeNpu(), group=False, writes=[("k", k_new)])
     same(second, reference[1])
 
 
 @pytest.mark.parametrize("trouble", ["fault", "refused", "not_resident"])
 def test_a_group_that_cannot_run_falls_back_to_its_members(trouble):
-    class Npu(SteppingFakeNpu):
+    class Npu(FusingFakeNpu):
         refused_k = False
 
         def upload_weight(self, b, dtype="fp16"):
@@ -146,24 +146,24 @@ def test_a_group_that_cannot_run_falls_back_to_its_members(trouble):
             return super().upload_weight(b, dtype)
 
     npu = Npu()
-    npu.fail_step = trouble == "fault"
-    npu.refuse_steps = trouble == "refused"
+    npu.fail_fusion = trouble == "fault"
+    npu.refuse_fusions = trouble == "refused"
     results, stats = run_graph(npu, group=True)
-    reference, _ = run_graph(SteppingFakeNpu(), group=False)
+    reference, _ = run_graph(FusingFakeNpu(), group=False)
     if trouble == "not_resident":       # K on the host (ggml-cpu, f32 weights: no fp16 rounding)
         for a, b in zip(results, reference):
             same({n: a[n] for n in "qvo"}, {n: b[n] for n in "qvo"})
             np.testing.assert_allclose(a["k"], b["k"], rtol=1e-2, atol=0.05)
-        assert stats["npu_grouped_runs"] == 0 and npu.steps_built == 0 and npu.matmuls == 6
+        assert stats["npu_grouped_runs"] == 0 and npu.fusions_built == 0 and npu.matmuls == 6
     else:
         for a, b in zip(results, reference):
             same(a, b)
         assert stats["npu_grouped_runs"] == 0 and npu.matmuls == 8
-        assert npu.steps_built == (2 if trouble == "fault" else 0)          # a fault retries next run
+        assert npu.fusions_built == (2 if trouble == "fault" else 0)          # a fault retries next run
 
 
 def test_on_the_simulator_grouping_is_bit_identical_and_saves_submits():
-    """The engine's chained step, Δsubmits from its counters; a SET_TENSOR of K between two graphs."""
+    """The engine's chained fusion, Δsubmits from its counters; a SET_TENSOR of K between two graphs."""
     k_new = np.random.default_rng(9).standard_normal((NK, K)).astype(np.float32)
     figures = {}
     for group in (True, False):
@@ -177,5 +177,5 @@ def test_on_the_simulator_grouping_is_bit_identical_and_saves_submits():
     for a, b in zip(grouped, ungrouped):
         same(a, b)
     assert not np.allclose(grouped[0]["k"], grouped[1]["k"])
-    assert (eg["submits"], eg["chained_submits"], eg["step_runs"]) == (4, 2, 2)   # per run: QKV + o
+    assert (eg["submits"], eg["chained_submits"], eg["fusion_runs"]) == (4, 2, 2)   # per run: QKV + o
     assert (eu["submits"], eu["chained_submits"]) == (8, 0)

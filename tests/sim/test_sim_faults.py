@@ -128,16 +128,16 @@ def test_serve_refuses_sim_faults_off_the_simulator(argv, code, words, caplog):
     assert words in caplog.text
 
 
-def test_a_stale_chained_step_is_a_fault_not_a_result():
-    """A chained decode step (Q/K/V as one submit, engine.fusion) checks every member's
+def test_a_stale_chained_fusion_is_a_fault_not_a_result():
+    """A chained fusion (Q/K/V as one submit, engine.fusion) checks every member's
     canaries too: a job that wrote nothing raises StaleOutput, and the next run is exact."""
     npu, injector, w, b = _engine("rknpu", "stale@1")
     with npu:
         b2 = np.random.default_rng(5).standard_normal((N, K)).astype(np.float32)
-        step = npu.step([w, npu.upload_weight(b2)], 1)
+        fusion = npu.fuse([w, npu.upload_weight(b2)], 1)
         a = np.ones((1, K), np.float32)
         with pytest.raises(StaleOutput, match="chained"):
-            step.run(a)
+            fusion.run(a)
         assert injector.counts["stale"] == 1 and npu.counters["npu_faults"] == 1
-        for got, ref in zip(step.run(a), (b, b2)):
+        for got, ref in zip(fusion.run(a), (b, b2)):
             np.testing.assert_allclose(got, a @ ref.astype(np.float16).astype(np.float32).T, rtol=2e-2, atol=2e-2)

@@ -46,7 +46,7 @@ class FakeWeight:
 
 
 MATMUL_DEVICE_S = 1e-3    # what a FakeNpu.matmul reports as its device time
-STEP_DEVICE_S = 0.25e-3   # what a FakeStep run reports as its device time (FakeNpu.matmul: 1 ms)
+FUSION_DEVICE_S = 0.25e-3   # what a FakeFusion run reports as its device time (FakeNpu.matmul: 1 ms)
 
 
 class FakeNpu:
@@ -84,20 +84,20 @@ class FakeNpu:
         pass
 
 
-class FakeStep:
-    """``SteppingFakeNpu.step``: the members' matmuls, one ``submits`` count per run."""
+class FakeFusion:
+    """``FusingFakeNpu.fuse``: the members' matmuls, one ``submits`` count per run."""
 
-    def __init__(self, engine: SteppingFakeNpu, weights: list[FakeWeight], m: int) -> None:
+    def __init__(self, engine: FusingFakeNpu, weights: list[FakeWeight], m: int) -> None:
         self.engine, self.weights, self.m, self.closed = engine, weights, m, False
 
     def run(self, a: np.ndarray, outs=None) -> list[np.ndarray]:
-        assert not self.closed and not any(w.freed for w in self.weights), "run of a stale step"
+        assert not self.closed and not any(w.freed for w in self.weights), "run of a stale fusion"
         assert a.shape[0] <= self.m
-        if self.engine.fail_step:
+        if self.engine.fail_fusion:
             raise RuntimeError("injected fault in a chained submit")
         self.engine.counters["submits"] = self.engine.counters.get("submits", 0) + 1
         # one submit's device time, apart from a lone matmul's 1 ms so that tests can tell them apart
-        self.engine.last_timing = SimpleNamespace(device_s=STEP_DEVICE_S, device_label="modeled")
+        self.engine.last_timing = SimpleNamespace(device_s=FUSION_DEVICE_S, device_label="modeled")
         results = [a.astype(np.float32) @ w.b.T for w in self.weights]
         for dst, r in zip(outs, results):
             dst[...] = r
@@ -107,20 +107,20 @@ class FakeStep:
         self.closed = True
 
 
-class SteppingFakeNpu(FakeNpu):
-    """A FakeNpu that also plans grouped steps (``engine.contract.SteppingEngine``)."""
+class FusingFakeNpu(FakeNpu):
+    """A FakeNpu that also plans fusions (``engine.contract.FusingEngine``)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.steps_built = 0
-        self.fail_step = False
-        self.refuse_steps = False
+        self.fusions_built = 0
+        self.fail_fusion = False
+        self.refuse_fusions = False
 
-    def step(self, weights: list[FakeWeight], m: int = 1, *, out: str | None = None) -> FakeStep:
-        if self.refuse_steps:
+    def fuse(self, weights: list[FakeWeight], m: int = 1, *, out: str | None = None) -> FakeFusion:
+        if self.refuse_fusions:
             raise ValueError("too many tasks for one chain (injected)")
-        self.steps_built += 1
-        return FakeStep(self, list(weights), m)
+        self.fusions_built += 1
+        return FakeFusion(self, list(weights), m)
 
 
 

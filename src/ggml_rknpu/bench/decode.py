@@ -4,7 +4,7 @@ runs, the host time per NPU step measured here, and the published figures beside
 Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
 bucket, per decode step (fused by default: 4 submits per layer plus the head; unfused: one
 per matmul), each step a submit (``OWN_DRIVER``); host ops are not priced; the host time is
-*measured* on this host, on the lean path (``engine.fusion.Step``), the submit itself
+*measured* on this host, on the lean path (``engine.fusion.Fusion``), the submit itself
 excluded. Shapes come from a GGUF or the presets (each model's published config.json).
 Why: docs/decisions.md "bench/decode.py";
 figures: docs/decode.md."""
@@ -127,9 +127,9 @@ def step_programs(step: DecodeSubmit, m: int, dtype: str, cores: int, abi: str =
 
 
 def step_workload_for(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None):
-    from ggml_rknpu.engine.fusion import step_workload
+    from ggml_rknpu.engine.fusion import fusion_workload
 
-    return step_workload(step_programs(step, m, dtype, cores, envelope=envelope))
+    return fusion_workload(step_programs(step, m, dtype, cores, envelope=envelope))
 
 
 def modeled_step_s(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None) -> float:
@@ -172,8 +172,8 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
 def measure_host_step(npu, step: DecodeSubmit, m: int, dtype: str, reps: int,
                       rng: np.random.Generator) -> tuple[float, float]:
     """Median host seconds of the lean path around one submit of ``step`` on this host,
-    the submit itself excluded: (alone: ``Step.rehearse``, A written and C read with no
-    submit between; after a simulated submit: the same phases of ``Step.run``, whose
+    the submit itself excluded: (alone: ``Fusion.rehearse``, A written and C read with no
+    submit between; after a simulated submit: the same phases of ``Fusion.run``, whose
     simulation has just evicted the CPU caches)."""
     parts = [rng.standard_normal((n, step.K), dtype=np.float32) * 0.05 for n in step.Ns]
     if step.fused:
@@ -182,7 +182,7 @@ def measure_host_step(npu, step: DecodeSubmit, m: int, dtype: str, reps: int,
         weights = [npu.upload_weight(p, dtype=dtype) for p in parts]
     del parts
     try:
-        planned = npu.step(weights, m=m)
+        planned = npu.fuse(weights, m=m)
         a = rng.standard_normal((m, step.K), dtype=np.float32)
         planned.run(a)                       # warm-up: compile, bind, first touch
         after_submit = []
@@ -322,10 +322,10 @@ def run(args, rig, console: Console) -> rp.Report | None:
             rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True),
             rp.Column("host_after_submit_us_measured", "host µs after a simulated submit", "{:.1f}", figure=True)],
             host_rows,
-            note=f"engine.fusion.Step with float32 activations: writing A and reading C through the step's views, "
+            note=f"engine.fusion.Fusion with float32 activations: writing A and reading C through the fusion's views, "
                  f"int8 scales included, the submit excluded. 'host µs': median of {HOST_ALONE_REPS} "
-                 f"Step.rehearse calls (no submit between); 'after a simulated submit': median of "
-                 f"{args.host_reps} Step.run calls, each right after the simulator ran the step (cold CPU caches)"))
+                 f"Fusion.rehearse calls (no submit between); 'after a simulated submit': median of "
+                 f"{args.host_reps} Fusion.run calls, each right after the simulator ran its submit (cold CPU caches)"))
     plan_table, plan_plot, plan_rows = _plans(args, models)
     tables.append(plan_table)
     fused_rows = [r for r in rows if r["plan"] == "fused"]

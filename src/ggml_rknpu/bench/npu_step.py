@@ -39,18 +39,18 @@ class LayerShape:
 
 
 class _ServerStep:
-    """One decode step as ``ggml.graph`` issues it: several siblings as a chained
-    ``Npu.step(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
-    ``ggml.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
+    """One NPU step as ``server.plan_steps`` issues it: several siblings as a chained
+    ``Npu.fuse(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
+    ``server.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
 
     def __init__(self, npu, weights: list) -> None:
         self.npu, self.weights = npu, weights
-        self.step = npu.step(weights) if len(weights) > 1 else None
+        self.fusion = npu.fuse(weights) if len(weights) > 1 else None
 
     def run(self, a: np.ndarray, outs: list[np.ndarray]) -> tuple[float, float, float, float]:
-        if self.step is not None:
-            self.step.run(a, outs=outs)
-            return (*self.step.timing, self.step.canary_s)
+        if self.fusion is not None:
+            self.fusion.run(a, outs=outs)
+            return (*self.fusion.timing, self.fusion.canary_s)
         outs[0][...] = self.npu.matmul(a, self.weights[0])
         t = self.npu.last_timing
         return t.pack_s, t.submit_s, t.unpack_s, self.npu.last_canary_s

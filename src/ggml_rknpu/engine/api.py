@@ -20,7 +20,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.layout import b_bytes, pack_b
 from ggml_rknpu.compiler.shape import MatmulShape
-from ggml_rknpu.engine.fusion import Step, concat_rows
+from ggml_rknpu.engine.fusion import Fusion, concat_rows
 from ggml_rknpu.engine.memory import NpuMemory
 from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
 from ggml_rknpu.engine.parts import EngineParts
@@ -35,7 +35,7 @@ from ggml_rknpu.kernel.errors import NpuError
 
 COUNTERS = ("weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
             "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
-            "submits", "npu_faults", "resets", "fused_weights_uploaded", "step_runs", "chained_submits",
+            "submits", "npu_faults", "resets", "fused_weights_uploaded", "fusion_runs", "chained_submits",
             "memory_splits")
 W = TypeVar("W", bound=Weight)
 
@@ -69,7 +69,7 @@ class Npu:
 
     @property
     def last_timing(self) -> Timing | None:
-        """The last matmul's or step's ``Timing``."""
+        """The last matmul's or fusion's ``Timing``."""
         return self.parts.last_timing
 
     @property
@@ -85,7 +85,7 @@ class Npu:
 
     def upload_fused_weight(self, parts: list[np.ndarray], dtype: str = "fp16") -> FusedWeight:
         """Sibling weights [N_i, K] (Q/K/V, gate/up: the same input) as one resident weight
-        [sum N_i, K]; ``splits`` gives each sibling's output columns, and ``step([fused])``
+        [sum N_i, K]; ``splits`` gives each sibling's output columns, and ``fuse([fused])``
         returns one result per sibling. See ``engine.fusion``."""
         b, splits = concat_rows(parts)
         fused = self._upload(b, dtype, FusedWeight)
@@ -93,18 +93,18 @@ class Npu:
         self.counters["fused_weights_uploaded"] += 1
         return fused
 
-    def step(self, weights: list[Weight], m: int = 1, *, out: str | None = None) -> Step:
-        """A decode step planned once: ``weights`` (one plain or fused weight, or several
+    def fuse(self, weights: list[Weight], m: int = 1, *, out: str | None = None) -> Fusion:
+        """A fusion, one submit planned once: ``weights`` (one plain or fused weight, or several
         sharing K and dtype, chained in one submit) applied to one activation of up to ``m``
-        rows. ``step.run(a)`` -> one array per output. See ``engine.fusion.Step``."""
+        rows. ``fusion.run(a)`` -> one array per output. See ``engine.fusion.Fusion``."""
         self._check_open()
         if not weights:
-            raise ValueError("a step needs at least one weight")
+            raise ValueError("a fusion needs at least one weight")
         for w in weights:
             self._check_weight(w)
-        step = Step(self.parts, list(weights), m_bucket(m), self._out_dtype(weights[0], out))
-        self.parts.steps.add(step)
-        return step
+        fusion = Fusion(self.parts, list(weights), m_bucket(m), self._out_dtype(weights[0], out))
+        self.parts.fusions.add(fusion)
+        return fusion
 
     def _upload(self, b: np.ndarray, dtype: str, cls: type[W]) -> W:
         self._check_open()
@@ -128,9 +128,9 @@ class Npu:
         return weight
 
     def _forget(self, w: Weight) -> None:
-        for step in [s for s in self.parts.steps if w in s.weights]:
-            step.close()
-            self.parts.steps.discard(step)
+        for fusion in [f for f in self.parts.fusions if w in f.weights]:
+            fusion.close()
+            self.parts.fusions.discard(fusion)
         self.parts.programs.forget(w)
         self._weights.remove(w)
         self.parts.memory.drop_room(id(w))

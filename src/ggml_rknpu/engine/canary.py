@@ -61,7 +61,7 @@ class Canaries:
 
     def at(self, byte_offset: int) -> Canaries:
         """The same canaries for a C region that starts ``byte_offset`` bytes into a larger
-        buffer (a chained step's members share one)."""
+        buffer (a chained fusion's members share one)."""
         width = self.pattern.itemsize
         if byte_offset % width:
             raise ValueError(f"a C region offset must be a multiple of {width} bytes, got {byte_offset}")

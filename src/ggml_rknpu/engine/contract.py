@@ -72,8 +72,8 @@ class MatmulEngine(Protocol):
     def close(self) -> None: ...
 
 
-class EngineStep(Protocol):
-    """A decode step planned once by ``SteppingEngine.step``: several resident weights that
+class EngineFusion(Protocol):
+    """A fusion, planned once by ``FusingEngine.fuse``: several resident weights that
     read one activation, run as one submit. ``closed`` once one of its weights is freed."""
 
     closed: bool
@@ -81,19 +81,19 @@ class EngineStep(Protocol):
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """``a`` [M, K] (M up to the planned rows) -> one [M, N_i] result per weight, written
         into ``outs`` (one float32 array per weight) when given. Sets the engine's
-        ``last_timing`` for the whole step, as ``matmul`` does for one call."""
+        ``last_timing`` for the whole fusion, as ``matmul`` does for one call."""
         ...
 
     def close(self) -> None: ...
 
 
-class SteppingEngine(MatmulEngine, Protocol):
+class FusingEngine(MatmulEngine, Protocol):
     """An engine that can run sibling matmuls as one submit (``engine.Npu``; the vendor
     runtime cannot)."""
 
-    def step(self, weights: list[Any], m: int = 1, *, out: str | None = None) -> EngineStep: ...
+    def fuse(self, weights: list[Any], m: int = 1, *, out: str | None = None) -> EngineFusion: ...
 
 
-def stepping(engine: MatmulEngine | None) -> SteppingEngine | None:
-    """``engine`` if it can plan grouped steps, else None: the one capability check."""
-    return engine if engine is not None and callable(getattr(engine, "step", None)) else None  # type: ignore[return-value]
+def fusing(engine: MatmulEngine | None) -> FusingEngine | None:
+    """``engine`` if it can plan fusions, else None: the one capability check."""
+    return engine if engine is not None and callable(getattr(engine, "fuse", None)) else None  # type: ignore[return-value]

@@ -81,7 +81,7 @@ def save_passed(key: str, passed: list[str], report: str = "", path: Path | None
 
 def envelope_for_rungs(passed: list[str] | tuple[str, ...], abi: str | None = None) -> Envelope:
     """PROVEN widened by the rungs passed from the bottom of the ladder, in order. A rung
-    that does not apply to ``abi`` (the long rocket job on the vendor driver) is stepped over."""
+    that does not apply to ``abi`` (the long rocket job on the vendor driver) is skipped."""
     env, last = PROVEN, None
     for name, widening in RUNG_WIDENINGS:
         if name not in passed:

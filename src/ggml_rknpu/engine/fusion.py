@@ -1,11 +1,11 @@
 """Fused NPU jobs for the decode path: sibling weights as one resident weight, several
-programs in one submit, and ``Step``, a submit planned once and replayed.
+programs in one submit, and ``Fusion``, a submit planned once and replayed.
 
 Invariants: a fused weight is exact (each output row is the same dot product; int8 scales
 are per row and concatenate too); chained programs read one A and write disjoint regions
 of one C; residency stays exact because the caller invalidates every fused copy built from
 a sibling it invalidates (``FusedWeights.invalidate``), and freeing a member closes the
-chained steps using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
+chained fusions using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[in
     return np.concatenate(parts, axis=0), tuple(splits)
 
 
-def step_workload(programs: Sequence[Program]) -> Workload:
-    """What the cost model prices for one step running ``programs``: every task of every
+def fusion_workload(programs: Sequence[Program]) -> Workload:
+    """What the cost model prices for one fusion running ``programs``: every task of every
     member; one submit when chained (members of one chain each), else the one program's
     submits (an envelope may cut it into several chains)."""
     submits = 1 if len(programs) > 1 else workload_from_program(programs[0]).submits
@@ -92,21 +92,21 @@ class FusedWeights:
         return len(self._by_keys)
 
 
-class Step:
+class Fusion:
     """One submit of the decode path: one weight (plain or fused) or several chained,
     all reading one activation [rows <= m, K]. Planned once; ``run`` writes A through
     precomputed views, submits, and reads every output through precomputed views.
 
     ``run`` returns one array per output (a fused weight gives one per sibling), rows
-    ``[:rows]`` of arrays the step owns: they are overwritten by its next run (copy them to
+    ``[:rows]`` of arrays the fusion owns: they are overwritten by its next run (copy them to
     keep them), or pass ``outs`` to receive the results in your own arrays."""
 
     def __init__(self, parts: EngineParts, weights: Sequence[Weight], m: int, out: str) -> None:
-        """``weights``: checked by the engine (``Npu.step``); ``m``: its M bucket for the rows this
-        step takes (``programs.m_bucket``); ``out``: the output type."""
+        """``weights``: checked by the engine (``Npu.fuse``); ``m``: its M bucket for the rows this
+        fusion takes (``programs.m_bucket``); ``out``: the output type."""
         ks = {(w.shape[1], w.dtype) for w in weights}
         if len(ks) != 1:
-            raise ValueError(f"the weights of one step must share K and dtype; got {sorted(ks)}")
+            raise ValueError(f"the weights of one fusion must share K and dtype; got {sorted(ks)}")
         self.parts = parts
         self.weights = tuple(weights)
         self.K = weights[0].shape[1]
@@ -127,7 +127,7 @@ class Step:
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
         self.canary_s = 0.0   # of the submit: arming and checking the canaries (measured)
         self._chain = _Chain(parts, self) if len(self.weights) > 1 else None
-        self._label = f"decode step {self!r}"   # what a timeout names (formatted once)
+        self._label = f"fusion {self!r}"   # what a timeout names (formatted once)
         self.modeled = self._chain.modeled if self._chain else None
 
     # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
@@ -144,7 +144,7 @@ class Step:
         applied) without submitting: seconds on this host. For benchmarks of the host path
         apart from the device (a simulator's execution also evicts the CPU caches)."""
         if self.closed:
-            raise ValueError("this step was closed (one of its weights was freed); plan it again")
+            raise ValueError("this fusion was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
         a_port, r_ports = self._chain.ports() if self._chain else self._single()[:2]
         act_scales = a_port.write(a)
@@ -154,7 +154,7 @@ class Step:
 
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         if self.closed:
-            raise ValueError("this step was closed (one of its weights was freed); plan it again")
+            raise ValueError("this fusion was closed (one of its weights was freed); plan it again")
         t0 = time.perf_counter()
         submitter = self.parts.submitter
         if self._chain:   # one chained job over private buffers, its members' canaries checked
@@ -174,7 +174,7 @@ class Step:
         t2 = time.perf_counter()
         rows = a.shape[0]
         if outs is not None and len(outs) != len(self._views):
-            raise ValueError(f"this step has {len(self._views)} outputs, got {len(outs)} arrays")
+            raise ValueError(f"this fusion has {len(self._views)} outputs, got {len(outs)} arrays")
         if outs is not None and self._direct(outs, rows):
             # each output is one weight's whole result: read C straight into the caller's rows
             for port, dst in zip(r_ports, outs):
@@ -195,7 +195,7 @@ class Step:
         self.parts.last_timing = Timing(*self.timing, device_s=dev, device_label=label, submits=submits)
         c = self.parts.counters
         c["matmuls"] += len(self.weights)
-        c["step_runs"] += 1
+        c["fusion_runs"] += 1
         if self._chain:
             c["chained_submits"] += 1
         return results
@@ -212,16 +212,16 @@ class Step:
         return True
 
     def close(self) -> None:
-        """Release the step (a chained step's private buffers); idempotent."""
+        """Release the fusion (a chained fusion's private buffers); idempotent."""
         if not self.closed:
             self.closed = True
-            self.parts.steps.discard(self)
+            self.parts.fusions.discard(self)
             if self._chain:
                 self._chain.close()
 
     def __repr__(self) -> str:
         shapes = "+".join(f"{w.shape[0]}" for w in self.weights)
-        return f"Step(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
+        return f"Fusion(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
 
 
 def _check_chainable(programs: Sequence[Program], parts: EngineParts) -> None:
@@ -229,7 +229,7 @@ def _check_chainable(programs: Sequence[Program], parts: EngineParts) -> None:
     engine's envelope (``hw.envelope``: tasks per vendor PC chain); else ValueError."""
     if any(p.n_submits > 1 for p in programs):
         raise ValueError("a member program already needs several chains in this envelope; "
-                         "run the siblings as a fused weight or as separate steps")
+                         "run the siblings as a fused weight or as separate fusions")
     per_core: dict[int, int] = {}
     for p in programs:
         for t in p.tasks:
@@ -238,23 +238,23 @@ def _check_chainable(programs: Sequence[Program], parts: EngineParts) -> None:
     limit = envelope.max_chain_tasks[programs[0].shape.dtype]
     if parts.programs.abi == "rknpu" and max(per_core.values()) > limit:
         raise ValueError(f"chaining these programs puts {max(per_core.values())} tasks in one PC chain, more "
-                         f"than the {envelope.name} envelope's {limit}; use a fused weight or separate steps")
+                         f"than the {envelope.name} envelope's {limit}; use a fused weight or separate fusions")
 
 
 class _Chain:
-    """Private buffers of a chained step (fixed for its life): one holding A and the members'
+    """Private buffers of a chained fusion (fixed for its life): one holding A and the members'
     C regions (one clean covers what the CPU wrote, one invalidate what the NPU wrote) and
     the chained regcmd image (cleaned once, here)."""
 
-    def __init__(self, parts: EngineParts, step: Step) -> None:
+    def __init__(self, parts: EngineParts, fusion: Fusion) -> None:
         self.parts = parts
         cache = parts.programs
-        programs = [cache.program_for(w, step.m, step.out) for w in step.weights]
+        programs = [cache.program_for(w, fusion.m, fusion.out) for w in fusion.weights]
         self.programs = programs
         _check_chainable(programs, parts)
         self.modeled = (None if cache.npu_mhz is None
-                        else modeled_time(step_workload(programs), npu_mhz=cache.npu_mhz))
-        what = repr(step)
+                        else modeled_time(fusion_workload(programs), npu_mhz=cache.npu_mhz))
+        what = repr(fusion)
         # A and the members' C regions share one buffer, C from a cache-line boundary after A:
         # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then
         # one invalidate of C; no cache line holds both A bytes and C bytes
@@ -273,7 +273,7 @@ class _Chain:
         offsets = member_offsets(programs)
         bound = [p.bind(a=self.data.dma_addr, b=w.buffer.dma_addr, c=self.data.dma_addr + co,
                         regcmd=self.regcmd.dma_addr + ro * 8)
-                 for p, w, co, ro in zip(programs, step.weights, c_offsets, offsets)]
+                 for p, w, co, ro in zip(programs, fusion.weights, c_offsets, offsets)]
         image, per_core = chain_image(programs, bound, self.regcmd.dma_addr)
         self.regcmd.array(np.uint64)[: image.size] = image
         self.regcmd.sync_to_device(0, image.nbytes)
@@ -289,13 +289,13 @@ class _Chain:
         except BaseException:
             self.close()
             raise
-        a_port = ActivationPort(programs[0].shape, quantize=step.dtype == "int8")
+        a_port = ActivationPort(programs[0].shape, quantize=fusion.dtype == "int8")
         raw = self.data.array(np.uint8)
         a_port.bind(raw[: programs[0].a_bytes])
         c_raw = raw
         r_ports = []
-        for p, w, co in zip(programs, step.weights, c_offsets):
-            port = ResultPort(p, w.scales, step._result_dtype)
+        for p, w, co in zip(programs, fusion.weights, c_offsets):
+            port = ResultPort(p, w.scales, fusion._result_dtype)
             port.bind(c_raw[co: co + c_bytes(p.shape, p.k_splits)])
             r_ports.append(port)
         assert a_bytes(programs[0].shape) == programs[0].a_bytes

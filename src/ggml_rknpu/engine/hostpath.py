@@ -1,4 +1,4 @@
-"""The host side of one NPU step, planned once: activations in, results out, through views.
+"""The host side of one NPU submit, planned once: activations in, results out, through views.
 
 Invariants: a program's A and C windows get their native-layout views once; a call is a
 few numpy operations, with no Python loop over rows, tasks or K chunks; K padding of A is
@@ -55,7 +55,7 @@ class ActivationPort:
         bound A region; returns the per-row scales when ``x`` was quantised, else None."""
         s = self.shape
         if x.ndim != 2 or x.shape[1] != s.K or not 1 <= x.shape[0] <= s.M:
-            raise ValueError(f"activation has shape {x.shape}; this step takes [1..{s.M}, {s.K}]")
+            raise ValueError(f"activation has shape {x.shape}; this program takes [1..{s.M}, {s.K}]")
         rows = x.shape[0]
         if x.dtype == np.int8:
             if s.dtype != "int8":

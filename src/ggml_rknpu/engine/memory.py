@@ -2,7 +2,7 @@
 
 Invariants: every engine allocation and every job's submit tables go through here; when
 memory (or the cap) runs out, least-recently-used programs are evicted first (``evict``);
-resident memory (weights, chained steps) leaves ``reserve_bytes`` free under the cap, so
+resident memory (weights, chained fusions) leaves ``reserve_bytes`` free under the cap, so
 staged weights never starve the matmul programs. Why: docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class NpuMemory:
               headroom: Headroom | None = None) -> Buffer:
         """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out.
 
-        ``resident``: memory no eviction gives back (a weight, a chained step's buffers). Under
+        ``resident``: memory no eviction gives back (a weight, a chained fusion's buffers). Under
         ``cap`` it must leave ``reserve_bytes(headroom)`` free, the room the programs of the
         resident weights (and ``headroom``, the weight being uploaded) need. Programs and
         scratch may use the whole cap."""

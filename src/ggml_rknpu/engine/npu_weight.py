@@ -2,7 +2,7 @@
 programs bound for them.
 
 Invariants: a weight's packed bytes are written once, at upload; ``free`` releases its
-programs, its buffer and the chained steps using it, once. Why: docs/decisions.md
+programs, its buffer and the chained fusions using it, once. Why: docs/decisions.md
 "engine/api.py"."""
 
 from __future__ import annotations

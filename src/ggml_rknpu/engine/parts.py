@@ -1,7 +1,7 @@
-"""``EngineParts``: what one ``Npu`` is made of, and all that a planned decode step
-(``engine.fusion.Step``) may use of it: memory, bound programs, submits, counters.
+"""``EngineParts``: what one ``Npu`` is made of, and all that a fusion
+(``engine.fusion.Fusion``) may use of it: memory, bound programs, submits, counters.
 
-Invariants: one set of parts per engine, shared by the engine and its steps; a step never
+Invariants: one set of parts per engine, shared by the engine and its fusions; a fusion never
 reaches into the engine itself. Why: docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ggml_rknpu.engine.submission import Submitter
 from ggml_rknpu.engine.timing import Timing
 
 
-class LiveStep(Protocol):
-    """A planned step holding resident weights (closed when one of them is freed)."""
+class LiveFusion(Protocol):
+    """A fusion holding resident weights (closed when one of them is freed)."""
 
     weights: tuple
 
@@ -31,5 +31,5 @@ class EngineParts:
     programs: ProgramCache
     submitter: Submitter
     counters: dict[str, int]
-    steps: set[LiveStep] = field(default_factory=set)   # live steps (engine.fusion)
-    last_timing: Timing | None = None                    # of the last matmul or step run
+    fusions: set[LiveFusion] = field(default_factory=set)   # live fusions (engine.fusion)
+    last_timing: Timing | None = None                    # of the last matmul or fusion run

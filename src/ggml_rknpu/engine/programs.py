@@ -28,7 +28,7 @@ from ggml_rknpu.kernel.job import Job
 
 BUCKET_POW2_MAX = 256
 OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}
-# Under ``memory_cap``, resident memory (weights, chained steps) leaves room for the programs of
+# Under ``memory_cap``, resident memory (weights, chained fusions) leaves room for the programs of
 # every resident weight at this many rows: the decode path (server.grouping.GROUP_MAX_ROWS: one
 # token, drafts, a few slots). A larger bucket that finds no memory splits its call along M.
 RESERVE_ROWS = 16
@@ -125,7 +125,7 @@ class ProgramCache:
         modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
         bound = BoundProgram(program, m, w.buffer.dma_addr, modeled, label=f"matmul {program.shape}")
         try:
-            # Each step may evict other programs; this one already counts as a user of the
+            # Each allocation may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
             bound.a_buf, bound.c_buf = self.scratch.join(bound, m, program.a_bytes, program.c_bytes, what)
             bound.regcmd_buf = self.memory.alloc(program.words.nbytes, "regcmd", what)

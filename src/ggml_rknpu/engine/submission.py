@@ -2,8 +2,8 @@
 
 Invariants: each job goes through ``NpuDevice.submit`` once, counted, its timeout named
 after what it ran; a bound program's canaries are armed before its jobs and checked after
-them, and output left unwritten resets the NPU and raises ``StaleOutput`` (the caller runs
-the step on the host). Why: docs/decisions.md "engine/canary.py"."""
+them, and output left unwritten resets the NPU and raises ``StaleOutput`` (the caller computes
+those matmuls on the host). Why: docs/decisions.md "engine/canary.py"."""
 
 from __future__ import annotations
 
@@ -68,11 +68,11 @@ class Submitter:
     def stale_output(self, what: str) -> NoReturn:
         """A submit left canaries unwritten: reset where the driver lets us (rocket resets a core
         itself after a job timeout) and raise StaleOutput carrying what the reset destroyed, so
-        the caller runs the step on the host and does not reset a second time."""
+        the caller computes on the host and does not reset a second time."""
         self.counters["npu_faults"] += 1
         try:
             lost: list | None = self.reset()
         except NpuError:
             lost = None
-        raise StaleOutput(f"{what}; " + ("the NPU was reset, run this step on the host" if lost is not None
+        raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None
                                          else "resetting the NPU failed"), lost=lost)

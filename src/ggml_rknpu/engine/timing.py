@@ -1,4 +1,4 @@
-"""``Timing``: what one matmul or decode step cost, and where its device seconds come from.
+"""``Timing``: what one matmul or fusion cost, and where its device seconds come from.
 
 Invariants: host phases are measured on this host; device seconds are "measured" only from
 a board's ``hw_elapsed_ns``, else "modeled" by the cost model, else "unknown". Why:

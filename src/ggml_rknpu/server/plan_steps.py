@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ggml_rknpu.engine.contract import EngineStep, EngineWeight, MatmulEngine, MatmulTiming, stepping
+from ggml_rknpu.engine.contract import EngineFusion, EngineWeight, MatmulEngine, MatmulTiming, fusing
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
 from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
@@ -132,20 +132,20 @@ def _count_npu(stats: ServerStats, members: tuple[NpuStep, ...], rows: int, seco
 @dataclass(eq=False)
 class NpuGroup:
     """Consecutive NpuSteps reading one activation (Q/K/V after the attention norm,
-    gate/up after the FFN norm): one engine step, i.e. one submit, per replay.
+    gate/up after the FFN norm): one engine fusion, i.e. one submit, per replay.
 
-    The engine step chains the members' own resident weights (no extra NPU memory, results
+    The fusion chains the members' own resident weights (no extra NPU memory, results
     identical to the members run one by one). It is built from the handles the weight store
     holds now and rebuilt whenever one of them changed (a write over a member's bytes
     unstages it, the next run stages a new copy) or the engine closed it. A member that is
-    not resident, an engine that refuses the step, or a fault in it: the members run one
+    not resident, an engine that refuses the fusion, or a fault in it: the members run one
     by one (their own fallbacks) for that replay."""
 
     members: tuple[NpuStep, ...]
     rows: int                          # activation rows M (fixed by the graph)
     outs: tuple[np.ndarray, ...]       # each member's dst as float32 [M, N], views in its buffer
-    step: EngineStep | None = None     # the engine step (None: not built or dropped)
-    handles: tuple[EngineWeight, ...] = ()   # the weights the step was built from
+    fusion: EngineFusion | None = None   # the engine's fusion (None: not built or dropped)
+    handles: tuple[EngineWeight, ...] = ()   # the weights the fusion was built from
     refused: bool = False              # the engine cannot plan this group: members one by one
     deferred: frozenset[int] = frozenset()   # members whose result a Delivery writes later
     ran: bool = False                  # this replay ran as one step (the Deliveries copy its results)
@@ -159,14 +159,14 @@ class NpuGroup:
             self._one_by_one(stats, recovery)
             return
         t0 = time.perf_counter()
-        step = self._current_step(npu, handles)
-        if step is None:
+        fusion = self._current_fusion(npu, handles)
+        if fusion is None:
             self._one_by_one(stats, recovery)
             return
         first = self.members[0]
         try:
-            step.run(npu_rows(first.a, first.a_type, first.slot.k, first.rounder), outs=self.outs)
-        except Exception as exc:  # a fault in the chained submit: reset, drop the step, one by one
+            fusion.run(npu_rows(first.a, first.a_type, first.slot.k, first.rounder), outs=self.outs)
+        except Exception as exc:  # a fault in the chained submit: reset, drop the fusion, one by one
             recovery.step_failed(self.names(), exc)
             self.drop()
             self._one_by_one(stats, recovery)
@@ -175,23 +175,23 @@ class NpuGroup:
         stats.npu_grouped_runs += 1
         self.ran = True
 
-    def _current_step(self, npu: MatmulEngine, handles: tuple[EngineWeight, ...]) -> EngineStep | None:
-        """The engine step for ``handles``, (re)built when they or the step went stale."""
-        stale = self.step is None or self.step.closed or len(handles) != len(self.handles) or any(
+    def _current_fusion(self, npu: MatmulEngine, handles: tuple[EngineWeight, ...]) -> EngineFusion | None:
+        """The engine's fusion for ``handles``, (re)built when they or the fusion went stale."""
+        stale = self.fusion is None or self.fusion.closed or len(handles) != len(self.handles) or any(
             h is not old for h, old in zip(handles, self.handles))
         if stale:
             self.drop()
-            engine = stepping(npu)
+            engine = fusing(npu)
             try:
                 if engine is None:
-                    raise ValueError(f"{npu.describe()} plans no grouped steps")
-                self.step = engine.step(list(handles), self.rows)
+                    raise ValueError(f"{npu.describe()} plans no fusions")
+                self.fusion = engine.fuse(list(handles), self.rows)
             except Exception as exc:  # envelope limits, NPU memory for the chained buffers
                 log.info("NPU matmuls %s stay one submit each: %s: %s", self.names(), type(exc).__name__, exc)
                 self.refused = True
                 return None
             self.handles = handles
-        return self.step
+        return self.fusion
 
     def _one_by_one(self, stats: ServerStats, recovery: NpuRecovery) -> None:
         """The members that run here, each behind the fault policy (a deferred one runs at its Delivery)."""
@@ -203,10 +203,10 @@ class NpuGroup:
         return "+".join(f"'{m.slot.name}'" for m in self.members)
 
     def drop(self) -> None:
-        """Release the engine step (its chained buffers); the next run builds a new one."""
-        if self.step is not None:
-            self.step.close()
-        self.step, self.handles = None, ()
+        """Release the fusion (its chained buffers); the next run builds a new one."""
+        if self.fusion is not None:
+            self.fusion.close()
+        self.fusion, self.handles = None, ()
 
 
 @dataclass(eq=False)

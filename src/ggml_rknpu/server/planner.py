@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ggml_rknpu.engine.contract import MatmulEngine, stepping
+from ggml_rknpu.engine.contract import MatmulEngine, fusing
 from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import Ggml
@@ -44,7 +44,7 @@ class GraphPlanner:
                  activations: ActivationRounding | None = None, placer: Placer | None = None) -> None:
         self.buffers = buffers
         self.placer = placer                                 # None: every eligible weight on the NPU
-        self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
+        self.group = group and fusing(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
         self.npu = npu
         self.stats = stats

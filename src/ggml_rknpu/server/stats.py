@@ -46,7 +46,7 @@ class ServerStats:
     npu_device_label: str = "unknown"  # "measured" on a board, "modeled" on the simulator
     npu_matmuls_by_m: dict[int, int] = field(default_factory=dict)  # NPU MUL_MATs by rows M (batch, spec, slots)
     npu_groups_planned: int = 0       # NpuGroups in the plans built (sibling matmuls as one submit)
-    npu_grouped_runs: int = 0         # replays of a group that ran as one engine step
+    npu_grouped_runs: int = 0         # replays of a group that ran as one fusion
     expert_matmuls_npu: int = 0       # MUL_MAT_ID: one per selected expert run on the NPU (M = its rows)
     expert_matmuls_host: int = 0      # ... per selected expert whose rows ran on ggml-cpu
     bytes_out: int = 0
@@ -92,7 +92,7 @@ class ServerStats:
 
     def as_dict(self, weights=None, engine: dict[str, int] | None = None) -> dict:
         """Machine-readable counters (``--stats-json``), for benchmarks and reports; ``engine``:
-        the engine's own counters (``submits``, ``step_runs``, ``chained_submits``, ...)."""
+        the engine's own counters (``submits``, ``fusion_runs``, ``chained_submits``, ...)."""
         per_op = [{"op": op, "engine": engine, "nodes": c.ops, "bytes": c.bytes, "host_seconds": c.seconds}
                   for (op, engine), c in self.per_op.items() if c.ops]
         out = {k: v for k, v in vars(self).items() if k not in ("per_op", "commands")}

@@ -1,9 +1,9 @@
-"""The ioctls one replayed decode step costs, counted at the kernel boundary.
+"""The ioctls one replayed fusion costs, counted at the kernel boundary.
 
 WHY: every MEM_SYNC and SUBMIT is a syscall plus the Python around it, per NPU step, a few
-hundred times per token. A replayed step must clean what the CPU wrote (A, and C holding the
+hundred times per token. A replayed fusion must clean what the CPU wrote (A, and C holding the
 canaries) and invalidate what the NPU wrote (C), and nothing else: the regcmd and the vendor
-task array were cleaned once, when the step was planned."""
+task array were cleaned once, when the fusion was planned."""
 
 import numpy as np
 import pytest
@@ -25,13 +25,13 @@ def _engine(kind: str) -> tuple[Npu, TimingSyscalls]:
     ("rocket", {"ROCKET_FINI_BO": 1, "ROCKET_SUBMIT": 1, "ROCKET_PREP_BO": 1},
      {"ROCKET_FINI_BO": 1, "ROCKET_SUBMIT": 1, "ROCKET_PREP_BO": 1}),
 ])
-def test_a_replayed_step_syncs_exactly_its_ranges(kind, chained_calls, single_calls):
+def test_a_replayed_fusion_syncs_exactly_its_ranges(kind, chained_calls, single_calls):
     npu, kernel = _engine(kind)
     rng = np.random.default_rng(0)
     with npu:
         siblings = [npu.upload_weight(rng.standard_normal((n, 64)).astype(np.float32)) for n in (32, 16, 16)]
         alone = npu.upload_weight(rng.standard_normal((48, 32)).astype(np.float32))
-        chained, single = npu.step(siblings), npu.step([alone])
+        chained, single = npu.fuse(siblings), npu.fuse([alone])
         a, b = rng.standard_normal((1, 64)).astype(np.float32), rng.standard_normal((1, 32)).astype(np.float32)
         chained.run(a), single.run(b)   # planned: tables, task BOs, regcmd cleaned
         for _ in range(3):              # alternating, as a decode token's steps do
