@@ -213,8 +213,8 @@ def progress(console: Console | None, description: str, total: int) -> Iterator:
     """A rich progress bar for long runs; yields ``advance()``. Transient so reports stay clean."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console or Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+        line = bar.add_task(description, total=total)   # rich calls a bar's line a task
+        yield lambda n=1: bar.advance(line, n)
 
 
 def series_by(rows: Iterable[dict], group: str, x: str, y: str, label: str) -> list[Series]:

@@ -279,11 +279,11 @@ class WeightStore:
         columns = (TextColumn("staging weights ({task.fields[fmt]})"), BarColumn(), DownloadColumn(),
                    TextColumn("{task.fields[name]}"), TimeRemainingColumn())
         with Progress(*columns, console=Console(file=sys.stderr), transient=False) as bar:
-            task = bar.add_task("stage", total=total, fmt=self.fmt, name="")
+            line = bar.add_task("stage", total=total, fmt=self.fmt, name="")   # rich calls a bar's line a task
             for slot in todo:
-                bar.update(task, name=slot.name)
+                bar.update(line, name=slot.name)
                 self._stage(slot)
-                bar.advance(task, slot.nbytes)
+                bar.advance(line, slot.nbytes)
         log.info("staged %d weights (%.1f MiB of ggml data) as %s", len(todo), total / 2**20, self.fmt)
 
     def _stage(self, slot: WeightSlot) -> None:
