@@ -27,7 +27,7 @@ import pytest
 
 from support.arch_models import ARCHITECTURES, BY_NAME, write_arch_gguf
 from support.e2e_support import RknpuServer, Server, completion, cpp_server, llama_server, rknpu_server, tool_or_skip
-from support.greedy import agree, steps
+from support.greedy import agree, choices
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(600)]
 PROMPT = "The capital of France is"
@@ -85,7 +85,7 @@ def _answer(tmp_path: Path, model: Path, server: Server | None):
     with llama_server(tmp_path, model, rpc=server.endpoint if server else None, extra=NO_WARMUP) as ls:
         reply = ls.post("/completion", {"prompt": PROMPT, "temperature": 0.0, "n_predict": N_PREDICT, "seed": 1,
                                         "ignore_eos": True, "n_probs": 2, "cache_prompt": False})
-    return steps(reply["completion_probabilities"])
+    return choices(reply["completion_probabilities"])
 
 
 def _vectors(tmp_path: Path, model: Path, kind: str, server: Server | None) -> np.ndarray:

@@ -65,8 +65,8 @@ def _served(client: wheel_client.Client, model: Path, tmp_path: Path, n_predict:
 def test_tiny_models_on_host_follow_the_clients_cpu_run(tmp_path: Path, client, tiny, arch: str) -> None:
     cpu = wheel_client.greedy(client, tiny[arch], PROMPT, N_PREDICT)
     got, stats = _served(client, tiny[arch], tmp_path, N_PREDICT, device="host")
-    assert len(cpu.steps) == N_PREDICT
-    agreement = agree(got.steps, cpu.steps, what=f"tiny {arch}")
+    assert len(cpu.choices) == N_PREDICT
+    agreement = agree(got.choices, cpu.choices, what=f"tiny {arch}")
     print(f"\n{arch}: {agreement}, CPU {cpu.text!r}, RPC {got.text!r}")
     if arch == "qwen3moe":
         assert any(r["op"] == "MUL_MAT_ID" and r["nodes"] > 0 for r in stats["per_op"]), stats["per_op"]
@@ -83,7 +83,7 @@ def test_protocol_auto_serves_each_client_on_its_port(tmp_path: Path, client, ti
         log = server.log()
         assert f"connect it to port {server.port + 1}" in log, log
         got = wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[f"127.0.0.1:{server.port + 1}"])
-    agree(got.steps, cpu.steps, what="tiny llama on the 8.0.0 port")
+    agree(got.choices, cpu.choices, what="tiny llama on the 8.0.0 port")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def gemma_cpu(client, gemma: Path) -> wheel_client.Greedy:
 def test_gemma3_on_host_follows_the_clients_cpu_run(tmp_path: Path, client, gemma: Path, gemma_cpu) -> None:
     got, _ = _served(client, gemma, tmp_path, GEMMA_TOKENS, device="host")
     print(f"\nCPU {gemma_cpu.text!r}\nRPC {got.text!r}")
-    agreement = agree(got.steps, gemma_cpu.steps, tie=GEMMA_TIE, close=GEMMA_TIE, what="gemma3 on host")
+    agreement = agree(got.choices, gemma_cpu.choices, tie=GEMMA_TIE, close=GEMMA_TIE, what="gemma3 on host")
     assert agreement.compared >= 8, agreement
     assert "France" in got.text or "Paris" in got.text, got.text
 
@@ -113,5 +113,5 @@ def test_gemma3_on_the_npu_follows_the_clients_cpu_run(tmp_path: Path, client, g
     got, stats = _served(client, gemma, tmp_path, GEMMA_TOKENS, device="sim-rknpu", extra=("--weights", "fp16"))
     print(f"\nCPU {gemma_cpu.text!r}\nNPU {got.text!r}")
     assert stats["weights"]["uploads"] > 100, stats["weights"]
-    agreement = agree(got.steps, gemma_cpu.steps, tie=GEMMA_TIE, close=GEMMA_CLOSE_NPU, what="gemma3 on the NPU")
+    agreement = agree(got.choices, gemma_cpu.choices, tie=GEMMA_TIE, close=GEMMA_CLOSE_NPU, what="gemma3 on the NPU")
     assert agreement.compared >= 8, agreement

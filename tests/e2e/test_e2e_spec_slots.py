@@ -30,7 +30,7 @@ import pytest
 
 from support.e2e_support import llama_server, rknpu_server, tool_or_skip
 from support.gguf_models import TinyConfig, write_tiny_gguf
-from support.greedy import Step, agree, steps
+from support.greedy import Choice, agree, choices
 
 pytestmark = [pytest.mark.llama]
 N_DRAFT = 3
@@ -91,30 +91,30 @@ def test_speculative_answer_equals_plain_and_verifies_on_the_npu(tmp_path: Path,
     assert plain_by_m.get(1, 0) > 0
 
 
-def ask_chats(server, contents: tuple[str, ...], *, concurrently: bool) -> list[list[Step]]:
+def ask_chats(server, contents: tuple[str, ...], *, concurrently: bool) -> list[list[Choice]]:
     """Each chat a request of its own, one after another or all at once; no prompt cache, so
     every answer evaluates its whole prompt (in whatever batch the timing puts it)."""
-    def one(content: str) -> list[Step]:
+    def one(content: str) -> list[Choice]:
         reply = chat(server, content, logprobs=True)
         assert answer(reply).strip(), reply
-        return steps(reply["choices"][0]["logprobs"]["content"])
+        return choices(reply["choices"][0]["logprobs"]["content"])
     if not concurrently:
         return [one(c) for c in contents]
     with concurrent.futures.ThreadPoolExecutor(len(contents)) as pool:
         return list(pool.map(one, contents))
 
 
-def ask_in_lockstep(server) -> list[tuple[list[int], list[Step]]]:
+def ask_in_lockstep(server) -> list[tuple[list[int], list[Choice]]]:
     """The four prompts in one ``/completion`` request: llama-server gives them four slots before
     its next step, so the prompts are evaluated in one batch and every decode step has four rows,
     whatever the timing. The batch composition is then the same on every server and every run."""
     results = server.post("/completion", {"prompt": list(CHATS), "temperature": 0.0, "n_predict": MAX_TOKENS,
                                           "seed": 1, "ignore_eos": True, "n_probs": 2, "cache_prompt": False,
                                           "return_tokens": True})
-    return [(r["tokens"], steps(r["completion_probabilities"])) for r in sorted(results, key=lambda r: r["index"])]
+    return [(r["tokens"], choices(r["completion_probabilities"])) for r in sorted(results, key=lambda r: r["index"])]
 
 
-def agree_all(device: list[list[Step]], reference: list[list[Step]], what: str) -> int:
+def agree_all(device: list[list[Choice]], reference: list[list[Choice]], what: str) -> int:
     """Every answer agrees with its reference (tests/support/greedy.py); the tokens compared."""
     return sum(agree(d, r, what=f"{what} {i}").compared for i, (d, r) in enumerate(zip(device, reference)))
 
@@ -185,13 +185,13 @@ def varied_chats(seed: int, n: int = 12) -> list[tuple[str, int]]:
     return [(" ".join(rng.choice(CHAT_WORDS) for _ in range(rng.randint(3, 12))), rng.randint(6, 40)) for _ in range(n)]
 
 
-def ask_varied(server, jobs: list[tuple[str, int]], *, concurrently: bool, stagger: float = 0.0) -> list[list[Step]]:
+def ask_varied(server, jobs: list[tuple[str, int]], *, concurrently: bool, stagger: float = 0.0) -> list[list[Choice]]:
     rng = random.Random(len(jobs))
 
-    def one(job: tuple[str, int]) -> list[Step]:
+    def one(job: tuple[str, int]) -> list[Choice]:
         time.sleep(rng.random() * stagger)
         reply = chat(server, job[0], logprobs=True, max_tokens=job[1])
-        return steps(reply["choices"][0]["logprobs"]["content"])
+        return choices(reply["choices"][0]["logprobs"]["content"])
     if not concurrently:
         return [one(j) for j in jobs]
     with concurrent.futures.ThreadPoolExecutor(len(CHATS)) as pool:
@@ -317,8 +317,8 @@ def test_gemma3_four_concurrent_chats_are_coherent_and_agree_with_one_at_a_time(
     for (country, capital), cpu_reply, npu_reply in zip(CAPITALS, cpu_replies, at_once):
         assert capital in answer(cpu_reply), (country, answer(cpu_reply))
         assert capital in answer(npu_reply), (country, answer(npu_reply))
-    one = [steps(r["choices"][0]["logprobs"]["content"]) for r in alone]
-    many = [steps(r["choices"][0]["logprobs"]["content"]) for r in at_once]
+    one = [choices(r["choices"][0]["logprobs"]["content"]) for r in alone]
+    many = [choices(r["choices"][0]["logprobs"]["content"]) for r in at_once]
     assert agree_all(many, one, "concurrent gemma chat") >= sum(map(len, one)) // 2
     assert rows_by_m(server.stats()).get(len(CAPITALS), 0) > 0, server.stats()
 

@@ -24,7 +24,7 @@ CLOSE = 0.1   # nats: the same token's logprob on two servers (largest differenc
 
 
 @dataclass(frozen=True)
-class Step:
+class Choice:
     """One generated token: the greedy choice, its logprob, and the runner-up's. ``hidden``: the
     bytes of the tokens just before it that llama-server reports no logprobs for (a token that
     leaves the text in the middle of a UTF-8 character is folded into the next entry; random
@@ -46,19 +46,19 @@ class Agreement:
     near_tie_at: int | None     # where the answers parted at a near-tie, if they did
 
 
-def steps(entries: list[dict]) -> list[Step]:
-    """Steps from llama-server's per-token entries: a chat reply's ``choices[0].logprobs.content``
+def choices(entries: list[dict]) -> list[Choice]:
+    """Choices from llama-server's per-token entries: a chat reply's ``choices[0].logprobs.content``
     (asked with ``top_logprobs`` >= 2) or a ``/completion`` result's ``completion_probabilities``
     (``n_probs`` >= 2)."""
     out = []
     for entry in entries:
         first, second = entry["top_logprobs"][:2]
         hidden = bytes(entry["bytes"][: len(entry["bytes"]) - len(first["bytes"])])
-        out.append(Step(first["id"], first["logprob"], second["id"], second["logprob"], hidden))
+        out.append(Choice(first["id"], first["logprob"], second["id"], second["logprob"], hidden))
     return out
 
 
-def agree(device: list[Step], reference: list[Step], *, tie: float = TIE, close: float = CLOSE,
+def agree(device: list[Choice], reference: list[Choice], *, tie: float = TIE, close: float = CLOSE,
           what: str = "answer") -> Agreement:
     """Raise AssertionError unless ``device`` equals ``reference`` up to a shared near-tie."""
     for i, (d, r) in enumerate(zip(device, reference)):

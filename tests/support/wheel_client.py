@@ -15,7 +15,7 @@ from pathlib import Path
 from ggml_rknpu.toolchain.launch import free_port
 from ggml_rknpu.toolchain.llamacpp_wheel import PACKAGE, SERVER_SCRIPT, Client, WheelUnavailable, client
 from support.e2e_support import Server
-from support.greedy import Step
+from support.greedy import Choice
 
 __all__ = ["PACKAGE", "Client", "WheelUnavailable", "client", "greedy", "cpp_server"]
 
@@ -36,24 +36,24 @@ llm = Llama(args["model"], **kw)
 lib, ffi = llm._lib, llm._ffi
 tokens = llm.tokenize(args["prompt"], add_special=True)
 n_past = llm._eval_tokens(tokens, 0)
-steps = []
+choices = []
 for _ in range(args["n_predict"]):
     logits = np.frombuffer(ffi.buffer(lib.llama_get_logits_ith(llm._ctx, -1), 4 * llm.n_vocab), np.float32)
     logp = logits.astype(np.float64) - np.logaddexp.reduce(logits.astype(np.float64))
     first, second = (int(i) for i in np.argsort(-logp, kind="stable")[:2])
-    steps.append([first, float(logp[first]), second, float(logp[second])])
+    choices.append([first, float(logp[first]), second, float(logp[second])])
     if llm.eos_token == first or lib.llama_vocab_is_eog(llm._vocab, first):
         break
     n_past = llm._eval_tokens([first], n_past)
-text = llm.detokenize([s[0] for s in steps])
-print("RESULT " + json.dumps({"steps": steps, "text": text}), flush=True)
+text = llm.detokenize([s[0] for s in choices])
+print("RESULT " + json.dumps({"choices": choices, "text": text}), flush=True)
 llm.close()
 """
 
 
 @dataclass(frozen=True)
 class Greedy:
-    steps: list[Step]
+    choices: list[Choice]
     text: str
 
 
@@ -71,7 +71,7 @@ def greedy(c: Client, model: Path, prompt: str, n_predict: int, *, rpc: list[str
         raise AssertionError(f"b11739 client failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
     out = json.loads(line[len("RESULT "):])
-    return Greedy([Step(t, lp, r, rlp) for t, lp, r, rlp in out["steps"]], out["text"])
+    return Greedy([Choice(t, lp, r, rlp) for t, lp, r, rlp in out["choices"]], out["text"])
 
 
 class CppServer(Server):
