@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from ggml_rknpu.compiler.layout import b_bytes, pack_b
 from ggml_rknpu.compiler.shape import MatmulShape
+from ggml_rknpu.engine.contract import EngineWeight
 from ggml_rknpu.engine.fusion import Fusion, concat_rows
 from ggml_rknpu.engine.memory import NpuMemory
 from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
@@ -93,16 +95,15 @@ class Npu:
         self.counters["fused_weights_uploaded"] += 1
         return fused
 
-    def fuse(self, weights: list[Weight], m: int = 1, *, out: str | None = None) -> Fusion:
+    def fuse(self, weights: Sequence[EngineWeight], m: int = 1, *, out: str | None = None) -> Fusion:
         """A fusion, one submit planned once: ``weights`` (one plain or fused weight, or several
         sharing K and dtype, chained in one submit) applied to one activation of up to ``m``
         rows. ``fusion.run(a)`` -> one array per output. See ``engine.fusion.Fusion``."""
         self._check_open()
         if not weights:
             raise ValueError("a fusion needs at least one weight")
-        for w in weights:
-            self._check_weight(w)
-        fusion = Fusion(self.parts, list(weights), m_bucket(m), self._out_dtype(weights[0], out))
+        own = [self._check_weight(w) for w in weights]
+        fusion = Fusion(self.parts, own, m_bucket(m), self._out_dtype(own[0], out))
         self.parts.fusions.add(fusion)
         return fusion
 
@@ -137,7 +138,7 @@ class Npu:
         self.counters["weights_freed"] += 1
 
     # -- matmul ----------------------------------------------------------------------
-    def matmul(self, a: np.ndarray, w: Weight, *, out: str | None = None) -> np.ndarray:
+    def matmul(self, a: np.ndarray, w: EngineWeight, *, out: str | None = None) -> np.ndarray:
         """``a`` [M, K] times the resident weight -> [M, N]. fp16 weight: float32 (or
         float16 with ``out="fp16"``); int8 weight and int8 ``a``: int32, exact; int8 weight
         and float ``a``: ``a`` quantised per row, float32 out.
@@ -146,7 +147,7 @@ class Npu:
         its views (``engine.hostpath``); more rows than the weight's largest program are
         several calls of it."""
         self._check_open()
-        self._check_weight(w)
+        w = self._check_weight(w)
         check_matrix(a, "a")
         N, K = w.shape
         if a.shape[1] != K:
@@ -197,11 +198,13 @@ class Npu:
                                         submits=submits)
         return result
 
-    def _check_weight(self, w: object) -> None:
+    def _check_weight(self, w: object) -> Weight:
+        """``w`` as this engine's own live ``Weight`` (the contract's handles are any engine's)."""
         if not isinstance(w, Weight) or w.owner is not self:
             raise TypeError("w must be a Weight returned by this Npu's upload_weight")
         if w.freed:
             raise ValueError(f"{w!r} was freed; upload it again")
+        return w
 
     @staticmethod
     def _out_dtype(w: Weight, out: str | None) -> str:

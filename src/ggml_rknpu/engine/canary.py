@@ -10,7 +10,9 @@ tiling does. Why, the cost and why the values are impossible: docs/decisions.md
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +20,10 @@ from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.envelope import decode_task
 from ggml_rknpu.kernel.errors import NpuFault
+
+if TYPE_CHECKING:
+    from ggml_rknpu.compiler.program import Program
+    from ggml_rknpu.engine.contract import EngineWeight
 
 _ATOM = limits.ATOM_BYTES
 # canary element, as the unsigned integer of the output element's width
@@ -30,7 +36,7 @@ class StaleOutput(NpuFault):
     The engine resets the NPU before raising this; ``lost`` is what that reset returned (the
     weights it destroyed), or None when the engine did not reset and the caller must."""
 
-    def __init__(self, message: str, lost: list | None = None) -> None:
+    def __init__(self, message: str, lost: Sequence[EngineWeight] | None = None) -> None:
         super().__init__(message)
         self.lost = lost
 
@@ -44,7 +50,7 @@ class Canaries:
     pattern: np.generic    # np.uint32 or np.uint16
 
     @classmethod
-    def for_program(cls, program) -> Canaries:
+    def for_program(cls, program: Program) -> Canaries:
         atoms = []
         out = None
         for task in program.tasks:

@@ -10,7 +10,7 @@ other failure of a matmul is an ordinary exception (that weight falls back to th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -61,8 +61,9 @@ class MatmulEngine(Protocol):
         """Stage ``b`` [N, K] (float32) in ``dtype`` ("fp16" | "int8"); may raise OutOfMemory."""
         ...
 
-    def matmul(self, a: np.ndarray, w: Any, *, out: str | None = None) -> np.ndarray:
-        """``a`` [M, K] times ``w`` (a weight this engine's ``upload_weight`` returned) -> [M, N]."""
+    def matmul(self, a: np.ndarray, w: EngineWeight, *, out: str | None = None) -> np.ndarray:
+        """``a`` [M, K] times ``w`` (a weight this engine's ``upload_weight`` returned: TypeError
+        for any other) -> [M, N]."""
         ...
 
     def memory_budget(self) -> tuple[int, int]:
@@ -91,7 +92,7 @@ class FusingEngine(MatmulEngine, Protocol):
     """An engine that can run sibling matmuls as one submit (``engine.Npu``; the vendor
     runtime cannot)."""
 
-    def fuse(self, weights: list[Any], m: int = 1, *, out: str | None = None) -> EngineFusion: ...
+    def fuse(self, weights: Sequence[EngineWeight], m: int = 1, *, out: str | None = None) -> EngineFusion: ...
 
 
 def fusing(engine: MatmulEngine | None) -> FusingEngine | None:

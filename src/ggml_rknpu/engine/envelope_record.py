@@ -15,7 +15,7 @@ import os
 import time
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ggml_rknpu.hw.envelope import EXTENDED, PROVEN, Envelope, by_name
 from ggml_rknpu.kernel.device import NpuDevice
@@ -24,11 +24,22 @@ FILE_ENV = "RKNPU_ENVELOPE_FILE"
 OVERRIDE_ENV = "RKNPU_ENVELOPE"
 DEFAULT_FILE = Path("~/.config/ggml-rknpu/envelope.json")
 
+
+class Widening(TypedDict, total=False):
+    """The ``Envelope`` fields a rung widens (``Envelope.widen`` keywords)."""
+
+    max_chain_tasks: dict[str, int]
+    max_weight_fill: Fraction
+    max_feature_grains: int
+    max_cores: int
+    max_job_ms: float
+
+
 # The ladder's rungs, safest first, and the envelope fields each one widens once passed
 # (cumulative). A rung that widens nothing proves on this board what the proven envelope
 # takes from other boards' streams. The ladder itself (shapes, checks, symptoms) is in
 # bench/ladder.py.
-RUNG_WIDENINGS: tuple[tuple[str, dict[str, Any]], ...] = (
+RUNG_WIDENINGS: tuple[tuple[str, Widening], ...] = (
     ("golden", {}),
     ("chain_fp16", {}),
     ("chain_int8", {"max_chain_tasks": {"fp16": PROVEN.max_chain_tasks["fp16"], "int8": 16}}),

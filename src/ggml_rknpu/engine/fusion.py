@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 if TYPE_CHECKING:
     from ggml_rknpu.compiler.program import Program
     from ggml_rknpu.engine.bound_program import BoundProgram
-    from ggml_rknpu.engine.npu_weight import Weight
+    from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
     from ggml_rknpu.engine.parts import EngineParts
 
 def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
@@ -65,9 +65,9 @@ class FusedWeights:
     """Fused copies keyed by their siblings' caller keys; exact invalidation by any sibling."""
 
     def __init__(self) -> None:
-        self._by_keys: dict[tuple[Hashable, ...], Any] = {}
+        self._by_keys: dict[tuple[Hashable, ...], FusedWeight] = {}
 
-    def get(self, keys: Sequence[Hashable], load: Callable[[], Any]) -> Any:
+    def get(self, keys: Sequence[Hashable], load: Callable[[], FusedWeight]) -> FusedWeight:
         """The fused weight of siblings ``keys``; ``load()`` uploads it when absent."""
         keys = tuple(keys)
         fused = self._by_keys.get(keys)

@@ -9,12 +9,18 @@ submit. Why and what each port does: docs/decisions.md "engine/hostpath.py"."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+import numpy.typing as npt
 
 from ggml_rknpu.compiler.layout import NUMPY_DTYPE, a_bytes, c_bytes, partial_dtype
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.engine.staging import FP16_MAX, INT8_QMAX
 from ggml_rknpu.hw import limits
+
+if TYPE_CHECKING:
+    from ggml_rknpu.compiler.program import Program
 
 _FP32_TINY = np.float32(np.finfo(np.float32).tiny)   # smallest normal float32
 _ATOM = np.dtype("V16")   # one 16-byte C atom [docs/npu-programming.md §6], moved as a whole
@@ -122,7 +128,7 @@ class ActivationPort:
 class ResultPort:
     """Reads one program's C region into caller rows (partials summed, int8 scales applied)."""
 
-    def __init__(self, program, weight_scales: np.ndarray | None, out_dtype) -> None:
+    def __init__(self, program: Program, weight_scales: np.ndarray | None, out_dtype: npt.DTypeLike) -> None:
         shape: MatmulShape = program.shape
         self.shape = shape
         self.k_splits = program.k_splits
@@ -191,7 +197,7 @@ class ResultPort:
         return dest
 
 
-def bind_ports(program, a_raw: np.ndarray, c_raw: np.ndarray, weight_scales: np.ndarray | None,
+def bind_ports(program: Program, a_raw: np.ndarray, c_raw: np.ndarray, weight_scales: np.ndarray | None,
                out: str) -> tuple[ActivationPort, ResultPort]:
     """A program's two ports, bound to the mapped bytes of its A and C regions. ``out``:
     the matmul's output type ("fp32", "fp16", "int32")."""

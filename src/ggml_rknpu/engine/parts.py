@@ -7,18 +7,21 @@ reaches into the engine itself. Why: docs/decisions.md "engine/api.py"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ggml_rknpu.engine.memory import NpuMemory
 from ggml_rknpu.engine.programs import ProgramCache
 from ggml_rknpu.engine.submission import Submitter
 from ggml_rknpu.engine.timing import Timing
 
+if TYPE_CHECKING:
+    from ggml_rknpu.engine.npu_weight import Weight
+
 
 class LiveFusion(Protocol):
     """A fusion holding resident weights (closed when one of them is freed)."""
 
-    weights: tuple
+    weights: tuple[Weight, ...]
 
     def close(self) -> None: ...
 

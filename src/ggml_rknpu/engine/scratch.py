@@ -8,9 +8,10 @@ last user frees it; a job syncs only the share its program uses. Why: docs/decis
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ggml_rknpu.engine.memory import NpuMemory, c_base
 from ggml_rknpu.kernel.buffer import Buffer
@@ -64,7 +65,7 @@ class ScratchShare:
     def dma_addr(self) -> int:
         return self.scratch.buf.dma_addr + self.offset
 
-    def array(self, dtype: Any = np.uint8) -> np.ndarray:
+    def array(self, dtype: npt.DTypeLike = np.uint8) -> np.ndarray:
         start, item = self.offset, np.dtype(dtype).itemsize
         return self.scratch.buf.array(np.uint8)[start: start + self.size // item * item].view(dtype)
 

@@ -8,13 +8,14 @@ those matmuls on the host). Why: docs/decisions.md "engine/canary.py"."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import numpy as np
 
 from ggml_rknpu.engine.bound_program import BoundProgram
 from ggml_rknpu.engine.canary import CanaryCells, StaleOutput
+from ggml_rknpu.engine.contract import EngineWeight
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.kernel.job import Completion, Job
@@ -23,7 +24,7 @@ from ggml_rknpu.kernel.job import Completion, Job
 class Submitter:
     """Submits of one engine; ``reset`` resets the NPU after a fault and returns what it destroyed."""
 
-    def __init__(self, device: NpuDevice, counters: dict[str, int], reset: Callable[[], list]) -> None:
+    def __init__(self, device: NpuDevice, counters: dict[str, int], reset: Callable[[], Sequence[EngineWeight]]) -> None:
         self.device, self.counters, self.reset = device, counters, reset
         self.last_canary_s = 0.0   # host seconds arming and checking the last bound program's canaries
 
@@ -71,7 +72,7 @@ class Submitter:
         the caller computes on the host and does not reset a second time."""
         self.counters["npu_faults"] += 1
         try:
-            lost: list | None = self.reset()
+            lost: Sequence[EngineWeight] | None = self.reset()
         except NpuError:
             lost = None
         raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None

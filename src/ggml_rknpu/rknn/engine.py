@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.cost.model import RKNN_RUNTIME, modeled_time, vendor_style_workload
+from ggml_rknpu.engine.contract import EngineWeight
 from ggml_rknpu.engine.npu_weight import MAX_PROGRAM_M
 from ggml_rknpu.engine.programs import m_bucket
 from ggml_rknpu.engine.staging import (
@@ -160,7 +161,7 @@ class RknnNpu:
         return weight
 
     # -- matmul ----------------------------------------------------------------------
-    def matmul(self, a: np.ndarray, w: RknnWeight, *, out: str | None = None) -> np.ndarray:
+    def matmul(self, a: np.ndarray, w: EngineWeight, *, out: str | None = None) -> np.ndarray:
         self._check_open()
         if not isinstance(w, RknnWeight) or w._npu is not self:
             raise TypeError("w must be a weight returned by this engine's upload_weight")
