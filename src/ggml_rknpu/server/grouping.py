@@ -57,7 +57,8 @@ def merge_deliveries(steps: list[PlannedStep], host: HostContext, ptrs: dict[int
                 else:
                     assert part.kept is not None and part.member is not None, "a grouped delivery"
                     nodes.append(host.copy_node(ptrs[part.node], part.kept, f"delivered {part.member.slot.name}"))
-            merged = HostSegment(host.segment(nodes), [], [])
+            copies = tuple(c for p in stretch if isinstance(p, HostSegment) for c in p.copies)
+            merged = HostSegment(host.segment(nodes), [], [], copies)
             groups = tuple({id(d.group): d.group for d in deliveries if d.group is not None}.values())
             out.append(DeliveredRun(merged, list(stretch), groups))
         else:

@@ -1,6 +1,7 @@
 """The server's placement policy for weight matmuls (``rknpu serve --placement``): auto
 (each weight and M bucket where the board's models say it is faster), npu (every weight
-on the NPU), host (every weight matmul in ggml-cpu from its GGUF bytes), and what it chose.
+on the NPU), host (every weight matmul in ggml-cpu, from a repacked copy where ggml repacks
+the type, else its GGUF bytes), and what it chose.
 
 Invariants: decisions are the board's models (``cost.placement``: NPU at its envelope's
 cores, ggml-cpu on the A76 cluster at ``threads``) on every machine, so the simulator
@@ -52,6 +53,7 @@ class Placer:
     cores: int = 1
     threads: int = cpu.BIG_CORES
     measured: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
+    host_repack: bool = False      # host matmuls read repacked copies (priced at ggml-cpu's repacked kernel)
     records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
     _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
@@ -65,7 +67,8 @@ class Placer:
     def describe(self) -> str:
         measured = f", {len(self.measured)} shape/bucket times measured on this board" if self.measured else ""
         return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
-                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from the GGUF bytes)")
+                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from "
+                f"{'repacked copies where ggml repacks' if self.host_repack else 'the GGUF bytes'})")
 
     def choice(self, weight_type: int | str, M: int, K: int, N: int, experts: int = 1) -> tuple[pl.Choice, str]:
         """(the choice, "measured" or "modeled"): measured times of this shape and bucket
@@ -81,7 +84,7 @@ class Placer:
             else:
                 cached = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
                                          cores=self.cores, threads=self.threads, allow_split=False,
-                                         experts=experts), "modeled"
+                                         experts=experts, repacked=self.host_repack and experts == 1), "modeled"
             self._cache[key] = cached
         return cached
 
@@ -115,6 +118,7 @@ class Placer:
 
     def as_dict(self) -> dict:
         return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
+                "host_repack": self.host_repack,
                 "measured_shapes": len(self.measured),
                 "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
                              "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
@@ -130,7 +134,7 @@ class Placer:
         return "\n".join(lines)
 
 
-def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -> Placer:
+def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None, host_repack: bool = False) -> Placer:
     """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
     engine does not say), the host side at ``threads`` A76 threads (None: all four; more
     than the board has: all four); on a board, the times measured there for this format,
@@ -145,4 +149,4 @@ def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -
         from ggml_rknpu.engine.placement_record import load_times
 
         measured = load_times(board_key(device), weight_format, cores, threads)
-    return Placer(policy, weight_format, cores, threads, measured)
+    return Placer(policy, weight_format, cores, threads, measured, host_repack)

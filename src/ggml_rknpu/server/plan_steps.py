@@ -18,6 +18,7 @@ import numpy as np
 from ggml_rknpu.engine.contract import EngineStep, EngineWeight, MatmulEngine, MatmulTiming, stepping
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
+from ggml_rknpu.server.host_copies import HostCopy
 from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
 from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -57,7 +58,8 @@ class IndexCheck:
 class HostSegment:
     """A run of nodes between NPU steps: one ggml_graph_compute, prepared once.
 
-    ``checks``: the index checks that must run just before it (indices a node of the plan
+    ``copies``: the repacked host copies its matmuls read (``server/host_copies.py``),
+    repacked again first when their GGUF bytes changed. ``checks``: the index checks that must run just before it (indices a node of the plan
     writes; the others run once per replay, :func:`_hoist_checks`). ``counts``: per op
     counter, (nodes, bytes) this segment adds to it per run (a plan's own segments have
     theirs added once per replay, by the plan)."""
@@ -65,11 +67,14 @@ class HostSegment:
     compute: HostCompute
     checks: list[IndexCheck]
     counts: list[tuple[OpCounter, int, int]]
+    copies: tuple[HostCopy, ...] = ()
 
     def run(self, stats: ServerStats, recovery: NpuRecovery | None = None) -> None:
         """The segment's checks, then its graph on ggml-cpu (``recovery``: unused, the host has no fault policy)."""
         for c in self.checks:
             c.check()
+        for w in self.copies:
+            w.ensure()
         t0 = time.perf_counter()
         self.compute.run()
         stats.host_seconds += time.perf_counter() - t0

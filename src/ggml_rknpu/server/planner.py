@@ -22,10 +22,11 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
+from ggml_rknpu.server.host_copies import HostCopies, HostCopy
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
-from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, matmul_host_reason
+from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, host_weight, matmul_host_reason
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.plan import GraphPlan
 from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep
@@ -41,8 +42,10 @@ class GraphPlanner:
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True,
-                 activations: ActivationRounding | None = None, placer: Placer | None = None) -> None:
+                 activations: ActivationRounding | None = None, placer: Placer | None = None,
+                 host_repack: bool = False) -> None:
         self.buffers = buffers
+        self.host_copies = HostCopies(host, stats, host_repack)   # repacked weights of host matmuls
         self.placer = placer                                 # None: every eligible weight on the NPU
         self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
@@ -71,6 +74,7 @@ class GraphPlanner:
             assert c.buffer is not None, "a computing node has bytes (end > start)"
             c.buffer.graph_written.add(c.start, c.end)
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
+            self.host_copies.mark_graph_written(c.buffer, c.start, c.end)
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
@@ -110,8 +114,9 @@ class GraphPlanner:
                     t = g.tensors[nid]
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
+            copies = self._repacked(g, position, checked, ptrs, slots, computing)
             steps: list[PlannedStep] = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
-                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok)
+                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok, copies)
                      for run in runs]
             checks = hoist_checks(steps, runs, checked)
             planned: list[PlannedStep] = group_npu_steps(steps) if self.group else steps
@@ -152,14 +157,15 @@ class GraphPlanner:
 
     def _step(self, run: list[Node], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
               host: HostContext, indices: dict[int, list[tuple[int, int]]],
-              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool]) -> HostSegment | NpuStep | Delivery:
+              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool],
+              copies: dict[int, HostCopy]) -> HostSegment | NpuStep | Delivery:
         first = run[0]
         if isinstance(first, DeliveryMark):
             return Delivery(first.node)
         nodes = [node_id(n) for n in run]   # a host run or one MUL_MAT: tensor ids
         slot = slots.get(first)
         if slot is None:
-            return self._segment(nodes, g, checked, ptrs, host, indices)
+            return self._segment(nodes, g, checked, ptrs, host, indices, copies)
         t = g.tensors[first]
         segment = self._segment(nodes, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
         a, a_type = checked[t.src[1]].ref().as_array(), g.tensors[t.src[1]].type
@@ -181,7 +187,8 @@ class GraphPlanner:
         return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats, rounder)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
-                 host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:
+                 host: HostContext, indices: dict[int, list[tuple[int, int]]],
+                 copies: dict[int, HostCopy] | None = None) -> HostSegment:
         checks = []
         per_counter: dict[int, list] = {}
         for nid in run:
@@ -196,7 +203,39 @@ class GraphPlanner:
             entry[1] += 1
             entry[2] += self._span(t, checked)
         return HostSegment(host.segment([ptrs[nid] for nid in run]), checks,
-                           [(c, n, b) for c, n, b in per_counter.values()])
+                           [(c, n, b) for c, n, b in per_counter.values()],
+                           tuple(copies[nid] for nid in run if copies and nid in copies))
+
+    def _repacked(self, g: ParsedGraph, position: dict[int, int], checked: dict[int, CheckedTensor],
+                  ptrs: dict[int, Any], slots: dict[int, WeightSlot | None], computing: list[int]) -> dict[int, HostCopy]:
+        """Host MUL_MATs of a weight ggml-cpu repacks, pointed at its repacked copy: node -> copy.
+
+        A candidate is a weight by the NPU's rules (``placement.host_weight``) whose matmul runs
+        here (no slot); it keeps the copy only when ggml-cpu's own ``supports_op`` admits the
+        node with it (f32 activations) and the repacked kernel's shape asserts hold."""
+        out: dict[int, HostCopy] = {}
+        if not self.host_copies.enabled:
+            return out
+        for nid in computing:
+            t = g.tensors[nid]
+            if t.op != GgmlOp.MUL_MAT or slots.get(nid) is not None:
+                continue
+            s0 = t.src[0]
+            c0 = checked[s0]
+            if not host_weight(t, g.tensors[s0], g.tensors[t.src[1]], w_computed=s0 in position,
+                               w_backed=c0.buffer is not None,
+                               w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end)):
+                continue
+            copy = self.host_copies.copy_for(c0)
+            if copy is None:
+                continue
+            node = ptrs[nid].contents
+            plain, node.src[0] = node.src[0], copy.weight.tensor
+            if self.ggml.supports_op(ptrs[nid]):
+                out[nid] = copy
+            else:
+                node.src[0] = plain
+        return out
 
     def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                      checked: dict[int, CheckedTensor]) -> WeightSlot | None:
