@@ -13,10 +13,10 @@ import numpy as np
 
 from ggml_rknpu.libggml.compute import HostContext
 from ggml_rknpu.server.expert_step import ExpertStep
-from ggml_rknpu.server.plan_steps import DeliveredRun, Delivery, HostSegment, NpuGroup, NpuStep
+from ggml_rknpu.server.plan_steps import DeliveredRun, Delivery, HostSegment, NpuGroup, NpuStep, SplitStep
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node
 
-PlannedStep = HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep
+PlannedStep = HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep | SplitStep
 
 GROUP_MAX_ROWS = 16
 # grouped steps are the decode path (M = 1..16: one token, speculative drafts, a few

@@ -9,12 +9,14 @@ a weight. What is checked and why: docs/decisions.md "server/planner.py"."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import numpy as np
 
 from ggml_rknpu.engine.contract import MatmulEngine, stepping
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import Ggml
@@ -29,7 +31,7 @@ from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_stru
 from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, host_weight, matmul_host_reason
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.plan import GraphPlan
-from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep
+from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep, SplitStep
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -75,11 +77,13 @@ class GraphPlanner:
             c.buffer.graph_written.add(c.start, c.end)
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
             self.host_copies.mark_graph_written(c.buffer, c.start, c.end)
+        self._splits: dict[int, int] = {}                    # split MUL_MATs: node -> host rows
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
-        order: list[Node] = gather_siblings(computing, g, slots, checked) if self.group else list(computing)
+        unsplit = {nid: s for nid, s in slots.items() if nid not in self._splits}   # a split is never grouped
+        order: list[Node] = gather_siblings(computing, g, unsplit, checked) if self.group else list(computing)
 
         # segments: maximal runs of host nodes; a node whose index bytes a node of the current
         # run writes starts a new one (its indices are checked before that run computes): the
@@ -104,8 +108,9 @@ class GraphPlanner:
         npu_steps = {nid for nid in computing if slots.get(nid) is not None or nid in experts}
         merges = delivery_runs(runs, npu_steps) if self.group else []
         n_markers = sum(1 for nid in order if isinstance(nid, DeliveryMark))
-        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts),
-                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * len(experts))
+        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts)
+                           + 4 * len(self._splits),
+                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * (len(experts) + 2 * len(self._splits)))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -158,7 +163,7 @@ class GraphPlanner:
     def _step(self, run: list[Node], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
               host: HostContext, indices: dict[int, list[tuple[int, int]]],
               slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool],
-              copies: dict[int, HostCopy]) -> HostSegment | NpuStep | Delivery:
+              copies: dict[int, HostCopy]) -> HostSegment | NpuStep | SplitStep | Delivery:
         first = run[0]
         if isinstance(first, DeliveryMark):
             return Delivery(first.node)
@@ -167,6 +172,8 @@ class GraphPlanner:
         if slot is None:
             return self._segment(nodes, g, checked, ptrs, host, indices, copies)
         t = g.tensors[first]
+        if t.id in self._splits:
+            return self._split_step(t, slot, self._splits[t.id], checked, ptrs, host)
         segment = self._segment(nodes, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
         a, a_type = checked[t.src[1]].ref().as_array(), g.tensors[t.src[1]].type
         return NpuStep(slot=slot, a=a, a_type=a_type,
@@ -250,12 +257,52 @@ class GraphPlanner:
         if reason is None and self.placer is not None and not self.placer.on_npu(
                 w.name, w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1], c0.end - c0.start):
             reason = HOST_REASON
-        slot = self.weights.slot_for(c0) if reason is None else None
+        host_rows = 0
+        if reason is None and self.placer is not None and self.placer.split and host_weight(
+                t, w, g.tensors[s1], w_computed=False, w_backed=True, w_graph_written=False):
+            host_rows = self.placer.host_rows(w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1])
+        slot = self.weights.slot_for(_rows(c0, 0, w.ne[1] - host_rows)) if reason is None else None
         if reason is None and slot is None:
             reason = "weight type or engine refused it"
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
+        elif host_rows:
+            self._splits[t.id] = host_rows
         return slot
+
+    def _split_step(self, t: RpcTensor, slot: WeightSlot, host_rows: int, checked: dict[int, CheckedTensor],
+                    ptrs: dict[int, Any], host: HostContext) -> SplitStep:
+        """A split MUL_MAT: the NPU over the weight's first rows into those columns of dst, a
+        one-node ggml graph over the last ``host_rows`` rows (from a repacked copy where ggml
+        repacks them) into the others, and a one-node graph of the NPU's rows as its fallback."""
+        w, d, a = checked[t.src[0]], checked[t.id], checked[t.src[1]]
+        n = w.rpc.ne[1]
+        n_npu = n - host_rows
+        w_buffer, d_buffer = w.buffer, d.buffer
+        assert w_buffer is not None and d_buffer is not None, "a split weight and its dst are backed"
+
+        def part(first: int, rows: int, repacked: bool) -> HostSegment:
+            piece = _rows(w, first, rows)
+            copy = self.host_copies.copy_for(piece) if repacked else None
+            weight = copy.weight.tensor if copy is not None else host.tensor(
+                w.rpc.type, piece.rpc.ne, piece.rpc.nb, 0, (), 0, f"{w.rpc.name} rows {first}+{rows}",
+                (w_buffer.array, piece.start))
+            dn = d.rpc
+            node = host.tensor(dn.type, (rows, *dn.ne[1:]), dn.nb, int(GgmlOp.MUL_MAT), (),
+                               abi.GGML_TENSOR_FLAG_COMPUTE, f"{dn.name} rows {first}+{rows}",
+                               (d_buffer.array, d.start + first * dn.nb[0]))
+            host.link(node, [weight, ptrs[t.src[1]]], None, 0)
+            nbytes = piece.end - piece.start + (a.end - a.start) + rows * (d.end - d.start) // n
+            return HostSegment(host.segment([node]), [], [(self.stats.counter("MUL_MAT", HOST), 1, nbytes)],
+                               (copy,) if copy is not None else ())
+
+        out = d.ref().as_array().reshape(-1, n)[:, :n_npu]
+        a_array = a.ref().as_array()
+        npu_part = NpuStep(slot=slot, a=a_array, a_type=a.rpc.type, out=out, host=part(0, n_npu, False),
+                           nbytes=(a.end - a.start) + n_npu * (d.end - d.start) // n,
+                           npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id,
+                           rounder=self.activations.for_step(slot.type, a.rpc.type, a_array.size))
+        return SplitStep(npu_part, part(n_npu, host_rows, self.host_copies.enabled), host_rows)
 
     def _expert_slots(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                       checked: dict[int, CheckedTensor]) -> tuple[WeightSlot | None, ...] | None:
@@ -278,6 +325,14 @@ class GraphPlanner:
             key = f"MUL_MAT_ID: {reason}"
             self.stats.host_matmul_reasons[key] = self.stats.host_matmul_reasons.get(key, 0) + 1
         return slots
+
+
+def _rows(t: CheckedTensor, first: int, rows: int) -> CheckedTensor:
+    """Rows [first, first + rows) of a contiguous 2-D weight, as a tensor of its own."""
+    r = t.rpc
+    row = r.nb[1]
+    piece = dataclasses.replace(r, ne=(r.ne[0], rows, 1, 1), nb=(r.nb[0], row, row * rows, row * rows))
+    return CheckedTensor(piece, t.buffer, t.start + first * row, t.start + (first + rows) * row)
 
 
 def hoist_checks(steps: list[PlannedStep], runs: list[list[Node]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:

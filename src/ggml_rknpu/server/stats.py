@@ -53,6 +53,7 @@ class ServerStats:
     host_repacked: int = 0            # weights given a repacked host copy (ggml-cpu's CPU_REPACK buffer)
     host_repacked_bytes: int = 0      # ... their host bytes now (beside the GGUF bytes in the buffers)
     host_repack_refreshes: int = 0    # copies repacked again (their GGUF bytes rewritten)
+    split_matmuls: int = 0            # MUL_MATs run split, NPU and host at once (--placement-split)
 
     def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:
         """``n`` NPU MUL_MATs of M = ``rows`` ran, and the engine's device time for them when its

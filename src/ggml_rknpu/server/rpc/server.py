@@ -131,6 +131,7 @@ class ServerConfig:
     placement: str = "npu"            # weight matmuls: "auto" by cost (rknpu serve's default), "npu", "host"
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
     host_repack: bool = False         # host matmuls read a repacked copy where ggml-cpu repacks (rknpu serve: on)
+    placement_split: bool = False     # auto may split a matmul's rows between the NPU and the host (opt-in)
 
 
 @dataclass
@@ -160,7 +161,8 @@ class ServerState:
             self.threads = Threads(self.host, self.config.threads or default_threads())
         if self.placer is None and self.npu is not None:
             self.placer = placer_for(self.npu, self.config.placement, self.config.weight_format,
-                                     self.config.host_threads or self.config.threads, self.config.host_repack)
+                                     self.config.host_threads or self.config.threads, self.config.host_repack,
+                                     self.config.placement_split)
 
     def close(self) -> None:
         """Free the retired weights and the host threadpool (server exit)."""
