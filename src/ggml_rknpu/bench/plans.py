@@ -2,7 +2,7 @@
 (llama.cpp alone: every matmul in ggml-cpu, repacked where it repacks), ``npu`` (every
 weight matmul on the NPU), ``auto`` (each weight where ``cost.placement`` puts it, no
 split, host weights from repacked copies: what ``rknpu serve --placement auto`` does) and
-``auto-split`` (splits allowed, modeled only: the server does not split yet).
+``auto-split`` (splits allowed: ``--placement-split``, opt-in, its gain modeled only).
 
 Invariants: host ops cost the same in every plan (``cost.cpu.host_ops_seconds``); a
 prompt computes the output head for its last row only (llama.cpp's default); the weight
