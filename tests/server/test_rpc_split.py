@@ -104,3 +104,34 @@ def test_split_npu_failure_runs_its_rows_on_the_host():
     type_, wq, a, out, npu, stats = _serve("Q8_0", fail=True)
     assert npu.matmuls == 0 and stats["split_matmuls"] == 0
     np.testing.assert_array_equal(out, ggml_cpu(type_, wq, a, repacked=False))    # Q8_0: not repacked here
+
+
+def test_split_siblings_are_never_grouped():
+    """Two split matmuls reading one activation on an engine that groups siblings: each runs
+    split on its own (a group would write whole rows of dst), both exact on the host columns."""
+    from support.rpc_testkit import SteppingFakeNpu
+
+    type_ = int(GgmlType.Q8_0)
+    rng = np.random.default_rng(5)
+    wq = [quants.quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q8_0).tobytes()
+          for _ in range(2)]
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    for st in serve(npu=SteppingFakeNpu(), placement="auto", placement_split=True, host_repack=True):
+        with st.client() as c:
+            wh, wb = c.alloc_base(2 * len(wq[0]))
+            ch, cb = c.alloc_base(1 << 20)
+            x = T(ne=(K, M, 1, 1), buffer=ch, data=cb, name="x")
+            wt = [T(ne=(K, N, 1, 1), buffer=wh, data=wb + i * len(wq[0]), type=type_, name=f"blk.0.ffn_{g}.weight")
+                  for i, g in enumerate(("gate", "up"))]
+            dst = [T(ne=(N, M, 1, 1), buffer=ch, data=cb + 65536 + i * N * M * 4, op=MUL_MAT, src=(wt[i].id, x.id),
+                     name=f"out{i}") for i in range(2)]
+            for t, w in zip(wt, wq):
+                c.set_tensor(t, w)
+            c.set_array(x, a)
+            c.graph_compute(dst, [*wt, x, *dst])
+            outs = [c.get_array(d).reshape(M, N) for d in dst]
+            stats = st.state.stats_dict()
+    assert stats["split_matmuls"] == 2 and stats["npu_groups_planned"] == 0
+    n_npu = N - Placer("auto", "fp16", 1, 4, host_repack=True, split=True).choice("Q8_0", M, K, N)[0].host_rows
+    for out, w in zip(outs, wq):
+        np.testing.assert_array_equal(out[:, n_npu:], ggml_cpu(type_, w[n_npu * row_bytes(type_):], a, repacked=True))
