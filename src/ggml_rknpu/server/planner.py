@@ -48,6 +48,7 @@ class GraphPlanner:
                  host_repack: bool = False) -> None:
         self.buffers = buffers
         self.host_copies = HostCopies(host, stats, host_repack)   # repacked weights of host matmuls
+        self._splits: dict[int, int] = {}                         # the plan being built: split node -> host rows
         self.placer = placer                                 # None: every eligible weight on the NPU
         self.group = group and stepping(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
@@ -77,7 +78,7 @@ class GraphPlanner:
             c.buffer.graph_written.add(c.start, c.end)
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
             self.host_copies.mark_graph_written(c.buffer, c.start, c.end)
-        self._splits: dict[int, int] = {}                    # split MUL_MATs: node -> host rows
+        self._splits = {}
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
