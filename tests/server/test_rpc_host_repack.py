@@ -68,7 +68,8 @@ def test_ggml_repacks_q4_0_here_and_not_f32():
 
 
 @pytest.mark.parametrize("M", [1, 4])
-def test_host_matmul_runs_the_repacked_kernel(M):
+def test_host_matmul_runs_the_repacked_kernel(M, caplog):
+    caplog.set_level("INFO", logger="ggml_rknpu.server.host_copies")
     rng = np.random.default_rng(M)
     wq = [q4_0(rng), q4_0(rng)]
     a = rng.standard_normal((M, K)).astype(np.float32)
@@ -90,6 +91,10 @@ def test_host_matmul_runs_the_repacked_kernel(M):
                 outs[repacked] = [c.get_array(d).reshape(M, N) for d in dst]
                 stats = st.state.stats_dict()
             assert stats["host_repacked"] == (2 if repacked else 0)
+            said = [r.getMessage() for r in caplog.records if r.name == "ggml_rknpu.server.host_copies"]
+            assert said == ([f"repacked host copies: 2 weights, {2 * N * Q4_ROW / 2**20:.1f} MiB in ggml-cpu's "
+                             "CPU_REPACK layout beside their GGUF bytes"] if repacked else [])
+            caplog.clear()
             assert stats["host_repacked_bytes"] == (2 * N * Q4_ROW if repacked else 0)
     for i, w in enumerate(wq):
         np.testing.assert_array_equal(outs[True][i], ggml_cpu(w, a, repacked=True))     # ggml's repacked kernel

@@ -2,7 +2,7 @@
 first rows of the weight run on the NPU and the rest in ggml-cpu at once, joined as one
 MUL_MAT: the host columns bit-for-bit ggml-cpu's on those rows (repacked where ggml
 repacks), the NPU columns within the fp16 bound; when the NPU side fails its rows run in
-ggml-cpu, and the whole result is the unsplit plain matmul's bit for bit."""
+ggml-cpu's plain kernel, bit for bit, beside the host part's unchanged columns."""
 
 from __future__ import annotations
 
@@ -103,7 +103,10 @@ def test_split_matmul_joins_both_sides_exactly(quant):
 def test_split_npu_failure_runs_its_rows_on_the_host():
     type_, wq, a, out, npu, stats = _serve("Q8_0", fail=True)
     assert npu.matmuls == 0 and stats["split_matmuls"] == 0
-    np.testing.assert_array_equal(out, ggml_cpu(type_, wq, a, repacked=False))    # Q8_0: not repacked here
+    n_npu = N - Placer("auto", "fp16", 1, 4, host_repack=True, split=True).choice("Q8_0", M, K, N)[0].host_rows
+    cut = n_npu * row_bytes(type_)
+    np.testing.assert_array_equal(out[:, :n_npu], ggml_cpu(type_, wq[:cut], a, repacked=False))
+    np.testing.assert_array_equal(out[:, n_npu:], ggml_cpu(type_, wq[cut:], a, repacked=True))   # (q8_0_4x4 on the A76)
 
 
 def test_split_siblings_are_never_grouped():

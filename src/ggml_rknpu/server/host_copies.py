@@ -54,6 +54,7 @@ class HostCopies:
     enabled: bool = True
     _copies: dict[tuple, HostCopy | None] = field(default_factory=dict)   # None: ggml does not repack it
     _by_buffer: dict[int, list[HostCopy]] = field(default_factory=dict)
+    _made: list[int] = field(default_factory=lambda: [0, 0])    # copies, bytes made since the last log line
 
     def copy_for(self, t: CheckedTensor) -> HostCopy | None:
         """The repacked copy of the contiguous 2-D weight ``t`` (made on first use), or None."""
@@ -71,7 +72,17 @@ class HostCopies:
         self._by_buffer.setdefault(t.buffer.handle, []).append(copy)
         self.stats.host_repacked += 1
         self.stats.host_repacked_bytes += made.nbytes
+        self._made[0] += 1
+        self._made[1] += made.nbytes
         return copy
+
+    def log_made(self) -> None:
+        """Say what the last plans repacked (host memory beside the GGUF bytes), once per batch."""
+        n, nbytes = self._made
+        if n:
+            log.info("repacked host copies: %d weights, %.1f MiB in ggml-cpu's CPU_REPACK layout beside their "
+                     "GGUF bytes", n, nbytes / 2**20)
+            self._made[:] = [0, 0]
 
     def _overlapping(self, buffer: DeviceBuffer, start: int, end: int) -> list[HostCopy]:
         return [c for c in self._by_buffer.get(buffer.handle, ()) if c.start < end and start < c.end]

@@ -137,6 +137,7 @@ class GraphPlanner:
         self.weights.stage_all(s for s in staged if s is not None)   # timed in the weight stats
         if self.placer is not None:
             self.placer.log_new_buckets()
+        self.host_copies.log_made()
         self.stats.plans_built += 1
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
