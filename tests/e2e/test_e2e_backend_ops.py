@@ -118,12 +118,13 @@ def test_backend_ops_full(server: Server, op: str) -> None:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("placement", ["auto", "host"])
+@pytest.mark.parametrize("placement", ["auto", "host", "auto --placement-split"])
 def test_matmul_lists_pass_with_each_placement(tmp_path: Path, placement: str) -> None:
-    """MUL_MAT and MUL_MAT_ID (the CI cases) with the weight matmuls placed by cost, or all in
-    ggml-cpu from the uploaded bytes (--placement npu is the module's server above)."""
+    """MUL_MAT and MUL_MAT_ID (the CI cases) with the weight matmuls placed by cost, all in
+    ggml-cpu (repacked copies where ggml repacks), or split where the models say so
+    (--placement npu is the module's server above)."""
     tool_or_skip("test-backend-ops")
-    with rknpu_server(tmp_path, extra=("--placement", placement)) as srv:
+    with rknpu_server(tmp_path, extra=("--placement", *placement.split())) as srv:
         for op in ("MUL_MAT", "MUL_MAT_ID"):
             _check(srv, op, CI_CASES[op], timeout=540)
 

@@ -126,11 +126,11 @@ def test_greedy_text_follows_the_clients_cpu_run(gemma_rpc_texts: dict[str, str]
 def test_greedy_text_through_the_host_device_equals_the_cpu_run(tmp_path: Path, gemma: Path, client: str) -> None:
     """The protocol path alone: with ``--device host`` every node (the matmuls too) runs
     on ggml-cpu in our process, so all 16 greedy tokens must equal the client's own CPU-only run
-    on the same kernels (``--no-repack``: RPC buffers are never repacked) — any byte the server
-    read differently from ggml's deserializer would show here, with either client."""
+    on the same kernels (its default: the server, too, runs the weights ggml-cpu repacks from
+    repacked host copies) — any byte the server read differently from ggml's deserializer would
+    show here, with either client."""
     tool_or_skip("llama-completion", client)
-    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client,
-                               extra=("--no-repack",), timeout=600)
+    cpu_text, cpu = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, client=client, timeout=600)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     with rknpu_server(tmp_path, device="host") as server:
         text, proc = completion(gemma, GREEDY_PROMPT, n_predict=GREEDY_TOKENS, rpc=server.endpoint,

@@ -160,3 +160,28 @@ def test_host_weights_take_no_npu_memory():
         finally:
             npu.close()
     assert used["host"] == 0 and used["npu"] >= 256 * 512 * 2
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_0", "Q8_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("M", [1, 4, 16, 512])
+@pytest.mark.parametrize("K,N", [(1152, 6912), (6912, 1152), (1152, 262144)])
+def test_host_repack_prices_the_host_at_the_repacked_kernel(weight_type, M, K, N):
+    """With repacked host copies the host side is priced at ggml-cpu's repacked kernel; the
+    choice is still the argmin of the two times (MUL_MAT_ID experts stay plain: not repacked)."""
+    placer = Placer("auto", "int8", 3, 4, host_repack=True)
+    c, basis = placer.choice(weight_type, M, K, N)
+    npu_s = pl.npu_matmul_seconds(pl.BUCKET_M[pl.bucket(M)], K, N, "int8", 3)
+    host_s = pl.host_matmul_seconds(weight_type, pl.BUCKET_M[pl.bucket(M)], K, N, 4, repacked=True)
+    assert basis == "modeled" and (c.npu_s, c.host_s) == (npu_s, host_s)
+    assert c.where == (NPU if npu_s <= host_s else HOST)
+    experts, _ = placer.choice(weight_type, M, K, N, experts=4)
+    assert experts.host_s == pl.host_matmul_seconds(weight_type, pl.BUCKET_M[pl.bucket(M)], K, N, 4, experts=4)
+
+
+def test_repacked_host_takes_q4_0_at_m4_from_the_npu():
+    """Gemma3-1B's Q4_0 FFN at M = 4, NPU on 3 cores: the plain host kernel loses to the NPU
+    (620 against 363 µs modeled), the repacked one wins (275 µs)."""
+    plain, _ = Placer("auto", "int8", 3, 4).choice("Q4_0", 4, 1152, 6912)
+    repacked, _ = Placer("auto", "int8", 3, 4, host_repack=True).choice("Q4_0", 4, 1152, 6912)
+    assert (plain.where, repacked.where) == (NPU, HOST)
+    assert repacked.host_s < repacked.npu_s < plain.host_s

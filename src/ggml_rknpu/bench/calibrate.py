@@ -3,7 +3,8 @@ and in ggml-cpu, per M bucket, and recorded beside the envelope record, so that
 ``rknpu serve --placement auto`` on this board decides by measurement, not the models.
 
 Invariants: both sides are wall-clock medians of the call the server makes (the engine's
-``matmul`` on a resident weight, ggml-cpu's MUL_MAT over the GGUF bytes as uploaded) at
+``matmul`` on a resident weight, ggml-cpu's MUL_MAT over its repacked host copy where ggml
+repacks the type, else the GGUF bytes as uploaded) at
 each bucket's M (``cost.placement.BUCKET_M``), measured here (``*_measured``); the models'
 times for the same shapes sit beside them (``*_modeled``). A record is written by default
 only on a board (the simulator's times are not a board's); ``--record-file`` writes one
@@ -66,8 +67,9 @@ def _median_s(fn, reps: int) -> float:
 
 
 def host_seconds(g, threads, type_name: str, K: int, N: int, raw: np.ndarray, M: int, reps: int) -> float:
-    """Median wall time of one ggml-cpu MUL_MAT of M rows over the weight's GGUF bytes."""
-    from ggml_rknpu.libggml import abi
+    """Median wall time of one ggml-cpu MUL_MAT of M rows as the server runs it: from a
+    repacked copy where ggml repacks this type and shape (``libggml.repack``), else the GGUF bytes."""
+    from ggml_rknpu.libggml import abi, repack
     from ggml_rknpu.libggml.compute import HostContext
     from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 
@@ -78,8 +80,10 @@ def host_seconds(g, threads, type_name: str, K: int, N: int, raw: np.ndarray, M:
     out = np.zeros((M, N), np.float32)
     f32 = int(GgmlType.F32)
     ctx = HostContext(g, threads, 4, (1,))
+    copy = repack.repack(g, t, K, N, np.ascontiguousarray(raw).view(np.uint8).reshape(-1), "w")
     try:
-        w = ctx.tensor(t, (K, N, 1, 1), (type_size, row, row * N, row * N), 0, (), 0, "w", (raw, 0))
+        w = copy.tensor if copy is not None else ctx.tensor(t, (K, N, 1, 1), (type_size, row, row * N, row * N),
+                                                             0, (), 0, "w", (raw, 0))
         x = ctx.tensor(f32, (K, M, 1, 1), (4, 4 * K, 4 * K * M, 4 * K * M), 0, (), 0, "a", (a, 0))
         d = ctx.tensor(f32, (N, M, 1, 1), (4, 4 * N, 4 * N * M, 4 * N * M), int(GgmlOp.MUL_MAT), (),
                        abi.GGML_TENSOR_FLAG_COMPUTE, "d", (out, 0))
@@ -89,6 +93,8 @@ def host_seconds(g, threads, type_name: str, K: int, N: int, raw: np.ndarray, M:
         return _median_s(seg.run, reps)
     finally:
         ctx.close()
+        if copy is not None:
+            copy.close()
 
 
 def npu_seconds(npu, type_name: str, K: int, N: int, raw: np.ndarray, M: int, reps: int, dtype: str) -> float:

@@ -379,7 +379,7 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
                      note=f"cpu = every matmul in ggml-cpu on 4 A76 (cost.cpu, repacked where llama.cpp repacks); npu "
                           f"= every weight matmul on the NPU ({args.plan_weights}); auto = each weight where "
                           "cost.placement puts it, no split (rknpu serve --placement auto); auto-split = splits "
-                          "allowed (modeled only: the server does not split). Host ops priced alike in every plan; "
+                          "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops priced alike in every plan; "
                           f"a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
                           f"{plans.JOB_ANSWER} decode steps. docs/placement.md")
     plot = rp.Plot("plans_job_s.png", f"Whole job ({plans.JOB_PROMPT}+{plans.JOB_ANSWER} tokens) by plan",

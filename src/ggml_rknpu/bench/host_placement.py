@@ -1,7 +1,7 @@
 """Host placement against llama.cpp alone: the same greedy decode through ``rknpu serve
---placement host`` (every matmul in ggml-cpu in our process, from the GGUF bytes as
-uploaded) and CPU-only ``llama-completion`` with the same thread count, repacked weights
-(its default) and ``--no-repack`` (the served side's arithmetic), in one run.
+--placement host`` (every matmul in ggml-cpu in our process, from repacked host copies where
+ggml repacks, its default) and CPU-only ``llama-completion`` with the same thread count,
+repacked weights (its default: the served side's arithmetic) and ``--no-repack``, in one run.
 
 Invariants: the same pinned binary, GGUF, prompt and arguments on every side, the served
 side only adding ``--rpc -ngl 99``; the sides alternate for ``--repetitions`` rounds (a
@@ -113,9 +113,9 @@ def run(args, rig, console: Console) -> rp.Report | None:
                            "repetitions": args.repetitions, "goal": GOAL, "load_average": _loadavg()},
                      tables=[table], raw={"rows": rows, "rates": rates, "rknpu_serve_stats": stats},
                      notes=["every rate measured on this host (not a board): llama-completion's decode eval time",
-                            "the served side runs every matmul in ggml-cpu inside rknpu serve from the GGUF bytes "
-                            "as uploaded (ggml-cpu's plain kernels); llama.cpp alone repacks the weights it can "
-                            "(CPU_REPACK), which changes its arithmetic: --no-repack is the same arithmetic"])
+                            "the served side runs every matmul in ggml-cpu inside rknpu serve, from repacked host "
+                            "copies (CPU_REPACK) where ggml repacks the type, as llama.cpp alone does by default; "
+                            "--no-repack is the plain kernels' arithmetic"])
 
 
 def _loadavg() -> list[float] | None:

@@ -1,8 +1,8 @@
 """Whole-model step times under three placements, all *modeled* on the board: ``cpu``
 (llama.cpp alone: every matmul in ggml-cpu, repacked where it repacks), ``npu`` (every
 weight matmul on the NPU), ``auto`` (each weight where ``cost.placement`` puts it, no
-split: what ``rknpu serve --placement auto`` does) and ``auto-split`` (splits allowed,
-modeled only: the server does not split yet).
+split, host weights from repacked copies: what ``rknpu serve --placement auto`` does) and
+``auto-split`` (splits allowed: ``--placement-split``, opt-in, its gain modeled only).
 
 Invariants: host ops cost the same in every plan (``cost.cpu.host_ops_seconds``); a
 prompt computes the output head for its last row only (llama.cpp's default); the weight
@@ -127,7 +127,7 @@ def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: in
             out.append(Placed(w, pl.HOST, cpu.cpu_matmul_seconds(w.type, M, w.K, w.N, threads=threads)))
             continue
         c = pl.place_matmul(w.type, M, w.K, w.N, npu_dtype=npu_dtype, cores=cores, threads=threads,
-                            allow_split=plan == "auto-split")
+                            allow_split=plan == "auto-split", repacked=True)
         if plan == "npu":
             out.append(Placed(w, pl.NPU, c.npu_s))
         elif plan in ("auto", "auto-split"):

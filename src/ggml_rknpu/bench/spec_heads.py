@@ -27,7 +27,7 @@ GOAL_CPU_QUANT = "Q4_0"       # the goal's CPU-only baseline: llama.cpp at Q4_0 
 DRAFT_NS = tuple(range(1, 9))
 DEFAULT_N_DRAFT = 3           # llama.cpp's --spec-draft-n-max default (common.h, speculative.draft.n_max)
 SPEC_PLANS = ("npu", "cpu", "auto", "auto-split")
-RUNNABLE = ("npu", "cpu", "auto")   # what a user can run today (the server does not split yet)
+RUNNABLE = ("npu", "cpu", "auto")   # what a user can run today (splits are opt-in, their gain modeled only)
 PLAIN = "cpu, no speculation"   # the baseline: llama.cpp alone decoding one token per step
 
 
@@ -287,7 +287,8 @@ def report_parts(dims: dict, name: str, source: str, *, quant: str, dtype: str, 
                     "each pass = its weight matmuls under the plan + its host ops (cost.cpu.host_ops_seconds per "
                     "layer, every plan); npu: every matmul on the NPU; cpu: llama.cpp alone (ggml-cpu, repacked); "
                     "auto: each matmul at the argmin of cost.placement (rknpu serve --placement auto; its host "
-                    "path runs the GGUF bytes unrepacked); auto-split: splits allowed (modeled only); RPC, "
+                    "path runs repacked host copies); auto-split: splits allowed (--placement-split, opt-in, "
+                    "its gain modeled only); RPC, "
                     "pack/unpack, the KV cache's growth and the sampler not priced; "
                     + "; ".join(f"{s.name}: {s.source}" for s in shapes.values())),
         rp.Table(f"{where}: decode at published acceptance lengths (chain model, best n)", [

@@ -106,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     host_placement.add_arguments(sub.add_parser(
         "host-placement", help="gemma3 decode through rknpu serve --placement host vs llama-completion CPU-only "
                                "(same threads, same greedy text)"), _common)
+    from ggml_rknpu.bench import host_batches
+    host_batches.add_arguments(sub.add_parser(
+        "host-batches", help="llama-bench prompts of M = 1, 2, 4, 8 (one weight type) through rknpu serve "
+                             "--placement host, repacked and not, vs llama.cpp alone"), _common)
     from ggml_rknpu.bench import calibrate
     calibrate.add_arguments(sub.add_parser(
         "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
@@ -378,13 +382,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:
-        from ggml_rknpu.bench import calibrate, host_placement, rpc8_decode, rpc_overhead, soak, spec
+        from ggml_rknpu.bench import calibrate, host_batches, host_placement, rpc8_decode, rpc_overhead, soak, spec
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
 
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
-                 "calibrate-placement": calibrate}.get(args.bench, rpc_overhead)
+                 "calibrate-placement": calibrate, "host-batches": host_batches}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -80,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-threads", type=int, default=None, metavar="N",
                    help="A76 threads the CPU model prices host matmuls at (default: --threads when given, else the "
                         "board's 4 big cores; at most 4)")
+    p.add_argument("--no-host-repack", action="store_true",
+                   help="host weight matmuls run from the GGUF bytes as uploaded, not from a copy in ggml-cpu's "
+                        "repacked layout (CPU_REPACK, what llama.cpp alone runs; the default where ggml repacks the "
+                        "type); docs/placement.md")
+    p.add_argument("--placement-split", action="store_true",
+                   help="opt-in: with --placement auto, a weight matmul the board models price fastest split runs "
+                        "its first rows on the NPU and the rest in ggml-cpu at once (modeled gain only; "
+                        "docs/placement.md)")
     p.add_argument("--sim-faults", default=None, metavar="SPEC",
                    help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
                         "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
@@ -224,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
                           stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
                           threads=args.threads, group_matmuls=not args.no_fuse,
                           activations=args.activations, placement=placement,
-                          host_threads=args.host_threads)
+                          host_threads=args.host_threads, host_repack=not args.no_host_repack,
+                          placement_split=args.placement_split)
     from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:

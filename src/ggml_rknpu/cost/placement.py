@@ -119,8 +119,8 @@ def npu_matmul_seconds(M: int, K: int, N: int, dtype: str, cores: int, submits: 
 
 def host_matmul_seconds(weight_type: int | str, M: int, K: int, N: int, threads: int, *,
                         repacked: bool = False, experts: int = 1) -> float:
-    """Modeled ggml-cpu seconds of n = ``N`` rows (0 rows cost nothing); ``repacked``
-    False: the server's host path runs the GGUF bytes as uploaded."""
+    """Modeled ggml-cpu seconds of n = ``N`` rows (0 rows cost nothing); ``repacked``: the
+    server's host path reads a repacked copy (``rknpu serve``'s default), else the GGUF bytes."""
     if N <= 0:
         return 0.0
     return cpu.cpu_matmul_seconds(weight_type, M, K, N, threads=threads, repacked=repacked, experts=experts)

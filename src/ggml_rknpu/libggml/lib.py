@@ -72,6 +72,15 @@ _BASE_FUNCS: dict[str, tuple] = {
     "ggml_threadpool_params_init": (None, [ctypes.POINTER(abi.ThreadpoolParams), _I]),
     # ggml-quants.h (GGML_API): Q8_K, ggml-cpu's activation type for the k-quants, has no to_float trait
     "dequantize_row_q8_K": (None, [_VP, _VP, _I64]),
+    # ggml-backend.h: buffers of a buffer type (ggml-cpu's CPU_REPACK extra buffer, ``libggml.repack``)
+    "ggml_backend_reg_get_proc_address": (_VP, [_VP, ctypes.c_char_p]),
+    "ggml_backend_buft_name": (ctypes.c_char_p, [_VP]),
+    "ggml_backend_buft_get_alloc_size": (_SZ, [_VP, TensorP]),
+    "ggml_backend_buft_alloc_buffer": (_VP, [_VP, _SZ]),
+    "ggml_backend_buffer_get_base": (_VP, [_VP]),
+    "ggml_backend_buffer_free": (None, [_VP]),
+    "ggml_backend_tensor_alloc": (_I, [_VP, TensorP, _VP]),
+    "ggml_backend_tensor_set": (None, [TensorP, _VP, _SZ, _SZ]),
 }
 _CPU_FUNCS: dict[str, tuple] = {
     "ggml_cpu_init": (None, []),

@@ -13,10 +13,10 @@ import numpy as np
 
 from ggml_rknpu.libggml.compute import HostContext
 from ggml_rknpu.server.expert_step import ExpertStep
-from ggml_rknpu.server.plan_steps import DeliveredRun, Delivery, HostSegment, NpuGroup, NpuStep
+from ggml_rknpu.server.plan_steps import DeliveredRun, Delivery, HostSegment, NpuGroup, NpuStep, SplitStep
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node
 
-PlannedStep = HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep
+PlannedStep = HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep | SplitStep
 
 GROUP_MAX_ROWS = 16
 # grouped steps are the decode path (M = 1..16: one token, speculative drafts, a few
@@ -57,7 +57,8 @@ def merge_deliveries(steps: list[PlannedStep], host: HostContext, ptrs: dict[int
                 else:
                     assert part.kept is not None and part.member is not None, "a grouped delivery"
                     nodes.append(host.copy_node(ptrs[part.node], part.kept, f"delivered {part.member.slot.name}"))
-            merged = HostSegment(host.segment(nodes), [], [])
+            copies = tuple(c for p in stretch if isinstance(p, HostSegment) for c in p.copies)
+            merged = HostSegment(host.segment(nodes), [], [], copies)
             groups = tuple({id(d.group): d.group for d in deliveries if d.group is not None}.values())
             out.append(DeliveredRun(merged, list(stretch), groups))
         else:

@@ -84,3 +84,14 @@ def experts_host_reason(dst: RpcTensor, w: RpcTensor, b: RpcTensor, *, engine: b
     if b.type not in _FLOAT_ACTIVATIONS or dst.type != GgmlType.F32:
         return "activation/output type"
     return None
+
+
+def host_weight(dst: RpcTensor, w: RpcTensor, a: RpcTensor, *, w_computed: bool, w_backed: bool,
+                w_graph_written: bool) -> bool:
+    """Whether this MUL_MAT's src0 is a weight a repacked host copy may stand for
+    (``server/host_copies.py``): a weight by the NPU's rules, f32 activations, and the shapes
+    ggml-cpu's repacked kernel asserts (no fourth dimension, dst rows of contiguous floats)."""
+    return (matmul_host_reason(dst, w, a, engine=True, w_computed=w_computed, w_backed=w_backed,
+                               w_graph_written=w_graph_written) is None
+            and a.type == GgmlType.F32 and a.ne[3] == 1 and dst.ne[3] == 1
+            and dst.nb[0] == 4 and dst.nb[0] <= dst.nb[1] <= dst.nb[2] <= dst.nb[3])

@@ -1,14 +1,15 @@
 """The server's placement policy for weight matmuls (``rknpu serve --placement``): auto
 (each weight and M bucket where the board's models say it is faster), npu (every weight
-on the NPU), host (every weight matmul in ggml-cpu from its GGUF bytes), and what it chose.
+on the NPU), host (every weight matmul in ggml-cpu, from a repacked copy where ggml repacks
+the type, else its GGUF bytes), and what it chose.
 
 Invariants: decisions are the board's models (``cost.placement``: NPU at its envelope's
 cores, ggml-cpu on the A76 cluster at ``threads``) on every machine, so the simulator
 plans what a board would, except that on a board times measured there
 (``engine.placement_record``) replace the models for the shapes they cover; a weight the
-policy keeps on the host is never staged (it takes no NPU memory); the server does not
-split a matmul yet, so auto chooses between the two sides only. Decisions are cached per
-(type, K, N, experts, bucket). Why: docs/placement.md."""
+policy keeps on the host is never staged (it takes no NPU memory); auto chooses between the
+two sides only, unless ``split`` (opt-in) lets a MUL_MAT run its rows on both at once.
+Decisions are cached per (type, K, N, experts, bucket). Why: docs/placement.md."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ class Placer:
     cores: int = 1
     threads: int = cpu.BIG_CORES
     measured: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
+    host_repack: bool = False      # host matmuls read repacked copies (priced at ggml-cpu's repacked kernel)
+    split: bool = False            # auto may split a MUL_MAT's rows between the NPU and the host
     records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
     _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
@@ -65,7 +68,8 @@ class Placer:
     def describe(self) -> str:
         measured = f", {len(self.measured)} shape/bucket times measured on this board" if self.measured else ""
         return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
-                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from the GGUF bytes)")
+                f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from "
+                f"{'repacked copies where ggml repacks' if self.host_repack else 'the GGUF bytes'})")
 
     def choice(self, weight_type: int | str, M: int, K: int, N: int, experts: int = 1) -> tuple[pl.Choice, str]:
         """(the choice, "measured" or "modeled"): measured times of this shape and bucket
@@ -80,8 +84,9 @@ class Placer:
                 cached = pl.choose(N, lambda n: npu_s, lambda n: host_s, allow_split=False), "measured"
             else:
                 cached = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
-                                         cores=self.cores, threads=self.threads, allow_split=False,
-                                         experts=experts), "modeled"
+                                         cores=self.cores, threads=self.threads,
+                                         allow_split=self.split and self.policy == "auto" and experts == 1,
+                                         experts=experts, repacked=self.host_repack and experts == 1), "modeled"
             self._cache[key] = cached
         return cached
 
@@ -96,7 +101,15 @@ class Placer:
         rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s, basis))
         rec.planned += 1
         rec.weight_bytes += nbytes
-        return where == pl.NPU
+        return where in (pl.NPU, pl.SPLIT)
+
+    def host_rows(self, weight_type: int, M: int, K: int, N: int) -> int:
+        """The rows of this weight's MUL_MAT the host runs beside the NPU (0: not split)."""
+        try:
+            c, _ = self.choice(weight_type, M, K, N)
+        except ValueError:
+            return 0
+        return c.host_rows if c.where == pl.SPLIT else 0
 
     def log_new_buckets(self) -> None:
         """Say once per M bucket what the plans keep where (the first plan of each bucket)."""
@@ -115,6 +128,7 @@ class Placer:
 
     def as_dict(self) -> dict:
         return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
+                "host_repack": self.host_repack, "split": self.split,
                 "measured_shapes": len(self.measured),
                 "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
                              "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
@@ -130,7 +144,8 @@ class Placer:
         return "\n".join(lines)
 
 
-def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -> Placer:
+def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None, host_repack: bool = False,
+               split: bool = False) -> Placer:
     """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
     engine does not say), the host side at ``threads`` A76 threads (None: all four; more
     than the board has: all four); on a board, the times measured there for this format,
@@ -145,4 +160,4 @@ def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None) -
         from ggml_rknpu.engine.placement_record import load_times
 
         measured = load_times(board_key(device), weight_format, cores, threads)
-    return Placer(policy, weight_format, cores, threads, measured)
+    return Placer(policy, weight_format, cores, threads, measured, host_repack, split)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from ggml_rknpu.engine.contract import EngineFusion, EngineWeight, MatmulEngine,
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
 from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.host_copies import HostCopy
 from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
 from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -58,7 +60,8 @@ class IndexCheck:
 class HostSegment:
     """A run of nodes between NPU steps: one ggml_graph_compute, prepared once.
 
-    ``checks``: the index checks that must run just before it (indices a node of the plan
+    ``copies``: the repacked host copies its matmuls read (``server/host_copies.py``),
+    repacked again first when their GGUF bytes changed. ``checks``: the index checks that must run just before it (indices a node of the plan
     writes; the others run once per replay, :func:`_hoist_checks`). ``counts``: per op
     counter, (nodes, bytes) this segment adds to it per run (a plan's own segments have
     theirs added once per replay, by the plan)."""
@@ -66,11 +69,14 @@ class HostSegment:
     compute: HostCompute
     checks: list[IndexCheck]
     counts: list[tuple[OpCounter, int, int]]
+    copies: tuple[HostCopy, ...] = ()
 
     def run(self, stats: ServerStats, recovery: NpuRecovery | None = None) -> None:
         """The segment's checks, then its graph on ggml-cpu (``recovery``: unused, the host has no fault policy)."""
         for c in self.checks:
             c.check()
+        for w in self.copies:
+            w.ensure()
         t0 = time.perf_counter()
         self.compute.run()
         stats.host_seconds += time.perf_counter() - t0
@@ -117,6 +123,44 @@ class NpuStep:
             raise UnsupportedOp(f"MUL_MAT '{self.slot.name}' on the host",
                                 "the NPU refused it and ggml-cpu has no kernel for these types")
         self.host.run(stats, recovery)
+
+
+# the host part of split matmuls: one worker, so at most one ggml_graph_compute at a time
+# beside the main thread's NPU submit (the plan's segments share one threadpool and work buffer)
+_SPLIT_HOST = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rknpu-split-host")
+
+
+@dataclass(eq=False)
+class SplitStep:
+    """One MUL_MAT with its N output rows split: ``npu`` (an NpuStep over the weight's first
+    rows, its ``out`` those columns of dst) on the engine while ``host`` (a one-node ggml graph
+    over the last ``host_rows`` rows, writing the other columns) runs in ggml-cpu on a worker
+    thread, joined before the next step. The two write disjoint bytes and only read the
+    activations. When the NPU side falls back (demoted weight, fault), its own host segment
+    runs after the host part has finished."""
+
+    npu: NpuStep
+    host: HostSegment
+    host_rows: int
+
+    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+        t0 = time.perf_counter()
+        part = self.npu
+        future = _SPLIT_HOST.submit(self.host.run, stats)
+        try:
+            c = recovery.matmul(part.slot, lambda: npu_rows(part.a, part.a_type, part.slot.k, part.rounder))
+        finally:
+            future.result()
+        npu = recovery.npu
+        if c is not None and npu is not None:
+            part.out[...] = c.reshape(part.out.shape)
+            _count_npu(stats, (part,), c.shape[0], time.perf_counter() - t0, npu.last_timing)
+            stats.split_matmuls += 1
+            return
+        if part.host is None:
+            raise UnsupportedOp(f"MUL_MAT '{part.slot.name}' on the host",
+                                "the NPU refused it and ggml-cpu has no kernel for these types")
+        part.host.run(stats, recovery)
 
 
 def _count_npu(stats: ServerStats, members: tuple[NpuStep, ...], rows: int, seconds: float,

@@ -9,12 +9,14 @@ a weight. What is checked and why: docs/decisions.md "server/planner.py"."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import numpy as np
 
 from ggml_rknpu.engine.contract import MatmulEngine, fusing
+from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import Ggml
@@ -22,13 +24,14 @@ from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
+from ggml_rknpu.server.host_copies import HostCopies, HostCopy
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
-from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, matmul_host_reason
+from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, host_weight, matmul_host_reason
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.plan import GraphPlan
-from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep
+from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep, SplitStep
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -41,8 +44,11 @@ class GraphPlanner:
 
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True,
-                 activations: ActivationRounding | None = None, placer: Placer | None = None) -> None:
+                 activations: ActivationRounding | None = None, placer: Placer | None = None,
+                 host_repack: bool = False) -> None:
         self.buffers = buffers
+        self.host_copies = HostCopies(host, stats, host_repack)   # repacked weights of host matmuls
+        self._splits: dict[int, int] = {}                         # the plan being built: split node -> host rows
         self.placer = placer                                 # None: every eligible weight on the NPU
         self.group = group and fusing(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
@@ -71,11 +77,14 @@ class GraphPlanner:
             assert c.buffer is not None, "a computing node has bytes (end > start)"
             c.buffer.graph_written.add(c.start, c.end)
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
+            self.host_copies.mark_graph_written(c.buffer, c.start, c.end)
+        self._splits = {}
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
-        order: list[Node] = gather_siblings(computing, g, slots, checked) if self.group else list(computing)
+        unsplit = {nid: s for nid, s in slots.items() if nid not in self._splits}   # a split is never grouped
+        order: list[Node] = gather_siblings(computing, g, unsplit, checked) if self.group else list(computing)
 
         # segments: maximal runs of host nodes; a node whose index bytes a node of the current
         # run writes starts a new one (its indices are checked before that run computes): the
@@ -100,8 +109,9 @@ class GraphPlanner:
         npu_steps = {nid for nid in computing if slots.get(nid) is not None or nid in experts}
         merges = delivery_runs(runs, npu_steps) if self.group else []
         n_markers = sum(1 for nid in order if isinstance(nid, DeliveryMark))
-        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts),
-                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * len(experts))
+        host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts)
+                           + 4 * len(self._splits),
+                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * (len(experts) + 2 * len(self._splits)))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -110,8 +120,9 @@ class GraphPlanner:
                     t = g.tensors[nid]
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
+            copies = self._repacked(g, position, checked, ptrs, slots, computing)
             steps: list[PlannedStep] = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
-                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok)
+                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok, copies)
                      for run in runs]
             checks = hoist_checks(steps, runs, checked)
             planned: list[PlannedStep] = group_npu_steps(steps) if self.group else steps
@@ -126,6 +137,7 @@ class GraphPlanner:
         self.weights.stage_all(s for s in staged if s is not None)   # timed in the weight stats
         if self.placer is not None:
             self.placer.log_new_buckets()
+        self.host_copies.log_made()
         self.stats.plans_built += 1
         self.stats.plan_seconds += time.perf_counter() - t0
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
@@ -152,15 +164,18 @@ class GraphPlanner:
 
     def _step(self, run: list[Node], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
               host: HostContext, indices: dict[int, list[tuple[int, int]]],
-              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool]) -> HostSegment | NpuStep | Delivery:
+              slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool],
+              copies: dict[int, HostCopy]) -> HostSegment | NpuStep | SplitStep | Delivery:
         first = run[0]
         if isinstance(first, DeliveryMark):
             return Delivery(first.node)
         nodes = [node_id(n) for n in run]   # a host run or one MUL_MAT: tensor ids
         slot = slots.get(first)
         if slot is None:
-            return self._segment(nodes, g, checked, ptrs, host, indices)
+            return self._segment(nodes, g, checked, ptrs, host, indices, copies)
         t = g.tensors[first]
+        if t.id in self._splits:
+            return self._split_step(t, slot, self._splits[t.id], checked, ptrs, host)
         segment = self._segment(nodes, g, checked, ptrs, host, indices) if cpu_ok[t.id] else None
         a, a_type = checked[t.src[1]].ref().as_array(), g.tensors[t.src[1]].type
         return NpuStep(slot=slot, a=a, a_type=a_type,
@@ -181,7 +196,8 @@ class GraphPlanner:
         return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats, rounder)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
-                 host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> HostSegment:
+                 host: HostContext, indices: dict[int, list[tuple[int, int]]],
+                 copies: dict[int, HostCopy] | None = None) -> HostSegment:
         checks = []
         per_counter: dict[int, list] = {}
         for nid in run:
@@ -196,7 +212,39 @@ class GraphPlanner:
             entry[1] += 1
             entry[2] += self._span(t, checked)
         return HostSegment(host.segment([ptrs[nid] for nid in run]), checks,
-                           [(c, n, b) for c, n, b in per_counter.values()])
+                           [(c, n, b) for c, n, b in per_counter.values()],
+                           tuple(copies[nid] for nid in run if copies and nid in copies))
+
+    def _repacked(self, g: ParsedGraph, position: dict[int, int], checked: dict[int, CheckedTensor],
+                  ptrs: dict[int, Any], slots: dict[int, WeightSlot | None], computing: list[int]) -> dict[int, HostCopy]:
+        """Host MUL_MATs of a weight ggml-cpu repacks, pointed at its repacked copy: node -> copy.
+
+        A candidate is a weight by the NPU's rules (``placement.host_weight``) whose matmul runs
+        here (no slot); it keeps the copy only when ggml-cpu's own ``supports_op`` admits the
+        node with it (f32 activations) and the repacked kernel's shape asserts hold."""
+        out: dict[int, HostCopy] = {}
+        if not self.host_copies.enabled:
+            return out
+        for nid in computing:
+            t = g.tensors[nid]
+            if t.op != GgmlOp.MUL_MAT or slots.get(nid) is not None:
+                continue
+            s0 = t.src[0]
+            c0 = checked[s0]
+            if not host_weight(t, g.tensors[s0], g.tensors[t.src[1]], w_computed=s0 in position,
+                               w_backed=c0.buffer is not None,
+                               w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end)):
+                continue
+            copy = self.host_copies.copy_for(c0)
+            if copy is None:
+                continue
+            node = ptrs[nid].contents
+            plain, node.src[0] = node.src[0], copy.weight.tensor
+            if self.ggml.supports_op(ptrs[nid]):
+                out[nid] = copy
+            else:
+                node.src[0] = plain
+        return out
 
     def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                      checked: dict[int, CheckedTensor]) -> WeightSlot | None:
@@ -211,12 +259,52 @@ class GraphPlanner:
         if reason is None and self.placer is not None and not self.placer.on_npu(
                 w.name, w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1], c0.end - c0.start):
             reason = HOST_REASON
-        slot = self.weights.slot_for(c0) if reason is None else None
+        host_rows = 0
+        if reason is None and self.placer is not None and self.placer.split and host_weight(
+                t, w, g.tensors[s1], w_computed=False, w_backed=True, w_graph_written=False):
+            host_rows = self.placer.host_rows(w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1])
+        slot = self.weights.slot_for(_rows(c0, 0, w.ne[1] - host_rows)) if reason is None else None
         if reason is None and slot is None:
             reason = "weight type or engine refused it"
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
+        elif host_rows:
+            self._splits[t.id] = host_rows
         return slot
+
+    def _split_step(self, t: RpcTensor, slot: WeightSlot, host_rows: int, checked: dict[int, CheckedTensor],
+                    ptrs: dict[int, Any], host: HostContext) -> SplitStep:
+        """A split MUL_MAT: the NPU over the weight's first rows into those columns of dst, a
+        one-node ggml graph over the last ``host_rows`` rows (from a repacked copy where ggml
+        repacks them) into the others, and a one-node graph of the NPU's rows as its fallback."""
+        w, d, a = checked[t.src[0]], checked[t.id], checked[t.src[1]]
+        n = w.rpc.ne[1]
+        n_npu = n - host_rows
+        w_buffer, d_buffer = w.buffer, d.buffer
+        assert w_buffer is not None and d_buffer is not None, "a split weight and its dst are backed"
+
+        def part(first: int, rows: int, repacked: bool) -> HostSegment:
+            piece = _rows(w, first, rows)
+            copy = self.host_copies.copy_for(piece) if repacked else None
+            weight = copy.weight.tensor if copy is not None else host.tensor(
+                w.rpc.type, piece.rpc.ne, piece.rpc.nb, 0, (), 0, f"{w.rpc.name} rows {first}+{rows}",
+                (w_buffer.array, piece.start))
+            dn = d.rpc
+            node = host.tensor(dn.type, (rows, *dn.ne[1:]), dn.nb, int(GgmlOp.MUL_MAT), (),
+                               abi.GGML_TENSOR_FLAG_COMPUTE, f"{dn.name} rows {first}+{rows}",
+                               (d_buffer.array, d.start + first * dn.nb[0]))
+            host.link(node, [weight, ptrs[t.src[1]]], None, 0)
+            nbytes = piece.end - piece.start + (a.end - a.start) + rows * (d.end - d.start) // n
+            return HostSegment(host.segment([node]), [], [(self.stats.counter("MUL_MAT", HOST), 1, nbytes)],
+                               (copy,) if copy is not None else ())
+
+        out = d.ref().as_array().reshape(-1, n)[:, :n_npu]
+        a_array = a.ref().as_array()
+        npu_part = NpuStep(slot=slot, a=a_array, a_type=a.rpc.type, out=out, host=part(0, n_npu, False),
+                           nbytes=(a.end - a.start) + n_npu * (d.end - d.start) // n,
+                           npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id,
+                           rounder=self.activations.for_step(slot.type, a.rpc.type, a_array.size))
+        return SplitStep(npu_part, part(n_npu, host_rows, self.host_copies.enabled), host_rows)
 
     def _expert_slots(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
                       checked: dict[int, CheckedTensor]) -> tuple[WeightSlot | None, ...] | None:
@@ -239,6 +327,14 @@ class GraphPlanner:
             key = f"MUL_MAT_ID: {reason}"
             self.stats.host_matmul_reasons[key] = self.stats.host_matmul_reasons.get(key, 0) + 1
         return slots
+
+
+def _rows(t: CheckedTensor, first: int, rows: int) -> CheckedTensor:
+    """Rows [first, first + rows) of a contiguous 2-D weight, as a tensor of its own."""
+    r = t.rpc
+    row = r.nb[1]
+    piece = dataclasses.replace(r, ne=(r.ne[0], rows, 1, 1), nb=(r.nb[0], row, row * rows, row * rows))
+    return CheckedTensor(piece, t.buffer, t.start + first * row, t.start + (first + rows) * row)
 
 
 def hoist_checks(steps: list[PlannedStep], runs: list[list[Node]], checked: dict[int, CheckedTensor]) -> list[IndexCheck]:

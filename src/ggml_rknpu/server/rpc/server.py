@@ -130,6 +130,8 @@ class ServerConfig:
     activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
     placement: str = "npu"            # weight matmuls: "auto" by cost (rknpu serve's default), "npu", "host"
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
+    host_repack: bool = False         # host matmuls read a repacked copy where ggml-cpu repacks (rknpu serve: on)
+    placement_split: bool = False     # auto may split a matmul's rows between the NPU and the host (opt-in)
 
 
 @dataclass
@@ -159,7 +161,8 @@ class ServerState:
             self.threads = Threads(self.host, self.config.threads or default_threads())
         if self.placer is None and self.npu is not None:
             self.placer = placer_for(self.npu, self.config.placement, self.config.weight_format,
-                                     self.config.host_threads or self.config.threads)
+                                     self.config.host_threads or self.config.threads, self.config.host_repack,
+                                     self.config.placement_split)
 
     def close(self) -> None:
         """Free the retired weights and the host threadpool (server exit)."""
@@ -237,7 +240,7 @@ class Session:
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations,
-                                    placer=state.placer)
+                                    placer=state.placer, host_repack=state.config.host_repack)
         self.hello = False
         self.hung_up = False              # the server is stopping (RpcServer.stop)
         self._plans_at_start = state.stats.plans_built
@@ -330,6 +333,7 @@ class Session:
             self.buffers.close()
         finally:
             self.weights.close()
+            self.planner.host_copies.close()
             # A session that built plans leaves reference cycles holding views of its buffers
             # (22 unreachable objects per small client with GraphPlan), and the handler table
             # holds bound methods of the session: without a
@@ -360,11 +364,13 @@ class Session:
     def _written(self, buf: DeviceBuffer, start: int, end: int) -> None:
         if end > start:
             self.weights.invalidate(buf, start, end)
+            self.planner.host_copies.invalidate(buf, start, end)
 
     def _on_free(self, buf: DeviceBuffer) -> None:
         self.weights.drop_buffer(buf)
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs
             g.clear()
+        self.planner.host_copies.drop_buffer(buf)
         if self.proto8 is not None:
             self.proto8.on_free()
 
