@@ -3,15 +3,15 @@ places the vision encoder (mtmd's clip) on the RPC device (docs/llama-cpp.md, "T
 projector"), so an image prompt sends the projector's graph to our server as well as the text
 model's.
 
-The check: a tiny LLaVA-style projector (tests/support/mmproj_models.py) and the tiny llama of
-tests/support/arch_models.py, two different images, a greedy answer with top-2 logprobs for
+The check, per projector type of tests/support/mmproj_models.py (LLaVA's MLP with a tiny llama,
+gemma3's with a tiny gemma3): two different images, a greedy answer with top-2 logprobs for
 each. The C++ ``ggml-rpc-server`` gives the CPU-only tokens (the precondition: a graph it
-computes); ``rknpu serve --device host`` gives them exactly (the same ggml-cpu kernels); the
-simulated NPU (fp16 weights) agrees up to the near-tie rule of tests/support/greedy.py. The two
-images give different answers on the CPU, so a projector that computed the wrong embeddings
-could not pass. The projector's own ops (IM2COL of the patch convolution, CONCAT of the class
-embedding, NORM of the ViT's layer norms; the llama text graph has none of them) must show in
-the server's counters.
+computes); ``rknpu serve --device host`` gives them exactly, logprobs to the bit (the same
+ggml-cpu kernels); the simulated NPU (fp16 weights) agrees up to the near-tie rule of
+tests/support/greedy.py. The two images' answers differ on the CPU by more than that rule lets
+a device differ, so a projector that computed wrong embeddings could not pass. The encoder's own
+ops (``Projector.ops``: the patch convolution's IM2COL and others no text graph has) must show
+in the server's counters.
 """
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from support.arch_models import N_EMBD, write_arch_gguf
+from support.arch_models import N_EMBD
 from support.e2e_support import RknpuServer, Server, cpp_server, llama_server, rknpu_server, tool_or_skip
-from support.greedy import Step, agree, steps
-from support.mmproj_models import tiny_bmp, write_mmproj_gguf
+from support.greedy import CLOSE, Step, agree, steps
+from support.mmproj_models import PROJECTORS, tiny_bmp, write_mmproj_gguf, write_text_gguf
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(600)]
 PROMPT = "{marker} is"      # the image right before the answer: its embeddings steer it most
 N_PREDICT = 8
 IMAGE_SEEDS = (0, 1)
-PROJECTOR_OPS = ("IM2COL", "CONCAT", "NORM")
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +44,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     with cpp_server(root) as cpp, rknpu_server(root, device="host", name="host") as host, \
             rknpu_server(root, extra=("--weights", "fp16"), name="npu") as npu:
         yield {"cpp": cpp, "host": host, "npu": npu}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return (write_arch_gguf(root / "tiny-llama.gguf", "llama"),
-            write_mmproj_gguf(root / "tiny-mmproj.gguf", N_EMBD))
 
 
 def _answers(tmp_path: Path, models: tuple[Path, Path], server: Server | None) -> list[list[Step]]:
@@ -86,32 +78,41 @@ def _per_op(server: RknpuServer) -> dict[str, int]:
     return out
 
 
-def _ran(server: RknpuServer, before: dict[str, int]) -> None:
-    """The projector's ops ran on ``server`` since ``before`` (counters are written when a
+def _ran(server: RknpuServer, before: dict[str, int], ops: tuple[str, ...]) -> None:
+    """The encoder's ``ops`` ran on ``server`` since ``before`` (counters are written when a
     client's session ends, shortly after llama-server exits)."""
     deadline = time.monotonic() + 30
     while True:
         after = _per_op(server)
-        missing = [op for op in PROJECTOR_OPS if after.get(op, 0) <= before.get(op, 0)]
+        missing = [op for op in ops if after.get(op, 0) <= before.get(op, 0)]
         if not missing:
             return
         assert time.monotonic() < deadline, (missing, after, server.log())
         time.sleep(0.2)
 
 
+def _differ(a: list[Step], b: list[Step]) -> bool:
+    """Two answers differ by more than the near-tie rule lets a device's answer differ: another
+    token, or the same token more than ``CLOSE`` apart in logprob."""
+    return any(x.token != y.token or abs(x.logprob - y.logprob) > CLOSE for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("projector", sorted(PROJECTORS))
 def test_the_projector_runs_on_rknpu_serve_with_the_cpu_tokens(tmp_path: Path, servers: dict[str, Server],
-                                                               models: tuple[Path, Path]) -> None:
+                                                               projector: str) -> None:
+    models = (write_text_gguf(tmp_path / "tiny-text.gguf", projector),
+              write_mmproj_gguf(tmp_path / f"tiny-mmproj-{projector}.gguf", projector, N_EMBD))
     host, npu = servers["host"], servers["npu"]
     assert isinstance(host, RknpuServer) and isinstance(npu, RknpuServer)
     before = {"host": _per_op(host), "npu": _per_op(npu)}
     cpu = _answers(tmp_path, models, None)
     assert all(cpu), "the CPU-only run generated nothing to compare"
-    assert _tokens(cpu)[0] != _tokens(cpu)[1], "the two images give the same answer: the projector does not matter"
+    assert _differ(*cpu), "the two images answer alike: the projector's output would not be checked"
     assert _tokens(_answers(tmp_path, models, servers["cpp"])) == _tokens(cpu), \
         "the C++ server differs: not a valid case"
     assert _answers(tmp_path, models, host) == cpu                     # the same kernels: bit-equal logprobs
     for seed, device, reference in zip(IMAGE_SEEDS, _answers(tmp_path, models, npu), cpu):
-        agree(device, reference, what=f"image {seed} on the NPU")
+        agree(device, reference, what=f"{projector}, image {seed} on the NPU")
     assert host.alive() and npu.alive()
-    _ran(host, before["host"])
-    _ran(npu, before["npu"])
+    _ran(host, before["host"], PROJECTORS[projector].ops)
+    _ran(npu, before["npu"], PROJECTORS[projector].ops)
