@@ -11,7 +11,7 @@ ggml-cpu kernels); the simulated NPU (fp16 weights) agrees up to the near-tie ru
 tests/support/greedy.py. The two images' answers differ on the CPU by more than that rule lets
 a device differ, so a projector that computed wrong embeddings could not pass. The encoder's own
 ops (``Projector.ops``: the patch convolution's IM2COL and others no text graph has) must show
-in the server's counters.
+in the server's counters, and the NPU must have run matmuls of the ViT's row count.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def _per_op(server: RknpuServer) -> dict[str, int]:
     return out
 
 
+def _npu_rows(server: RknpuServer, rows: int) -> int:
+    """Matmuls the NPU ran with ``rows`` rows so far."""
+    return server.stats()["npu_matmuls_by_m"].get(str(rows), 0) if server.stats_path.is_file() else 0
+
+
 def _ran(server: RknpuServer, before: dict[str, int], ops: tuple[str, ...]) -> None:
     """The encoder's ``ops`` ran on ``server`` since ``before`` (counters are written when a
     client's session ends, shortly after llama-server exits)."""
@@ -105,6 +110,7 @@ def test_the_projector_runs_on_rknpu_serve_with_the_cpu_tokens(tmp_path: Path, s
     host, npu = servers["host"], servers["npu"]
     assert isinstance(host, RknpuServer) and isinstance(npu, RknpuServer)
     before = {"host": _per_op(host), "npu": _per_op(npu)}
+    before_rows = _npu_rows(npu, PROJECTORS[projector].vit_rows)
     cpu = _answers(tmp_path, models, None)
     assert all(cpu), "the CPU-only run generated nothing to compare"
     assert _differ(*cpu), "the two images answer alike: the projector's output would not be checked"
@@ -116,3 +122,6 @@ def test_the_projector_runs_on_rknpu_serve_with_the_cpu_tokens(tmp_path: Path, s
     assert host.alive() and npu.alive()
     _ran(host, before["host"], PROJECTORS[projector].ops)
     _ran(npu, before["npu"], PROJECTORS[projector].ops)
+    rows = PROJECTORS[projector].vit_rows             # no text batch of the prompt has this many rows
+    assert _npu_rows(npu, rows) > before_rows, ("the ViT's matmuls did not run on the NPU",
+                                                npu.stats()["npu_matmuls_by_m"])

@@ -48,10 +48,16 @@ class Projector:
     name: str
     text_arch: str
     ops: tuple[str, ...]
+    class_token: bool = False
+
+    @property
+    def vit_rows(self) -> int:
+        """Rows M of the ViT's matmuls (the patches, and the class token if there is one)."""
+        return N_PATCHES + self.class_token
 
 
 PROJECTORS = {p.name: p for p in (
-    Projector("mlp", "llama", ("IM2COL", "CONCAT", "NORM")),
+    Projector("mlp", "llama", ("IM2COL", "CONCAT", "NORM"), class_token=True),
     Projector("gemma3", "gemma3", ("IM2COL", "POOL_2D", "NORM")),
 )}
 
