@@ -481,11 +481,12 @@ def _olmoe(m: Tiny) -> None:
         m.experts(blk, 4, 32)
 
 
-def _gemma3(m: Tiny) -> None:
-    """models/gemma3.cpp: per-head q/k norms, sliding-window and global layers, post-norms, tied output."""
+def _gemma3(m: Tiny, *, sliding_window: int = 4, tied_output: bool = True) -> None:
+    """models/gemma3.cpp: per-head q/k norms, sliding-window and global layers, post-norms, tied
+    output (tests/support/mmproj_models.py writes one with a wide window and its own head)."""
     m.base()
-    m.u32("attention.sliding_window", 4)
-    m.embeddings(output=False)
+    m.u32("attention.sliding_window", sliding_window)
+    m.embeddings(output=not tied_output)
     for i in range(N_LAYER):
         blk = f"blk.{i}"
         m.norm(f"{blk}.attn_norm")
