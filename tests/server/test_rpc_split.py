@@ -112,14 +112,14 @@ def test_split_npu_failure_runs_its_rows_on_the_host():
 def test_split_siblings_are_never_grouped():
     """Two split matmuls reading one activation on an engine that groups siblings: each runs
     split on its own (a group would write whole rows of dst), both exact on the host columns."""
-    from support.rpc_testkit import SteppingFakeNpu
+    from support.rpc_testkit import FusingFakeNpu
 
     type_ = int(GgmlType.Q8_0)
     rng = np.random.default_rng(5)
     wq = [quants.quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q8_0).tobytes()
           for _ in range(2)]
     a = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=SteppingFakeNpu(), placement="auto", placement_split=True, host_repack=True):
+    for st in serve(npu=FusingFakeNpu(), placement="auto", placement_split=True, host_repack=True):
         with st.client() as c:
             wh, wb = c.alloc_base(2 * len(wq[0]))
             ch, cb = c.alloc_base(1 << 20)
