@@ -2,16 +2,14 @@
 one major per connection), behaving like the C++ ``ggml-rpc-server`` where the client depends on it
 [docs/ggml-rpc.md §3, §4, P6, P7].
 
-Invariants: every connection is served at once, each by its own thread, which blocks only in
-its own socket I/O or waiting for its turn (``server.turns``: FIFO, never held across socket
-I/O), so a stalled, slow or hostile client costs the others nothing; within a connection,
-commands strictly in order, replies only for commands that have one; HELLO first; any bad
-request (a second HELLO, an unknown command or handle, a wrong size, a tensor outside its
-buffer, an unsupported op) gets a logged reason, then ``shutdown(SHUT_RDWR)`` and close, and
-the server itself never dies from a request; buffers belong to the connection, staged weights
-are shared by content with the other live connections (``live_weights``). SET_TENSOR payloads
-are received straight into the destination buffer. Why threads: docs/server.md "Concurrent
-sessions"."""
+Invariants: every connection is served at once by its own thread, which blocks only in its
+own socket I/O or waiting for its turn (``server.turns``: FIFO, never held across I/O), so a
+stalled or hostile client costs the others nothing; in a connection, commands strictly in
+order, replies only for commands that have one; HELLO first; a bad request (a second HELLO,
+an unknown command or handle, a wrong size, a tensor outside its buffer, an unsupported op)
+gets a logged reason, ``shutdown(SHUT_RDWR)`` and close, never the server's death; buffers
+belong to the connection, staged weights are shared by content (``live_weights``); SET_TENSOR
+payloads go straight into their buffer. Why threads: docs/server.md "Concurrent sessions"."""
 
 from __future__ import annotations
 
