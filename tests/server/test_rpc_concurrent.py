@@ -79,8 +79,9 @@ def test_stallers_mid_message_do_not_delay_another_client():
             stallers.append(c)
         try:
             assert st.server.wait_idle(timeout=5, leave=51) and st.server.session_count == 51
-            beside = max(_client_seconds(st, w, xv) for _ in range(3))
-            assert beside < max(10 * alone, 1.0), (alone, beside)
+            beside = sorted(_client_seconds(st, w, xv) for _ in range(3))
+            # about its time alone (a loaded 2-core box: 5x or 2 s), and never near the 120 s stall timeout
+            assert beside[1] < max(5 * alone, 2.0) and beside[-1] < 30, (alone, beside)
             assert st.server.wait_idle(timeout=5, leave=51)    # the three clients' sessions have closed ...
             assert st.server.session_count == 51 and st.state.sessions.stalled == 0   # ... the stallers' not
         finally:
@@ -198,6 +199,14 @@ def test_a_reset_in_one_session_restages_the_weights_of_the_other():
             assert st.state.recovery.restaged == 2 and st.state.weight_stats.failures == 0
 
 
+class SlowNpu(FakeNpu):
+    """A FakeNpu whose matmul takes 5 ms of device time (a sleep: the GIL is free, the turn held)."""
+
+    def matmul(self, a, w, *, out=None):
+        time.sleep(0.005)
+        return super().matmul(a, w, out=out)
+
+
 def _hammer(st, w, xv, stop, done, i, errors) -> None:
     """Compute back to back until ``stop``; count into ``done[i]``; failures into ``errors``."""
     want = xv @ fp16(w).T
@@ -216,7 +225,7 @@ def test_two_sessions_hammering_compute_both_make_progress():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((N, K)).astype(np.float32)
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=FakeNpu()):
+    for st in serve(npu=SlowNpu()):
         done = [0, 0]
         stop = threading.Event()
         errors: list[BaseException] = []

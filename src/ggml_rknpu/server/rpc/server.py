@@ -104,9 +104,9 @@ class Reader:
             out = bytes(self._view[self._lo:self._lo + n])
             self._lo += n
             return out
-        out = bytearray(n)
-        self.read_into(memoryview(out))
-        return bytes(out)
+        whole = bytearray(n)
+        self.read_into(memoryview(whole))
+        return bytes(whole)
 
     def read_into(self, target: memoryview) -> None:
         n = len(target)
@@ -184,8 +184,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
-            self.retired = RetiredWeights(self.weight_stats)
-            self.memory.reclaimable = lambda: self.retired.npu_bytes
+            retired = self.retired = RetiredWeights(self.weight_stats)
+            self.memory.reclaimable = lambda: retired.npu_bytes
         if self.activations is None:
             self.activations = ActivationRounding(self.host, self.config.activations)
         if self.threads is None:
@@ -198,7 +198,8 @@ class ServerState:
         """Free the retired weights and the host threadpool (server exit)."""
         if self.retired is not None:
             self.retired.clear()
-        self.threads.close()
+        if self.threads is not None:
+            self.threads.close()
 
     def stats_dict(self) -> dict:
         """Every counter, machine-readable (``--stats-json``); read under a turn, since the
@@ -212,14 +213,16 @@ class ServerState:
         out["sessions"] = asdict(self.sessions)
         out["turns"] = self.turns.as_dict()
         out["shared_weights"] = self.live.as_dict()
-        out["activations"] = self.activations.as_dict()
+        if self.activations is not None:
+            out["activations"] = self.activations.as_dict()
         if self.placer is not None:
             out["placement"] = self.placer.as_dict()
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
-        if hasattr(self.npu, "memory_used"):
-            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap,
-                                 "peak_bytes": getattr(self.npu, "peak_memory", None)}
+        npu: Any = self.npu             # memory_used / memory_cap: the engines that cap NPU memory
+        if hasattr(npu, "memory_used"):
+            out["npu_memory"] = {"used_bytes": npu.memory_used(), "cap_bytes": npu.memory_cap,
+                                 "peak_bytes": getattr(npu, "peak_memory", None)}
         return out
 
     def render_stats(self) -> str:
@@ -240,9 +243,10 @@ class ServerState:
         w = self.weight_stats
         lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
                      f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
-        if hasattr(self.npu, "memory_used"):
-            cap = self.npu.memory_cap
-            lines.append(f"NPU memory used: {self.npu.memory_used() / 2**20:.1f} MiB"
+        npu: Any = self.npu
+        if hasattr(npu, "memory_used"):
+            cap = npu.memory_cap
+            lines.append(f"NPU memory used: {npu.memory_used() / 2**20:.1f} MiB"
                          + (f" of a {cap / 2**20:.0f} MiB cap" if cap is not None else ""))
         return "\n".join(lines) + "\n"
 
@@ -285,6 +289,7 @@ class Session:
                                    state.retired, state.live)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
+        assert state.threads is not None, "ServerState.__post_init__ makes the threadpool"
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations,
@@ -293,7 +298,7 @@ class Session:
         self.hung_up = False              # the server is stopping (RpcServer.stop)
         self.allocated = 0                # bytes of this connection's buffers (--session-memory)
         self.peak_allocated = 0
-        self._plans_at_start = state.stats.plans_built
+        self._built_plans = False         # this connection planned a graph (its close collects cycles)
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
@@ -412,7 +417,7 @@ class Session:
             # cyclic collection (RSS grew ~80 KiB per small client in tests/server/test_rpc_churn.py).
             # Only sessions that built plans pay for it (not llama.cpp's memory probes).
             self._handlers.clear()
-            if self.state.stats.plans_built != self._plans_at_start:
+            if self._built_plans:      # inside the turn: what the collection frees may reach the engine
                 gc.collect()
 
     def _send(self, payload: bytes) -> None:
@@ -430,11 +435,15 @@ class Session:
         return dev
 
     def _tensor(self, payload: bytes, offset: int, what: str) -> CheckedTensor:
+        return self._target(payload, offset, what)[0]
+
+    def _target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]:
+        """The checked tensor at ``offset`` and the buffer it lies in (ProtocolError: none here)."""
         t = RpcTensor.unpack_from(payload, offset)
         checked = check_tensor(t, self.buffers, what)
         if checked.buffer is None:
             raise ProtocolError(f"{what} '{t.name}': tensor has no buffer on this server")
-        return checked
+        return checked, checked.buffer
 
     def _written(self, buf: DeviceBuffer, start: int, end: int) -> None:
         if end > start:
@@ -523,27 +532,27 @@ class Session:
 
     def _set_tensor(self, size: int) -> None:
         header = self.reader.read(wire.SET_TENSOR_HEADER_SIZE)
-        t = self._tensor(header, 0, "SET_TENSOR")
+        t, buf = self._target(header, 0, "SET_TENSOR")
         cache_flag, offset = wire.SET_TENSOR_TAIL.unpack_from(header, wire.RPC_TENSOR_SIZE)
         n = size - wire.SET_TENSOR_HEADER_SIZE
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"SET_TENSOR '{t.rpc.name}' at +{offset}")
-        self.reader.read_into(memoryview(t.buffer.array)[start:end])
-        self._written(t.buffer, start, end)
+        start, end = buf.span(t.rpc.data + offset, n, f"SET_TENSOR '{t.rpc.name}' at +{offset}")
+        self.reader.read_into(buf.array.data[start:end])
+        self._written(buf, start, end)
         if cache_flag and self.state.config.cache_dir is not None:
-            self._cache_store(t.buffer, t.rpc.data + offset, start, end)
+            self._cache_store(self.state.config.cache_dir, buf, t.rpc.data + offset, start, end)
 
     def _set_tensor_hash(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "SET_TENSOR_HASH")
+        t, buf = self._target(payload, 0, "SET_TENSOR_HASH")
         offset, digest = wire.TENSOR_OFFSET_U64.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        self._send(wire.U8.pack(self._cache_load(t, offset, digest)))
+        self._send(wire.U8.pack(self._cache_load(t, buf, offset, digest)))
 
     def _get_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "GET_TENSOR")
+        t, buf = self._target(payload, 0, "GET_TENSOR")
         offset, n = wire.TENSOR_OFFSET_U64.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
-        data = memoryview(t.buffer.array)[start:end]
+        start, end = buf.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
+        data = buf.array.data[start:end]
         if n <= _RECV_CHUNK:                      # one segment for the per-token logits read
             self.sock.sendall(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
         else:
@@ -553,20 +562,20 @@ class Session:
 
     def _memset_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "MEMSET_TENSOR")
+        t, buf = self._target(payload, 0, "MEMSET_TENSOR")
         offset, n, value = wire.MEMSET_TAIL.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"MEMSET_TENSOR '{t.rpc.name}' at +{offset}")
-        t.buffer.array[start:end] = value
-        self._written(t.buffer, start, end)
+        start, end = buf.span(t.rpc.data + offset, n, f"MEMSET_TENSOR '{t.rpc.name}' at +{offset}")
+        buf.array[start:end] = value
+        self._written(buf, start, end)
 
     def _copy_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        src = self._tensor(payload, 0, "COPY_TENSOR src")
-        dst = self._tensor(payload, wire.RPC_TENSOR_SIZE, "COPY_TENSOR dst")
+        src, src_buf = self._target(payload, 0, "COPY_TENSOR src")
+        dst, dst_buf = self._target(payload, wire.RPC_TENSOR_SIZE, "COPY_TENSOR dst")
         n = src.end - src.start
-        start, end = dst.buffer.span(dst.rpc.data, n, f"COPY_TENSOR of {n} bytes into '{dst.rpc.name}'")
-        dst.buffer.array[start:end] = src.buffer.array[src.start:src.end]   # numpy handles overlap
-        self._written(dst.buffer, start, end)
+        start, end = dst_buf.span(dst.rpc.data, n, f"COPY_TENSOR of {n} bytes into '{dst.rpc.name}'")
+        dst_buf.array[start:end] = src_buf.array[src.start:src.end]   # numpy handles overlap
+        self._written(dst_buf, start, end)
         self._send(wire.U8.pack(1))
 
     def _init_tensor(self, size: int) -> None:
@@ -593,6 +602,7 @@ class Session:
         with self.state.turns:
             plan = graphs.lookup(digest)
             if plan is None:
+                self._built_plans = True
                 plan = self.planner.build(payload, digest)
             elif not replay:
                 self.state.stats.plan_cache_hits += 1
@@ -609,28 +619,25 @@ class Session:
             plan.execute(self.state.stats)
 
     # --- the ggml-rpc-server -c style cache ---------------------------------------------------
-    def _cache_path(self, digest: int) -> Path:
-        return self.state.config.cache_dir / f"{digest:016x}"
-
-    def _cache_load(self, t: CheckedTensor, offset: int, digest: int) -> int:
+    def _cache_load(self, t: CheckedTensor, buf: DeviceBuffer, offset: int, digest: int) -> int:
         """1 if the bytes with this FNV-1a-64 hash are in the cache (and now in the tensor)."""
         cache = self.state.config.cache_dir
         self._pending_hash = None
         if cache is None:
             return 0
-        path = self._cache_path(digest)
+        path = cache / f"{digest:016x}"
         if not path.is_file():
-            self._pending_hash = (t.buffer.handle, t.rpc.data + offset, digest)
+            self._pending_hash = (buf.handle, t.rpc.data + offset, digest)
             return 0
         n = path.stat().st_size
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"SET_TENSOR_HASH '{t.rpc.name}' at +{offset}")
+        start, end = buf.span(t.rpc.data + offset, n, f"SET_TENSOR_HASH '{t.rpc.name}' at +{offset}")
         with open(path, "rb") as f:
-            if f.readinto(memoryview(t.buffer.array)[start:end]) != n:
+            if f.readinto(buf.array.data[start:end]) != n:
                 raise ProtocolError(f"cache file {path} changed while reading")
-        self._written(t.buffer, start, end)
+        self._written(buf, start, end)
         return 1
 
-    def _cache_store(self, buf: DeviceBuffer, addr: int, start: int, end: int) -> None:
+    def _cache_store(self, cache: Path, buf: DeviceBuffer, addr: int, start: int, end: int) -> None:
         """Store bytes the client marked cacheable under the hash it announced for them.
 
         Deviation from the C++ server (documented): the name is the FNV-1a-64 the client
@@ -640,12 +647,12 @@ class Session:
         pending, self._pending_hash = self._pending_hash, None
         if pending is None or pending[:2] != (buf.handle, addr):
             return
-        path = self._cache_path(pending[2])
+        path = cache / f"{pending[2]:016x}"
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")   # sessions may store one hash at once
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(memoryview(buf.array)[start:end])
+                f.write(buf.array.data[start:end])
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write the tensor cache %s: %s", path, exc)
@@ -688,7 +695,7 @@ class RpcServer:
             log.warning("!!! rknpu serve is bound to %s: the ggml RPC protocol has NO authentication; anyone who "
                         "can reach this port can read and write its memory. Use 127.0.0.1 unless this network "
                         "is trusted (P13). !!!", host)
-        majors = sorted(wire.PROTO_VERSIONS) if self.auto else [protocol]
+        majors = sorted(wire.PROTO_VERSIONS) if protocol is None else [protocol]
         self.listeners: dict[socket.socket, int] = {}
         try:
             for i, major in enumerate(majors):
