@@ -13,6 +13,7 @@ import struct
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -203,6 +204,9 @@ def graph_payload(nodes: list[T], tensors: list[T], dev: int = 0, uid: int | Non
 
 
 # --- client -----------------------------------------------------------------------------------
+_OPEN_CLIENTS: weakref.WeakSet[RpcClient] = weakref.WeakSet()   # RpcClients not closed yet
+
+
 class ServerClosed(Exception):
     pass
 
@@ -212,12 +216,15 @@ class RpcClient:
 
     def __init__(self, port: int, hello: bool = True, timeout: float = 10.0, major: int = 7) -> None:
         self.major = major
+        self.port = port
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        _OPEN_CLIENTS.add(self)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hello:
             assert self.hello() == wire.PROTO_VERSIONS[major]
 
     def close(self) -> None:
+        _OPEN_CLIENTS.discard(self)
         self.sock.close()
 
     def __enter__(self) -> RpcClient:
@@ -349,14 +356,16 @@ class ServerThread:
     def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
                  group_matmuls: bool = True, protocol: int | None = 7, placement: str = "npu",
-                 host_threads: int | None = None, host_repack: bool = False, placement_split: bool = False) -> None:
+                 host_threads: int | None = None, host_repack: bool = False, placement_split: bool = False,
+                 **config) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls,
                                                      placement=placement, host_threads=host_threads,
-                                                     host_repack=host_repack, placement_split=placement_split))
+                                                     host_repack=host_repack, placement_split=placement_split,
+                                                     **config))
         self.server = RpcServer(self.state, "127.0.0.1", 0, protocol=protocol)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
@@ -367,7 +376,11 @@ class ServerThread:
 
     def alive(self) -> bool:
         """The server answers HELLO and a command on a fresh connection (a command, so that
-        ``--protocol auto`` does not take the probe for a client of another major)."""
+        ``--protocol auto`` does not take the probe for a client of another major). First waits
+        until every earlier client's session has ended: sessions run concurrently, so a test
+        that reads the counters after a client left must wait for its close."""
+        open_here = sum(1 for c in list(_OPEN_CLIENTS) if c.port in self.server.ports.values())
+        self.server.wait_idle(timeout=5.0, leave=open_here)   # raw sockets of a test are not counted
         major = self.server.major
         with self.client(hello=False) as c:
             return c.hello() == wire.PROTO_VERSIONS[major] and c.device_count() == 1

@@ -1,6 +1,6 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
-CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``spec``,
+CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
 ``npu-step`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
         _common)
+    from ggml_rknpu.bench import concurrent
+    concurrent.add_arguments(sub.add_parser(
+        "concurrent", help="llama-server -np 4 through rknpu serve alone and beside 100 connections (50 stalled "
+                           "mid-message), plus a second llama.cpp process; p50/p99 and their ratio"), _common)
     from ggml_rknpu.bench import spec
     spec.add_arguments(sub.add_parser(
         "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
@@ -382,13 +386,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:
-        from ggml_rknpu.bench import calibrate, host_batches, host_placement, rpc8_decode, rpc_overhead, soak, spec
+        from ggml_rknpu.bench import (calibrate, concurrent, host_batches, host_placement, rpc8_decode, rpc_overhead,
+                                      soak, spec)
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
 
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
-                 "calibrate-placement": calibrate, "host-batches": host_batches}.get(args.bench, rpc_overhead)
+                 "calibrate-placement": calibrate, "host-batches": host_batches,
+                 "concurrent": concurrent}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -57,8 +57,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
                    help="also write the counters as JSON to FILE after every computing client and at exit")
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="drop a client that stops in the middle of a message this long (idle between "
-                        "messages is always fine)")
+                   help="drop a client that sends nothing this long in the middle of a message (every byte "
+                        "received restarts it, so a slow link survives; it only ever holds that client)")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="drop a client idle this long between messages (default: never; llama-server holds "
+                        "its connection idle for hours between requests)")
+    p.add_argument("--max-clients", type=int, default=None, metavar="N",
+                   help="connections served at once, each by its own thread (default 256); one more is refused "
+                        "at accept, with a log line")
+    p.add_argument("--session-memory", type=int, default=None, metavar="MIB",
+                   help="buffers one connection may hold, in MiB (default: the whole device budget); an "
+                        "ALLOC_BUFFER beyond it is refused with a logged reason, as when the device is full")
     p.add_argument("--no-weight-reuse", action="store_true",
                    help="free a client's staged weights when it leaves instead of keeping them (keyed by "
                         "content) for the next client; see docs/server.md")
@@ -194,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ggml_rknpu.rpc")
 
     from ggml_rknpu.server.buffers import DeviceMemory
-    from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, RpcServer, ServerConfig, ServerState
+    from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, MAX_CLIENTS, RpcServer, ServerConfig, ServerState
 
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
@@ -233,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
                           threads=args.threads, group_matmuls=not args.no_fuse,
                           activations=args.activations, placement=placement,
                           host_threads=args.host_threads, host_repack=not args.no_host_repack,
-                          placement_split=args.placement_split)
+                          placement_split=args.placement_split, idle_timeout_s=args.idle_timeout,
+                          max_clients=args.max_clients or MAX_CLIENTS,
+                          session_memory=None if args.session_memory is None else args.session_memory << 20)
     from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:

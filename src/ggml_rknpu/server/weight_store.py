@@ -25,6 +25,7 @@ from ggml_rknpu.kernel.errors import NpuOutOfMemory
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.live_weights import LiveWeights
 from ggml_rknpu.server.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -182,6 +183,7 @@ class WeightStore:
     progress: bool = True
     stats: WeightStats = field(default_factory=WeightStats)
     retired: RetiredWeights | None = None   # None: no reuse across connections
+    live: LiveWeights | None = None         # the live sessions' stores; shares copies by content with retired
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
     types: frozenset[int] = field(default_factory=_weight_types)
@@ -189,6 +191,8 @@ class WeightStore:
     def __post_init__(self) -> None:
         if self.fmt not in WEIGHT_FORMATS:
             raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, not {self.fmt!r}")
+        if self.live is not None:
+            self.live.attach(self)
 
     def slot_for(self, t: CheckedTensor, expert: bool = False) -> WeightSlot | None:
         """The slot for a candidate weight, or None if it cannot be an NPU weight.
@@ -250,8 +254,12 @@ class WeightStore:
             self.stats.experts_host -= slot.expert
 
     def restage(self, lost: Callable[[EngineWeight], bool]) -> int:
-        """Forget the staged copies ``lost(handle)`` names (an NPU reset destroyed them); the
-        next use stages them again. Returns how many."""
+        """Forget the staged copies ``lost(handle)`` names (an NPU reset destroyed them), in
+        every live session; the next use stages them again. Returns how many."""
+        return self.live.restage(lost) if self.live is not None else self.restage_own(lost)
+
+    def restage_own(self, lost: Callable[[EngineWeight], bool]) -> int:
+        """``restage`` of this session's slots only."""
         n = 0
         for slots in self._by_buffer.values():
             for slot in slots:
@@ -294,10 +302,13 @@ class WeightStore:
             digest = hashlib.sha256(raw.data).digest()
             slot.content_key = (digest, slot.type, slot.layout, self.fmt)
             self.stats.digest_seconds += time.perf_counter() - t0
-            slot.handle = self.retired.take(slot.content_key)
+            shared = self.live.acquire(slot.content_key) if self.live is not None else None
+            slot.handle = shared if shared is not None else self.retired.take(slot.content_key)
             if slot.handle is not None:
-                self.stats.reused += 1
+                self.stats.reused += shared is None
                 self._count_staged(slot)
+                if shared is None and self.live is not None:
+                    self.live.add(slot.content_key, slot.handle)
                 return
         try:
             slot.handle = self._upload(to_float_rows(raw, slot.type, slot.n, slot.k))
@@ -307,6 +318,8 @@ class WeightStore:
             return
         self.stats.uploads += 1
         self._count_staged(slot)
+        if self.live is not None and slot.content_key is not None:
+            self.live.add(slot.content_key, slot.handle)
         self.stats.upload_seconds += time.perf_counter() - t0
 
     def _upload(self, b: np.ndarray) -> EngineWeight:
@@ -334,6 +347,8 @@ class WeightStore:
         self.stats.staged -= 1
         self.stats.staged_bytes -= slot.nbytes
         self.stats.experts_staged -= slot.expert
+        if key is not None and self.live is not None and not self.live.release(key, handle):
+            return                                   # another session still uses this copy
         if retire and key is not None and self.retired is not None:
             nbytes = handle.packed_bytes
             if self.retired.retire(key, handle, nbytes, slot.name):
@@ -378,3 +393,5 @@ class WeightStore:
                 self._forget(slot)
         self._by_buffer.clear()
         self._slots.clear()
+        if self.live is not None:
+            self.live.detach(self)

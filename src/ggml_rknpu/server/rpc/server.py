@@ -2,12 +2,14 @@
 one major per connection), behaving like the C++ ``ggml-rpc-server`` where the client depends on it
 [docs/ggml-rpc.md §3, §4, P6, P7].
 
-Invariants: one client at a time, served to completion; commands strictly in order, replies
-only for commands that have one; HELLO first; any bad request (a second HELLO, an unknown
-command or handle, a wrong size, a tensor outside its buffer, an unsupported op) gets a
-logged reason, then ``shutdown(SHUT_RDWR)`` and close, and the server itself never dies
-from a request; buffers and staged weights belong to the connection. SET_TENSOR payloads
-are received straight into the destination buffer."""
+Invariants: every connection is served at once by its own thread, which blocks only in its
+own socket I/O or waiting for its turn (``server.turns``: FIFO, never held across I/O), so a
+stalled or hostile client costs the others nothing; in a connection, commands strictly in
+order, replies only for commands that have one; HELLO first; a bad request (a second HELLO,
+an unknown command or handle, a wrong size, a tensor outside its buffer, an unsupported op)
+gets a logged reason, ``shutdown(SHUT_RDWR)`` and close, never the server's death; buffers
+belong to the connection, staged weights are shared by content (``live_weights``); SET_TENSOR
+payloads go straight into their buffer. Why threads: docs/server.md "Concurrent sessions"."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
+from ggml_rknpu.server.live_weights import LiveWeights
 from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
@@ -38,12 +41,15 @@ from ggml_rknpu.server.rpc.proto8 import Proto8
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.stats import ServerStats
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor, nbytes
+from ggml_rknpu.server.turns import Turns
 from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats, WeightStore
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
 HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [docs/decisions.md "Interfaces between the layers": 32-bit NPU addresses]
 _RECV_CHUNK = 1 << 16
+MAX_CLIENTS = 256            # connections served at once; one more is refused at accept (--max-clients)
+LISTEN_BACKLOG = 128         # connections the kernel queues while the accept loop catches up
 
 
 class ClientGone(Exception):
@@ -52,6 +58,10 @@ class ClientGone(Exception):
     def __init__(self, truncated: bool) -> None:
         super().__init__("message truncated by EOF" if truncated else "client closed the connection")
         self.truncated = truncated
+
+
+class IdleTimeout(Exception):
+    """No message started within ``--idle-timeout`` of the last one."""
 
 
 class Reader:
@@ -74,15 +84,18 @@ class Reader:
         self._lo, self._hi = 0, n
         self.total += n
 
-    def at_boundary_wait(self) -> None:
+    def at_boundary_wait(self, idle_s: float | None = None) -> None:
         """Block until the next message starts (EOF here is a clean goodbye).
 
-        Between messages a client may stay idle for as long as it likes (llama-server
-        holds its connection while waiting for HTTP requests), so this wait has no
-        timeout; inside a message the socket timeout applies, so a client that stalls
-        mid-message cannot block the (sequential) server forever."""
+        Between messages a client may stay idle for as long as it likes by default
+        (llama-server holds its connection for hours while waiting for HTTP requests):
+        ``idle_s`` None; otherwise ``IdleTimeout`` after ``idle_s`` seconds without a byte.
+        Inside a message the socket timeout applies to every recv, so a slow link that
+        keeps sending survives and a client that stops mid-message is dropped."""
         if self._lo == self._hi:
-            self._idle.poll()          # poll, not select: no FD_SETSIZE limit on the socket's fd
+            # poll, not select: no FD_SETSIZE limit on the socket's fd
+            if not self._idle.poll(None if idle_s is None else max(1, int(idle_s * 1000))):
+                raise IdleTimeout(f"no message for {idle_s:.0f} s")
             self._fill(True)
 
     def read(self, n: int) -> bytes:
@@ -91,9 +104,9 @@ class Reader:
             out = bytes(self._view[self._lo:self._lo + n])
             self._lo += n
             return out
-        out = bytearray(n)
-        self.read_into(memoryview(out))
-        return bytes(out)
+        whole = bytearray(n)
+        self.read_into(memoryview(whole))
+        return bytes(whole)
 
     def read_into(self, target: memoryview) -> None:
         n = len(target)
@@ -132,6 +145,21 @@ class ServerConfig:
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
     host_repack: bool = False         # host matmuls read a repacked copy where ggml-cpu repacks (rknpu serve: on)
     placement_split: bool = False     # auto may split a matmul's rows between the NPU and the host (opt-in)
+    idle_timeout_s: float | None = None   # close a client idle this long between messages (None: never)
+    max_clients: int = MAX_CLIENTS    # connections served at once; more are refused at accept
+    session_memory: int | None = None  # buffer bytes one connection may hold (None: the device budget)
+
+
+@dataclass
+class SessionCounts:
+    """Server-wide counts of the connection layer (``--stats-json`` "sessions")."""
+
+    now: int = 0                      # connections being served
+    peak: int = 0                     # most at once
+    refused_at_accept: int = 0        # over --max-clients
+    stalled: int = 0                  # dropped: no progress within a message for --stall-timeout
+    idle_closed: int = 0              # dropped: idle between messages for --idle-timeout
+    over_session_memory: int = 0      # ALLOC_BUFFERs refused by --session-memory
 
 
 @dataclass
@@ -148,13 +176,18 @@ class ServerState:
     threads: Threads | None = None
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
-    activations: ActivationRounding | None = None   # shared by the sessions (they run one at a time)
+    activations: ActivationRounding | None = None   # shared by the sessions (used under a turn)
     placer: Placer | None = None      # the placement policy of the weight matmuls (None without an engine)
+    turns: Turns = field(default_factory=Turns)     # the device's FIFO turns: all shared work below
+    live: LiveWeights = field(default_factory=LiveWeights)   # staged copies in use, shared by content
+    sessions: SessionCounts = field(default_factory=SessionCounts)
+    counting: threading.Lock = field(default_factory=threading.Lock)   # the I/O counters, outside a turn
+    _stats_file: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
-            self.retired = RetiredWeights(self.weight_stats)
-            self.memory.reclaimable = lambda: self.retired.npu_bytes
+            retired = self.retired = RetiredWeights(self.weight_stats)
+            self.memory.reclaimable = lambda: retired.npu_bytes
         if self.activations is None:
             self.activations = ActivationRounding(self.host, self.config.activations)
         if self.threads is None:
@@ -168,24 +201,44 @@ class ServerState:
         """Free the retired weights and the host threadpool (server exit)."""
         if self.retired is not None:
             self.retired.clear()
-        self.threads.close()
+        if self.threads is not None:
+            self.threads.close()
 
     def stats_dict(self) -> dict:
-        """Every counter, machine-readable (``--stats-json``)."""
+        """Every counter, machine-readable (``--stats-json``); read under a turn, since the
+        sessions' computes update them."""
+        with self.turns:
+            return self._stats_dict()
+
+    def _stats_dict(self) -> dict:
         out = self.stats.as_dict(self.weight_stats, getattr(self.npu, "counters", None))
         out["recovery"] = self.recovery.as_dict()
-        out["activations"] = self.activations.as_dict()
+        out["sessions"] = asdict(self.sessions)
+        out["turns"] = self.turns.as_dict()
+        out["shared_weights"] = self.live.as_dict()
+        if self.activations is not None:
+            out["activations"] = self.activations.as_dict()
         if self.placer is not None:
             out["placement"] = self.placer.as_dict()
         if self.faults is not None:
             out["faults_injected"] = dict(self.faults.counts, submits=self.faults.submits)
-        if hasattr(self.npu, "memory_used"):
-            out["npu_memory"] = {"used_bytes": self.npu.memory_used(), "cap_bytes": self.npu.memory_cap,
-                                 "peak_bytes": getattr(self.npu, "peak_memory", None)}
+        npu: Any = self.npu             # memory_used / memory_cap: the engines that cap NPU memory
+        if hasattr(npu, "memory_used"):
+            out["npu_memory"] = {"used_bytes": npu.memory_used(), "cap_bytes": npu.memory_cap,
+                                 "peak_bytes": getattr(npu, "peak_memory", None)}
         return out
 
     def render_stats(self) -> str:
+        with self.turns:
+            return self._render_stats()
+
+    def _render_stats(self) -> str:
         lines = [self.stats.render(self.weight_stats), self.recovery.render()]
+        c = self.sessions
+        lines.append(f"connections: {c.now} now, {c.peak} at most at once, {c.refused_at_accept} refused at accept, "
+                     f"{c.stalled} stalled, {c.idle_closed} idle; {self.live.copies} staged copies shared "
+                     f"({self.live.shared} stagings from another session's); {self.turns.waited} of "
+                     f"{self.turns.granted} turns waited {self.turns.wait_seconds:.2f} s")
         if self.placer is not None and self.placer.records:
             lines.append(self.placer.render())
         if self.faults is not None:
@@ -193,9 +246,10 @@ class ServerState:
         w = self.weight_stats
         lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
                      f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
-        if hasattr(self.npu, "memory_used"):
-            cap = self.npu.memory_cap
-            lines.append(f"NPU memory used: {self.npu.memory_used() / 2**20:.1f} MiB"
+        npu: Any = self.npu
+        if hasattr(npu, "memory_used"):
+            cap = npu.memory_cap
+            lines.append(f"NPU memory used: {npu.memory_used() / 2**20:.1f} MiB"
                          + (f" of a {cap / 2**20:.0f} MiB cap" if cap is not None else ""))
         return "\n".join(lines) + "\n"
 
@@ -204,9 +258,10 @@ class ServerState:
         if path is None:
             return
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(self.stats_dict(), indent=1))
-            tmp.replace(path)
+            with self._stats_file:         # sessions end (and write) concurrently
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps(self.stats_dict(), indent=1))
+                tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write --stats-json %s: %s", path, exc)
 
@@ -234,16 +289,19 @@ class Session:
         sock.settimeout(state.config.stall_timeout_s)
         self.reader = Reader(sock)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
-                                   state.retired)
+                                   state.retired, state.live)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
+        assert state.threads is not None, "ServerState.__post_init__ makes the threadpool"
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations,
                                     placer=state.placer, host_repack=state.config.host_repack)
         self.hello = False
         self.hung_up = False              # the server is stopping (RpcServer.stop)
-        self._plans_at_start = state.stats.plans_built
+        self.allocated = 0                # bytes of this connection's buffers (--session-memory)
+        self.peak_allocated = 0
+        self._built_plans = False         # this connection planned a graph (its close collects cycles)
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
@@ -263,17 +321,20 @@ class Session:
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> None:
-        stats = self.state.stats
-        stats.connections += 1
+        state = self.state
+        stats = state.stats
+        with state.counting:
+            stats.connections += 1
         try:
             while True:
-                self.reader.at_boundary_wait()
+                self.reader.at_boundary_wait(state.config.idle_timeout_s)
                 cmd, size = wire.REQUEST_HEADER.unpack(self.reader.read(wire.REQUEST_HEADER.size))
                 wire.expected_payload(cmd, size, self.major)
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
                 self.commands_after_hello += self.hello
-                stats.commands[cmd] += 1
+                with state.counting:
+                    stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except (ClientGone, ConnectionError) as exc:
             if self.hung_up:
@@ -281,18 +342,24 @@ class Session:
             elif isinstance(exc, ConnectionError):
                 log.info("%s went away: %s", self.peer, exc)
             elif exc.truncated:
-                stats.rejected += 1
+                self._count_rejected()
                 log.warning("closing %s: %s", self.peer, exc)
             elif self.hello and not self.commands_after_hello:   # every llama.cpp client sends a command next
                 log.warning("%s: %s", self.peer, wire.hello_then_gone(self.major, self.other_port))
             else:
                 log.debug("%s: %s", self.peer, exc)
         except ProtocolError as exc:
-            stats.rejected += 1
+            self._count_rejected()
             log.warning("closing %s: %s", self.peer, exc)
+        except IdleTimeout as exc:
+            with state.counting:
+                state.sessions.idle_closed += 1
+            log.info("closing %s: %s between messages (--idle-timeout)", self.peer, exc)
         except TimeoutError as exc:
             if exc.errno is None:      # our socket timeout, not the kernel's keepalive verdict
-                stats.rejected += 1
+                self._count_rejected()
+                with state.counting:
+                    state.sessions.stalled += 1
                 log.warning("closing %s: no progress for %.0f s in the middle of a message",
                             self.peer, self.state.config.stall_timeout_s)
             else:
@@ -300,15 +367,21 @@ class Session:
         except Exception as exc:  # op failures, data errors, engine errors: close, keep serving
             signature = _unsupported_signature(exc)
             if signature is not None:
-                stats.unsupported += 1
+                with state.counting:
+                    stats.unsupported += 1
                 log.error("closing %s: %s (the client will abort; no rule of the validator admits it)",
                           self.peer, signature)
             else:
-                stats.rejected += 1
+                self._count_rejected()
                 log.exception("closing %s after an error while serving it: %s", self.peer, exc)
         finally:
-            stats.bytes_in += self.reader.total
+            with state.counting:
+                stats.bytes_in += self.reader.total
             self.close()
+
+    def _count_rejected(self) -> None:
+        with self.state.counting:
+            self.state.stats.rejected += 1
 
     def hang_up(self) -> None:
         """Shut the connection down: a wait for the client ends at once (EOF), and the session
@@ -325,6 +398,13 @@ class Session:
         except OSError:
             pass
         self.sock.close()
+        with self.state.turns:
+            self._free_all()
+        if self.peak_allocated:
+            log.debug("%s held at most %.1f MiB of buffers", self.peer, self.peak_allocated / 2**20)
+
+    def _free_all(self) -> None:
+        """Free the connection's plans, buffers and weights (under a turn: they reach shared state)."""
         for g in self.graphs:
             g.clear()
         if self.proto8 is not None:
@@ -341,12 +421,16 @@ class Session:
             # cyclic collection (RSS grew ~80 KiB per small client in tests/server/test_rpc_churn.py).
             # Only sessions that built plans pay for it (not llama.cpp's memory probes).
             self._handlers.clear()
-            if self.state.stats.plans_built != self._plans_at_start:
+            if self._built_plans:      # inside the turn: what the collection frees may reach the engine
                 gc.collect()
 
     def _send(self, payload: bytes) -> None:
         self.sock.sendall(wire.pack_response(payload))
-        self.state.stats.bytes_out += len(payload) + 8
+        self._count_out(len(payload) + 8)
+
+    def _count_out(self, n: int) -> None:
+        with self.state.counting:
+            self.state.stats.bytes_out += n
 
     # --- helpers --------------------------------------------------------------------------
     def _dev(self, dev: int, what: str) -> int:
@@ -355,18 +439,24 @@ class Session:
         return dev
 
     def _tensor(self, payload: bytes, offset: int, what: str) -> CheckedTensor:
+        return self._target(payload, offset, what)[0]
+
+    def _target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]:
+        """The checked tensor at ``offset`` and the buffer it lies in (ProtocolError: none here)."""
         t = RpcTensor.unpack_from(payload, offset)
         checked = check_tensor(t, self.buffers, what)
         if checked.buffer is None:
             raise ProtocolError(f"{what} '{t.name}': tensor has no buffer on this server")
-        return checked
+        return checked, checked.buffer
 
     def _written(self, buf: DeviceBuffer, start: int, end: int) -> None:
         if end > start:
-            self.weights.invalidate(buf, start, end)
-            self.planner.host_copies.invalidate(buf, start, end)
+            with self.state.turns:
+                self.weights.invalidate(buf, start, end)
+                self.planner.host_copies.invalidate(buf, start, end)
 
     def _on_free(self, buf: DeviceBuffer) -> None:
+        self.allocated -= buf.size
         self.weights.drop_buffer(buf)
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs
             g.clear()
@@ -389,8 +479,25 @@ class Session:
     def _alloc_buffer(self, size: int) -> None:
         dev, nbytes_ = wire.ALLOC_BUFFER_REQ.unpack(self.reader.read(size))
         self._dev(dev, "ALLOC_BUFFER")
-        buf = self.buffers.alloc(nbytes_)
+        buf = self._alloc(nbytes_)
         self._send(wire.ALLOC_BUFFER_RSP.pack(buf.handle, buf.size) if buf else wire.ALLOC_BUFFER_RSP.pack(0, 0))
+
+    def _alloc(self, n: int) -> DeviceBuffer | None:
+        """A buffer within this connection's limit and the device budget, or None (the client
+        sees an allocation failure, as from the C++ server), with the reason logged."""
+        limit = self.state.config.session_memory
+        if limit is not None and self.allocated + n > limit:
+            with self.state.counting:
+                self.state.sessions.over_session_memory += 1
+            log.warning("%s: ALLOC_BUFFER of %d bytes refused: this connection already holds %d bytes of "
+                        "buffers, and --session-memory allows %d", self.peer, n, self.allocated, limit)
+            return None
+        with self.state.turns:
+            buf = self.buffers.alloc(n)
+        if buf is not None:
+            self.allocated += buf.size
+            self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return buf
 
     def _get_alignment(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.reader.read(size))
@@ -400,12 +507,19 @@ class Session:
     def _get_max_size(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.reader.read(size))
         self._dev(dev, "GET_MAX_SIZE")
-        self._send(wire.U64.pack(self.state.memory.max_buffer()))
+        with self.state.turns:
+            max_buffer = self.state.memory.max_buffer()
+        self._send(wire.U64.pack(max_buffer))
 
     def _get_device_memory(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.reader.read(size))
         self._dev(dev, "GET_DEVICE_MEMORY")
-        self._send(wire.DEVICE_MEMORY_RSP.pack(*self.state.memory.report()))
+        with self.state.turns:
+            free, total = self.state.memory.report()
+        limit = self.state.config.session_memory
+        if limit is not None:          # what this connection may still allocate, so -fit plans within it
+            free = min(free, max(0, limit - self.allocated))
+        self._send(wire.DEVICE_MEMORY_RSP.pack(free, total))
 
     def _buffer_get_base(self, size: int) -> None:
         (handle,) = wire.U64.unpack(self.reader.read(size))
@@ -413,7 +527,8 @@ class Session:
 
     def _free_buffer(self, size: int) -> None:
         (handle,) = wire.U64.unpack(self.reader.read(size))
-        self.buffers.free(handle)
+        with self.state.turns:
+            self.buffers.free(handle)
 
     def _buffer_clear(self, size: int) -> None:
         handle, value = wire.BUFFER_CLEAR_REQ.unpack(self.reader.read(size))
@@ -423,50 +538,50 @@ class Session:
 
     def _set_tensor(self, size: int) -> None:
         header = self.reader.read(wire.SET_TENSOR_HEADER_SIZE)
-        t = self._tensor(header, 0, "SET_TENSOR")
+        t, buf = self._target(header, 0, "SET_TENSOR")
         cache_flag, offset = wire.SET_TENSOR_TAIL.unpack_from(header, wire.RPC_TENSOR_SIZE)
         n = size - wire.SET_TENSOR_HEADER_SIZE
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"SET_TENSOR '{t.rpc.name}' at +{offset}")
-        self.reader.read_into(memoryview(t.buffer.array)[start:end])
-        self._written(t.buffer, start, end)
+        start, end = buf.span(t.rpc.data + offset, n, f"SET_TENSOR '{t.rpc.name}' at +{offset}")
+        self.reader.read_into(buf.array.data[start:end])
+        self._written(buf, start, end)
         if cache_flag and self.state.config.cache_dir is not None:
-            self._cache_store(t.buffer, t.rpc.data + offset, start, end)
+            self._cache_store(self.state.config.cache_dir, buf, t.rpc.data + offset, start, end)
 
     def _set_tensor_hash(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "SET_TENSOR_HASH")
+        t, buf = self._target(payload, 0, "SET_TENSOR_HASH")
         offset, digest = wire.TENSOR_OFFSET_U64.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        self._send(wire.U8.pack(self._cache_load(t, offset, digest)))
+        self._send(wire.U8.pack(self._cache_load(t, buf, offset, digest)))
 
     def _get_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "GET_TENSOR")
+        t, buf = self._target(payload, 0, "GET_TENSOR")
         offset, n = wire.TENSOR_OFFSET_U64.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
-        data = memoryview(t.buffer.array)[start:end]
+        start, end = buf.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
+        data = buf.array.data[start:end]
         if n <= _RECV_CHUNK:                      # one segment for the per-token logits read
             self.sock.sendall(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
         else:
             self.sock.sendall(wire.RESPONSE_HEADER.pack(n))
             self.sock.sendall(data)
-        self.state.stats.bytes_out += n + 8
+        self._count_out(n + 8)
 
     def _memset_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        t = self._tensor(payload, 0, "MEMSET_TENSOR")
+        t, buf = self._target(payload, 0, "MEMSET_TENSOR")
         offset, n, value = wire.MEMSET_TAIL.unpack_from(payload, wire.RPC_TENSOR_SIZE)
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"MEMSET_TENSOR '{t.rpc.name}' at +{offset}")
-        t.buffer.array[start:end] = value
-        self._written(t.buffer, start, end)
+        start, end = buf.span(t.rpc.data + offset, n, f"MEMSET_TENSOR '{t.rpc.name}' at +{offset}")
+        buf.array[start:end] = value
+        self._written(buf, start, end)
 
     def _copy_tensor(self, size: int) -> None:
         payload = self.reader.read(size)
-        src = self._tensor(payload, 0, "COPY_TENSOR src")
-        dst = self._tensor(payload, wire.RPC_TENSOR_SIZE, "COPY_TENSOR dst")
+        src, src_buf = self._target(payload, 0, "COPY_TENSOR src")
+        dst, dst_buf = self._target(payload, wire.RPC_TENSOR_SIZE, "COPY_TENSOR dst")
         n = src.end - src.start
-        start, end = dst.buffer.span(dst.rpc.data, n, f"COPY_TENSOR of {n} bytes into '{dst.rpc.name}'")
-        dst.buffer.array[start:end] = src.buffer.array[src.start:src.end]   # numpy handles overlap
-        self._written(dst.buffer, start, end)
+        start, end = dst_buf.span(dst.rpc.data, n, f"COPY_TENSOR of {n} bytes into '{dst.rpc.name}'")
+        dst_buf.array[start:end] = src_buf.array[src.start:src.end]   # numpy handles overlap
+        self._written(dst_buf, start, end)
         self._send(wire.U8.pack(1))
 
     def _init_tensor(self, size: int) -> None:
@@ -487,47 +602,48 @@ class Session:
 
     def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None:
         """Run a graph in 7.0.0 layout: its plan from the cache, or built (and validated) now.
-        ``replay``: a GRAPH_RECOMPUTE (counted as such, not as a plan cache hit)."""
+        ``replay``: a GRAPH_RECOMPUTE (counted as such, not as a plan cache hit). One turn:
+        planning stages weights and runs ggml, execution runs the engine and the threadpool."""
         graphs = self.graphs[dev]
-        plan = graphs.lookup(digest)
-        if plan is None:
-            plan = self.planner.build(payload, digest)
-        elif not replay:
-            self.state.stats.plan_cache_hits += 1
-        graphs.remember(plan)
-        plan.execute(self.state.stats)
+        with self.state.turns:
+            plan = graphs.lookup(digest)
+            if plan is None:
+                self._built_plans = True
+                plan = self.planner.build(payload, digest)
+            elif not replay:
+                self.state.stats.plan_cache_hits += 1
+            graphs.remember(plan)
+            plan.execute(self.state.stats)
 
     def _graph_recompute(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.reader.read(size))
         plan = self.graphs[self._dev(dev, "GRAPH_RECOMPUTE")].last
         if plan is None:
             raise ProtocolError(f"GRAPH_RECOMPUTE on device {dev} without a stored graph")
-        self.state.stats.recomputes += 1
-        plan.execute(self.state.stats)
+        with self.state.turns:
+            self.state.stats.recomputes += 1
+            plan.execute(self.state.stats)
 
     # --- the ggml-rpc-server -c style cache ---------------------------------------------------
-    def _cache_path(self, digest: int) -> Path:
-        return self.state.config.cache_dir / f"{digest:016x}"
-
-    def _cache_load(self, t: CheckedTensor, offset: int, digest: int) -> int:
+    def _cache_load(self, t: CheckedTensor, buf: DeviceBuffer, offset: int, digest: int) -> int:
         """1 if the bytes with this FNV-1a-64 hash are in the cache (and now in the tensor)."""
         cache = self.state.config.cache_dir
         self._pending_hash = None
         if cache is None:
             return 0
-        path = self._cache_path(digest)
+        path = cache / f"{digest:016x}"
         if not path.is_file():
-            self._pending_hash = (t.buffer.handle, t.rpc.data + offset, digest)
+            self._pending_hash = (buf.handle, t.rpc.data + offset, digest)
             return 0
         n = path.stat().st_size
-        start, end = t.buffer.span(t.rpc.data + offset, n, f"SET_TENSOR_HASH '{t.rpc.name}' at +{offset}")
+        start, end = buf.span(t.rpc.data + offset, n, f"SET_TENSOR_HASH '{t.rpc.name}' at +{offset}")
         with open(path, "rb") as f:
-            if f.readinto(memoryview(t.buffer.array)[start:end]) != n:
+            if f.readinto(buf.array.data[start:end]) != n:
                 raise ProtocolError(f"cache file {path} changed while reading")
-        self._written(t.buffer, start, end)
+        self._written(buf, start, end)
         return 1
 
-    def _cache_store(self, buf: DeviceBuffer, addr: int, start: int, end: int) -> None:
+    def _cache_store(self, cache: Path, buf: DeviceBuffer, addr: int, start: int, end: int) -> None:
         """Store bytes the client marked cacheable under the hash it announced for them.
 
         Deviation from the C++ server (documented): the name is the FNV-1a-64 the client
@@ -537,12 +653,12 @@ class Session:
         pending, self._pending_hash = self._pending_hash, None
         if pending is None or pending[:2] != (buf.handle, addr):
             return
-        path = self._cache_path(pending[2])
-        tmp = path.with_suffix(".tmp")
+        path = cache / f"{pending[2]:016x}"
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")   # sessions may store one hash at once
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(memoryview(buf.array)[start:end])
+                f.write(buf.array.data[start:end])
             tmp.replace(path)
         except OSError as exc:
             log.warning("cannot write the tensor cache %s: %s", path, exc)
@@ -550,7 +666,7 @@ class Session:
 
 def _keepalive(sock: socket.socket) -> None:
     """Detect a client that vanished without closing (a board across a dropped network link)
-    in about 90 s, instead of holding the one-client-at-a-time server for hours."""
+    in about 90 s, instead of holding its buffers and its thread for hours."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, option):                # Linux names; other systems keep their defaults
@@ -567,12 +683,12 @@ def is_loopback(host: str) -> bool:
 
 
 class RpcServer:
-    """Accepts clients one after another on (host, port); ``serve_forever`` until ``stop``.
+    """Accepts clients on (host, port) and serves each in its own thread; ``serve_forever`` until ``stop``.
 
     ``protocol``: the RPC major every connection is answered with, or None (``--protocol auto``):
     7.0.0 on ``port`` and 8.0.0 on ``port + 1`` (any free port for both when ``port`` is 0), one
     listener per major because a client's HELLO carries no version [docs/server.md: Choosing
-    the protocol]. Clients of both ports are still served one at a time."""
+    the protocol]. Clients of both ports are served at once, like those of one."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 50052,
                  protocol: int | None = 7) -> None:
@@ -585,7 +701,7 @@ class RpcServer:
             log.warning("!!! rknpu serve is bound to %s: the ggml RPC protocol has NO authentication; anyone who "
                         "can reach this port can read and write its memory. Use 127.0.0.1 unless this network "
                         "is trusted (P13). !!!", host)
-        majors = sorted(wire.PROTO_VERSIONS) if self.auto else [protocol]
+        majors = sorted(wire.PROTO_VERSIONS) if protocol is None else [protocol]
         self.listeners: dict[socket.socket, int] = {}
         try:
             for i, major in enumerate(majors):
@@ -598,7 +714,11 @@ class RpcServer:
         self.major = majors[0]
         self.port = self.ports[self.major]
         self._stop = threading.Event()
-        self._session: Session | None = None
+        # the sessions being served and their threads; written by the accept loop and the session
+        # threads, read by ``stop`` (a signal handler: no lock, a snapshot with list())
+        self._sessions: dict[Session, threading.Thread] = {}
+        self._ended = threading.Condition()
+        self._runs_reported = 0
 
     @staticmethod
     def _listen(host: str, port: int) -> socket.socket:
@@ -606,59 +726,105 @@ class RpcServer:
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, port))
-            listener.listen(16)
+            listener.listen(LISTEN_BACKLOG)
         except OSError:
             listener.close()
             raise
         return listener
 
     def serve_forever(self, poll_s: float = 0.2) -> None:
-        runs_reported = 0
         try:
             while not self._stop.is_set():
                 ready, _, _ = select.select(list(self.listeners), [], [], poll_s)
-                if not ready:
-                    continue
-                major = self.listeners[ready[0]]
-                try:
-                    sock, addr = ready[0].accept()
-                except OSError:
-                    continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _keepalive(sock)
-                peer = f"{addr[0]}:{addr[1]}"
-                log.debug("client %s connected (protocol %d)", peer, major)
-                t0 = time.perf_counter()
-                other_port = next((p for m, p in self.ports.items() if m != major), None)
-                try:
-                    self._session = Session(self.state, sock, peer, major, other_port)
-                    if self._stop.is_set():     # stopped between accept and here
-                        self._session.hang_up()
-                    self._session.run()
-                except Exception:          # a failure while tearing a session down must not end the server
-                    log.exception("error while closing the session of %s", peer)
-                    sock.close()
-                finally:
-                    self._session = None
-                log.debug("client %s done after %.2f s", peer, time.perf_counter() - t0)
-                if self.state.stats.graph_runs != runs_reported:   # not after every memory probe
-                    runs_reported = self.state.stats.graph_runs
-                    if self.state.config.stats_each_client:
-                        log.info("\n%s", self.state.render_stats())
-                    self.state.write_stats_json()
+                for listener in ready:
+                    self._accept(listener)
         finally:
+            self._stop.set()
+            for session in list(self._sessions):
+                session.hang_up()
+            for thread in list(self._sessions.values()):
+                thread.join()
             for listener in self.listeners:
                 listener.close()
 
+    def _accept(self, listener: socket.socket) -> None:
+        """Take one connection off ``listener`` and start its session thread, or refuse it at
+        once (over ``max_clients``): the accept loop never waits for a client."""
+        major = self.listeners[listener]
+        try:
+            sock, addr = listener.accept()
+        except OSError:
+            return
+        peer = f"{addr[0]}:{addr[1]}"
+        counts = self.state.sessions
+        if len(self._sessions) >= self.state.config.max_clients:
+            with self.state.counting:
+                counts.refused_at_accept += 1
+            log.warning("refusing %s: %d connections are being served (--max-clients)", peer, len(self._sessions))
+            sock.close()
+            return
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
+            other_port = next((p for m, p in self.ports.items() if m != major), None)
+            session = Session(self.state, sock, peer, major, other_port)
+        except Exception:       # a client reset before we set it up, or no memory for a session
+            log.exception("cannot start a session for %s", peer)
+            sock.close()
+            return
+        log.debug("client %s connected (protocol %d)", peer, major)
+        thread = threading.Thread(target=self._serve, args=(session,), name=f"rpc {peer}", daemon=True)
+        self._sessions[session] = thread
+        with self.state.counting:
+            counts.now = len(self._sessions)
+            counts.peak = max(counts.peak, counts.now)
+        if self._stop.is_set():         # stopped between the snapshot of ``stop`` and here
+            session.hang_up()
+        thread.start()
+
+    def _serve(self, session: Session) -> None:
+        """One session's thread: run it to its end, then report (once per new graph runs)."""
+        t0 = time.perf_counter()
+        try:
+            session.run()
+        except Exception:          # a failure while tearing a session down must not end the server
+            log.exception("error while closing the session of %s", session.peer)
+            session.sock.close()
+        finally:
+            del self._sessions[session]
+            with self.state.counting:
+                self.state.sessions.now = len(self._sessions)
+            with self._ended:
+                self._ended.notify_all()
+        log.debug("client %s done after %.2f s", session.peer, time.perf_counter() - t0)
+        state = self.state
+        with state.counting:
+            runs = state.stats.graph_runs
+            report, self._runs_reported = runs != self._runs_reported, runs   # not after every memory probe
+        if report:
+            if state.config.stats_each_client:
+                log.info("\n%s", state.render_stats())
+            state.write_stats_json()
+
+    def wait_idle(self, timeout: float = 30.0, leave: int = 0) -> bool:
+        """Wait until at most ``leave`` sessions are being served (tests: a client's session has
+        freed everything once it returns True)."""
+        with self._ended:
+            return self._ended.wait_for(lambda: len(self._sessions) <= leave, timeout)
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
     def stop(self) -> None:
-        """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on the current client,
-        whose session then frees everything through its own path, and return from ``serve_forever``.
+        """Stop now (SIGTERM / SIGINT handlers, or any thread): hang up on every client, whose
+        sessions then free everything through their own path, and return from ``serve_forever``
+        once they have.
 
         A handler must not raise instead: CPython runs it between any two bytecodes of the main
         thread, so its exception would unwind the data plane anywhere, e.g. between a free and
         the reset of the freed handle, and the unwinding would free it again (docs/server.md
-        "Stopping")."""
+        "Stopping"). No lock here either: the handler may interrupt the thread that holds it."""
         self._stop.set()
-        session = self._session
-        if session is not None:
+        for session in list(self._sessions):
             session.hang_up()
