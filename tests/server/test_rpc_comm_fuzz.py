@@ -13,7 +13,7 @@ sums exactly, twice in a row (the link stays in step). Then a new client of the 
 computes a graph exactly, the peer's thread has ended (a bounded join), and the process has
 the file descriptors and threads it had before the case.
 
-The CI share is the table of every behaviour at both ranks plus a few random cases (~35 s
+The CI share is the table of every behaviour at both ranks plus a few random cases (~30 s
 here); the slow sweep closes the link at every byte of the caps and of a small tensor, and
 draws 600 random cases.
 """
