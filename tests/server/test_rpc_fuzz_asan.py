@@ -14,8 +14,17 @@ are not checked (the interpreter keeps its allocations to the end), and the firs
 aborts the server (halt_on_error, abort_on_error), which the test sees as a crash.
 test_sanitizer_sees_an_out_of_bounds_read shows that this set-up does report a real overflow.
 
-The CI test sends every case once per mutation (about 500 graphs, ~15 s here); the slow ones
-sweep 32 values per mutation and chain up to three random mutations per graph.
+The same judge on protocol 8.0.0 (`rknpu serve --protocol 8`): every case as a GRAPH_COMPUTE
+with a uid under mutations, each computed one replayed by the 12-byte GRAPH_RECOMPUTE; the uid
+paths (known, unknown, 0, after FREE_BUFFER, another device, the clear at 1024 uids);
+SET_TENSOR_2D / GET_TENSOR_2D rows on both sides of a tensor's end; COMM_INIT that cannot pair,
+COMM_ALLREDUCE with a well-behaved peer (exact sums) and of bad tensors, COMM_FREE; and random
+and byte-flipped 8.0.0 requests. After each: no report, the server alive, a good graph exact.
+
+The CI tests send every case once per mutation on 7.0.0 (758 graphs) and twice on 8.0.0, and
+the 8.0.0 requests above (~40 s in all here); the slow ones sweep 32 values per mutation
+(8 on 8.0.0), chain up to three random mutations per graph, and send 1500 random and mutated
+8.0.0 requests. The numbers are in docs/server.md.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import json
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -37,11 +48,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.ops.rules import RULES
+from ggml_rknpu.server.rpc import comm, wire
+from ggml_rknpu.server.rpc.wire import Cmd
 from ggml_rknpu.toolchain import llamacpp
+from ggml_rknpu.toolchain.launch import free_port
 from support.malformed import BAD, MUTATIONS, Case, builder_cases, mutate, send, still_talking
-from support.rpc_testkit import RpcClient, ServerClosed, T, wait_for_line
+from support.rpc_testkit import RpcClient, ServerClosed, T, graph_payload, wait_for_line
 
 pytestmark = pytest.mark.timeout(600)
 # ops the sweep must reach: every index-reading op, and the families of tests/server/ops (a floor, so a
@@ -50,6 +64,7 @@ MUST_COVER = frozenset({GgmlOp.GET_ROWS, GgmlOp.SET_ROWS, GgmlOp.MUL_MAT_ID, Ggm
                         GgmlOp.MUL_MAT, GgmlOp.ROPE, GgmlOp.SOFT_MAX, GgmlOp.FLASH_ATTN_EXT, GgmlOp.CPY,
                         GgmlOp.GLU, GgmlOp.UNARY, GgmlOp.RMS_NORM, GgmlOp.CONCAT, GgmlOp.IM2COL,
                         GgmlOp.GATED_DELTA_NET, GgmlOp.RWKV_WKV7, GgmlOp.ARGSORT, GgmlOp.TOP_K})
+GRAPH_UID = 5                  # 8.0.0: the uid each mutated graph is sent with (ignored on 7.0.0)
 
 
 def _asan_runtime(lib_dir: Path) -> Path:
@@ -88,13 +103,14 @@ class AsanServer:
     """`rknpu serve --device host` (every op on the ASan ggml-cpu) in a subprocess, its log read
     by a thread."""
 
-    def __init__(self, lib_dir: Path, tmp: Path) -> None:
+    def __init__(self, lib_dir: Path, tmp: Path, protocol: int = 7, stall_timeout_s: float = 5.0) -> None:
         self.log_dir, self.stats_json = tmp / "asan-logs", tmp / "stats.json"
         self.log_dir.mkdir()
+        self.major = protocol
         env = _asan_env(lib_dir, self.log_dir)
         self.proc = subprocess.Popen([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0",
-                                      "--device", "host", "-t", "1", "--stall-timeout", "5",
-                                      "--stats-json", str(self.stats_json)],
+                                      "--device", "host", "-t", "1", "--stall-timeout", str(stall_timeout_s),
+                                      "--protocol", str(protocol), "--stats-json", str(self.stats_json)],
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
@@ -107,7 +123,7 @@ class AsanServer:
             self.lines.append(line)
 
     def client(self) -> RpcClient:
-        return RpcClient(self.port)
+        return RpcClient(self.port, major=self.major)
 
     def check(self, what: str) -> None:
         """The server is alive and ASan has said nothing (else: fail naming the graph)."""
@@ -151,7 +167,8 @@ def cases(host_ggml):
 
 
 def _good_graph(server: AsanServer) -> None:
-    """ADD of two known vectors computes exactly (each tensor in its own buffer)."""
+    """ADD of two known vectors computes exactly (each tensor in its own buffer); on 8.0.0 by
+    uid, then replayed by GRAPH_RECOMPUTE on new values."""
     a = np.arange(256, dtype=np.float32)
     b = np.full(256, 0.5, dtype=np.float32)
     with server.client() as c:
@@ -160,8 +177,12 @@ def _good_graph(server: AsanServer) -> None:
         tc = T(ne=(256, 1, 1, 1), buffer=hc, data=pc, op=int(GgmlOp.ADD), src=(ta.id, tb.id))
         c.set_array(ta, a)
         c.set_array(tb, b)
-        c.graph_compute([tc], [ta, tb, tc])
+        c.graph_compute([tc], [ta, tb, tc], uid=1)
         np.testing.assert_array_equal(c.get_array(tc).ravel(), a + b)
+        if server.major == 8:
+            c.set_array(tb, -b)
+            c.graph_recompute(uid=1)
+            np.testing.assert_array_equal(c.get_array(tc).ravel(), a - b)
 
 
 @dataclasses.dataclass
@@ -169,6 +190,7 @@ class Tally:
     sent: int = 0
     refused: int = 0
     computed: int = 0                                   # graphs a MAYBE mutation left valid
+    recomputed: int = 0                                 # 8.0.0: computed graphs replayed by their uid
     ops: set = dataclasses.field(default_factory=set)
     by_mutation: Counter = dataclasses.field(default_factory=Counter)
 
@@ -177,8 +199,10 @@ class Tally:
 
     def describe(self) -> str:
         covered = len(self.ops & set(RULES))
+        replayed = f", {self.recomputed} replayed by uid" if self.recomputed else ""
         return (f"{self.sent} graphs sent, {self.refused} refused with a logged reason, {self.computed} computed "
-                f"(still valid), ops {covered}/{len(RULES)} admitted ops; per mutation {dict(self.by_mutation)}")
+                f"(still valid){replayed}, ops {covered}/{len(RULES)} admitted ops; "
+                f"per mutation {dict(self.by_mutation)}")
 
 
 def _probe(server: AsanServer, tally: Tally, case: Case, hows: tuple[str, ...], value: int) -> None:
@@ -193,8 +217,12 @@ def _probe(server: AsanServer, tally: Tally, case: Case, hows: tuple[str, ...], 
     with server.client() as c:
         port = c.sock.getsockname()[1]
         try:
-            send(c, node, srcs, case.index, bad_index, separate=True)
+            send(c, node, srcs, case.index, bad_index, separate=True, uid=GRAPH_UID)
             computed = still_talking(c)
+            if computed and server.major == 8:          # the stored graph, replayed: admitted again
+                c.graph_recompute(uid=GRAPH_UID)
+                assert still_talking(c), f"{what}: its replay by uid was refused"
+                tally.recomputed += 1
         except (ServerClosed, BrokenPipeError, ConnectionResetError):
             computed = False                            # refused before the graph (a tensor out of its buffer)
     server.check(what)
@@ -300,3 +328,380 @@ def test_chained_mutations_slow(slow_server, cases, pick, hows, value):
     could undo itself: a dst type changed and changed back)."""
     server, tally = slow_server
     _probe(server, tally, cases[pick % len(cases)], tuple(hows), value)
+
+
+# --- protocol 8.0.0: graphs by uid, the five new commands, random and mutated requests ----------
+STALL8_S = 1.0                 # the 8.0.0 server's stall timeout: what a short payload or silent peer costs
+
+
+@dataclasses.dataclass
+class Counts8:
+    """What the 8.0.0 tests sent, by kind (printed at the end; each must be non-zero)."""
+
+    graphs: Tally = dataclasses.field(default_factory=Tally)
+    kinds: Counter = dataclasses.field(default_factory=Counter)
+
+    def __repr__(self) -> str:
+        return f"Counts8({self.graphs.sent} graphs, {sum(self.kinds.values())} requests)"
+
+
+@pytest.fixture(scope="module")
+def server8(asan_lib_dir, tmp_path_factory, cases):
+    """One `rknpu serve --protocol 8` on the ASan ggml for the 8.0.0 tests; at the end it must
+    exit 0 with nothing reported."""
+    s = AsanServer(asan_lib_dir, tmp_path_factory.mktemp("asan-serve8"), protocol=8, stall_timeout_s=STALL8_S)
+    counts = Counts8()
+    yield s, counts
+    try:
+        print(f"\nASan fuzz, 8.0.0: {counts.graphs.describe()}; requests {dict(counts.kinds)}")
+        s.stop()
+        assert not _reports(s.log_dir), _reports(s.log_dir)[:6000]
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def _closed_with_reason(server: AsanServer, c: RpcClient, port: int, words: str, what: str) -> None:
+    assert c.is_closed_by_server(timeout=STALL8_S + 5), f"{what}: the connection is still served"
+    reason = server.reason(port)
+    assert words in reason, f"{what}: expected a reason with {words!r}, got {reason!r}"
+
+
+def _after(server: AsanServer, counts: Counts8, kind: str, what: str) -> None:
+    counts.kinds[kind] += 1
+    server.check(what)
+    _good_graph(server)
+    server.check(f"the good graph after {what}")
+
+
+def test_protocol8_graphs_by_uid_are_refused_or_safe(server8, cases):
+    """CI: every builder case as an 8.0.0 GRAPH_COMPUTE with a uid, under two mutations each
+    (rotating, so every mutation is sent), and every computed one replayed by GRAPH_RECOMPUTE."""
+    server, counts = server8
+    for i, case in enumerate(cases):
+        for how in (MUTATIONS[i % len(MUTATIONS)], MUTATIONS[(i + len(MUTATIONS) // 2) % len(MUTATIONS)]):
+            _probe(server, counts.graphs, case, (how,), 1)
+    assert counts.graphs.refused > 0 and counts.graphs.recomputed > 0
+    assert set(counts.graphs.by_mutation) == set(MUTATIONS)
+
+
+def _add_graph(c: RpcClient, n: int = 64):
+    """a + b -> out, each in its own buffer of exactly its bytes; (a, b, out, b's buffer)."""
+    (ha, pa), (hb, pb), (hc, pc) = (c.alloc_base(4 * n) for _ in range(3))
+    a, b = T(ne=(n, 1, 1, 1), buffer=ha, data=pa), T(ne=(n, 1, 1, 1), buffer=hb, data=pb)
+    out = T(ne=(n, 1, 1, 1), buffer=hc, data=pc, op=int(GgmlOp.ADD), src=(a.id, b.id))
+    return a, b, out
+
+
+def test_protocol8_uid_paths(server8):
+    """Known and unknown uids, uid 0, a replay after FREE_BUFFER, a device that does not exist,
+    and the clear at 1024 uids: replays compute exactly, the rest closes with a reason."""
+    server, counts = server8
+    x, y = np.arange(64, dtype=np.float32), np.full(64, 3.0, np.float32)
+
+    def session(what: str, script) -> None:
+        with server.client() as c:
+            port = c.sock.getsockname()[1]
+            a, b, out = _add_graph(c)
+            c.set_array(a, x)
+            c.set_array(b, y)
+            script(c, port, a, b, out, what)
+        _after(server, counts, "uid path", what)
+
+    def known(c, port, a, b, out, what):
+        c.graph_compute([out], [a, b, out], uid=3)
+        c.set_array(a, 2 * x)
+        c.graph_recompute(uid=3)                         # the replay reads the new values
+        np.testing.assert_array_equal(c.get_array(out).ravel(), 2 * x + y)
+        c.graph_compute([out], [a, b, out], uid=3)       # the same uid again: replaced, still exact
+        c.graph_recompute(uid=3)
+        np.testing.assert_array_equal(c.get_array(out).ravel(), 2 * x + y)
+
+    def unknown(c, port, a, b, out, what):
+        c.graph_compute([out], [a, b, out], uid=3)
+        c.graph_recompute(uid=4)
+        _closed_with_reason(server, c, port, "uid 4 not found", what)
+
+    def uid0(c, port, a, b, out, what):
+        c.graph_compute([out], [a, b, out], uid=0)       # uid 0: computed, never stored
+        np.testing.assert_array_equal(c.get_array(out).ravel(), x + y)
+        c.graph_recompute(uid=0)
+        _closed_with_reason(server, c, port, "uid 0 not found", what)
+
+    def after_free(c, port, a, b, out, what):
+        c.graph_compute([out], [a, b, out], uid=8)
+        spare, _ = c.alloc(64)
+        c.free(spare)                                    # any FREE_BUFFER drops the stored graphs
+        c.graph_recompute(uid=8)
+        _closed_with_reason(server, c, port, "dropped when a buffer was freed", what)
+
+    def other_device(c, port, a, b, out, what):
+        c.graph_compute([out], [a, b, out], uid=9)
+        c.graph_recompute(dev=1, uid=9)
+        _closed_with_reason(server, c, port, "device 1 does not exist", what)
+
+    def past_1024(c, port, a, b, out, what):
+        for uid in range(1, 1025):                       # 1024 stored ...
+            c.graph_compute([out], [a, b, out], uid=uid)
+        c.graph_recompute(uid=1)
+        assert c.device_count() == 1
+        c.graph_compute([out], [a, b, out], uid=1025)    # ... the 1025th clears them, then is stored
+        c.set_array(a, -x)
+        c.graph_recompute(uid=1025)
+        np.testing.assert_array_equal(c.get_array(out).ravel(), y - x)
+        c.graph_recompute(uid=1)
+        _closed_with_reason(server, c, port, "uid 1 not found", what)
+
+    for name, script in (("known uid", known), ("unknown uid", unknown), ("uid 0", uid0),
+                         ("after FREE_BUFFER", after_free), ("device 1", other_device), ("past 1024 uids", past_1024)):
+        session(name, script)
+
+
+def test_protocol8_tensor_2d(server8):
+    """Seeded SET_TENSOR_2D / GET_TENSOR_2D rows around the edges of a tensor that fills its
+    buffer exactly: the ones inside are written and read back exactly (against a numpy model of
+    the buffer), the rest close with a reason."""
+    server, counts = server8
+    rng = np.random.default_rng(8)
+    n_bytes = 256
+    for i in range(40):                                  # rows that end near the tensor's end, both sides
+        size, n_copies, stride = int(rng.integers(1, 48)), int(rng.integers(1, 5)), int(rng.integers(0, 64))
+        offset = max(0, n_bytes - (n_copies - 1) * stride - size + int(rng.integers(-10, 10)))
+        if i % 10 == 9:                                  # empty rows
+            size, n_copies = (0, n_copies) if i % 20 == 9 else (size, 0)
+        inside = (size > 0 and n_copies > 0 and offset <= n_bytes
+                  and (n_copies - 1) * stride + size <= n_bytes - offset and size * n_copies <= n_bytes)
+        kind = "GET_TENSOR_2D" if i % 2 else "SET_TENSOR_2D"
+        what = f"{kind} offset {offset} size {size} n_copies {n_copies} stride {stride}"
+        with server.client() as c:
+            port = c.sock.getsockname()[1]
+            h, base = c.alloc_base(n_bytes)
+            t = T(ne=(n_bytes // 4, 1, 1, 1), buffer=h, data=base)
+            model = rng.integers(0, 256, n_bytes, dtype=np.uint8)
+            c.set_tensor(t, model.tobytes())
+            starts = [offset + k * stride for k in range(n_copies)]
+            if kind == "GET_TENSOR_2D" and inside:
+                got = c.get_tensor_2d(t, offset, size, n_copies, stride)
+                assert got == b"".join(model[s:s + size].tobytes() for s in starts), what
+            elif kind == "GET_TENSOR_2D":
+                c.send(Cmd.GET_TENSOR_2D, t.pack() + struct.pack("<QQQQ", offset, size, n_copies, stride))
+                _closed_with_reason(server, c, port, "GET_TENSOR_2D", what)
+            else:
+                rows = rng.integers(0, 256, size * n_copies, dtype=np.uint8)
+                c.set_tensor_2d(t, rows.tobytes(), offset, size, n_copies, stride)
+                if inside:
+                    for k, s in enumerate(starts):       # later rows win where rows overlap
+                        model[s:s + size] = rows[k * size:(k + 1) * size]
+                    assert c.get_tensor(t) == model.tobytes(), what
+                else:
+                    _closed_with_reason(server, c, port, "SET_TENSOR_2D", what)
+        _after(server, counts, kind + (" inside" if inside else " outside"), what)
+    assert {"SET_TENSOR_2D inside", "SET_TENSOR_2D outside", "GET_TENSOR_2D inside",
+            "GET_TENSOR_2D outside"} <= set(counts.kinds)
+
+
+class Rank0Peer:
+    """A well-behaved rank 0 on the server-to-server link (the server under test is rank 1):
+    caps, then per all-reduce it sends ``mine`` once ``go`` is set and keeps what it received."""
+
+    def __init__(self, port: int, mine: bytes) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener.settimeout(10)
+        self.mine, self.received = mine, b""
+        self.go, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+            with sock:
+                sock.settimeout(10)
+                _recv_all(sock, comm.CAPS_SIZE)
+                sock.sendall(bytes(comm.CAPS_SIZE))
+                if self.go.wait(10):
+                    sock.sendall(self.mine)
+                    self.received = _recv_all(sock, len(self.mine))
+                self.release.wait(10)
+        except OSError:
+            pass                                         # the server dropped the link: judged on its side
+        finally:
+            self.listener.close()
+
+    def end(self) -> None:
+        self.go.set()
+        self.release.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def _recv_all(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n and (chunk := sock.recv(n - len(out))):
+        out += chunk
+    return bytes(out)
+
+
+def test_protocol8_comm(server8):
+    """COMM_INIT that cannot pair is answered 0 at once and the session goes on; COMM_ALLREDUCE
+    without a link, or of a tensor that is not contiguous F32 inside its buffer, closes with a
+    reason; with a well-behaved peer the sum is exact (raw and BF16); COMM_FREE without a link
+    is a no-op."""
+    server, counts = server8
+    for rank, world, port, host in ((0, 3, 5000, ""), (2, 2, 5000, ""), (0, 2, 0, ""), (0, 2, 70000, ""),
+                                    (1, 2, 5000, "a" * 64)):
+        what = f"COMM_INIT rank {rank} world {world} port {port} host {host[:8]!r}"
+        with server.client() as c:
+            t0 = time.monotonic()
+            assert c.comm_init(rank=rank, world=world, port=port, host=host) == 0, what
+            assert time.monotonic() - t0 < STALL8_S, f"{what}: answered after a wait"
+            c.send(Cmd.COMM_FREE, struct.pack("<I", 0))
+            assert c.device_count() == 1, what
+        _after(server, counts, "COMM_INIT refused", what)
+    with server.client() as c:
+        port = c.sock.getsockname()[1]
+        a, _, _ = _add_graph(c)
+        c.send(Cmd.COMM_ALLREDUCE, struct.pack("<I", 0) + a.pack())
+        _closed_with_reason(server, c, port, "without a communicator", "COMM_ALLREDUCE without COMM_INIT")
+    _after(server, counts, "COMM_ALLREDUCE refused", "COMM_ALLREDUCE without COMM_INIT")
+
+    def bad_tensor(t: T, how: str) -> T:
+        if how == "f16":
+            return dataclasses.replace(t, type=int(GgmlType.F16), nb=None, id=t.id + 1)
+        if how == "strided":
+            return dataclasses.replace(t, ne=(t.ne[0] // 2, 2, 1, 1), nb=(4, t.ne[0] * 2, t.ne[0] * 4, t.ne[0] * 4))
+        if how == "past its buffer":
+            return dataclasses.replace(t, data=t.data + 4)
+        return dataclasses.replace(t, buffer=t.buffer ^ 0x5A5A0000)   # "unknown buffer"
+
+    for n, how in ((300, None), (comm.BF16_FROM_ELEMENTS, None), (300, "f16"), (300, "strided"),
+                   (300, "past its buffer"), (300, "unknown buffer")):
+        what = f"COMM_ALLREDUCE of {n} elements" + (f", {how}" if how else "")
+        rng = np.random.default_rng(n)
+        mine, theirs = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        link_port = free_port()
+        peer = Rank0Peer(link_port, (comm.fp32_to_bf16(theirs) if n >= comm.BF16_FROM_ELEMENTS else theirs).tobytes())
+        try:
+            with server.client() as c:
+                port = c.sock.getsockname()[1]
+                h, base = c.alloc_base(4 * n)
+                t = T(ne=(n, 1, 1, 1), buffer=h, data=base)
+                c.set_array(t, mine)
+                assert c.comm_init(rank=1, world=2, port=link_port, host="127.0.0.1") == 1, what
+                c.send(Cmd.COMM_ALLREDUCE, struct.pack("<I", 0) + (bad_tensor(t, how) if how else t).pack())
+                if how:
+                    _closed_with_reason(server, c, port, "COMM_ALLREDUCE", what)
+                else:
+                    peer.go.set()
+                    got = np.frombuffer(c.get_tensor(t), np.float32)
+                    c.send(Cmd.COMM_FREE, struct.pack("<I", 0))
+                    assert c.device_count() == 1
+        finally:
+            peer.end()
+        if not how:
+            peer_values = comm.bf16_to_fp32(comm.fp32_to_bf16(theirs)) if n >= comm.BF16_FROM_ELEMENTS else theirs
+            np.testing.assert_array_equal(got, mine + peer_values, err_msg=what)
+            sent = comm.fp32_to_bf16(mine) if n >= comm.BF16_FROM_ELEMENTS else mine
+            assert peer.received == sent.tobytes(), f"{what}: the server sent other bytes"
+        _after(server, counts, "COMM_ALLREDUCE " + ("refused" if how else "summed"), what)
+
+
+def _valid_protocol8_requests(c: RpcClient) -> dict[str, bytes]:
+    """One valid request of every command 8.0.0 adds or changes (COMM_INIT: one answered 0 at
+    once, port 0), each tensor in its own buffer of exactly its bytes."""
+    a, b, out = _add_graph(c, 32)
+    rows = struct.pack("<QQQQ", 16, 8, 3, 32)                    # offset, size, n_copies, stride
+    return {
+        "graph": wire.pack_request(Cmd.GRAPH_COMPUTE, graph_payload([out], [a, b, out], uid=11)),
+        "recompute": wire.pack_request(Cmd.GRAPH_RECOMPUTE, struct.pack("<IQ", 0, 11)),
+        "set_2d": wire.pack_request(Cmd.SET_TENSOR_2D, a.pack() + rows + bytes(24)),
+        "get_2d": wire.pack_request(Cmd.GET_TENSOR_2D, a.pack() + rows),
+        "comm_init": wire.pack_request(Cmd.COMM_INIT, struct.pack("<IIII64s", 0, 0, 2, 0, b"")),
+        "allreduce": wire.pack_request(Cmd.COMM_ALLREDUCE, struct.pack("<I", 0) + out.pack()),
+        "comm_free": wire.pack_request(Cmd.COMM_FREE, struct.pack("<I", 0)),
+    }
+
+
+PROTOCOL8_COMMANDS = (Cmd.GRAPH_COMPUTE, Cmd.GRAPH_RECOMPUTE, Cmd.SET_TENSOR_2D, Cmd.GET_TENSOR_2D, Cmd.COMM_INIT,
+                      Cmd.COMM_ALLREDUCE, Cmd.COMM_FREE)
+_RANDOM8 = {"cmd": st.one_of(st.sampled_from(PROTOCOL8_COMMANDS), st.integers(0, 30)),
+            "size": st.integers(0, 800), "data": st.binary(max_size=800)}
+_MUTATED8 = {"which": st.sampled_from(["graph", "recompute", "set_2d", "get_2d", "comm_init", "allreduce",
+                                       "comm_free"]),
+             "flips": st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+             "resize": st.sampled_from([0, 0, 0, -1, 1])}
+
+
+def _random8(server: AsanServer, counts: Counts8, cmd: int, size: int, data: bytes) -> None:
+    """A random header and payload after HELLO, then DEVICE_COUNT; the server answers in order
+    or closes, and then computes a good graph."""
+    with server.client() as c:
+        c.sock.sendall(struct.pack("<BQ", cmd, size) + data[:size] + wire.pack_request(Cmd.DEVICE_COUNT))
+        _drain(c)
+    _after(server, counts, "random", f"random request cmd {cmd} size {size}")
+
+
+def _mutated8(server: AsanServer, counts: Counts8, which: str, flips: list[tuple[int, int]], resize: int) -> None:
+    """A valid uid graph, then one mutated 8.0.0 request, then DEVICE_COUNT."""
+    with server.client() as c:
+        reqs = _valid_protocol8_requests(c)
+        c.sock.sendall(reqs["graph"])
+        req = bytearray(reqs[which])
+        for pos, value in flips:
+            req[9 + pos % (len(req) - 9)] = value
+        if resize:                                       # a size field that disagrees with the payload
+            struct.pack_into("<Q", req, 1, max(0, len(req) - 9 + resize))
+        c.sock.sendall(bytes(req) + wire.pack_request(Cmd.DEVICE_COUNT))
+        _drain(c)
+    _after(server, counts, f"mutated {which}", f"mutated {which} {flips} resize {resize}")
+
+
+def _drain(c: RpcClient) -> None:
+    """Replies until DEVICE_COUNT's, or the close; at most the stall timeout and a margin."""
+    c.sock.settimeout(STALL8_S + 5)
+    try:
+        while c.reply() != struct.pack("<I", 1):
+            pass
+    except (ServerClosed, ConnectionResetError, BrokenPipeError, TimeoutError, AssertionError):
+        pass
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_RANDOM8)
+def test_protocol8_random_requests(server8, cmd, size, data):
+    _random8(*server8, cmd, size, data)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_MUTATED8)
+def test_protocol8_mutated_requests(server8, which, flips, resize):
+    _mutated8(*server8, which, flips, resize)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_protocol8_every_mutation_with_values_slow(server8, cases):
+    """Every case under every mutation with 8 values, as 8.0.0 graphs by uid, each computed one
+    replayed."""
+    server, counts = server8
+    for case in cases:
+        for how in MUTATIONS:
+            for value in range(8):
+                _probe(server, counts.graphs, case, (how,), value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_RANDOM8)
+def test_protocol8_random_requests_slow(server8, cmd, size, data):
+    _random8(*server8, cmd, size, data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_MUTATED8)
+def test_protocol8_mutated_requests_slow(server8, which, flips, resize):
+    _mutated8(*server8, which, flips, resize)

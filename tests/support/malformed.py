@@ -185,11 +185,11 @@ def _fill(s: RpcTensor, index: dict[int, int], i: int, bad_index: int | None, rn
 
 
 def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_index: int | None = None,
-         separate: bool = False) -> T:
+         separate: bool = False, uid: int = 0) -> T:
     """Lay the node and its sources out in the server's memory, fill the sources, GRAPH_COMPUTE;
     the node as placed. ``separate``: every tensor in its own buffer of exactly its span, so a
     kernel reading past any tensor leaves the buffer (what AddressSanitizer sees); otherwise
-    one buffer with gaps and slack."""
+    one buffer with gaps and slack. ``uid``: the graph's uid on a protocol-8 connection."""
     tensors = [s for s in srcs if s is not None and s.id != node.id]   # not a self-reference
     placed: dict[int, T] = {}
     if not separate:
@@ -215,7 +215,7 @@ def send(c: RpcClient, node: RpcTensor, srcs: tuple, index: dict[int, int], bad_
     for i, s in enumerate(srcs):
         if s is not None and s.id != node.id and geo.span(s):
             c.set_tensor(placed[s.id], _fill(s, index, i, bad_index, rng))
-    c.graph_compute([placed[node.id]], list(placed.values()))
+    c.graph_compute([placed[node.id]], list(placed.values()), uid=uid)
     return placed[node.id]
 
 

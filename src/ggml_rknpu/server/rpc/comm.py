@@ -7,11 +7,18 @@ elements, rank 0 first, and each rank adds the peer's copy to its own in f32, in
 upstream, whose rank 0 waits in ``accept()`` without a limit, the join is bounded
 (``JOIN_TIMEOUT_S``) and every exchange by the stall timeout: a peer that dies or stalls costs
 that client its connection, never the server [docs/server.md: COMM_*].
+
+The link has no framing, so a peer that sends more than asked would shift every later sum.
+After each receive the protocol leaves the peer nothing to say (it waits for us), so a byte
+already pending then is a surplus and ends the link (:func:`_surplus`); so does one pending
+when rank 0 starts an all-reduce. A surplus that arrives later, while rank 1 waits for rank 0's
+next tensor, cannot be told from that tensor on upstream's wire.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
 
@@ -53,6 +60,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def _surplus(sock: socket.socket) -> bool:
+    """A byte is waiting where the peer must be silent (an EOF is not one: the exchange that
+    just ended was whole, and the next one sees the close)."""
+    ready = select.poll()                   # poll, not a recv: a socket with a timeout waits in recv
+    ready.register(sock, select.POLLIN)
+    if not ready.poll(0):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) != b""
+    except OSError:                         # a reset: the next exchange reports it
+        return False
+
+
 class PeerLink:
     """One established pairwise link (rank 0 or 1 of 2)."""
 
@@ -70,7 +90,8 @@ class PeerLink:
             raise CommError(f"port {port}")
         join = min(timeout_s, JOIN_TIMEOUT_S)
         sock = cls._accept(listen_host, port, join) if rank == 0 else cls._connect(host, port, join)
-        try:
+        try:                                               # a peer may reset at any point, even here
+            peer = "{}:{}".format(*sock.getpeername()[:2])
             sock.settimeout(timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if rank == 1:                                  # rank 1 sends its caps first
@@ -78,11 +99,13 @@ class PeerLink:
                 _recv_exact(sock, CAPS_SIZE)
             else:
                 _recv_exact(sock, CAPS_SIZE)
+            if _surplus(sock):
+                raise CommError(f"the peer sent more than its {CAPS_SIZE} caps bytes")
+            if rank == 0:
                 sock.sendall(bytes(CAPS_SIZE))
         except (OSError, CommError) as exc:
             sock.close()
             raise CommError(f"caps exchange: {exc}") from exc
-        peer = "{}:{}".format(*sock.getpeername()[:2])
         return cls(sock, rank, peer)
 
     @staticmethod
@@ -106,6 +129,8 @@ class PeerLink:
         for _ in range(CONNECT_TRIES):
             try:
                 return socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            except ValueError as exc:   # UnicodeError: a host name IDNA cannot encode (a label > 63 bytes)
+                raise CommError(f"rank 1 connecting to rank 0 at {host!r}: {exc}") from exc
             except OSError as exc:
                 last = exc
                 if time.monotonic() >= deadline:
@@ -117,17 +142,24 @@ class PeerLink:
         """``values`` (f32, contiguous, this server's bytes) += the peer's copy, in place."""
         bf16 = values.size >= BF16_FROM_ELEMENTS
         mine = (fp32_to_bf16(values) if bf16 else values).tobytes()
+        what = f"all-reduce of {values.size} elements with {self.peer}"
         try:
             if self.rank == 0:
+                if _surplus(self.sock):
+                    raise CommError(f"{what}: the peer sent bytes before its turn")
                 self.sock.sendall(mine)
                 theirs = _recv_exact(self.sock, len(mine))
             else:
                 theirs = _recv_exact(self.sock, len(mine))
+            if _surplus(self.sock):
+                raise CommError(f"{what}: the peer sent more than the {len(mine)} bytes of the tensor")
+            if self.rank == 1:
                 self.sock.sendall(mine)
         except OSError as exc:          # TimeoutError included: the peer stalled
-            raise CommError(f"all-reduce of {values.size} elements with {self.peer}: {exc}") from exc
+            raise CommError(f"{what}: {exc}") from exc
         peer = bf16_to_fp32(np.frombuffer(theirs, np.uint16)) if bf16 else np.frombuffer(theirs, np.float32)
-        np.add(values, peer, out=values)
+        with np.errstate(over="ignore", invalid="ignore"):   # an inf or NaN partial sum is the model's, as in ggml
+            np.add(values, peer, out=values)
 
     def close(self) -> None:
         try:
