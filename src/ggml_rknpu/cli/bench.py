@@ -386,8 +386,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "sustained":
         report = run_sustained(args, rig, console)
     else:
-        from ggml_rknpu.bench import (calibrate, concurrent, host_batches, host_placement, rpc8_decode, rpc_overhead,
-                                      soak, spec)
+        from ggml_rknpu.bench import (
+            calibrate,
+            concurrent,
+            host_batches,
+            host_placement,
+            rpc8_decode,
+            rpc_overhead,
+            soak,
+            spec,
+        )
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
 
