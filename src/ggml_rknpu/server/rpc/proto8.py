@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ggml_rknpu.libggml.enums import GgmlType
+from ggml_rknpu.server.buffers import DeviceBuffer
 from ggml_rknpu.server.ops.geometry import contiguous_nb
 from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.rpc import wire
@@ -40,8 +41,8 @@ class Session(Protocol):
     peer: str
 
     def _dev(self, dev: int, what: str) -> int: ...
-    def _tensor(self, payload: bytes, offset: int, what: str) -> CheckedTensor: ...
-    def _written(self, buf: Any, start: int, end: int) -> None: ...
+    def _target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]: ...
+    def _written(self, buf: DeviceBuffer, start: int, end: int) -> None: ...
     def _send(self, payload: bytes) -> None: ...
     def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None: ...
 
@@ -135,6 +136,7 @@ class Rows:
     """``n_copies`` rows of ``size`` bytes, ``stride`` apart in the buffer, packed on the wire."""
 
     tensor: CheckedTensor
+    buffer: DeviceBuffer    # the buffer the tensor lies in
     first: int              # buffer offsets of the first row's start and the last row's end
     end: int
     size: int
@@ -191,7 +193,7 @@ class Proto8:
 
     # --- strided tensor I/O ---------------------------------------------------------------
     def _rows(self, payload: bytes, what: str) -> Rows:
-        t = self.s._tensor(payload, 0, what)
+        t, buf = self.s._target(payload, 0, what)
         offset, row, n_copies, stride = TENSOR_2D_TAIL.unpack_from(payload, wire.RPC_TENSOR_SIZE)
         name = f"{what} '{t.rpc.name}'"
         if row == 0 or n_copies == 0:
@@ -201,10 +203,10 @@ class Proto8:
         if offset > tensor_bytes or span > tensor_bytes - offset:
             raise ProtocolError(f"{name}: {n_copies} rows of {row} bytes every {stride} from +{offset} exceed the "
                                 f"tensor's {tensor_bytes} bytes")
-        if row * n_copies > t.buffer.size:          # overlapping rows (stride < size) could amplify a read
-            raise ProtocolError(f"{name}: {row * n_copies} bytes of rows exceed the whole buffer ({t.buffer.size})")
-        first, end = t.buffer.span(t.rpc.data + offset, span, name)
-        return Rows(t, first, end, row, n_copies, stride)
+        if row * n_copies > buf.size:          # overlapping rows (stride < size) could amplify a read
+            raise ProtocolError(f"{name}: {row * n_copies} bytes of rows exceed the whole buffer ({buf.size})")
+        first, end = buf.span(t.rpc.data + offset, span, name)
+        return Rows(t, buf, first, end, row, n_copies, stride)
 
     def set_tensor_2d(self, size: int) -> None:
         rows = self._rows(self.s.reader.read(wire.TENSOR_2D_HEADER_SIZE), "SET_TENSOR_2D")
@@ -212,17 +214,17 @@ class Proto8:
         if size != wire.TENSOR_2D_HEADER_SIZE + rows.wire_bytes:
             raise ProtocolError(f"SET_TENSOR_2D '{t.rpc.name}': payload is {size} bytes, {rows.n_copies} rows of "
                                 f"{rows.size} need {wire.TENSOR_2D_HEADER_SIZE + rows.wire_bytes}")
-        target = memoryview(t.buffer.array)
+        target = memoryview(rows.buffer.array.data)
         if rows.stride == rows.size:                 # packed on the server too: one read
             self.s.reader.read_into(target[rows.first:rows.end])
         else:
             for start in rows.starts():
                 self.s.reader.read_into(target[start:start + rows.size])
-        self.s._written(t.buffer, rows.first, rows.end)
+        self.s._written(rows.buffer, rows.first, rows.end)
 
     def get_tensor_2d(self, size: int) -> None:
         rows = self._rows(self.s.reader.read(size), "GET_TENSOR_2D")
-        data = rows.tensor.buffer.array
+        data = rows.buffer.array
         if rows.stride == rows.size:
             self.s._send(data[rows.first:rows.end].tobytes())
         else:
@@ -251,7 +253,7 @@ class Proto8:
         payload = self.s.reader.read(size)
         (dev,) = wire.DEV_REQ.unpack_from(payload, 0)
         self.s._dev(dev, "COMM_ALLREDUCE")
-        t = self.s._tensor(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
+        t, buf = self.s._target(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
         link = self.links.get(dev)
         if link is None:
             raise ProtocolError(f"COMM_ALLREDUCE on device {dev} without a communicator (no COMM_INIT answered 1)")
@@ -260,7 +262,7 @@ class Proto8:
         if r.type != GgmlType.F32 or tuple(r.nb) != contiguous_nb(r.type, r.ne):
             raise ProtocolError(f"COMM_ALLREDUCE '{r.name}': only contiguous F32 tensors are summed "
                                 f"(type {r.type}, nb {r.nb})")
-        values = t.buffer.array[t.start:t.end].view(np.float32)
+        values = buf.array[t.start:t.end].view(np.float32)
         assert values.size == n
         try:
             link.allreduce(values)
@@ -268,7 +270,7 @@ class Proto8:
             del self.links[dev]
             link.close()
             raise ProtocolError(f"COMM_ALLREDUCE '{r.name}': {exc}; the peer link is dropped") from exc
-        self.s._written(t.buffer, t.start, t.end)
+        self.s._written(buf, t.start, t.end)
 
     def comm_free(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.s.reader.read(size))
