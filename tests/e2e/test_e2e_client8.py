@@ -80,8 +80,7 @@ def test_protocol_auto_serves_each_client_on_its_port(tmp_path: Path, client, ti
     with rknpu_server(tmp_path, device="host", extra=("--protocol", "auto")) as server:
         with pytest.raises(AssertionError, match="version mismatch|handshake failed"):
             wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[server.endpoint])
-        log = server.log()
-        assert f"connect it to port {server.port + 1}" in log, log
+        assert server.wait_log(f"connect it to port {server.port + 1}"), server.log()
         got = wheel_client.greedy(client, tiny["llama"], PROMPT, N_PREDICT, rpc=[f"127.0.0.1:{server.port + 1}"])
     agree(got.choices, cpu.choices, what="tiny llama on the 8.0.0 port")
 

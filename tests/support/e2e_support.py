@@ -102,6 +102,17 @@ class Server:
     def log(self) -> str:
         return log_tail(self.log_path)
 
+    def wait_log(self, text: str, timeout: float = 10.0) -> bool:
+        """Whether ``text`` appears in the log within ``timeout``: a session logs its end from its
+        own thread, after the client has already gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.log_path.exists() and text in self.log_path.read_text(errors="replace"):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
 
 class RknpuServer(Server):
     """``rknpu serve`` with its machine-readable counters (``--stats-json``)."""
