@@ -14,9 +14,14 @@ from ggml_rknpu.server.ops.vocabulary import tensor_span
 
 
 class Geometry(Protocol):
-    type: int
-    ne: tuple[int, int, int, int]
-    nb: tuple[int, int, int, int]
+    """What the predicates read of a tensor (read-only: the wire's tensors are frozen)."""
+
+    @property
+    def type(self) -> int: ...
+    @property
+    def ne(self) -> tuple[int, int, int, int]: ...
+    @property
+    def nb(self) -> tuple[int, int, int, int]: ...
 
 
 def block_size(t: Geometry) -> int:
