@@ -103,6 +103,7 @@ class AsanServer:
         self._reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
 
