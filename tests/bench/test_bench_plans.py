@@ -34,13 +34,12 @@ def test_auto_is_the_per_weight_minimum(name):
     weights = plans.preset_weights(model, plans.DEFAULT_QUANT[name])
     for m in (1, 16, 512):
         for cores in (1, 3):
-            kw = dict(npu_dtype="int8", cores=cores)
-            t = {p: plans.step_seconds(weights, model.layers, p, m, **kw) for p in plans.PLANS}
+            t = {p: plans.step_seconds(weights, model.layers, p, m, npu_dtype="int8", cores=cores) for p in plans.PLANS}
             assert t["auto"] <= t["npu"] and t["auto-split"] <= t["auto"] * (1 + 1e-12)
-            placed = plans.place(weights, "auto", m, **kw)
+            placed = plans.place(weights, "auto", m, npu_dtype="int8", cores=cores)
             for p in placed:
                 c = pl.place_matmul(p.weight.type, m, p.weight.K, p.weight.N, threads=4, allow_split=False,
-                                    repacked=True, **kw)                 # the server's repacked host copies
+                                    repacked=True, npu_dtype="int8", cores=cores)   # the server's repacked host copies
                 assert p.seconds == min(c.npu_s, c.host_s) and p.where == c.where
             host_ops = cpu.host_ops_seconds(model.layers)
             assert t["cpu"] == pytest.approx(host_ops + sum(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -48,7 +49,7 @@ def test_plot_figure_carries_the_series():
     fig = sample_report().plots[0].figure()
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.get_lines()] == ["fp16 (modeled)", "int8 (modeled)"]
-    assert list(ax.get_lines()[0].get_ydata()) == [2.0, 32.0, 512.0]
+    assert np.asarray(ax.get_lines()[0].get_ydata()).tolist() == [2.0, 32.0, 512.0]
 
 
 def test_unlabelled_figures_are_refused():

@@ -130,6 +130,7 @@ def test_cli_missing_root_is_a_clear_error(tmp_path, capsys):
                                   "mainline_rocket", "not_rk3588"])
 def test_fixtures_match_their_generator(name):
     spec = importlib.util.spec_from_file_location("build_rigs", RIGS / "build_rigs.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     committed = {}

@@ -52,8 +52,8 @@ def run_on_arena(arena: np.ndarray, words: np.ndarray, program) -> None:
         g = 16 if b == 2 else 32
         wa = r["CNA_DCOMP_ADDR0"]["DECOMPRESS_ADDR0"]
         wbytes = r["CNA_WEIGHT_SIZE0"]["WEIGHT_BYTES"]
-        wt = arena[wa: wa + wbytes].view(PREC_NP[in_code]).reshape(kernels // g, kc // 32, g, 32)
-        wt = wt.transpose(0, 2, 1, 3).reshape(kernels, kc)
+        blocked = arena[wa: wa + wbytes].view(PREC_NP[in_code]).reshape(kernels // g, kc // 32, g, 32)
+        wt = blocked.transpose(0, 2, 1, 3).reshape(kernels, kc)
         acc = a.astype(np.float64) @ wt.astype(np.float64).T if b == 2 else a.astype(np.int64) @ wt.astype(np.int64).T
         fmt = r["DPU_DATA_FORMAT"]
         oc = fmt["OUT_PRECISION"]

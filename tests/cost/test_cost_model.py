@@ -43,7 +43,7 @@ def test_overlap_penalty_is_the_fit_that_minimises_worst_error(monkeypatch):
         monkeypatch.setattr(model, "OVERLAP_PENALTY", penalty)
         worst[penalty] = max(abs(_modeled_gflops(a) / a.measured_gflops - 1) for a in ANCHORS)
     monkeypatch.undo()
-    assert min(worst, key=worst.get) == model.OVERLAP_PENALTY
+    assert min(worst, key=worst.__getitem__) == model.OVERLAP_PENALTY
     assert worst[model.OVERLAP_PENALTY] == pytest.approx(0.25, abs=0.01)
 
 
@@ -113,7 +113,8 @@ def _fake_program(tasks):
     from ggml_rknpu.hw.regcmd import write_word
     from ggml_rknpu.hw.registers import REGISTERS as R
 
-    words, table = [], []
+    words: list[int] = []
+    table: list = []
     for core, m, kp, n, in_dtype, out_dtype in tasks:
         body = [
             write_word("CNA_CONV_CON1", R["CNA_CONV_CON1"].encode(

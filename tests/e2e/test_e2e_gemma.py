@@ -203,7 +203,9 @@ def mean_kld(tmp_path: Path, model: Path, weights: str, placement: str = "npu") 
                       name=f"serve-{weights}-{placement}") as server:
         out = _perplexity(model, ["--kl-divergence-base", str(base), "--kl-divergence"],
                           rpc=server.endpoint, timeout=3000)
-    value = float(_MEAN_KLD.search(out).group(1))
+    found = _MEAN_KLD.search(out)
+    assert found is not None, out[-2000:]
+    value = float(found.group(1))
     print(f"\ngemma-3-270m Q4_K_M, {weights} weights on the simulated NPU, placement {placement}: mean KLD vs "
           f"CPU = {value:.6f} "
           f"({KLD_CHUNKS} chunks x {KLD_CTX} tokens)")

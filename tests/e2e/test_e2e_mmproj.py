@@ -27,7 +27,7 @@ import pytest
 
 from support.arch_models import N_EMBD
 from support.e2e_support import RknpuServer, Server, cpp_server, llama_server, rknpu_server, tool_or_skip
-from support.greedy import CLOSE, Step, agree, steps
+from support.greedy import CLOSE, Choice, agree, choices
 from support.mmproj_models import PROJECTORS, tiny_bmp, write_mmproj_gguf, write_text_gguf
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(600)]
@@ -46,7 +46,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         yield {"cpp": cpp, "host": host, "npu": npu}
 
 
-def _answers(tmp_path: Path, models: tuple[Path, Path], server: Server | None) -> list[list[Step]]:
+def _answers(tmp_path: Path, models: tuple[Path, Path], server: Server | None) -> list[list[Choice]]:
     """llama-server's greedy answer for each image (CPU-only, or offloaded to ``server``)."""
     text, mmproj = models
     ls = llama_server(tmp_path, text, rpc=server.endpoint if server else None,
@@ -61,11 +61,11 @@ def _answers(tmp_path: Path, models: tuple[Path, Path], server: Server | None) -
                 "prompt": {"prompt_string": PROMPT.format(marker=marker), "multimodal_data": [image]},
                 "temperature": 0.0, "n_predict": N_PREDICT, "seed": 1, "ignore_eos": True, "n_probs": 2,
                 "cache_prompt": False})
-            out.append(steps(reply["completion_probabilities"]))
+            out.append(choices(reply["completion_probabilities"]))
     return out
 
 
-def _tokens(answers: list[list[Step]]) -> list[list[int]]:
+def _tokens(answers: list[list[Choice]]) -> list[list[int]]:
     return [[s.token for s in a] for a in answers]
 
 
@@ -96,7 +96,7 @@ def _ran(server: RknpuServer, before: dict[str, int], ops: tuple[str, ...]) -> N
         time.sleep(0.2)
 
 
-def _differ(a: list[Step], b: list[Step]) -> bool:
+def _differ(a: list[Choice], b: list[Choice]) -> bool:
     """Two answers differ by more than the near-tie rule lets a device's answer differ: another
     token, or the same token more than ``CLOSE`` apart in logprob."""
     return any(x.token != y.token or abs(x.logprob - y.logprob) > CLOSE for x, y in zip(a, b))

@@ -258,6 +258,7 @@ def gemma() -> Path:
 def test_gemma3_speculative_answer_through_the_npu_equals_plain(tmp_path: Path, gemma: Path, mode: str) -> None:
     from ggml_rknpu.bench.spec import layer_skip_draft
 
+    spec: tuple[str, ...]
     if mode == "draft-simple":
         draft = layer_skip_draft(gemma, tmp_path / "gemma-layer-skip.gguf")
         spec = ("--spec-type", mode, "-md", str(draft), "-devd", "none", "-ngld", "0")

@@ -315,5 +315,6 @@ def test_bucket_refused_by_the_compiler_splits_the_call(monkeypatch):
     with open_engine("sim-rknpu") as engine:
         w = engine.upload_weight(b, dtype="int8")
         np.testing.assert_array_equal(engine.matmul(a, w), a.astype(np.int32) @ b.astype(np.int32).T)
+        assert engine.last_timing is not None
         assert w.max_program_m == 64 and engine.last_timing.submits == 5
         assert "split the call along M" in w.compile_errors[0]

@@ -42,13 +42,15 @@ def test_shared_scratch_is_exact_across_weights_buckets_and_growth(device):
         a_small, a_big = _ints(rng, (3, 64)), _ints(rng, (3, 200))
         _exact(npu, a_small, small, b_small)                  # bucket 4: small A and C buffers
         bound = small.programs[(4, "int32")]
+        assert bound.a_buf is not None and bound.c_buf is not None
         a_addr, c_addr = bound.a_buf.dma_addr, bound.c_buf.dma_addr
         _exact(npu, a_big, big, b_big)                        # same bucket, larger A and C: it grows once
         assert npu.counters["scratch_grown"] == 1
         assert bound.a_buf.scratch is bound.c_buf.scratch      # one buffer: A, then C
         assert bound.c_buf.offset % 64 == 0 and bound.c_buf.offset >= big.programs[(4, "int32")].program.a_bytes
         assert (bound.a_buf.dma_addr, bound.c_buf.dma_addr) != (a_addr, c_addr)   # re-bound
-        assert big.programs[(4, "int32")].c_buf.scratch is bound.c_buf.scratch
+        big_c = big.programs[(4, "int32")].c_buf
+        assert big_c is not None and big_c.scratch is bound.c_buf.scratch
         for _ in range(2):                                    # stale bytes of the other never leak in
             _exact(npu, a_small, small, b_small)
             _exact(npu, a_big, big, b_big)
@@ -68,7 +70,11 @@ def test_steady_state_calls_neither_rebind_nor_allocate(monkeypatch):
         binds, allocs = [], []
         monkeypatch.setattr(bound_program.BoundProgram, "write_words", lambda self: binds.append(self))
         real_alloc = npu.device.alloc
-        monkeypatch.setattr(npu.device, "alloc", lambda *a, **k: allocs.append(a) or real_alloc(*a, **k))
+        def counting_alloc(*a, **k):
+            allocs.append(a)
+            return real_alloc(*a, **k)
+
+        monkeypatch.setattr(npu.device, "alloc", counting_alloc)
         for _ in range(3):
             _exact(npu, a1, w1, b1)
             _exact(npu, a2, w2, b2)
@@ -83,7 +89,9 @@ def test_scratch_memory_does_not_scale_with_cached_programs():
         a = _ints(rng, (100, 512))
         _exact(npu, a, *weights[0][::-1])
         one = free0 - npu.memory_budget()[0]
-        regcmd = weights[0][1].programs[(128, "int32")].regcmd_buf.capacity
+        regcmd_buf = weights[0][1].programs[(128, "int32")].regcmd_buf
+        assert regcmd_buf is not None
+        regcmd = regcmd_buf.capacity
         for b, w in weights[1:]:
             _exact(npu, a, w, b)
         six = free0 - npu.memory_budget()[0]
@@ -147,6 +155,7 @@ def test_out_of_memory_while_growing_splits_along_m_and_loses_nothing():
     filler = npu.upload_weight(b_fill, "int8")                # 5 MiB: C of M=256 (5 MiB more) cannot fit
     _exact(npu, a, filler, b_fill)
     assert npu.counters["memory_splits"] >= 1 and RESERVE_ROWS <= filler.max_program_m < 256
+    assert npu.last_timing is not None
     assert npu.last_timing.submits > 1 and not w1.programs    # evicted on the way
     _exact(npu, a, w1, b1)
     hog = npu.upload_weight(np.ones((9 << 8, 1024), np.int8), "int8")   # 2.25 MiB: 256 KiB left, < one M=16 program

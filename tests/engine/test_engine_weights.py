@@ -52,6 +52,7 @@ def test_float_weight_quantised_per_row():
     b = rng.standard_normal((6, 33)).astype(np.float32) * np.arange(1, 7)[:, None]
     b[2] = 0.0
     w = stage_weight(b, "int8")
+    assert w.scales is not None
     assert w.data.dtype == np.int8 and w.scales.shape == (6,)
     assert np.abs(w.data).max() == 127
     assert w.scales[2] == 1.0 and not w.data[2].any()
@@ -80,7 +81,7 @@ def test_activation_follows_the_weight_format():
     act = stage_activation(a8, w8)
     assert act.scales is None and np.array_equal(act.data, a8)
     act = stage_activation(a, w8)
-    assert act.data.dtype == np.int8 and act.scales.shape == (3,)
+    assert act.data.dtype == np.int8 and act.scales is not None and act.scales.shape == (3,)
 
 
 def test_dequantize_output_applies_both_scales():

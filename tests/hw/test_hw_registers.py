@@ -88,12 +88,12 @@ def test_generated_table_matches_xml(reference_dir, tmp_path):
     n = 0
     for domain in root.findall(f"{NS}domain"):
         for reg in domain.findall(f"{NS}reg32"):
-            ours = BY_OFFSET[int(reg.get("offset"), 16)]
-            assert ours.block is Block[domain.get("name")]
+            ours = BY_OFFSET[int(reg.get("offset", ""), 16)]
+            assert ours.block is Block[domain.get("name", "")]
             for bf in reg.findall(f"{NS}bitfield"):
-                lo = int(bf.get("pos") or bf.get("low"))
-                hi = int(bf.get("pos") or bf.get("high"))
-                f = ours.field(bf.get("name"))
+                lo = int(bf.get("pos") or bf.get("low") or "")
+                hi = int(bf.get("pos") or bf.get("high") or "")
+                f = ours.field(bf.get("name", ""))
                 assert (f.lo, f.hi) == (lo, hi), (ours.name, f)
             n += 1
     assert n == len(REGISTERS) - 2   # + the two undocumented registers

@@ -17,15 +17,15 @@ from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice, discover
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.kernel.rknpu import uapi as rk
-from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver, RknpuSubmitTable
 from ggml_rknpu.sim.kernel import SimKernel
-from support.kernel_fake_npu import attach, regcmd_words
+from support.kernel_fake_npu import FakeNpu, attach, regcmd_words
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def sim_device(abi: str, **fake) -> tuple[NpuDevice, SimKernel, object]:
+def sim_device(abi: str, **fake) -> tuple[NpuDevice, SimKernel, FakeNpu]:
     k = SimKernel(abi)
     npu = attach(k, **fake)
     path = k._device_paths()[-1]
@@ -157,6 +157,7 @@ def test_vendor_submit_three_cores_core_major_with_subcore_i_plus_2():
     done = dev.submit(Job(cores=((t1, t2), (t2,), (t1, t2)), outputs=(out,)))
     assert done.task_counter == 5 and done.hw_elapsed_ns is None and done.simulated
     (table,) = dev._tables.values()
+    assert isinstance(table, RknpuSubmitTable)
     tasks = (rk.rknpu_task * 5).from_buffer_copy(table.task_bo.view[:200])
     assert [t.regcmd_addr for t in tasks] == [t1.regcmd_addr, t2.regcmd_addr, t2.regcmd_addr,
                                              t1.regcmd_addr, t2.regcmd_addr]
@@ -332,7 +333,9 @@ def test_each_submit_table_owns_a_task_bo_of_whole_pages_freed_with_the_table():
     dev.submit(Job(cores=((t,),)))
     dev.submit(Job(cores=((t,), (t,), (t,))))
     dev.submit(Job(cores=((t,) * 103,)))  # 103 * 40 bytes > one page
-    bos = [table.task_bo for table in dev._tables.values()]
+    tables = list(dev._tables.values())
+    assert all(isinstance(table, RknpuSubmitTable) for table in tables)
+    bos = [table.task_bo for table in tables if isinstance(table, RknpuSubmitTable)]
     assert [bo.capacity for bo in bos] == [4096, 4096, 8192] and len({bo.obj_addr for bo in bos}) == 3
     assert k.stats()["objects"] == objects + 3
     regcmd.close()   # the tables running it go with it, their task BOs too
@@ -344,27 +347,28 @@ def test_each_submit_table_owns_a_task_bo_of_whole_pages_freed_with_the_table():
     dev.close()
 
 
-def test_a_replayed_job_reuses_its_submit_table_and_task_array():
+def test_a_replayed_job_reuses_its_submit_table_and_task_array(monkeypatch):
     """Per-token submits are tabled once: same Job.cores -> no rebuild, no task BO rewrite."""
     dev, k, npu = sim_device("rknpu")
     regcmd = dev.alloc(4096, purpose="regcmd")
     put_regcmd(regcmd, regcmd_words(10))
     job = Job(cores=((HwTask(regcmd.dma_addr, 10),), (HwTask(regcmd.dma_addr, 10),)))
     dev.submit(job)
-    syncs = []
+    syncs: list[tuple[int, int, int, bool]] = []
     real = dev.driver.sync
 
     def counting_sync(allocation, offset, size, *, to_device):
         syncs.append((allocation.handle, offset, size, to_device))
         real(allocation, offset, size, to_device=to_device)
 
-    dev.driver.sync = counting_sync
+    monkeypatch.setattr(dev.driver, "sync", counting_sync)
     dev.submit(job)
     dev.submit(Job(cores=job.cores))  # an equal job built anew is the same submit table
     # a replayed table: no task BO rewrite and no regcmd clean (both were cleaned when it was built)
     assert syncs == [] and len(dev._tables) == 1
     dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),)))
     new_table = dev._tables[((HwTask(regcmd.dma_addr, 10),),)]
+    assert isinstance(new_table, RknpuSubmitTable)
     assert syncs == [(regcmd.handle, 0, regcmd.size, True), (new_table.task_bo.handle, 0, 40, True)]
     assert len(dev._tables) == 2
     assert [npu.executed_tasks(c) for c in range(3)] == [4, 3, 0]

@@ -23,7 +23,7 @@ EMPTY = {"objects": 0, "mappings": 0, "handles": 0, "iova_used": 0, "mmap_offset
 
 def test_allocator_first_fit_and_coalescing():
     a = RangeAllocator(0x1000, 0x11000, PAGE)  # 16 pages, bottom-up
-    starts = [a.alloc(PAGE) for _ in range(16)]
+    starts = [s for s in (a.alloc(PAGE) for _ in range(16)) if s is not None]
     assert starts == [0x1000 + i * PAGE for i in range(16)] and a.alloc(1) is None
     for s in starts[1::2]:
         a.free(s)
@@ -51,9 +51,9 @@ def test_allocator_random_workload_keeps_invariants():
     live: dict[int, int] = {}
     for _ in range(3000):
         if live and rng.random() < 0.45:
-            start = rng.choice(list(live))
-            a.free(start)
-            del live[start]
+            freed = rng.choice(list(live))
+            a.free(freed)
+            del live[freed]
         else:
             n = rng.randint(1, 9) * PAGE
             start = a.alloc(n)
@@ -73,10 +73,10 @@ def test_ten_thousand_lifetimes_leave_nothing_behind(abi):
     k = SimKernel(abi)
     fd = k.open(k._device_paths()[-1])
     d = RknpuIoctls(k, fd) if abi == "rknpu" else RocketIoctls(k, fd)
-    keep = []  # a few long-lived buffers interleaved, so frees happen in the middle too
+    keep: list = []  # a few long-lived buffers interleaved, so frees happen in the middle too
     for i in range(10_000):
         size = 4096 * (1 + i % 5) - 100
-        if abi == "rknpu":
+        if isinstance(d, RknpuIoctls):
             m = d.mem_create(size, rk.DATA_BO_FLAGS)
             view = d.mmap(d.mem_map(m.handle), m.size)
             view[0] = i & 0xFF
@@ -98,7 +98,7 @@ def test_ten_thousand_lifetimes_leave_nothing_behind(abi):
                 d.gem_close(b.handle)
     assert k.stats()["objects"] == len(keep) == 10
     for m in keep:
-        d.mem_destroy(m.handle, m.obj_addr) if abi == "rknpu" else d.gem_close(m.handle)
+        d.mem_destroy(m.handle, m.obj_addr) if isinstance(d, RknpuIoctls) else d.gem_close(m.handle)
     assert k.stats() == EMPTY
     free, total = k.iova_budget(fd)
     assert free == total

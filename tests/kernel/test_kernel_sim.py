@@ -122,7 +122,7 @@ def test_non_drm_request_is_enotty_and_unknown_nr_einval():
     assert e.value.errno == errno.ENOTTY
     with pytest.raises(OSError) as e:
         k.ioctl(d.fd, drm._IOWR(drm.DRM_IOCTL_BASE, 0x4F, 8), bytearray(8))
-    assert e.value.errno == errno.EINVAL and "not implemented" in e.value.strerror
+    assert e.value.errno == errno.EINVAL and "not implemented" in str(e.value)
 
 
 def test_short_argument_buffer_is_efault():
@@ -135,7 +135,7 @@ def test_short_argument_buffer_is_efault():
 def test_open_unknown_path_is_enoent():
     with pytest.raises(OSError) as e:
         SimKernel("rknpu").open("/dev/accel/accel0")
-    assert e.value.errno == errno.ENOENT and "renderD129" in e.value.strerror
+    assert e.value.errno == errno.ENOENT and "renderD129" in str(e.value)
 
 
 # --------------------------------------------------------------------------- ACTION
@@ -237,10 +237,10 @@ def test_mmap_rules():
     off = d.mem_map(m.handle)
     with pytest.raises(OSError) as e:
         k.mmap(d.fd, 8192, off)
-    assert e.value.errno == errno.EINVAL and "outside" in e.value.strerror
+    assert e.value.errno == errno.EINVAL and "outside" in str(e.value)
     with pytest.raises(OSError) as e:
         k.mmap(d.fd, 4096, off + 4096 * 50)
-    assert e.value.errno == errno.EINVAL and "fake offset" in e.value.strerror
+    assert e.value.errno == errno.EINVAL and "fake offset" in str(e.value)
     other = k.open(VENDOR)
     with pytest.raises(OSError) as e:
         k.mmap(other, 4096, off)
@@ -394,11 +394,11 @@ def test_hang_times_out_at_once_resets_and_reports_task_counter():
     t, _ = task_bo(d, [one_task(rc.dma_addr), one_task(rc.dma_addr + first.nbytes)])
     arg = bytearray(bytes(rk.rknpu_submit_v098(
         flags=1, timeout=6000, task_number=2, task_obj_addr=t.obj_addr, core_mask=1,
-        subcore_task=(rk.rknpu_subcore_task * 5)((0, 2)))))
+        subcore_task=(rk.rknpu_subcore_task * 5)(rk.rknpu_subcore_task(0, 2)))))
     with pytest.raises(OSError) as e:
         k.ioctl(d.fd, rk.DRM_IOCTL_RKNPU_SUBMIT, arg)
-    assert e.value.errno == errno.ETIMEDOUT and "simulated time" in e.value.strerror
-    assert "fake: core 0 executed" in e.value.strerror  # SimNpu.diagnostics in the message
+    assert e.value.errno == errno.ETIMEDOUT and "simulated time" in str(e.value)
+    assert "fake: core 0 executed" in str(e.value)  # SimNpu.diagnostics in the message
     assert rk.rknpu_submit_v098.from_buffer(arg).task_counter == 1  # copied out on error, like DRM
     assert npu.resets == [None] and any("soft reset" in line for line in k.dmesg)
 
@@ -427,7 +427,7 @@ def test_rocket_reserved_must_be_zero():
     jobs = (ro.drm_rocket_job * 1)()
     with pytest.raises(OSError) as e:
         rocket_submit_raw(k, r.fd, jobs=ctypes.addressof(jobs), job_count=1, job_struct_size=40, reserved=1)
-    assert e.value.errno == errno.EINVAL and "reserved" in e.value.strerror
+    assert e.value.errno == errno.EINVAL and "reserved" in str(e.value)
     b = r.create_bo(4096)
     with pytest.raises(OSError) as e:
         k.ioctl(r.fd, ro.DRM_IOCTL_ROCKET_PREP_BO, bytearray(bytes(ro.drm_rocket_prep_bo(handle=b.handle, reserved=3))))
@@ -439,7 +439,7 @@ def test_rocket_job_struct_size_too_small_is_einval():
     jobs = (ro.drm_rocket_job * 1)()
     with pytest.raises(OSError) as e:
         rocket_submit_raw(k, r.fd, jobs=ctypes.addressof(jobs), job_count=1, job_struct_size=32)
-    assert e.value.errno == errno.EINVAL and "job_struct_size" in e.value.strerror
+    assert e.value.errno == errno.EINVAL and "job_struct_size" in str(e.value)
 
 
 def test_rocket_null_jobs_pointer_is_efault():

@@ -35,7 +35,9 @@ def test_trace_file_from_environment(tmp_path, monkeypatch):
     with open_device("sim-rocket") as dev:
         with dev.alloc(4096) as buf:
             buf.sync_to_device()
-        assert dev.syscalls.stats()["objects"] == 0  # simulator extras reachable through the wrapper
+        tracer = dev.syscalls
+        assert isinstance(tracer, TracingSyscalls)
+        assert tracer.stats()["objects"] == 0  # simulator extras reachable through the wrapper
     text = log.read_text()
     for expected in ("ROCKET_CREATE_BO", "mmap(fd", "ROCKET_FINI_BO", "munmap(4096 bytes)", "DRM_IOCTL_GEM_CLOSE",
                      "close("):

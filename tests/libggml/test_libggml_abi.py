@@ -43,6 +43,16 @@ def test_layout_matches_the_loaded_library(host_ggml):
     assert ctypes.sizeof(abi.Tensor) == 336     # sanity for 64-bit hosts (ggml.h: GGML_TENSOR_SIZE)
 
 
+def test_every_bound_function_is_declared_with_its_type():
+    """The binding's type annotations name exactly the C functions it binds, so none is
+    called untyped and none is typed but never bound."""
+    assert set(lib.Ggml.__annotations__) == set(lib._BASE_FUNCS) | set(lib._CPU_FUNCS)
+    for name, (_restype, argtypes) in (lib._BASE_FUNCS | lib._CPU_FUNCS).items():
+        declared = lib.Ggml.__annotations__[name]
+        params = declared.removeprefix("Callable[[").split("]")[0]
+        assert len([p for p in params.split(", ") if p]) == len(argtypes), f"{name}: {declared}"
+
+
 class _WrongOpNames:
     """The real binding, except that one op has another name (a library of another version)."""
 

@@ -13,6 +13,7 @@ import pytest
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.libggml.lib import Ggml
 
 _LIBC = ctypes.CDLL(None)
 
@@ -21,11 +22,12 @@ class Interrupted(BaseException):
     """What the signal handler raises (SystemExit or KeyboardInterrupt in the server)."""
 
 
-class SignalAfterFree:
+class SignalAfterFree(Ggml):
     """The loaded ggml, but its frees record their handle and raise SIGUSR2 once through libc
-    after the real free; a second free of a handle is recorded, never passed on to ggml."""
+    after the real free; a second free of a handle is recorded, never passed on to ggml.
+    (A ``Ggml`` that loads nothing itself: every other function is ``g``'s.)"""
 
-    def __init__(self, g, names: tuple[str, ...]) -> None:
+    def __init__(self, g: Ggml, names: tuple[str, ...]) -> None:
         self._g = g
         self.freed: list[int] = []
         for name in names:

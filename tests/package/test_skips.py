@@ -42,7 +42,8 @@ def forbidden_skips(source: str, filename: str = "<test>") -> list[str]:
                 found.append(f"{node.lineno}: importorskip({arg.value!r})")
         elif isinstance(node, ast.ExceptHandler) and _catches_everything(node):
             found.extend(f"{inner.lineno}: pytest.skip under a broad except (line {node.lineno})"
-                         for stmt in node.body for inner in ast.walk(stmt) if _is_pytest_call(inner, "skip"))
+                         for stmt in node.body for inner in ast.walk(stmt)
+                         if isinstance(inner, ast.Call) and _is_pytest_call(inner, "skip"))
     return sorted(found)
 
 

@@ -132,8 +132,11 @@ def test_serve_engine_rknn_runs_a_matmul_through_the_standin(standin_path, tmp_p
                 assert got.shape == (M, N) and (np.abs(got - a16 @ b16.T) <= bound).all()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+        assert proc.stderr is not None
         rest = proc.stderr.read()
-        counters = json.loads(re.search(r"rknn engine counters: (\{.*\})", rest).group(1).replace("'", '"'))
+        found = re.search(r"rknn engine counters: (\{.*\})", rest)
+        assert found is not None, rest
+        counters = json.loads(found.group(1).replace("'", '"'))
         assert counters["weights_uploaded"] == 1 and counters["contexts_created"] == 1
         assert counters["matmuls"] == 2 and counters["context_cache_hits"] == 1
         assert counters["b_bytes_staged"] == N * K * 2                      # fp16 B staged once

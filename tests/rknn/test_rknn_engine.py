@@ -305,9 +305,11 @@ def test_engine_random_shapes(lib, M, K, N, dtype, seed):
 
 def test_modeled_device_time_follows_the_core_mask(lib):
     """auto prices one core (cost/anchors.py); a 3-core mask prices three: a wide GEMV gets faster."""
-    times = {}
+    times: dict[str, float] = {}
     for mask in ("auto", "core0", "core0_1_2"):
         with RknnNpu(lib, core_mask=mask) as npu:
             npu.matmul(np.ones((1, 2048), np.float32), npu.upload_weight(np.ones((2048, 2048), np.float32)))
-            times[mask] = npu.last_timing.device_s
+            timing = npu.last_timing
+            assert timing is not None and timing.device_s is not None
+            times[mask] = timing.device_s
     assert times["auto"] == times["core0"] and times["core0_1_2"] < 0.6 * times["core0"]

@@ -42,7 +42,9 @@ def activations(m: int, seed: int = 0) -> np.ndarray:
 def quantize(g: lib.Ggml, type_: int, x: np.ndarray) -> np.ndarray:
     block, size = TYPE_TRAITS[GgmlType(type_)]
     out = np.zeros(x.size // block * size, np.uint8)
-    g.from_float(type_)(x.ctypes.data, out.ctypes.data, x.size)
+    from_float = g.from_float(type_)
+    assert from_float is not None, f"ggml-cpu has no quantizer for type {type_}"
+    from_float(x.ctypes.data, out.ctypes.data, x.size)
     return out
 
 
@@ -74,7 +76,9 @@ def test_rounded_rows_times_the_dequantized_weight_are_ggml_cpus_dot_products(g,
     w = np.random.default_rng(1).standard_normal((n, K)).astype(np.float32)
     wq = quantize(g, wt, w).reshape(n, -1)
     w_deq = np.zeros((n, K), np.float32)
-    g.to_float(wt)(wq.ctypes.data, w_deq.ctypes.data, n * K)
+    to_float = g.to_float(wt)
+    assert to_float is not None
+    to_float(wq.ctypes.data, w_deq.ctypes.data, n * K)
     x = activations(1, seed=2)
     traits = g.ggml_get_type_traits_cpu(wt).contents
     xq = quantize(g, traits.vec_dot_type, x)
@@ -84,6 +88,7 @@ def test_rounded_rows_times_the_dequantized_weight_are_ggml_cpus_dot_products(g,
         vec_dot(K, ctypes.addressof(s), 0, wq[i].ctypes.data, 0, xq.ctypes.data, 0, 1)
         cpu[i] = s.value
     rounder = ActivationRounding(g, "ggml").for_step(wt, F32, K)
+    assert rounder is not None
     ours = w_deq.astype(np.float64) @ rounder(x)[0].astype(np.float64)
     as_sent = w_deq.astype(np.float64) @ x[0].astype(np.float64)
     scale = np.abs(w_deq).max() * np.abs(x).sum()
@@ -111,7 +116,9 @@ M, N = 2, 16
 
 def dequantized(g: lib.Ggml, type_: int, wq: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros((n, K), np.float32)
-    g.to_float(type_)(wq.ctypes.data, out.ctypes.data, n * K)
+    to_float = g.to_float(type_)
+    assert to_float is not None
+    to_float(wq.ctypes.data, out.ctypes.data, n * K)
     return out
 
 
@@ -119,6 +126,7 @@ def ggml_rounded(g: lib.Ggml, weight_type: int, x: np.ndarray) -> np.ndarray:
     """``x`` through ggml's quantizer of the weight's vec_dot type and its dequantizer, row by row."""
     vdt = g.vec_dot_type(weight_type)
     dequantize = g.dequantize_row_q8_K if vdt == GgmlType.Q8_K else g.to_float(vdt)
+    assert dequantize is not None
     out = np.zeros_like(x)
     for r in range(x.shape[0]):
         dequantize(quantize(g, vdt, x[r]).ctypes.data, out[r].ctypes.data, x.shape[1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def _documented() -> dict[str, list[tuple[str, str]]]:
 def _frames(syscalls: object) -> list[tuple[str, str]]:
     """(file under ggml_rknpu/, qualified name) of every package frame from the handler to the ioctl."""
     frames = []
-    f = sys._getframe(2)          # the caller of the traced ioctl
+    f: FrameType | None = sys._getframe(2)          # the caller of the traced ioctl
     while f is not None:
         path = f.f_code.co_filename.replace("\\", "/")
         if "/ggml_rknpu/" in path:

@@ -15,7 +15,7 @@ ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=2
 @settings(max_examples=200, deadline=None)
 @given(adds=ranges, probes=ranges)
 def test_interval_set_matches_a_set_of_bytes(adds, probes):
-    s, covered = IntervalSet(), set()
+    s, covered = IntervalSet(), set[int]()
     for start, length in adds:
         s.add(start, start + length)
         covered.update(range(start, start + length))
@@ -31,8 +31,10 @@ def test_address_space_is_never_reused_and_spans_are_checked():
     memory = DeviceMemory(lambda: (1 << 30, 1 << 30))
     table = BufferTable(memory)
     a = table.alloc(100)
+    assert a is not None
     table.free(a.handle)
     b = table.alloc(100)
+    assert b is not None
     assert b.base > a.base + a.size and b.base >= ADDRESS_SPACE_START and b.handle != a.handle
     assert b.span(b.base + 10, 90, "t") == (10, 100)
     for addr, n in ((b.base - 1, 1), (b.base + 1, 100), (b.base + 100, 1), (b.base, -1)):

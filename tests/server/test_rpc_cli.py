@@ -39,6 +39,7 @@ def test_serve_process_answers_and_reports(tmp_path):
         wait_for_line(proc, r"connections 2", lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None
         rest = proc.stderr.read()
         assert "connections 2" in rest, rest                          # printed at exit too
         stats = json.loads((tmp_path / "stats.json").read_text())

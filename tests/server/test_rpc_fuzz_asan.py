@@ -119,6 +119,7 @@ class AsanServer:
         self._reader.start()
 
     def _read(self) -> None:
+        assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
 
@@ -670,13 +671,15 @@ def _drain(c: RpcClient) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**_RANDOM8)
 def test_protocol8_random_requests(server8, cmd, size, data):
-    _random8(*server8, cmd, size, data)
+    server, counts = server8
+    _random8(server, counts, cmd, size, data)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**_MUTATED8)
 def test_protocol8_mutated_requests(server8, which, flips, resize):
-    _mutated8(*server8, which, flips, resize)
+    server, counts = server8
+    _mutated8(server, counts, which, flips, resize)
 
 
 @pytest.mark.slow
@@ -696,7 +699,8 @@ def test_protocol8_every_mutation_with_values_slow(server8, cases):
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**_RANDOM8)
 def test_protocol8_random_requests_slow(server8, cmd, size, data):
-    _random8(*server8, cmd, size, data)
+    server, counts = server8
+    _random8(server, counts, cmd, size, data)
 
 
 @pytest.mark.slow
@@ -704,4 +708,5 @@ def test_protocol8_random_requests_slow(server8, cmd, size, data):
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**_MUTATED8)
 def test_protocol8_mutated_requests_slow(server8, which, flips, resize):
-    _mutated8(*server8, which, flips, resize)
+    server, counts = server8
+    _mutated8(server, counts, which, flips, resize)

@@ -18,7 +18,8 @@ GET_ROWS, MUL_MAT, ADD = int(GgmlOp.GET_ROWS), int(GgmlOp.MUL_MAT), int(GgmlOp.A
 
 
 def f32(buffer: int, data: int, *ne: int, **kw) -> T:
-    return T(ne=tuple(ne) + (1,) * (4 - len(ne)), buffer=buffer, data=data, **kw)
+    n0, n1, n2, n3 = tuple(ne) + (1,) * (4 - len(ne))
+    return T(ne=(n0, n1, n2, n3), buffer=buffer, data=data, **kw)
 
 
 def closed_and_alive(st, c) -> bool:

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_rknpu.server.ops import geometry as geo
+from ggml_rknpu.server.tensor import RpcTensor
 from support.malformed import BAD, builder_cases, mutate, send
 from support.rpc_testkit import FakeNpu, ServerThread, T
 
@@ -37,15 +38,16 @@ def cases(host_ggml):
     return builder_cases(host_ggml)
 
 
-def _computed(c, dst: T) -> bool:
-    return len(c.get_tensor(dst, size=min(geo.span(dst), 64))) > 0
+def _computed(c, dst: T, node: RpcTensor) -> bool:
+    """``dst``, ``node`` as ``send`` placed it, reads back (its geometry is ``node``'s)."""
+    return len(c.get_tensor(dst, size=min(geo.span(node), 64))) > 0
 
 
 def test_every_builder_node_computes_over_the_wire(srv, cases):
     for case in cases:
         c = srv.client()
         dst = send(c, case.node, case.srcs, case.index)
-        assert _computed(c, dst), case.label
+        assert _computed(c, dst, case.node), case.label
         c.close()
     assert srv.alive()
 
@@ -73,5 +75,5 @@ def test_malformed_graphs_close_the_connection_and_the_server_survives(srv, case
     assert srv.alive()
     c = srv.client()                    # and a good graph still computes
     dst = send(c, cases[0].node, cases[0].srcs, cases[0].index)
-    assert _computed(c, dst)
+    assert _computed(c, dst, cases[0].node)
     c.close()

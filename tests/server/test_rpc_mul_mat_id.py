@@ -69,6 +69,7 @@ def ggml_cpu(ne11: int, ids: np.ndarray) -> np.ndarray:
     for st in serve(npu=None):
         with st.client() as c:
             return ExpertsGraph(c, ne11).compute(ids)
+    raise AssertionError("serve() yielded no server")
 
 
 def npu_ops(st, engine: str) -> int:

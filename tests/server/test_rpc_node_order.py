@@ -30,7 +30,7 @@ def _refused(srv, c, caplog, reason: str) -> None:
     assert srv.alive()
 
 
-def _cast(h: int, base: int, ne_out: tuple[int, ...]) -> tuple[T, T]:
+def _cast(h: int, base: int, ne_out: tuple[int, int, int, int]) -> tuple[T, T]:
     """x (f32 [8, 3]) and ggml_cast(x, f16) as ggml builds it: a CPY whose src1 is the node itself."""
     x = T(ne=(8, 3, 1, 1), buffer=h, data=base, name="Kcur-0 (permuted)")
     out = T(ne=ne_out, buffer=h, data=base + 256, type=F16, op=CPY, name="Kcur-0 (permuted) (copy)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ggml_rknpu
 from ggml_rknpu.devices import open_device
+from ggml_rknpu.engine import open_engine
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.server.placement import HOST, NPU
@@ -37,7 +37,11 @@ def _run(npu, steps=1):
             for i in range(steps):
                 x = np.random.default_rng(i).standard_normal((M, K)).astype(np.float32)
                 c.set_array(g.x, x)
-                out = g.compute() if i == 0 else (c.graph_recompute(), c.get_array(g.out))[1]
+                if i == 0:
+                    out = g.compute()
+                else:
+                    c.graph_recompute()
+                    out = c.get_array(g.out)
                 np.testing.assert_allclose(out, x @ w.T, rtol=2e-2, atol=2e-2)   # NPU: fp16 W; host: exact
             assert c.device_count() == 1
         return st.state
@@ -116,7 +120,7 @@ def test_other_engine_errors_keep_the_old_policy():
 @pytest.mark.parametrize("spec", ["timeout@2,dma@5", "stale@2,stale@3", "core@3"])
 def test_simulated_faults_through_the_server_lose_nothing(spec):
     injector = inject_faults("rknpu", spec)
-    npu = ggml_rknpu.open(device=open_device("sim-rknpu", syscalls=injector))
+    npu = open_engine(open_device("sim-rknpu", syscalls=injector))
     try:
         state = _run(npu, steps=4)
         engine_resets = npu.counters["resets"]
@@ -135,7 +139,7 @@ def test_simulated_rocket_faults_end_stale_and_lose_nothing():
     """Mainline rocket ends every faulted job silently (PREP_BO returns 0): the canaries see
     each one as stale output, and the step is retried like any fault."""
     injector = inject_faults("rocket", "timeout@2,dma@4,core@6")
-    npu = ggml_rknpu.open(device=open_device("sim-rocket", syscalls=injector))
+    npu = open_engine(open_device("sim-rocket", syscalls=injector))
     try:
         state = _run(npu, steps=4)
     finally:

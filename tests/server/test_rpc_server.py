@@ -40,7 +40,8 @@ def alloc_log(monkeypatch):
 
 
 def f32(buffer: int, data: int, *ne: int, **kw) -> T:
-    return T(ne=tuple(ne) + (1,) * (4 - len(ne)), buffer=buffer, data=data, **kw)
+    n0, n1, n2, n3 = tuple(ne) + (1,) * (4 - len(ne))
+    return T(ne=(n0, n1, n2, n3), buffer=buffer, data=data, **kw)
 
 
 def test_handshake_and_device_queries(srv):

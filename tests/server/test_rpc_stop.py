@@ -60,6 +60,7 @@ def test_a_stop_signal_during_a_plan_free_frees_it_once(tmp_path: Path, signame:
     lines: list[str] = []
     try:
         port = int(wait_for_line(proc, r"on 127\.0\.0\.1:(\d+)", lines).group(1))
+        assert proc.stderr is not None
         c = _computed_then_freed(port)
         try:
             assert proc.wait(timeout=60) == 0, "".join(lines) + proc.stderr.read()

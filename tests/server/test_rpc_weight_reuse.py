@@ -129,7 +129,7 @@ class MatmulOomNpu(BoundedNpu):
 
     oom_matmuls = 0
 
-    def matmul(self, a: np.ndarray, w: FakeWeight) -> np.ndarray:
+    def matmul(self, a: np.ndarray, w: FakeWeight, *, out: str | None = None) -> np.ndarray:
         if self.oom_matmuls:
             self.oom_matmuls -= 1
             raise NpuOutOfMemory("fake: no room for the program")

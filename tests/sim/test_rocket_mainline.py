@@ -94,6 +94,7 @@ def test_prep_bo_keeps_cpu_writes_and_fini_bo_keeps_npu_writes():
     bo = r.create_bo(8192)
     cpu = np.frombuffer(r.mmap(bo.offset, 8192), np.uint8)
     obj = k.address_space(r.fd).lookup(bo.dma_address)
+    assert obj is not None
     r.prep_bo(bo.handle)                        # CPU owns it; nothing written yet
     cpu[:100] = 7                               # CPU writes, never flushed
     obj.dram[4096:4200] = 9                     # the NPU writes elsewhere

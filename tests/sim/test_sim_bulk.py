@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -34,6 +34,13 @@ from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weig
 
 pytestmark = pytest.mark.timeout(300)
 ABIS = ("sim-rknpu", "sim-rocket")
+
+
+@dataclass(frozen=True)
+class _Fp16Task:
+    """All a GEMM reads of its task (``conv.GemmTask``)."""
+
+    precision: str = "fp16"
 
 
 def _model(engine) -> SimNpu:
@@ -182,7 +189,7 @@ def _fp16_valued(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray
 def test_split_gemm_does_not_depend_on_the_thread_count(k32, n, threads, seed):
     rng = np.random.default_rng(seed)
     a, b = _fp16_valued(rng, (1, 32 * k32)), _fp16_valued(rng, (n, 32 * k32))
-    task = SimpleNamespace(precision="fp16")
+    task = _Fp16Task()
     results = []
     with pytest.MonkeyPatch.context() as mp:
         # split every GEMM of the sweep (the threshold is for speed, not for correctness)

@@ -46,6 +46,7 @@ def parse(path: Path) -> Capture:
     dims = {m[1]: tuple(int(x) for x in m[2].split())
             for m in re.finditer(r"Native (input|output) dims: ([\d ]+)", text)}
     const = re.search(r"conv\.weight FLOAT16\s+\(([\d,]+)\) \| (0x[0-9a-f]+)", text)
+    assert const is not None, "the capture log names no conv.weight constant"
     return Capture(gems, tasks, words, dims.get("input", ()), dims.get("output", ()),
                    tuple(int(x) for x in const[1].split(",")), int(const[2], 16))
 
@@ -146,6 +147,7 @@ def test_pw_c256_h14_decodes_to_the_logged_convolution(reference_dir):
     mem, _ = build_memory(cap, a, b)
     npu = run_chain(cap, [0], mem, 0)
     conv = npu.trace(0)[0].conv
+    assert conv is not None
     assert (conv.rows, conv.channels, conv.kernels) == (196, 256, 512)
     assert (conv.width, conv.height, conv.plane_height) == (14, 14, 14)
     assert (conv.stride_x, conv.stride_y, conv.kernel_w, conv.kernel_h) == (1, 1, 1, 1)
@@ -173,6 +175,7 @@ def test_pw_c256_h14_ppu_separator_is_accepted(reference_dir):
     npu = run_chain(cap, chain, mem, 0)
     assert npu.diagnostics(0) == []
     pool = npu.trace(0)[1].pool
+    assert pool is not None
     assert (pool.width, pool.height, pool.channels, pool.element_bytes) == (1, 1, 32, 1)
     assert pool.src_addr == src and pool.dst_addr == cap.gems["weight"][0] + 0x40000
     np.testing.assert_array_equal(mem.view(pool.dst_addr, 32), scratch)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import ggml_rknpu
 from ggml_rknpu.devices import open_device
+from ggml_rknpu.engine import open_engine
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.sim.faults import FaultSpec, FaultSpecError, inject_faults
@@ -36,7 +36,7 @@ def test_bad_specs_are_refused_with_the_grammar(text, words):
 
 def _engine(kind: str, spec: str, **kernel_options):
     injector = inject_faults(kind, spec, **kernel_options)
-    npu = ggml_rknpu.open(device=open_device(f"sim-{kind}", syscalls=injector))
+    npu = open_engine(open_device(f"sim-{kind}", syscalls=injector))
     b = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
     return npu, injector, npu.upload_weight(b), b
 

@@ -72,6 +72,7 @@ def test_golden_stream_executes_to_numpy(reference_dir, index):
     assert vendor_irq_fuzz(status) == 0x300                   # the kernel completes the job
     assert npu.mmio_read(0, 0x3C) == 1 and npu.executed_tasks(0) == 1
     conv = npu.trace(0)[0].conv
+    assert conv is not None
     assert (conv.rows, conv.channels, conv.kernels) == (m, k, n)
     got = unpack_output(out.view(out_dt), m, n, 16 // np.dtype(out_dt).itemsize)
     if in_dt is np.int8:

@@ -266,7 +266,8 @@ def test_weight_reuse_after_streamed_weights(golden):
 def test_weight_reuse_of_resident_weights_is_accepted(golden):
     body = small(golden)
     npu = run(memory(), [body, set_reg(body, "CNA_CBUF_CON0", 0x20B1)])
-    assert npu.diagnostics(0) == [] and npu.trace(0)[1].conv.weight_reuse
+    conv = npu.trace(0)[1].conv
+    assert npu.diagnostics(0) == [] and conv is not None and conv.weight_reuse
 
 
 @pytest.mark.parametrize("register, fields", [

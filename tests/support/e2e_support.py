@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -64,7 +65,7 @@ class Server:
     def env(self) -> dict[str, str]:
         return tool_env()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                      stdin=subprocess.DEVNULL)

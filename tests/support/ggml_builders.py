@@ -21,7 +21,7 @@ F32, F16, BF16, I32, I64, Q4_0, Q8_0 = (int(GgmlType[n]) for n in ("F32", "F16",
 _VP, _I, _I64, _F, _B, _SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_bool, ctypes.c_size_t
 
 # builder name -> argtypes after the context (pinned ggml.h)
-BUILDERS = {
+BUILDERS: dict[str, list[type[ctypes._CData]]] = {
     "ggml_add": [TensorP, TensorP], "ggml_mul": [TensorP, TensorP], "ggml_div": [TensorP, TensorP],
     "ggml_mul_mat": [TensorP, TensorP], "ggml_mul_mat_id": [TensorP, TensorP, TensorP],
     "ggml_get_rows": [TensorP, TensorP], "ggml_set_rows": [TensorP, TensorP, TensorP],
@@ -78,9 +78,9 @@ class Scratch:
     def call(self, name: str, *args) -> TensorP:
         return self.fn(name)(self.ctx, *args)
 
-    def rpc(self, t) -> RpcTensor:
+    def rpc(self, t: TensorP) -> RpcTensor:
         c = t.contents
-        addr = ctypes.cast(t, ctypes.c_void_p).value
+        addr = ctypes.cast(t, ctypes.c_void_p).value or 0
         return RpcTensor(id=addr, type=c.type, buffer=1, ne=tuple(c.ne), nb=tuple(c.nb), op=c.op,
                          op_params=tuple(c.op_params), flags=c.flags,
                          src=tuple(ctypes.cast(s, ctypes.c_void_p).value or 0 for s in c.src),

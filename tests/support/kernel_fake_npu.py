@@ -20,11 +20,12 @@ class FakeNpu:
         self.memory, self.n_cores = memory, n_cores
         self.raise_bits, self.hang, self.on_run = raise_bits, hang, on_run
         self.writes: list[tuple[int, int, int]] = []
-        self.regs = [dict() for _ in range(n_cores)]
+        self.regs: list[dict[int, int]] = [{} for _ in range(n_cores)]
         self.raw = [0] * n_cores
         self.task_status = [0] * n_cores
         self.executed = [0] * n_cores
         self.resets: list[int | None] = []
+        self.busy_seconds = 0.0       # sim.kernel.NpuModel: no model time here
 
     def mmio_write(self, core: int, offset: int, value: int) -> None:
         self.writes.append((core, offset, value))

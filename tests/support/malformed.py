@@ -107,7 +107,15 @@ def builder_cases(g, more: bool = True) -> list[Case]:
     return out
 
 
-def _contiguous_nb(type_: int, ne: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, ...]:
+Dims = tuple[int, int, int, int]
+
+
+def _dims(values: list[int]) -> Dims:
+    a, b, c, d = values
+    return a, b, c, d
+
+
+def _contiguous_nb(type_: int, ne: Dims, like: Dims) -> Dims:
     block, size = TYPE_TRAITS[GgmlType(type_)]
     if ne[0] % block:
         return like                                    # no dense layout of this type: keep the strides
@@ -119,7 +127,7 @@ def mutate(case: Case, how: str, value: int):
     """(node, srcs, bad index value or None) after mutation ``how``, or None where it does not apply
     (no index source, no source to drop, ...)."""
     node, srcs = case.node, case.srcs
-    present = [i for i, s in enumerate(srcs) if s is not None and s.id != node.id]
+    present = [s for s in srcs if s is not None and s.id != node.id]
     if how.startswith("index"):
         if not case.index:
             return None
@@ -144,18 +152,17 @@ def mutate(case: Case, how: str, value: int):
         wide = [d for d in range(4) if node.ne[d] > 1] or [0]
         nb = list(node.nb)
         nb[wide[-1]] = value % max(1, nb[wide[-1]])
-        return dataclasses.replace(node, nb=tuple(nb)), srcs, None
+        return dataclasses.replace(node, nb=_dims(nb)), srcs, None
     if how == "op_params":
         params = list(node.op_params)
         params[value % 4] = (value * 2654435761) % (1 << 31) - (1 << 30)
         return dataclasses.replace(node, op_params=tuple(params)), srcs, None
     if not present:
         return None
-    k = present[value % len(present)]
-    s = srcs[k]
+    s = present[value % len(present)]
     if how == "src shape":                       # one more row, plane or batch (blocks stay whole)
         d = 1 + value % 3
-        ne = tuple(n + 1 + value % 2 if i == d else n for i, n in enumerate(s.ne))
+        ne = _dims([n + 1 + value % 2 if i == d else n for i, n in enumerate(s.ne)])
         s = dataclasses.replace(s, ne=ne, nb=_contiguous_nb(s.type, ne, s.nb))
     elif how == "src type":
         types = [int(t) for t in GgmlType if int(t) != s.type]
@@ -165,7 +172,7 @@ def mutate(case: Case, how: str, value: int):
         d = value % 4
         nb = list(s.nb)
         nb[d] = nb[d] * (2 + value % 3) if value & 1 else value % max(1, nb[d])
-        s = dataclasses.replace(s, nb=tuple(nb))
+        s = dataclasses.replace(s, nb=_dims(nb))
     else:
         raise ValueError(how)
     return node, tuple(s if x is not None and x.id == s.id else x for x in srcs), None   # every use of it

@@ -186,13 +186,19 @@ class T:
             nb0, nb1 = size, size * (self.ne[0] // block)
             self.nb = (nb0, nb1, nb1 * self.ne[1], nb1 * self.ne[1] * self.ne[2])
 
+    def _filled(self) -> tuple[tuple[int, int, int, int], int]:
+        """``nb`` and ``flags`` as ``__post_init__`` filled them in."""
+        assert self.nb is not None and self.flags is not None, "set by __post_init__"
+        return self.nb, self.flags
+
     @property
     def nbytes(self) -> int:
-        return self.nb[3] * self.ne[3]
+        return self._filled()[0][3] * self.ne[3]
 
     def pack(self) -> bytes:
-        return wire.pack_tensor(id=self.id, type=self.type, buffer=self.buffer, ne=self.ne, nb=self.nb,
-                                data=self.data, op=self.op, op_params=self.op_params, flags=self.flags,
+        nb, flags = self._filled()
+        return wire.pack_tensor(id=self.id, type=self.type, buffer=self.buffer, ne=self.ne, nb=nb,
+                                data=self.data, op=self.op, op_params=self.op_params, flags=flags,
                                 src=self.src, view_src=self.view_src, view_offs=self.view_offs, name=self.name)
 
 
@@ -267,8 +273,8 @@ class RpcClient:
 
     # commands
     def hello(self) -> tuple[int, int, int]:
-        rsp = self.call(Cmd.HELLO, bytes(24), expect=28)
-        return tuple(rsp[:3])
+        major, minor, patch = self.call(Cmd.HELLO, bytes(24), expect=28)[:3]
+        return major, minor, patch
 
     def device_count(self) -> int:
         return struct.unpack("<I", self.call(Cmd.DEVICE_COUNT, b"", expect=4))[0]
@@ -403,9 +409,11 @@ def serve(**kwargs) -> Iterator[ServerThread]:
         st.stop()
 
 
-def wait_for_line(proc: subprocess.Popen, pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:
-    """Read a server subprocess's stderr until a line matches ``pattern`` (lines read are kept
-    in ``lines`` for the failure message)."""
+def wait_for_line(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:
+    """Read a server subprocess's stderr (a text pipe) until a line matches ``pattern`` (lines
+    read are kept in ``lines`` for the failure message)."""
+    if proc.stderr is None:
+        raise ValueError("wait_for_line reads the process's stderr: start it with stderr=PIPE")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stderr.readline()

@@ -21,11 +21,13 @@ _LIBC = ctypes.CDLL(None)
 
 def _instrumented_load(real_load, signum: int, count: int):
     freed: set[int] = set()
+    wrapped: set[int] = set()        # ids of the bindings whose ggml_free is wrapped already
 
     def load() -> lib.Ggml:
         g = real_load()
-        if "ggml_free" in vars(g) and getattr(g.ggml_free, "instrumented", False):
+        if id(g) in wrapped:
             return g
+        wrapped.add(id(g))
         real_free = g.ggml_free
 
         def ggml_free(ctx: int) -> None:
@@ -40,7 +42,6 @@ def _instrumented_load(real_load, signum: int, count: int):
                 for _ in range(count):
                     getattr(_LIBC, "raise")(signum)
 
-        ggml_free.instrumented = True
         g.ggml_free = ggml_free
         return g
 

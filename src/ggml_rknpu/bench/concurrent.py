@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -170,12 +171,14 @@ def run(args, rig, console: Console) -> rp.Report | None:
         finally:
             launch.stop(server)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    p99: list[float] = []
     for name, results in runs.items():
         lat = [r["latency_s_measured"] for r in results if r["error"] is None]
+        p99.append(_pct(lat, 0.99))
         rows.append({"run": name, "requests": len(results), "failed": sum(r["error"] is not None for r in results),
-                     "p50_s_measured": _pct(lat, 0.50), "p99_s_measured": _pct(lat, 0.99)})
-    ratio = rows[1]["p99_s_measured"] / rows[0]["p99_s_measured"] if len(rows) >= 2 else float("nan")
+                     "p50_s_measured": _pct(lat, 0.50), "p99_s_measured": p99[-1]})
+    ratio = p99[1] / p99[0] if len(p99) >= 2 else float("nan")
     title = (f"llama-server -np {args.slots} through rknpu serve: alone, beside {args.connections} connections "
              f"({args.stallers} stalled), beside a second llama.cpp client")
     table = rp.Table(title, [

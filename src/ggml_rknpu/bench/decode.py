@@ -256,7 +256,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
     if not ms or any(not 1 <= m <= 16 for m in ms):
         raise ValueError(f"--ms takes decode row counts 1..16, got {args.ms!r}")
     rows: list[dict] = []
-    host_cache: dict[tuple, float] = {}
+    # (K, Ns, fused, M, weights) -> measure_host_step's (host alone, after a submit) seconds
+    host_cache: dict[tuple[int, tuple[int, ...], bool, int, str], tuple[float, float]] = {}
     host_rows: list[dict] = []
     npu = None
     if args.host_reps > 0:
@@ -335,11 +336,11 @@ def run(args, rig, console: Console) -> rp.Report | None:
                    [s for d in dtypes for s in rp.series_by([r for r in fused_rows if r["weights"] == d], "model", "M",
                                                             "tok_s_modeled", f"{{0}} {d} {{1}}")],
                    log_x=True)
-    host = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
+    host_meta = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
     meta = {"cores": args.cores, "npu_mhz": NPU_MHZ, "dram_mhz": DRAM_MHZ, "submit_profile": OWN_DRIVER.name,
             "envelope": f"{args.envelope} ({_envelope(args.envelope).name}, at most "
                         f"{_envelope(args.envelope).max_cores} core(s))",
-            "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host}
+            "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host_meta}
     notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
              "the output head; unfused = one submit per matmul",
              "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",

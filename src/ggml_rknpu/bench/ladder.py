@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ggml_rknpu.engine.envelope_record import RUNGS, envelope_for_rungs
 from ggml_rknpu.hw.envelope import PROVEN, decode_task, walk_chain
+
+if TYPE_CHECKING:   # the compiler loads when a rung runs
+    from ggml_rknpu.compiler.program import Program, ProgramTask
 
 CORRUPT_ENV = "RKNPU_SELFTEST_CORRUPT"
 FAULT_ENV = "RKNPU_SELFTEST_FAULT"
@@ -61,9 +64,9 @@ class RungResult:
     seconds: float = 0.0
 
 
-def _chains(program) -> list[list]:
+def _chains(program: Program) -> list[list]:
     words = program.bind(a=0, b=0, c=0, regcmd=0)
-    heads = {}
+    heads: dict[tuple[int, int], ProgramTask] = {}
     for t in program.tasks:
         heads.setdefault((t.core, t.chain), t)
     return [walk_chain(words, t.word_offset, t.body_words + 4) for t in heads.values()]
@@ -180,10 +183,15 @@ def run_rung(rung: Rung, device: str | None, passed: list[str], *, corrupt: bool
         if fault:
             if not dev.simulated:
                 raise ValueError(f"{FAULT_ENV} injects faults in the simulator only")
+            from ggml_rknpu.sim.kernel import SimKernel
+
+            if not isinstance(dev.syscalls, SimKernel):
+                raise ValueError(f"{FAULT_ENV} injects faults into the simulated kernel itself, not a wrapper of it "
+                                 "(unset RKNPU_TRACE)")
             dev.syscalls.inject = fault
         rng = np.random.default_rng(seed)
-        for M, K, N, dtype, *out in rung.cases:
-            out = out[0] if out else ("int32" if dtype == "int8" else "fp32")
+        for M, K, N, dtype, *given_out in rung.cases:
+            out = given_out[0] if given_out else ("int32" if dtype == "int8" else "fp32")
             a, b = mm.make_operands(mm.Shape("ladder", K, N, "ladder"), M, dtype, rng)
             case = {"M": M, "K": K, "N": N, "dtype": dtype, "out": out}
             result.cases.append(case)

@@ -19,6 +19,7 @@ import numpy as np
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.cost.anchors import ANCHORS
 from ggml_rknpu.cost.model import OWN_DRIVER, RKNN_RUNTIME, modeled_time, vendor_style_workload
+from ggml_rknpu.engine.contract import MatmulEngine
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,8 @@ def modeled_only_row(case: Case, reason: str) -> dict:
             "device_ms_modeled": t * 1e3, "gflops_modeled": case.flops / t / 1e9}
 
 
-def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, warmup: int, on_board: bool,
-          max_sim_macs: int, advance: Callable[[int], None] = lambda n=1: None, seed: int = 0,
+def burst(open_npu: Callable[[int], MatmulEngine], cases: list[Case], *, iters: int, warmup: int, on_board: bool,
+          max_sim_macs: int, advance: Callable[[int], None] = lambda n: None, seed: int = 0,
           ran_on: str | None = None) -> list[dict]:
     """Every case: executed through an engine opened with ``open_npu(cores)``, or (off a board,
     above ``max_sim_macs``) priced by the cost model only and marked not executed. ``ran_on``
@@ -255,18 +256,18 @@ def burst(open_npu: Callable[[int], object], cases: list[Case], *, iters: int, w
 
 
 def sustained(npu, case: Case, *, seconds: float, window_s: float, snapshot: Callable[[], dict],
-              on_board: bool, advance: Callable[[int], None] = lambda n=1: None, seed: int = 0) -> list[dict]:
+              on_board: bool, advance: Callable[[int], None] = lambda n: None, seed: int = 0) -> list[dict]:
     """Back-to-back calls for ``seconds``, summarized per ``window_s`` window with the clocks
     and temperatures at the end of each window [docs/history.md §12]."""
     rng = np.random.default_rng(seed)
     a, b = make_operands(case.shape, case.M, case.dtype, rng)
     w = npu.upload_weight(b, dtype=case.dtype)
-    windows = []
+    windows: list[dict] = []
     try:
         npu.matmul(a, w)
         start = time.perf_counter()
         while (now := time.perf_counter()) - start < seconds:
-            calls = []
+            calls: list[tuple[float, dict]] = []
             w_end = min(now + window_s, start + seconds)
             while time.perf_counter() < w_end or not calls:
                 t0 = time.perf_counter()

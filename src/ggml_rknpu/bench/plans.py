@@ -22,12 +22,17 @@ from ggml_rknpu.cost import placement as pl
 
 
 class ModelShape(Protocol):
-    """What a plan needs of a model's shape (``bench.decode.ModelShape``)."""
+    """What a plan needs of a model's shape (``bench.decode.ModelShape``; read-only, as its
+    frozen dataclasses have it)."""
 
-    name: str
-    hidden: int
-    layers: int
-    vocab: int
+    @property
+    def name(self) -> str: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
 
     def layer_matmuls(self) -> dict[str, tuple[int, int]]: ...
 

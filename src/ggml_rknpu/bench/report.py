@@ -123,11 +123,12 @@ class Plot:
             width = 0.8 / max(1, len(self.series))
             for i, s in enumerate(self.series):
                 xs = [categories.index(x) + (i - (len(self.series) - 1) / 2) * width for x in s.x]
-                ax.bar(xs, s.y, width=width, label=s.label)
+                # matplotlib draws a None as a gap; its stubs' ArrayLike leaves None out
+                ax.bar(xs, s.y, width=width, label=s.label)  # type: ignore[arg-type]
             ax.set_xticks(range(len(categories)), [str(c) for c in categories], rotation=25, ha="right", fontsize=7)
         else:
             for s in self.series:
-                ax.plot(s.x, s.y, marker="o", label=s.label)
+                ax.plot(s.x, s.y, marker="o", label=s.label)  # type: ignore[arg-type]  # a None: a gap (as above)
             if self.log_x:
                 ax.set_xscale("log", base=2)
         if self.log_y:

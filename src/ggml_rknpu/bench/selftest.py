@@ -65,7 +65,7 @@ class SelftestResult:
 
 
 def _plain(obj) -> dict:
-    if is_dataclass(obj):
+    if is_dataclass(obj) and not isinstance(obj, type):
         return {k: _plain_value(v) for k, v in asdict(obj).items()}
     return {k: _plain_value(v) for k, v in vars(obj).items() if not k.startswith("_")}
 

@@ -47,7 +47,8 @@ class _Rss:
     """Samples a process's resident set every ``period`` seconds (measured, /proc)."""
 
     def __init__(self, pid: int, period: float = 1.0) -> None:
-        self.pid, self.period, self.samples = pid, period, []
+        self.pid, self.period = pid, period
+        self.samples: list[tuple[float, float]] = []   # (seconds since start, RSS MiB)
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)

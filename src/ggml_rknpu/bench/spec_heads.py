@@ -223,7 +223,7 @@ def needed_rows(target: Priced, heads: dict[str, Priced], board: Board, *, rkllm
     rows = []
     for kind, head in heads.items():
         for goal, tok_s in goals(target, q4_0, board, rkllm).items():
-            group = []
+            group: list[dict] = []
             for plan in SPEC_PLANS:
                 feasible = [(tok_s * step_s(target, head, n, plan, board), n) for n in DRAFT_NS]
                 feasible = [(tau, n) for tau, n in feasible if tau <= n + 1]

@@ -63,7 +63,7 @@ _TARGET_OF_BLOCK = {
     Block.PPU: Target.PPU,
     Block.PPU_RDMA: Target.PPU_RDMA,
 }
-BLOCK_OF_TARGET = {t: b for b, t in _TARGET_OF_BLOCK.items()}
+BLOCK_OF_TARGET: dict[int, Block] = {t: b for b, t in _TARGET_OF_BLOCK.items()}   # looked up by a word's raw target
 
 OP_ENABLE_OFFSET = REGISTERS["PC_OPERATION_ENABLE"].offset          # 0x0008 [§2]
 _PC_BASE = REGISTERS["PC_BASE_ADDRESS"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, INT_MASK_DPU, MAX_TASKS_PER_SUBMIT, REGCMD_ALIGN
 from ggml_rknpu.hw.regcmd import MATMUL_ENABLE
@@ -46,18 +46,20 @@ def _ranges(items: tuple[Buffer | BufferRange, ...]) -> tuple[BufferRange, ...]:
     return tuple(i if isinstance(i, BufferRange) else BufferRange.whole(i) for i in items)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Job:
     """Tasks per core and the ranges they read (``inputs``) and write (``outputs``).
     A bare ``Buffer`` given as an input or output stands for its whole ``size``."""
 
     cores: Cores
-    inputs: tuple[BufferRange, ...] = field(default=())
-    outputs: tuple[BufferRange, ...] = field(default=())
+    inputs: tuple[BufferRange, ...]
+    outputs: tuple[BufferRange, ...]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", _ranges(self.inputs))
-        object.__setattr__(self, "outputs", _ranges(self.outputs))
+    def __init__(self, cores: Cores, inputs: tuple[Buffer | BufferRange, ...] = (),
+                 outputs: tuple[Buffer | BufferRange, ...] = ()) -> None:
+        object.__setattr__(self, "cores", cores)
+        object.__setattr__(self, "inputs", _ranges(inputs))
+        object.__setattr__(self, "outputs", _ranges(outputs))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
@@ -22,9 +24,14 @@ _FIX = ("rebuild the pinned libraries (scripts/build-llama-cpp, or scripts/build
         "runs), regenerate the bindings "
         "(scripts/gen-ggml-abi, scripts/gen-ggml-enums) and restart")
 
-TensorP = ctypes.POINTER(abi.Tensor)
-ToFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+if TYPE_CHECKING:   # the classes the factories below make, under names mypy can use as types
+    TensorP: TypeAlias = ctypes._Pointer[abi.Tensor]
+    ToFloat: TypeAlias = ctypes._CFunctionType
+    FromFloat: TypeAlias = ctypes._CFunctionType
+else:
+    TensorP = ctypes.POINTER(abi.Tensor)
+    ToFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 GraphComputeRaw = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)   # ggml_graph_compute
 
 GGML_STATUS_SUCCESS = 0  # enum ggml_status (ggml.h): ggml_graph_compute's result when all went well
@@ -97,8 +104,58 @@ _CPU_FUNCS: dict[str, tuple] = {
 }
 
 
+# An opaque ggml pointer (context, graph, threadpool, backend device) as ctypes passes a c_void_p:
+# an int, or None for NULL.
+VoidP: TypeAlias = int | None
+
+
 class Ggml:
-    """The loaded pinned ggml: one attribute per declared C function (``g.ggml_init(...)``)."""
+    """The loaded pinned ggml: one attribute per declared C function (``g.ggml_init(...)``).
+
+    The annotations below are those functions as ctypes calls them (arguments it accepts,
+    what its restype makes of the result); ``__init__`` binds each from the tables above."""
+
+    ggml_init: Callable[[abi.InitParams], VoidP]
+    ggml_free: Callable[[VoidP], None]
+    ggml_tensor_overhead: Callable[[], int]
+    ggml_graph_overhead_custom: Callable[[int, bool], int]
+    ggml_new_tensor: Callable[[VoidP, int, int, ctypes.Array[ctypes.c_int64]], TensorP]
+    ggml_new_graph_custom: Callable[[VoidP, int, bool], VoidP]
+    ggml_graph_add_node: Callable[[VoidP, TensorP], None]
+    ggml_graph_n_nodes: Callable[[VoidP], int]
+    ggml_nbytes: Callable[[TensorP], int]
+    ggml_set_name: Callable[[TensorP, bytes], TensorP]
+    ggml_get_name: Callable[[TensorP], bytes | None]
+    ggml_get_data: Callable[[TensorP], VoidP]
+    ggml_set_input: Callable[[TensorP], None]
+    ggml_add: Callable[[VoidP, TensorP, TensorP], TensorP]
+    ggml_scale: Callable[[VoidP, TensorP, float], TensorP]
+    ggml_view_1d: Callable[[VoidP, TensorP, int, int], TensorP]
+    ggml_op_name: Callable[[int], bytes | None]
+    ggml_unary_op_name: Callable[[int], bytes | None]
+    ggml_glu_op_name: Callable[[int], bytes | None]
+    ggml_get_type_traits: Callable[[int], ctypes._Pointer[abi.TypeTraits]]
+    ggml_threadpool_params_init: Callable[[ctypes._CArgObject, int], None]
+    dequantize_row_q8_K: Callable[[VoidP, VoidP, int], None]
+    ggml_backend_reg_get_proc_address: Callable[[VoidP, bytes], VoidP]
+    ggml_backend_buft_name: Callable[[VoidP], bytes | None]
+    ggml_backend_buft_get_alloc_size: Callable[[VoidP, TensorP], int]
+    ggml_backend_buft_alloc_buffer: Callable[[VoidP, int], VoidP]
+    ggml_backend_buffer_get_base: Callable[[VoidP], VoidP]
+    ggml_backend_buffer_free: Callable[[VoidP], None]
+    ggml_backend_tensor_alloc: Callable[[VoidP, TensorP, VoidP], int]
+    ggml_backend_tensor_set: Callable[[TensorP, VoidP, int, int], None]
+    ggml_cpu_init: Callable[[], None]
+    ggml_graph_plan: Callable[[VoidP, int, VoidP], abi.Cplan]
+    ggml_graph_compute: Callable[[VoidP, ctypes._CArgObject], int]
+    ggml_threadpool_new: Callable[[ctypes._CArgObject], VoidP]
+    ggml_threadpool_free: Callable[[VoidP], None]
+    ggml_threadpool_pause: Callable[[VoidP], None]
+    ggml_threadpool_resume: Callable[[VoidP], None]
+    ggml_get_type_traits_cpu: Callable[[int], ctypes._Pointer[abi.TypeTraitsCpu]]
+    ggml_backend_cpu_reg: Callable[[], VoidP]
+    ggml_backend_reg_dev_get: Callable[[VoidP, int], VoidP]
+    ggml_backend_dev_supports_op: Callable[[VoidP, TensorP], bool]
 
     def __init__(self, lib_dir: Path) -> None:
         base, cpu = lib_dir / "libggml-base.so", lib_dir / "libggml-cpu.so"
@@ -121,7 +178,7 @@ class Ggml:
                 setattr(self, name, fn)
         # the replay's hot call (hundreds of segments per token): a prototype of plain pointers, called
         # with the graph's and the cplan's addresses as ints (no byref, no POINTER argument check)
-        self.graph_compute_raw = GraphComputeRaw(ctypes.cast(self.ggml_graph_compute, _VP).value)
+        self.graph_compute_raw = GraphComputeRaw(_addr(self.cpu.ggml_graph_compute))
         self.ggml_cpu_init()                       # fp16 tables; required before any compute
         check_abi(self)
         self.cpu_device = self.ggml_backend_reg_dev_get(self.ggml_backend_cpu_reg(), 0)
@@ -135,7 +192,7 @@ class Ggml:
             raise MemoryError(f"ggml_init of {size} bytes failed")
         return ctx
 
-    def new_tensor(self, ctx: int, type_: int, ne: tuple[int, ...]) -> ctypes._Pointer[abi.Tensor]:
+    def new_tensor(self, ctx: int, type_: int, ne: tuple[int, ...]) -> TensorP:
         dims = (ctypes.c_int64 * 4)(*ne)
         t = self.ggml_new_tensor(ctx, type_, 4, dims)
         if not t:
@@ -157,16 +214,16 @@ class Ggml:
         ``type_`` weight (``type_traits_cpu.vec_dot_type``, ggml-cpu.c)."""
         return int(self.ggml_get_type_traits_cpu(type_).contents.vec_dot_type)
 
-    def supports_op(self, t: ctypes._Pointer[abi.Tensor]) -> bool:
+    def supports_op(self, t: TensorP) -> bool:
         """The CPU backend's own ``supports_op`` (types with a quantizer, matmul vec_dot types...)."""
         return bool(self.ggml_backend_dev_supports_op(self.cpu_device, t))
 
 
-def _addr(p) -> int:
+def _addr(p: ctypes._CData) -> int:
     return ctypes.cast(p, ctypes.c_void_p).value or 0
 
 
-def _expect(what: str, got, want) -> None:
+def _expect(what: str, got: object, want: object) -> None:
     if got != want:
         raise GgmlAbiError(f"ggml ABI mismatch: {what} is {got!r}, the binding expects {want!r}: {_FIX}")
 
@@ -177,10 +234,10 @@ def check_abi(g: Ggml) -> None:
             ctypes.sizeof(abi.Object) + ctypes.sizeof(abi.Tensor))
     for op in GgmlOp:
         _expect(f"ggml_op_name({int(op)})", (g.ggml_op_name(op) or b"").decode(), op.name)
-    for op in GgmlUnaryOp:
-        _expect(f"ggml_unary_op_name({int(op)})", (g.ggml_unary_op_name(op) or b"").decode(), op.name)
-    for op in GgmlGluOp:
-        _expect(f"ggml_glu_op_name({int(op)})", (g.ggml_glu_op_name(op) or b"").decode(), op.name)
+    for unary in GgmlUnaryOp:
+        _expect(f"ggml_unary_op_name({int(unary)})", (g.ggml_unary_op_name(unary) or b"").decode(), unary.name)
+    for glu in GgmlGluOp:
+        _expect(f"ggml_glu_op_name({int(glu)})", (g.ggml_glu_op_name(glu) or b"").decode(), glu.name)
     for t in GgmlType:
         tr = g.ggml_get_type_traits(t).contents
         _expect(f"type_traits[{int(t)}]", ((tr.type_name or b"").decode(), tr.blck_size, tr.type_size),

@@ -14,8 +14,10 @@ import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 # --- enums [docs/rknn-toolkit.md §4.2] ------------------------------------------------------
 MATMUL_TYPES = {
@@ -168,6 +170,7 @@ def find_library(path: str | os.PathLike | None = None) -> Path:
 
 
 _P = ctypes.POINTER
+TensorMemP: TypeAlias = "ctypes._Pointer[TensorMem]"   # what rknn_create_mem returns
 _SIGNATURES = {
     "rknn_matmul_create": (ctypes.c_int, [_P(Context), _P(MatmulInfo), _P(MatmulIoAttr)]),
     "rknn_matmul_create_dynamic_shape": (ctypes.c_int, [_P(Context), _P(MatmulInfo), ctypes.c_int,
@@ -247,7 +250,7 @@ class RknnLibrary:
                              scale_len=scale.size, zp=zp.ctypes.data_as(_P(ctypes.c_int32)), zp_len=zp.size)
         self._call("rknn_matmul_set_quant_params", ctx, ctypes.byref(params))
 
-    def matmul_set_io_mem(self, ctx: int, mem: _P[TensorMem], attr: MatmulTensorAttr) -> None:
+    def matmul_set_io_mem(self, ctx: int, mem: TensorMemP, attr: MatmulTensorAttr) -> None:
         self._call("rknn_matmul_set_io_mem", ctx, mem, ctypes.byref(attr),
                    hint=f"tensor {attr.name.decode()} needs {attr.size} bytes")
 
@@ -258,26 +261,27 @@ class RknnLibrary:
         self._call("rknn_matmul_destroy", ctx)
 
     # -- memory ----------------------------------------------------------------------
-    def create_mem(self, ctx: int, size: int) -> _P[TensorMem]:
+    def create_mem(self, ctx: int, size: int) -> TensorMemP:
         mem = self._lib.rknn_create_mem(ctx, size)
         if not mem:
             raise RknnError("rknn_create_mem", -4, f"{size} bytes; NPU memory exhausted?")
         return mem
 
-    def destroy_mem(self, ctx: int, mem: _P[TensorMem]) -> None:
+    def destroy_mem(self, ctx: int, mem: TensorMemP) -> None:
         self._call("rknn_destroy_mem", ctx, mem)
 
-    def mem_sync(self, ctx: int, mem: _P[TensorMem], mode: int) -> None:
+    def mem_sync(self, ctx: int, mem: TensorMemP, mode: int) -> None:
         self._call("rknn_mem_sync", ctx, mem, mode)
 
     @staticmethod
-    def mem_array(mem: _P[TensorMem], dtype: np.dtype, count: int) -> np.ndarray:
+    def mem_array(mem: TensorMemP, dtype: npt.DTypeLike, count: int) -> np.ndarray:
         """A numpy view of ``count`` elements of the buffer's CPU mapping."""
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes > mem.contents.size:
             raise ValueError(f"view of {nbytes} bytes exceeds the {mem.contents.size}-byte buffer")
         raw = (ctypes.c_uint8 * nbytes).from_address(mem.contents.virt_addr)
-        return np.frombuffer(raw, dtype=dtype, count=count)
+        # numpy's stubs take a Buffer only on Python >= 3.12; a ctypes array is one on every version
+        return np.frombuffer(raw, dtype=dtype, count=count)  # type: ignore[call-overload]
 
     # -- layouts ---------------------------------------------------------------------
     def b_normal_to_native(self, b_kn: np.ndarray, info: MatmulInfo, native_bytes: int) -> np.ndarray:

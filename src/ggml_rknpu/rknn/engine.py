@@ -209,7 +209,8 @@ class RknnNpu:
         c_out = result.astype(np.int32) if w.dtype == "int8" else result
         final = dequantize_output(c_out, act, w.staged)
         times[2] += time.perf_counter() - t0
-        self.last_timing = Timing(*times, device_s=device_s, device_label="modeled", submits=runs)
+        pack_s, submit_s, unpack_s = times
+        self.last_timing = Timing(pack_s, submit_s, unpack_s, device_s=device_s, device_label="modeled", submits=runs)
         return final
 
     def _contexts(self, w: RknnWeight, bucket: int) -> list[_Context]:

@@ -102,8 +102,9 @@ class ActivationRounding:
     def _rounder(self, vdt: int) -> ActivationRounder:
         g = self.ggml
         quantize = g.from_float(vdt)
+        dequantize: Callable[[int, int, int], None] | None
         if vdt == GgmlType.Q8_K:
-            dequantize: Any = g.dequantize_row_q8_K  # type: ignore[attr-defined]  # bound from lib's table at load
+            dequantize = g.dequantize_row_q8_K
         else:
             dequantize = g.to_float(GgmlType.Q8_0 if vdt == GgmlType.Q8_1 else vdt)
         if quantize is None or dequantize is None:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -308,7 +309,14 @@ def read_weights(memory: DeviceMemory, task: ConvTask) -> np.ndarray:
     return out
 
 
-def multiply(task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+class GemmTask(Protocol):
+    """What a GEMM reads of its task (a ``ConvTask``): the CNA precision."""
+
+    @property
+    def precision(self) -> str: ...
+
+
+def multiply(task: GemmTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
     """(M, N) accumulator: int64 exact for int8, float32 for fp16 (module docstring)."""
     if task.precision == "int8":
         acc = np.zeros((a.shape[0], b_nk.shape[0]), dtype=np.int64)
@@ -355,7 +363,7 @@ class Gemm:
         self._pool: ThreadPoolExecutor | None = None
         self.split_calls = 0
 
-    def __call__(self, task: ConvTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
+    def __call__(self, task: GemmTask, a: np.ndarray, b_nk: np.ndarray) -> np.ndarray:
         n = b_nk.shape[0]
         if (task.precision != "fp16" or a.shape[0] != 1
                 or b_nk.nbytes < SPLIT_MIN_WEIGHT_BYTES or n < 2 * SPLIT_ROW_ALIGN):

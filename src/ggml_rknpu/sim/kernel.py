@@ -16,6 +16,7 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -136,11 +137,32 @@ class _File:
     domain: IommuDomain | None = None
 
 
+_S = TypeVar("_S", bound=ctypes.Structure)
+
+
 @dataclass(frozen=True)
-class _Ioctl:
-    handler: Callable[[_File, ctypes.Structure], None]
-    struct: type[ctypes.Structure]
+class _Ioctl(Generic[_S]):
+    """One ioctl of a driver: its handler takes the struct it declares (checked where each is made)."""
+
+    handler: Callable[[_File, _S], None]
+    struct: type[_S]
     direction: int  # the driver's declared _IOC direction bits
+
+
+# A driver's ioctl table: each entry pairs a handler with its own struct type, so the table's
+# element type can only say "some struct" (Python has no existential types).
+_IoctlTable = dict[int, _Ioctl[Any]]
+
+
+class NpuModel(Protocol):
+    """The NPU behind the kernel's MMIO window: ``sim.npu.SimNpu``, or a test's stand-in."""
+
+    busy_seconds: float   # host seconds spent inside the model
+
+    def mmio_write(self, core: int, offset: int, value: int) -> None: ...
+    def mmio_read(self, core: int, offset: int) -> int: ...
+    def soft_reset(self, core: int | None = None) -> None: ...
+    def diagnostics(self, core: int) -> list[str]: ...
 
 
 class SimKernel:
@@ -151,7 +173,7 @@ class SimKernel:
         abi: str = "rknpu",
         driver_version: tuple[int, int, int] | None = None,
         *,
-        npu: object | None = None,
+        npu: NpuModel | None = None,
         n_cores: int = 3,
         iova_window: tuple[int, int] | None = None,
         memory_limit: int = 4 << 30,
@@ -164,7 +186,8 @@ class SimKernel:
         if rocket_errors not in ROCKET_ERRORS:
             raise ValueError(f"rocket_errors must be one of {ROCKET_ERRORS}, not {rocket_errors!r}")
         self.abi = abi
-        self.driver_version = tuple(driver_version or DEFAULT_VERSIONS[abi])
+        major, minor, patch = driver_version or DEFAULT_VERSIONS[abi]
+        self.driver_version = (major, minor, patch)
         self.n_cores = n_cores
         # vendor: the IOMMU DMA window without page 0 (top-down); rocket: the whole aperture
         # from 0 (module doc)
@@ -194,7 +217,8 @@ class SimKernel:
         self.powered = False
         self._power_refs = 0
         self.freq_hz, self.volt_uv = NPU_FREQ_HZ, NPU_VOLT_UV
-        core = {0x00: _Ioctl(self._drm_version, drm.drm_version, _RW), 0x09: _Ioctl(self._gem_close, drm.drm_gem_close, _W)}
+        driver: _IoctlTable
+        core: _IoctlTable = {0x00: _Ioctl(self._drm_version, drm.drm_version, _RW), 0x09: _Ioctl(self._gem_close, drm.drm_gem_close, _W)}
         if abi == "rknpu":
             driver = {
                 rk.Nr.ACTION: _Ioctl(self._rk_action, rk.rknpu_action, _RW),
@@ -269,7 +293,8 @@ class SimKernel:
             raise _fail(errno.EACCES, "mmap of a buffer this file has no handle for")
         if length <= 0 or length > obj.size:
             raise _fail(errno.EINVAL, f"mmap length {length} is outside the {obj.size}-byte buffer")
-        view = memoryview(obj.cpu[:length])
+        # numpy's stubs give ndarray its buffer protocol only on Python >= 3.12; it has one on every version
+        view = memoryview(obj.cpu[:length])  # type: ignore[arg-type]
         obj.mappings += 1
         self._maps[id(view)] = (view, obj)
         return view
@@ -384,7 +409,7 @@ class SimKernel:
             raise _fail(code, f"{what}: handle {handle} is not open on this fd (destroyed already, or from another fd?)")
         return obj
 
-    def _npu_model(self):
+    def _npu_model(self) -> NpuModel:
         if self._npu is None:
             try:
                 from ggml_rknpu.sim.npu import SimNpu
@@ -394,7 +419,7 @@ class SimKernel:
             self._npu = SimNpu(self.mmu, n_cores=self.n_cores)
         return self._npu
 
-    def _run(self, npu, core: int, writes: list[tuple[int, int]]) -> str | None:
+    def _run(self, npu: NpuModel, core: int, writes: list[tuple[int, int]]) -> str | None:
         """Replay register writes on one core; returns a fault description instead of raising."""
         try:
             for offset, value in writes:
@@ -403,7 +428,7 @@ class SimKernel:
             return str(exc)
         return None
 
-    def _diagnostics(self, npu, core: int) -> list[str]:
+    def _diagnostics(self, npu: NpuModel, core: int) -> list[str]:
         try:
             return [str(line) for line in npu.diagnostics(core)]
         except Exception as exc:  # a diagnostics bug must not hide the real failure
@@ -530,7 +555,7 @@ class SimKernel:
         slot = 2 if len(cores) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
         return {c: (s.subcore_task[c + slot].task_start, s.subcore_task[c + slot].task_number) for c in cores}
 
-    def _rk_commit(self, npu, core: int, tasks, start: int, number: int, pp_en: int,
+    def _rk_commit(self, npu: NpuModel, core: int, tasks, start: int, number: int, pp_en: int,
                    task_base_addr: int) -> tuple[int, str | None]:
         """rknpu_job_commit_pc for one core and its IRQ handler: (INT_STATUS, failure or None)."""
         first, last = tasks[start], tasks[start + number - 1]
@@ -596,7 +621,8 @@ class SimKernel:
                 raise _fail(errno.EINVAL, f"SUBMIT: tasks [{start}, {start + number}) of core {core} run past the "
                                           f"{n_slots} rknpu_task slots of the task BO")
         npu = self._npu_model()
-        tasks = (rk.rknpu_task * n_slots).from_buffer(task_obj.cpu)  # the kernel mapping
+        # the kernel mapping (numpy's stubs give ndarray its buffer protocol only on Python >= 3.12)
+        tasks = (rk.rknpu_task * n_slots).from_buffer(task_obj.cpu)  # type: ignore[arg-type]
         pp_en = 1 if s.flags & _JOB_PINGPONG else 0
         self.powered = True
         first_core = min(ranges)
@@ -735,14 +761,15 @@ class SimKernel:
 
         def handles(address: int, count: int, what: str) -> list[GemObject]:
             raw = self._copy_from_user(address, 4 * count, f"SUBMIT job {index} {what}")
-            ids = (ctypes.c_uint32 * count).from_buffer_copy(raw) if count else []
+            ids: ctypes.Array[ctypes.c_uint32] | list[int] = \
+                (ctypes.c_uint32 * count).from_buffer_copy(raw) if count else []
             return [self._lookup_handle(f, h, errno.ENOENT, f"SUBMIT job {index} {what}") for h in ids]
 
         handles(job.in_bo_handles, job.in_bo_handle_count, "in_bo_handles")
         outs = handles(job.out_bo_handles, job.out_bo_handle_count, "out_bo_handles")
         return tasks, outs
 
-    def _ro_run_job(self, npu, tasks: list[tuple[int, int]], outs: list[GemObject], inject: str | None = None) -> None:
+    def _ro_run_job(self, npu: NpuModel, tasks: list[tuple[int, int]], outs: list[GemObject], inject: str | None = None) -> None:
         core = self._next_core  # the scheduler's choice; round robin here
         self._next_core = (self._next_core + 1) % self.n_cores
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cache
+from typing import NoReturn
 
 import numpy as np
 
@@ -215,7 +216,7 @@ class ProgramCounter:
         return result
 
     def _refuse(self, task: int, rule: str, message: str, register: str | None = None,
-                value: int | None = None, symptom: str = SYMPTOM_HANG) -> None:
+                value: int | None = None, symptom: str = SYMPTOM_HANG) -> NoReturn:
         raise TaskRefused(Violation(rule, message, register, value, task, symptom))
 
     def _run(self, result: RunResult) -> None:
@@ -333,10 +334,10 @@ class ProgramCounter:
         rec.enable_mask = enable
         self._execute(t, rec, enable)
         self._finish_task(t, enable)
-        decoded = _decoded(rec, ordered, next_base, next_amount) if self.decoded is not None \
-            else None
-        if decoded is not None:
-            self.decoded.put(raw, decoded)
+        if self.decoded is not None:
+            decoded = _decoded(rec, ordered, next_base, next_amount)
+            if decoded is not None:
+                self.decoded.put(raw, decoded)
         return next_base, next_amount
 
     def _finish_task(self, t: int, enable: int) -> None:

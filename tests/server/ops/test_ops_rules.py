@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,11 @@ from ggml_rknpu.server.ops.rules import RULES, check_node
 from ggml_rknpu.server.ops.vocabulary import UnsupportedOp
 from ggml_rknpu.server.tensor import RpcTensor
 from support.ggml_builders import _B, _SZ, F16, F32, I32, I64, PREDICATES, Q4_0, Q8_0, Scratch, _made_by_ggml
+
+
+def _four(values: Sequence[int]) -> tuple[int, int, int, int]:
+    a, b, c, d = values
+    return a, b, c, d
 
 
 @pytest.fixture
@@ -58,7 +64,7 @@ def _mutants(node: RpcTensor, srcs: tuple):
     if wide:                                   # two rows on the same bytes
         nb = list(node.nb)
         nb[wide[0]] = 0
-        yield "overlapping dst", dataclasses.replace(node, nb=tuple(nb)), srcs
+        yield "overlapping dst", dataclasses.replace(node, nb=_four(nb)), srcs
 
 
 def test_malformed_nodes_are_refused_with_their_signature(sc):
@@ -125,7 +131,7 @@ def test_geometry_twins_agree_with_ggml(host_ggml, type_, ne, perm, pad, data):
     try:
         t = g.new_tensor(ctx, type_, ne)
         t.contents.nb[:] = nb
-        fake = RpcTensor(id=1, type=type_, buffer=1, ne=tuple(ne), nb=tuple(nb), op=0, op_params=(0,) * 16,
+        fake = RpcTensor(id=1, type=type_, buffer=1, ne=_four(ne), nb=_four(nb), op=0, op_params=(0,) * 16,
                          flags=0, src=(0,) * 10, view_src=0, view_offs=0, data=0, name="", use_count=0)
         for name in PREDICATES:
             f = getattr(g.base, name)

@@ -95,8 +95,8 @@ REFUSALS = [
 
 @pytest.mark.parametrize("label, mutate, reason", REFUSALS)
 def test_broken_preconditions_are_refused_with_their_reason(built, label, mutate, reason):
-    node, srcs = built[label]
-    assert_refused(*mutate(node, srcs), reason)
+    node, srcs = mutate(*built[label])
+    assert_refused(node, srcs, reason)
 
 
 def test_conv_2d_dw_cwhn_layout_is_admitted_with_the_builders_strides(host_ggml):

@@ -115,8 +115,8 @@ REFUSALS = [
 
 @pytest.mark.parametrize("label, mutate, reason", REFUSALS)
 def test_broken_preconditions_are_refused_with_their_reason(built, label, mutate, reason):
-    node, srcs = built[label]
-    assert_refused(*mutate(node, srcs), reason)
+    node, srcs = mutate(*built[label])
+    assert_refused(node, srcs, reason)
 
 
 def test_acc_view_may_end_exactly_at_src0s_last_byte(built):

@@ -64,7 +64,7 @@ class RknpuIoctls:
     def _call(self, name: str, request: int, struct: ctypes.Structure) -> ctypes.Structure:
         return drm.call(self.syscalls, self.fd, request, struct, f"RKNPU {name}", name, _HINTS)
 
-    def action(self, action: uapi.Action, value: int = 0) -> int:
+    def action(self, action: int, value: int = 0) -> int:   # a uapi.Action, or any u32 the driver refuses
         out = self._call("ACTION", uapi.DRM_IOCTL_RKNPU_ACTION, uapi.rknpu_action(flags=int(action), value=value & 0xFFFFFFFF))
         return out.value
 

@@ -701,7 +701,7 @@ class RpcServer:
             log.warning("!!! rknpu serve is bound to %s: the ggml RPC protocol has NO authentication; anyone who "
                         "can reach this port can read and write its memory. Use 127.0.0.1 unless this network "
                         "is trusted (P13). !!!", host)
-        majors = sorted(wire.PROTO_VERSIONS) if protocol is None else [protocol]
+        majors = sorted(wire.PROTO_VERSIONS) if protocol is None else [protocol]   # None: self.auto
         self.listeners: dict[socket.socket, int] = {}
         try:
             for i, major in enumerate(majors):
