@@ -349,13 +349,14 @@ class ServerThread:
     def __init__(self, npu=None, budget=(3 * GIB, 4 * GIB), weight_format="fp16",
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
                  group_matmuls: bool = True, protocol: int | None = 7, placement: str = "npu",
-                 host_threads: int | None = None) -> None:
+                 host_threads: int | None = None, retired_budget: int | None = None) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls,
-                                                     placement=placement, host_threads=host_threads))
+                                                     placement=placement, host_threads=host_threads,
+                                                     retired_budget=retired_budget))
         self.server = RpcServer(self.state, "127.0.0.1", 0, protocol=protocol)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)

@@ -372,6 +372,8 @@ class SimKernel:
         del self._objects[obj.obj_addr]
         self._cpu_synced.pop(obj.obj_addr, None)
         if obj.domain is not None:
+            if self._npu is not None:
+                self._npu.operands.forget(obj.dma_addr, obj.size)
             obj.domain.unmap(obj)
         if obj.mmap_offset is not None:
             self._offsets.free(obj.mmap_offset)
@@ -383,6 +385,11 @@ class SimKernel:
         if obj is None:
             raise _fail(code, f"{what}: handle {handle} is not open on this fd (destroyed already, or from another fd?)")
         return obj
+
+    def limit_decode_cache(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of the simulator's decoded fp32 weights (host memory of
+        the simulator, which a board does not spend; ``rknpu serve --host-cache-budget``)."""
+        self._npu_model().operands.limit_weights(max_bytes)
 
     def _npu_model(self):
         if self._npu is None:

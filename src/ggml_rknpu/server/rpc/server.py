@@ -130,6 +130,7 @@ class ServerConfig:
     activations: str = "fp16"         # NPU matmul activations as sent ("fp16") or rounded as ggml-cpu does ("ggml")
     placement: str = "npu"            # weight matmuls: "auto" by cost (rknpu serve's default), "npu", "host"
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
+    retired_budget: int | None = None  # bytes of retired weights kept (server.host_budget; None: NPU memory only)
 
 
 @dataclass
@@ -151,7 +152,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
-            self.retired = RetiredWeights(self.weight_stats)
+            self.retired = RetiredWeights(self.weight_stats, self.config.retired_budget)
             self.memory.reclaimable = lambda: self.retired.npu_bytes
         if self.activations is None:
             self.activations = ActivationRounding(self.host, self.config.activations)
@@ -240,6 +241,7 @@ class Session:
                                     placer=state.placer)
         self.hello = False
         self.hung_up = False              # the server is stopping (RpcServer.stop)
+        self.clean_end = False            # a goodbye at a message boundary: its staged weights are retired
         self._plans_at_start = state.stats.plans_built
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
@@ -273,6 +275,7 @@ class Session:
                 stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except (ClientGone, ConnectionError) as exc:
+            self.clean_end = self.hung_up or (isinstance(exc, ClientGone) and not exc.truncated)
             if self.hung_up:
                 log.info("ended the connection of %s: the server is stopping", self.peer)
             elif isinstance(exc, ConnectionError):
@@ -326,6 +329,7 @@ class Session:
             g.clear()
         if self.proto8 is not None:
             self.proto8.close()
+        self.weights.retire_on_free = self.clean_end
         try:
             self.buffers.close()
         finally:

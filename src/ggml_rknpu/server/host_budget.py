@@ -1,0 +1,54 @@
+"""The host cache budget (``rknpu serve --host-cache-budget``): how much memory the server may
+keep for reuse that no client holds: staged weights of freed buffers (``RetiredWeights``), the
+engine's bound programs, and, on the simulator, its decoded weights.
+
+Invariants: the default follows the machine's memory (``BUDGET_RULE``), so an 8 GB board keeps
+at most 512 MiB and leaves the rest to the model, llama.cpp and the system; a budget is never
+below ``MIN_BYTES``. The shares are data (``SHARES``). Why: docs/memory.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_BYTES = 128 << 20
+MAX_DEFAULT_BYTES = 1 << 30
+MEMORY_FRACTION = 16          # the default is MemTotal / 16, clamped to [MIN_BYTES, MAX_DEFAULT_BYTES]
+BUDGET_RULE = "MemTotal / 16, at least 128 MiB, at most 1 GiB"
+SHARES = {"retired_weights": 1.0, "programs": 0.25, "sim_decoded": 2.0}   # fractions of the budget
+
+
+def mem_total_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's MemTotal, or None where /proc/meminfo does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_budget(mem_total: int | None) -> int:
+    """``BUDGET_RULE`` for a machine with ``mem_total`` bytes (unknown: the minimum)."""
+    if mem_total is None:
+        return MIN_BYTES
+    return max(MIN_BYTES, min(MAX_DEFAULT_BYTES, mem_total // MEMORY_FRACTION))
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """One budget and what each cache may keep of it."""
+
+    bytes: int
+
+    def __post_init__(self) -> None:
+        if self.bytes < MIN_BYTES:
+            raise ValueError(f"the host cache budget must be at least {MIN_BYTES >> 20} MiB, got {self.bytes >> 20} MiB")
+
+    def share(self, cache: str) -> int:
+        return int(self.bytes * SHARES[cache])
+
+    def describe(self) -> str:
+        return (f"host cache budget {self.bytes >> 20} MiB (retired weights {self.share('retired_weights') >> 20} MiB, "
+                f"programs {self.share('programs') >> 20} MiB)")
