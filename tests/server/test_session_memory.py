@@ -42,8 +42,7 @@ def sim_server():
     logger.setLevel(logging.CRITICAL)
     npu = ggml_rknpu.open(device="sim-rknpu")
     try:
-        for st in serve(npu=npu, retired_budget=BUDGET):
-            yield st
+        yield from serve(npu=npu, retired_budget=BUDGET)
     finally:
         npu.close()
         logger.setLevel(level)
