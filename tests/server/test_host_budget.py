@@ -25,6 +25,8 @@ def test_default_budget_follows_the_machine_memory():
         HostBudget(MIN_BYTES - 1)
     b = HostBudget(512 * MiB)
     assert b.share("retired_weights") == 512 * MiB and b.share("programs") == 128 * MiB
+    sim = HostBudget(GiB, simulated=True)                  # a retired NPU byte costs ~4 host bytes there
+    assert sim.share("retired_weights") == 256 * MiB and sim.share("sim_decoded") == 2 * GiB
 
 
 class _Handle:

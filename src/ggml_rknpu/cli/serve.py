@@ -77,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
                         "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
     p.add_argument("--host-cache-budget", type=int, default=None, metavar="MIB",
-                   help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it), "
-                        "bound programs (a quarter); default from the machine's memory, "
-                        "MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
+                   help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it; "
+                        "a quarter on the simulator), bound programs (a quarter); default from the machine's "
+                        "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
     p.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
                    help="where weight matmuls run: auto (default: each weight and M bucket where the board's cost "
                         "models say it is faster), npu (every eligible weight on the NPU), host (every weight matmul "
@@ -138,12 +138,12 @@ def _open_engine(args: argparse.Namespace):
 def _host_budget(args: argparse.Namespace, npu: Any) -> HostBudget:
     """The host cache budget, applied to the engine's programs and, on the simulator, to its
     decoded weights (the retired weights get theirs through ``ServerConfig``)."""
+    sim: Any = getattr(getattr(npu, "device", None), "syscalls", None)
     host_budget = HostBudget(args.host_cache_budget << 20 if args.host_cache_budget is not None
-                             else default_budget(mem_total_bytes()))
+                             else default_budget(mem_total_bytes()), simulated=hasattr(sim, "limit_decode_cache"))
     if hasattr(npu, "program_budget"):
         npu.program_budget = host_budget.share("programs")
-    sim: Any = getattr(getattr(npu, "device", None), "syscalls", None)
-    if hasattr(sim, "limit_decode_cache"):
+    if host_budget.simulated:
         sim.limit_decode_cache(host_budget.share("sim_decoded"))
     return host_budget
 
