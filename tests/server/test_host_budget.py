@@ -91,3 +91,38 @@ def test_simulator_drops_decoded_weights_of_freed_memory():
         np.testing.assert_array_equal(npu.matmul(np.ones((1, 256), np.int8), w),
                                       np.ones((1, 256), np.int32) @ b.astype(np.int32).T)
         assert len(decoded._entries) <= 1
+
+
+_HEAP_PROBE = """
+import sys
+import numpy as np
+from ggml_rknpu.server.host_budget import fix_malloc_threshold
+if sys.argv[1] == "fixed":
+    assert fix_malloc_threshold()
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+big = np.ones(24 << 20, np.uint8)       # mapped; freeing it raises the dynamic threshold to 24 MiB
+del big
+base = rss()
+slices = [np.ones(8 << 20, np.uint8) for _ in range(24)]   # expert slices: 192 MiB
+keep = slices[-1]                        # the last one stays (a retired copy, a live buffer)
+del slices
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(not __import__("ctypes").util.find_library("c"), reason="no C library to ask")
+def test_pinned_mmap_threshold_gives_freed_slices_back():
+    """Without the pinned threshold the freed 8 MiB slices stay resident under the live one;
+    with it each is its own mapping and goes back to the system when freed."""
+    import subprocess
+    import sys
+
+    def held(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    if held("dynamic") < 100 * MiB:
+        pytest.skip("this C library gives freed heap back on its own (not glibc's dynamic threshold)")
+    assert held("fixed") < 20 * MiB

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ggml_rknpu.server.host_budget import HostBudget, default_budget, mem_total_bytes
+from ggml_rknpu.server.host_budget import HostBudget, default_budget, fix_malloc_threshold, mem_total_bytes
 
 DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
 ENGINES = ("ours", "rknn")
@@ -138,6 +138,9 @@ def _open_engine(args: argparse.Namespace):
 def _host_budget(args: argparse.Namespace, npu: Any) -> HostBudget:
     """The host cache budget, applied to the engine's programs and, on the simulator, to its
     decoded weights (the retired weights get theirs through ``ServerConfig``)."""
+    if not fix_malloc_threshold():
+        logging.getLogger("ggml_rknpu.rpc").info("not glibc: the C library's mmap threshold is left as it is "
+                                                 "(docs/memory.md)")
     sim: Any = getattr(getattr(npu, "device", None), "syscalls", None)
     host_budget = HostBudget(args.host_cache_budget << 20 if args.host_cache_budget is not None
                              else default_budget(mem_total_bytes()), simulated=hasattr(sim, "limit_decode_cache"))

@@ -8,6 +8,8 @@ below ``MIN_BYTES``. The shares are data (``SHARES``). Why: docs/memory.md."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,31 @@ SHARES = {"retired_weights": 1.0, "programs": 0.25}   # fractions of the budget,
 # OperandCache): a retired NPU byte costs about four host bytes. The retired share shrinks to
 # match; the decoded weights get twice the budget, so that gemma3-270m's (~1.1 GiB) fit at 1 GiB.
 SIMULATED_SHARES = {"retired_weights": 0.25, "programs": 0.25, "sim_decoded": 2.0}
+
+
+# glibc serves a request above its mmap threshold with its own mapping, returned to the system
+# when freed; below it, from the heap, whose freed middle is never returned. The threshold
+# starts at 128 KiB and rises to the size of each mapped block freed, up to 32 MiB, so after the
+# first freed expert slice (MoE weights: 0.1-16 MiB each) every slice, conversion and simulated
+# buffer below 32 MiB came from the heap, and one live block near its top kept gigabytes of
+# freed ones resident. A fixed threshold ends the rise [mallopt(3): M_MMAP_THRESHOLD]; below it
+# are the per-token temporaries, reused from the heap as before.
+M_MMAP_THRESHOLD = -3           # glibc malloc.h
+MMAP_THRESHOLD_BYTES = 4 << 20
+
+
+def fix_malloc_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Pin glibc's mmap threshold (False where the C library is not glibc: nothing done)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def mem_total_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
