@@ -126,3 +126,12 @@ def test_pinned_mmap_threshold_gives_freed_slices_back():
     if held("dynamic") < 100 * MiB:
         pytest.skip("this C library gives freed heap back on its own (not glibc's dynamic threshold)")
     assert held("fixed") < 20 * MiB
+
+
+def test_simulated_kernel_log_keeps_its_last_lines():
+    from ggml_rknpu.sim.kernel import DMESG_LINES, SimKernel
+
+    k = SimKernel("rknpu")
+    for i in range(3 * DMESG_LINES):
+        k.log_line(f"line {i}")
+    assert DMESG_LINES // 2 <= len(k.dmesg) <= DMESG_LINES and k.dmesg[-1] == f"line {3 * DMESG_LINES - 1}"

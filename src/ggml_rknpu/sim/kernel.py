@@ -61,6 +61,7 @@ PC_TASK_DMA_BASE_ADDR = REGISTERS["PC_TASK_DMA_BASE_ADDR"].offset
 PC_TASK_STATUS = REGISTERS["PC_TASK_STATUS"].offset
 # the flags the per-job ioctls test, as plain ints (an IntFlag operation costs a call)
 _CACHEABLE = int(rk.MemFlag.CACHEABLE)
+DMESG_LINES = 4096
 _KERNEL_MAPPING = int(rk.MemFlag.KERNEL_MAPPING)
 _TO_DEVICE, _FROM_DEVICE = int(rk.SyncFlag.TO_DEVICE), int(rk.SyncFlag.FROM_DEVICE)
 _JOB_PC, _JOB_PINGPONG = int(rk.JobFlag.PC), int(rk.JobFlag.PINGPONG)
@@ -326,7 +327,14 @@ class SimKernel:
         return domain
 
     def _log(self, line: str) -> None:
-        self.dmesg.append(f"{self.abi.upper()}: {line}")
+        self.log_line(f"{self.abi.upper()}: {line}")
+
+    def log_line(self, line: str) -> None:
+        """Append to ``dmesg``, which keeps the last ``DMESG_LINES`` lines like the kernel's ring
+        buffer (a server injecting faults for days must not keep every line)."""
+        self.dmesg.append(line)
+        if len(self.dmesg) > DMESG_LINES:
+            del self.dmesg[:len(self.dmesg) - DMESG_LINES // 2]
 
     def _new_object(self, f: _File, size: int, flags: int, cached: bool) -> tuple[int, GemObject]:
         if size <= 0:
