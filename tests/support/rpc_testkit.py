@@ -363,7 +363,7 @@ class ServerThread:
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
                  group_matmuls: bool = True, protocol: int | None = 7, placement: str = "npu",
                  host_threads: int | None = None, host_repack: bool = False, placement_split: bool = False,
-                 **config) -> None:
+                 retired_budget: int | None = None, **config) -> None:
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
         self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
@@ -371,7 +371,7 @@ class ServerThread:
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls,
                                                      placement=placement, host_threads=host_threads,
                                                      host_repack=host_repack, placement_split=placement_split,
-                                                     **config))
+                                                     retired_budget=retired_budget, **config))
         self.server = RpcServer(self.state, "127.0.0.1", 0, protocol=protocol)
         self.port = self.server.port
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)

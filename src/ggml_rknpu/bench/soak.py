@@ -36,6 +36,8 @@ def add_arguments(p, common) -> None:
     common(p, "bench-out/soak")
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: gemma-3-270m Q4_K_M from PyPI)")
     p.add_argument("--requests", type=int, default=200, help="chat completions in the loop (default 200)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="run for this long instead of a number of requests (the RSS growth after warm-up is the figure)")
     p.add_argument("--concurrency", type=int, default=4, help="client threads = llama-server -np (default 4)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
     p.add_argument("--sim-faults", default=DEFAULT_FAULTS, metavar="SPEC",
@@ -103,6 +105,21 @@ def _start_llama_server(model: Path, rpc_port: int, slots: int, log) -> tuple[su
     raise RuntimeError(f"llama-server not ready within 900 s; see {log.name}")
 
 
+WARMUP = 0.2   # of the run after the first answer: allocator and caches settle (weights staged, plans built)
+TAIL = 0.1     # of the samples: the window compared at each end (a median: one GC or compute peak does not count)
+
+
+def rss_growth_after_warmup(samples: list[tuple[float, float]], first_done: float) -> float | None:
+    """Percent RSS growth from just after the warm-up to the end of the run (None: too few samples)."""
+    after = [m for t, m in samples if t >= first_done]
+    after = after[int(WARMUP * len(after)):]
+    n = max(1, int(TAIL * len(after)))
+    if len(after) < 2 * n or len(after) < 4:
+        return None
+    start, end = sorted(after[:n])[n // 2], sorted(after[-n:])[n // 2]
+    return 100.0 * (end - start) / start
+
+
 def _answer(reply: dict) -> str:
     return reply["choices"][0]["message"]["content"]
 
@@ -113,8 +130,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         return None
     model, out = prepared
     device = args.device or "sim-rknpu"
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
-    distinct = list(dict.fromkeys(questions))
+    distinct = list(QUESTIONS[:min(len(QUESTIONS), args.requests)] if args.minutes is None else QUESTIONS)
 
     console.print(f"soak: fault-free reference answers for {len(distinct)} prompts ...")
     reference = {}
@@ -132,7 +148,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
         finally:
             launch.stop(server)
 
-    console.print(f"soak: {args.requests} requests, {args.concurrency} at a time, faults {args.sim_faults!r} ...")
+    amount = f"{args.minutes:g} minutes" if args.minutes is not None else f"{args.requests} requests"
+    console.print(f"soak: {amount}, {args.concurrency} at a time, faults {args.sim_faults!r} ...")
     stats_path = Path(tempfile.mkdtemp(prefix="soak-")) / "stats.json"
     results: list[dict] = []
     with open(out / "rknpu-serve.log", "w") as slog, open(out / "llama-server.log", "w") as llog:
@@ -145,17 +162,30 @@ def run(args, rig, console: Console) -> rp.Report | None:
             llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
             try:
                 def one(i: int) -> dict:
+                    question = distinct[i % len(distinct)]
                     t0 = time.monotonic()
                     try:
-                        text, error = _answer(_post(port, _body(questions[i], args.max_tokens), args.timeout)), None
+                        text, error = _answer(_post(port, _body(question, args.max_tokens), args.timeout)), None
                     except Exception as exc:      # counted as a failed request, never hidden
                         text, error = None, f"{type(exc).__name__}: {exc}"
                     t1 = time.monotonic()
                     return {"i": i, "start_s": t0 - t_start, "latency_s_measured": t1 - t0, "error": error,
-                            "correct": text == reference[questions[i]]}
+                            "correct": text == reference[question]}
+
+                def worker(first: int) -> list[dict]:   # --minutes: requests until the time is up
+                    done, i = [], first
+                    while time.monotonic() < t_end:
+                        done.append(one(i))
+                        i += args.concurrency
+                    return done
 
                 with ThreadPoolExecutor(args.concurrency) as pool:
-                    results = list(pool.map(one, range(args.requests)))
+                    if args.minutes is None:
+                        results = list(pool.map(one, range(args.requests)))
+                    else:
+                        t_end = time.monotonic() + 60.0 * args.minutes
+                        results = sorted((r for rs in pool.map(worker, range(args.concurrency)) for r in rs),
+                                         key=lambda r: r["start_s"])
             finally:
                 launch.stop(llama)
         finally:
@@ -173,11 +203,13 @@ def run(args, rig, console: Console) -> rp.Report | None:
     # RSS once the model is loaded and the first answer is out (before that it grows with the upload)
     first_done = min((r["start_s"] + r["latency_s_measured"] for r in results), default=0.0)
     warm = [m for t, m in samples if t >= first_done]
+    growth = rss_growth_after_warmup(samples, first_done)
     row = {"requests": len(results), "failed": failed, "wrong": wrong,
            "p50_s_measured": pct(0.50), "p99_s_measured": pct(0.99),
            "rss_first_mib_measured": warm[0] if warm else None,
            "rss_last_mib_measured": samples[-1][1] if samples else None,
            "rss_max_mib_measured": max(s[1] for s in samples) if samples else None,
+           "rss_growth_pct_measured": growth,
            "faults_injected": sum(v for k, v in stats.get("faults_injected", {}).items() if k != "submits"),
            "recoveries": stats.get("recovery", {}).get("resets")}
     table = rp.Table("Soak: concurrent chat completions through llama-server --rpc with injected NPU faults", [
@@ -187,6 +219,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rp.Column("rss_first_mib_measured", "serve RSS after 1st answer MiB", "{:.1f}", figure=True),
         rp.Column("rss_last_mib_measured", "serve RSS last MiB", "{:.1f}", figure=True),
         rp.Column("rss_max_mib_measured", "serve RSS max MiB", "{:.1f}", figure=True),
+        rp.Column("rss_growth_pct_measured", "RSS growth after warm-up %", "{:.2f}", figure=True),
         rp.Column("faults_injected", "faults injected"), rp.Column("recoveries", "NPU resets"),
     ], [row], note=f"-np {args.concurrency}, {args.concurrency} client threads, {args.max_tokens} tokens per answer, "
                    f"temperature 0, loopback")
@@ -198,6 +231,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
                 [rp.Series("RSS (measured)", [s[0] for s in samples], [s[1] for s in samples])]),
     ]
     notes = [f"model {model}; device {device}; faults {args.sim_faults}",
+             f"RSS growth after warm-up: the median of the last {TAIL:.0%} of the samples over the median of "
+             f"the {TAIL:.0%} that follow the warm-up (the first answer, then {WARMUP:.0%} of the rest)",
              "a wrong answer is one whose text differs from the fault-free reference of the same prompt"]
     if device.startswith("sim"):
         notes.append("the matmuls ran on the NPU simulator on this host: latencies are the simulator's, not an NPU's")

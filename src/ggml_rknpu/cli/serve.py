@@ -20,6 +20,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+from ggml_rknpu.server.host_budget import HostBudget, default_budget, fix_malloc_threshold, mem_total_bytes
 
 DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
 ENGINES = ("ours", "rknn")
@@ -82,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--npu-memory", type=int, default=None, metavar="MIB",
                    help="stage at most MIB MiB in NPU memory (weights, programs, scratch); weights beyond it run "
                         "on the host from their ggml bytes (boards share DRAM between CPU and NPU)")
+    p.add_argument("--host-cache-budget", type=int, default=None, metavar="MIB",
+                   help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it; "
+                        "a quarter on the simulator), bound programs (a quarter); default from the machine's "
+                        "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
     p.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
                    help="where weight matmuls run: auto (default: each weight and M bucket where the board's cost "
                         "models say it is faster), npu (every eligible weight on the NPU), host (every weight matmul "
@@ -143,6 +150,22 @@ def _open_engine(args: argparse.Namespace):
     if injector is not None:
         described += f", injected faults: {injector.spec.describe()}"
     return npu, described, injector
+
+
+def _host_budget(args: argparse.Namespace, npu: Any) -> HostBudget:
+    """The host cache budget, applied to the engine's programs and, on the simulator, to its
+    decoded weights (the retired weights get theirs through ``ServerConfig``)."""
+    if not fix_malloc_threshold():
+        logging.getLogger("ggml_rknpu.rpc").info("not glibc: the C library's mmap threshold is left as it is "
+                                                 "(docs/memory.md)")
+    sim: Any = getattr(getattr(npu, "device", None), "syscalls", None)
+    host_budget = HostBudget(args.host_cache_budget << 20 if args.host_cache_budget is not None
+                             else default_budget(mem_total_bytes()), simulated=hasattr(sim, "limit_decode_cache"))
+    if hasattr(npu, "program_budget"):
+        npu.program_budget = host_budget.share("programs")
+    if host_budget.simulated:
+        sim.limit_decode_cache(host_budget.share("sim_decoded"))
+    return host_budget
 
 
 def _faulty_device(args: argparse.Namespace):
@@ -235,6 +258,14 @@ def run(args: argparse.Namespace) -> int:
         placement = "npu"
         log.info("--engine rknn: --placement auto has no cost model of librknnrt, so every eligible matmul "
                  "runs on the NPU (--placement host runs them in ggml-cpu)")
+    try:
+        host_budget = _host_budget(args, npu)
+    except ValueError as exc:
+        log.error("--host-cache-budget: %s", exc)
+        if npu is not None:
+            npu.close()
+        return 2
+    engine += f", {host_budget.describe()}"
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
@@ -244,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
                           host_threads=args.host_threads, host_repack=not args.no_host_repack,
                           placement_split=args.placement_split, idle_timeout_s=args.idle_timeout,
                           max_clients=args.max_clients or MAX_CLIENTS,
-                          session_memory=None if args.session_memory is None else args.session_memory << 20)
+                          session_memory=None if args.session_memory is None else args.session_memory << 20,
+                          retired_budget=host_budget.share("retired_weights"))
     from ggml_rknpu.libggml.lib import GgmlAbiError, GgmlLibraryMissing
 
     if args.threads is not None and args.threads < 1:

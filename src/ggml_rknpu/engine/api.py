@@ -36,7 +36,8 @@ from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError
 
 COUNTERS = ("weights_uploaded", "weight_bytes_uploaded", "weights_freed", "programs_compiled",
-            "program_cache_hits", "program_cache_misses", "programs_evicted", "scratch_grown", "matmuls",
+            "program_cache_hits", "program_cache_misses", "programs_evicted", "programs_evicted_budget",
+            "scratch_grown", "matmuls",
             "submits", "npu_faults", "resets", "fused_weights_uploaded", "fusion_runs", "chained_submits",
             "memory_splits")
 W = TypeVar("W", bound=Weight)
@@ -224,6 +225,16 @@ class Npu:
     @memory_cap.setter
     def memory_cap(self, cap: int | None) -> None:
         self.parts.memory.cap = cap
+
+    @property
+    def program_budget(self) -> int | None:
+        """At most this many bytes of bound programs kept (None: bounded by NPU memory only)."""
+        return self.parts.programs.max_bytes
+
+    @program_budget.setter
+    def program_budget(self, budget: int | None) -> None:
+        self.parts.programs.max_bytes = budget
+        self.parts.programs.trim()
 
     @property
     def peak_memory(self) -> int:

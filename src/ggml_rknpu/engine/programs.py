@@ -45,7 +45,9 @@ def m_bucket(m: int) -> int:
 
 class ProgramCache:
     """The bound programs of one engine, by (weight, M bucket, output type), least recently
-    used first (``evict_one``, which ``NpuMemory`` calls when memory runs out)."""
+    used first (``evict_one``, which ``NpuMemory`` calls when memory runs out), and at most
+    ``max_bytes`` of them (register commands on the device and in host memory: on a board
+    both are DRAM; ``rknpu serve --host-cache-budget``)."""
 
     def __init__(self, device: NpuDevice, memory: NpuMemory, scratch: ScratchPool, counters: dict[str, int],
                  cores: int, envelope: Envelope, npu_mhz: float | None) -> None:
@@ -53,6 +55,9 @@ class ProgramCache:
         self.cores, self.envelope, self.npu_mhz = cores, envelope, npu_mhz
         self.abi = device.kind
         self._lru: OrderedDict[tuple[int, int, str], Weight] = OrderedDict()
+        self._sizes: dict[tuple[int, int, str], int] = {}
+        self.bytes = 0                     # what the cached programs hold (``program_bytes``)
+        self.max_bytes: int | None = None  # None: bounded by NPU memory only
         memory.evict = self.evict_one
 
     def compile(self, m: int, k: int, n: int, dtype: str, out: str) -> Program:
@@ -117,8 +122,18 @@ class ProgramCache:
         self.counters["program_cache_misses"] += 1
         bound = self._bind(self.program_for(w, m, out), m, w)
         w.programs[(m, out)] = bound
-        self._lru[(id(w), m, out)] = w
+        key = (id(w), m, out)
+        self._lru[key] = w
+        self._sizes[key] = program_bytes(bound)
+        self.bytes += self._sizes[key]
+        self.trim()
         return bound
+
+    def trim(self) -> None:
+        """Evict least recently used programs beyond ``max_bytes`` (never the newest one)."""
+        while self.max_bytes is not None and self.bytes > self.max_bytes and len(self._lru) > 1:
+            self.evict_one()
+            self.counters["programs_evicted_budget"] += 1
 
     def _bind(self, program: Program, m: int, w: Weight) -> BoundProgram:
         what = f"program M={m} for {w!r}"
@@ -162,8 +177,9 @@ class ProgramCache:
         """Free the least recently used program; False when none is cached."""
         if not self._lru:
             return False
-        (_wid, m, out), weight = self._lru.popitem(last=False)
-        weight.programs.pop((m, out)).close()
+        key, weight = self._lru.popitem(last=False)
+        self.bytes -= self._sizes.pop(key)
+        weight.programs.pop(key[1:]).close()
         self.counters["programs_evicted"] += 1
         return True
 
@@ -171,3 +187,11 @@ class ProgramCache:
         """``w`` is being freed: its programs leave the eviction order (it closes them)."""
         for key in [k for k, weight in self._lru.items() if weight is w]:
             del self._lru[key]
+            self.bytes -= self._sizes.pop(key)
+
+
+def program_bytes(bound: BoundProgram) -> int:
+    """What a cached program holds: its register commands on the device (whole pages) and
+    in host memory (the compiled words)."""
+    words = bound.program.words.nbytes
+    return pages(words) + words

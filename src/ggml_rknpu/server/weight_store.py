@@ -107,6 +107,7 @@ class WeightStats:
     reused: int = 0                  # stagings served from a retired copy (no conversion)
     retired: int = 0                 # staged copies kept after their buffer was freed
     evicted: int = 0                 # retired copies freed for NPU memory
+    evicted_budget: int = 0          # retired copies freed (or not kept) to stay within the host cache budget
     retired_now: int = 0             # retired copies held now
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
     host_now: int = 0                # weights of live buffers the engine refused or demoted: on the host
@@ -125,12 +126,16 @@ def _free_handle(handle: EngineWeight, name: str) -> None:
 class RetiredWeights:
     """Server-wide LRU of staged weights whose buffers were freed, keyed by content.
 
-    Bounded by NPU memory: ``evict_one`` frees the least recently retired copy when an
-    upload runs out of NPU memory; ``npu_bytes`` is what GET_DEVICE_MEMORY adds back
-    to the free figure (it can be reclaimed at any time)."""
+    Bounded twice: by ``budget_bytes`` (``rknpu serve --host-cache-budget``; on a board NPU
+    memory is the host's DRAM, so what is kept for a client that may never come back must
+    leave room for everything else), the oldest copies freed at retirement; and by NPU
+    memory, ``evict_one`` freeing the oldest copy when an upload runs out of it.
+    ``npu_bytes`` is what GET_DEVICE_MEMORY adds back to the free figure (it can be
+    reclaimed at any time)."""
 
-    def __init__(self, stats: WeightStats) -> None:
+    def __init__(self, stats: WeightStats, budget_bytes: int | None = None) -> None:
         self.stats = stats
+        self.budget_bytes = budget_bytes     # None: bounded by NPU memory only
         self._lru: OrderedDict[tuple, tuple[EngineWeight, int, str]] = OrderedDict()
 
     @property
@@ -138,13 +143,20 @@ class RetiredWeights:
         return self.stats.retired_bytes
 
     def retire(self, key: tuple, handle: EngineWeight, nbytes: int, name: str) -> bool:
-        """Keep ``handle`` under ``key``; False (caller frees it) if an equal copy is already kept."""
+        """Keep ``handle`` under ``key``, freeing the oldest copies beyond the budget; False
+        (caller frees it) if an equal copy is already kept or the copy alone exceeds the budget."""
         if key in self._lru:
+            return False
+        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+            self.stats.evicted_budget += 1
             return False
         self._lru[key] = (handle, nbytes, name)
         self.stats.retired += 1
         self.stats.retired_now += 1
         self.stats.retired_bytes += nbytes
+        while self.budget_bytes is not None and self.stats.retired_bytes > self.budget_bytes:
+            self._free_oldest()
+            self.stats.evicted_budget += 1
         return True
 
     def take(self, key: tuple) -> EngineWeight | None:
@@ -157,21 +169,22 @@ class RetiredWeights:
         return entry[0]
 
     def evict_one(self) -> bool:
+        """Free the oldest copy for NPU memory; False when none is kept."""
         if not self._lru:
             return False
+        self._free_oldest()
+        self.stats.evicted += 1
+        return True
+
+    def _free_oldest(self) -> None:
         _, (handle, nbytes, name) = self._lru.popitem(last=False)
         self.stats.retired_now -= 1
         self.stats.retired_bytes -= nbytes
-        self.stats.evicted += 1
         _free_handle(handle, name)
-        return True
 
     def clear(self) -> None:
         while self._lru:
-            _, (handle, nbytes, name) = self._lru.popitem(last=False)
-            self.stats.retired_now -= 1
-            self.stats.retired_bytes -= nbytes
-            _free_handle(handle, name)
+            self._free_oldest()
 
 
 @dataclass
@@ -184,6 +197,10 @@ class WeightStore:
     stats: WeightStats = field(default_factory=WeightStats)
     retired: RetiredWeights | None = None   # None: no reuse across connections
     live: LiveWeights | None = None         # the live sessions' stores; shares copies by content with retired
+    # False once the session ended in an error (a broken or hostile client): the weights of the
+    # buffers freed from then on are freed, not retired, so no client fills the retired copies
+    # with bytes nobody will ask for again
+    retire_on_free: bool = True
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
     types: frozenset[int] = field(default_factory=_weight_types)
@@ -247,7 +264,7 @@ class WeightStore:
 
     def _forget(self, slot: WeightSlot) -> None:
         """The slot's buffer is gone: its staged copy is retired (or freed), its host count dropped."""
-        self._unstage(slot, retire=True)
+        self._unstage(slot, retire=self.retire_on_free)
         if slot.failed is not None:
             self.stats.host_now -= 1
             self.stats.host_bytes_now -= slot.nbytes

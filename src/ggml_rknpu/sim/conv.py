@@ -454,9 +454,12 @@ class _Decoded:
         if token is None:
             self._untracked.add(key)
         self._bytes += value.nbytes
+        self.trim()
+        return value
+
+    def trim(self) -> None:
         while self._bytes > self.max_bytes and len(self._entries) > 1:
             self._drop(next(iter(self._entries)))
-        return value
 
     def _drop(self, key: tuple) -> None:
         old = self._entries.pop(key, None)
@@ -466,6 +469,11 @@ class _Decoded:
 
     def invalidate(self, start: int, nbytes: int) -> None:
         for key in [k for k in self._untracked if _overlap(self._entries[k][1], (start, start + nbytes))]:
+            self._drop(key)
+
+    def forget(self, start: int, nbytes: int) -> None:
+        """The memory [start, start + nbytes) was freed: drop every entry decoded from it."""
+        for key in [k for k, e in self._entries.items() if _overlap(e[1], (start, start + nbytes))]:
             self._drop(key)
 
     def end_run(self) -> None:
@@ -516,6 +524,17 @@ class OperandCache:
     def invalidate(self, start: int, nbytes: int) -> None:
         self._weights.invalidate(start, nbytes)
         self._features.invalidate(start, nbytes)
+
+    def limit_weights(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of decoded weights (least recently used go first)."""
+        self._weights.max_bytes = max_bytes
+        self._weights.trim()
+
+    def forget(self, start: int, nbytes: int) -> None:
+        """The NPU memory [start, start + nbytes) was freed: its decoded copies can never be
+        read again (new memory there has a new token), so they go now, not when LRU gets to them."""
+        self._weights.forget(start, nbytes)
+        self._features.forget(start, nbytes)
 
     def end_run(self) -> None:
         """Drop what no content token vouches for (it may change before the next run)."""

@@ -162,11 +162,11 @@ class FaultInjector:
             self.counts[kind] += 1
         if self.hung or self.dead_cores & set(cores):
             why = "the NPU hangs" if self.hung else f"core {min(self.dead_cores & set(cores))} does not respond"
-            self.inner.dmesg.append(f"RKNPU: injected fault: {why} until ACT_RESET")
+            self.inner.log_line(f"RKNPU: injected fault: {why} until ACT_RESET")
             raise OSError(errno.ETIMEDOUT, f"SUBMIT: job timeout after {s.timeout} ms (injected fault: {why} "
                                            "until reset; simulated time)")
         if kind == "dma":
-            self.inner.dmesg.append("RKNPU: injected fault: NPU DMA fault, soft reset")
+            self.inner.log_line("RKNPU: injected fault: NPU DMA fault, soft reset")
             raise OSError(errno.EFAULT, "SUBMIT: NPU DMA fault (injected; a board reports an IOMMU page fault "
                                         "and a job timeout); the NPU was soft-reset")
         if kind == "stale":
@@ -196,7 +196,7 @@ class FaultInjector:
                     ctypes.string_at(job.out_bo_handles, 4 * job.out_bo_handle_count))
                 for h in handles:
                     self._failed_outputs[h] = why
-        self.inner.dmesg.append(f"ROCKET: injected fault: {why}")
+        self.inner.log_line(f"ROCKET: injected fault: {why}")
         return 0
 
 

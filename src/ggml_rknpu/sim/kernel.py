@@ -16,7 +16,7 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from ggml_rknpu.sim.memory import (
     page_align,
 )
 
+if TYPE_CHECKING:
+    from ggml_rknpu.sim.conv import OperandCache
+
 CACHE_LINE = 64  # arm64 Cortex-A76/A55 data cache line
 ROCKET_ERRORS = ("mainline", "loud")
 
@@ -62,6 +65,7 @@ PC_TASK_DMA_BASE_ADDR = REGISTERS["PC_TASK_DMA_BASE_ADDR"].offset
 PC_TASK_STATUS = REGISTERS["PC_TASK_STATUS"].offset
 # the flags the per-job ioctls test, as plain ints (an IntFlag operation costs a call)
 _CACHEABLE = int(rk.MemFlag.CACHEABLE)
+DMESG_LINES = 4096
 _KERNEL_MAPPING = int(rk.MemFlag.KERNEL_MAPPING)
 _TO_DEVICE, _FROM_DEVICE = int(rk.SyncFlag.TO_DEVICE), int(rk.SyncFlag.FROM_DEVICE)
 _JOB_PC, _JOB_PINGPONG = int(rk.JobFlag.PC), int(rk.JobFlag.PINGPONG)
@@ -351,7 +355,14 @@ class SimKernel:
         return domain
 
     def _log(self, line: str) -> None:
-        self.dmesg.append(f"{self.abi.upper()}: {line}")
+        self.log_line(f"{self.abi.upper()}: {line}")
+
+    def log_line(self, line: str) -> None:
+        """Append to ``dmesg``, which keeps the last ``DMESG_LINES`` lines like the kernel's ring
+        buffer (a server injecting faults for days must not keep every line)."""
+        self.dmesg.append(line)
+        if len(self.dmesg) > DMESG_LINES:
+            del self.dmesg[:len(self.dmesg) - DMESG_LINES // 2]
 
     def _new_object(self, f: _File, size: int, flags: int, cached: bool) -> tuple[int, GemObject]:
         if size <= 0:
@@ -397,6 +408,9 @@ class SimKernel:
         del self._objects[obj.obj_addr]
         self._cpu_synced.pop(obj.obj_addr, None)
         if obj.domain is not None:
+            decoded = self._decoded()
+            if decoded is not None:
+                decoded.forget(obj.dma_addr, obj.size)
             obj.domain.unmap(obj)
         if obj.mmap_offset is not None:
             self._offsets.free(obj.mmap_offset)
@@ -408,6 +422,21 @@ class SimKernel:
         if obj is None:
             raise _fail(code, f"{what}: handle {handle} is not open on this fd (destroyed already, or from another fd?)")
         return obj
+
+    def limit_decode_cache(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of the simulator's decoded fp32 weights (host memory of
+        the simulator, which a board does not spend; ``rknpu serve --host-cache-budget``)."""
+        self._npu_model()
+        decoded = self._decoded()
+        if decoded is not None:
+            decoded.limit_weights(max_bytes)
+
+    def _decoded(self) -> OperandCache | None:
+        """The simulated NPU's decoded operands (None before it exists, or for a test's stand-in,
+        which decodes nothing)."""
+        from ggml_rknpu.sim.npu import SimNpu
+
+        return self._npu.operands if isinstance(self._npu, SimNpu) else None
 
     def _npu_model(self) -> NpuModel:
         if self._npu is None:

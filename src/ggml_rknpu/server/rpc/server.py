@@ -148,6 +148,7 @@ class ServerConfig:
     idle_timeout_s: float | None = None   # close a client idle this long between messages (None: never)
     max_clients: int = MAX_CLIENTS    # connections served at once; more are refused at accept
     session_memory: int | None = None  # buffer bytes one connection may hold (None: the device budget)
+    retired_budget: int | None = None  # bytes of retired weights kept (server.host_budget; None: NPU memory only)
 
 
 @dataclass
@@ -186,7 +187,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         if self.config.weight_reuse and self.npu is not None and self.retired is None:
-            retired = self.retired = RetiredWeights(self.weight_stats)
+            retired = self.retired = RetiredWeights(self.weight_stats, self.config.retired_budget)
             self.memory.reclaimable = lambda: retired.npu_bytes
         if self.activations is None:
             self.activations = ActivationRounding(self.host, self.config.activations)
@@ -302,6 +303,7 @@ class Session:
         self.allocated = 0                # bytes of this connection's buffers (--session-memory)
         self.peak_allocated = 0
         self._built_plans = False         # this connection planned a graph (its close collects cycles)
+        self.clean_end = False            # a goodbye at a message boundary: its staged weights are retired
         self.commands_after_hello = 0
         self._pending_hash: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
         self._handlers: dict[int, Callable[[int], None]] = {
@@ -337,6 +339,7 @@ class Session:
                     stats.commands[cmd] += 1
                 self._handlers[cmd](size)
         except (ClientGone, ConnectionError) as exc:
+            self.clean_end = self.hung_up or (isinstance(exc, ClientGone) and not exc.truncated)
             if self.hung_up:
                 log.info("ended the connection of %s: the server is stopping", self.peer)
             elif isinstance(exc, ConnectionError):
@@ -409,6 +412,7 @@ class Session:
             g.clear()
         if self.proto8 is not None:
             self.proto8.close()
+        self.weights.retire_on_free = self.clean_end
         try:
             self.buffers.close()
         finally:
