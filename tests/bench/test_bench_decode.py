@@ -1,4 +1,4 @@
-"""``rknpu bench decode``: the step plan per token, its modeled time recomputed independently
+"""``rknpu bench decode``: the submit plan per token, its modeled time recomputed independently
 from the compiler and cost model, GGUF shape reading, and the report (labels, host figure)."""
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ pytestmark = pytest.mark.timeout(600)
 
 def test_fused_plan_is_four_submits_per_layer_plus_head():
     model = dec.PRESETS["Qwen2.5-1.5B"]
-    steps = dec.decode_steps(model, fused=True)
-    assert [s.names for s in steps] == [("q", "k", "v"), ("o",), ("gate", "up"), ("down",), ("output",)]
+    submits = dec.decode_submits(model, fused=True)
+    assert [s.names for s in submits] == [("q", "k", "v"), ("o",), ("gate", "up"), ("down",), ("output",)]
     row = dec.forecast(model, "int8", 1, cores=3)
     assert row["submits_per_token"] == 4 * 28 + 1 and row["submits_per_layer"] == 4
     unfused = dec.forecast(model, "int8", 1, cores=3, fused=False)
     assert unfused["submits_per_token"] == 7 * 28 + 1
     assert row["weight_mb"] == pytest.approx(unfused["weight_mb"])       # same bytes streamed
-    assert row["npu_ms_per_step_modeled"] < unfused["npu_ms_per_step_modeled"]
+    assert row["npu_ms_per_pass_modeled"] < unfused["npu_ms_per_pass_modeled"]
 
 
 def test_forecast_is_the_sum_of_the_compiled_programs():
-    """Recomputed here from compile_matmul + modeled_time: one program per fused step
+    """Recomputed here from compile_matmul + modeled_time: one program per fused submit
     (N = sum of siblings), one submit each."""
     model = dec.PRESETS["Qwen3-0.6B"]
     h, ff, q, kv, L = model.hidden, model.ff, model.q_dim, model.kv_dim, model.layers
@@ -39,17 +39,17 @@ def test_forecast_is_the_sum_of_the_compiled_programs():
                                                    envelope=dec.laddered_envelope())).total_s * n
                        for K, N, n in shapes)
             got = dec.forecast(model, dtype, m, cores=3)
-            assert got["npu_ms_per_step_modeled"] == pytest.approx(want * 1e3, rel=1e-12)
+            assert got["npu_ms_per_pass_modeled"] == pytest.approx(want * 1e3, rel=1e-12)
             assert got["tok_s_modeled"] == pytest.approx(m / want)
     b = 2
     bytes_per_token = sum(K * N * n for K, N, n in shapes) * b
     row = dec.forecast(model, "fp16", 1, cores=3)
-    assert row["stream_gb_s_modeled"] == pytest.approx(bytes_per_token / (row["npu_ms_per_step_modeled"] / 1e3) / 1e9)
+    assert row["stream_gb_s_modeled"] == pytest.approx(bytes_per_token / (row["npu_ms_per_pass_modeled"] / 1e3) / 1e9)
     assert row["submit_ms_modeled"] == pytest.approx(113 * OWN_DRIVER.per_submit_s * 1e3)
 
 
-def test_every_fused_decode_step_streams_near_the_model_ceiling():
-    """Per step, excluding its submit, every fused decode matmul of the three target models
+def test_every_fused_decode_submit_streams_near_the_model_ceiling():
+    """Per submit, excluding the submit itself, every fused decode matmul of the three target models
     at M = 1..16 streams within 10% of what the cost model allows one job on 3 cores (the
     DRAM stream, less the share of compute the model does not overlap)."""
     from ggml_rknpu.cost import model as cm
@@ -60,11 +60,11 @@ def test_every_fused_decode_step_streams_near_the_model_ceiling():
             b = 1 if dtype == "int8" else 2
             compute_per_byte = cm.M_ATOM / cm.MACS_PER_CYCLE_PER_CORE[dtype] / 1e9 / b
             ceiling = 3 * per_core_bw / (1 + cm.OVERLAP_PENALTY * compute_per_byte * per_core_bw)
-            for step in dec.decode_steps(dec.PRESETS[name]):
+            for sub in dec.decode_submits(dec.PRESETS[name]):
                 for m in (1, 8):
-                    seconds = dec.modeled_step_s(step, m, dtype, cores=3) - OWN_DRIVER.per_submit_s
-                    stream = step.K * sum(step.Ns) * b / seconds
-                    assert stream > 0.9 * ceiling, (name, dtype, step.names, m, stream / 1e9)
+                    seconds = dec.modeled_submit_s(sub, m, dtype, cores=3) - OWN_DRIVER.per_submit_s
+                    stream = sub.K * sum(sub.Ns) * b / seconds
+                    assert stream > 0.9 * ceiling, (name, dtype, sub.names, m, stream / 1e9)
 
 
 @pytest.mark.parametrize("name,dtype,at_ceiling,at_bound", [
@@ -99,13 +99,13 @@ def test_gguf_shape_and_cli_report(tmp_path):
     rows = data["raw"]["rows"]
     tiny = [r for r in rows if r["model"] == "tiny" and r["plan"] == "fused"]
     assert [r["M"] for r in tiny] == [1, 2]
-    assert all(r["host_us_per_step_measured"] > 0 for r in tiny)
+    assert all(r["host_us_per_submit_measured"] > 0 for r in tiny)
     md = (out / "decode.md").read_text()
     assert "(modeled)" in md and "(measured)" in md and "not the board" in md
     assert (out / "decode_tok_s.png").stat().st_size > 0
-    steps = data["raw"]["host_steps"]
-    assert {s["step"] for s in steps if s["K"] == c.n_embd} >= {"q+k+v (fused)", "gate+up (fused)", "output"}
-    assert all(s["host_us_measured"] > 0 and s["host_after_submit_us_measured"] > 0 for s in steps)
+    submits = data["raw"]["host_submits"]
+    assert {s["submit"] for s in submits if s["K"] == c.n_embd} >= {"q+k+v (fused)", "gate+up (fused)", "output"}
+    assert all(s["host_us_measured"] > 0 and s["host_after_submit_us_measured"] > 0 for s in submits)
 
     # a preset, modeled only: the published figure sits beside it
     rc = main(["bench", "decode", "qwen3-0.6b", "--weights", "int8", "--ms", "1", "--host-reps", "0",
@@ -114,7 +114,7 @@ def test_gguf_shape_and_cli_report(tmp_path):
     rows = json.loads((tmp_path / "preset" / "decode.json").read_text())["raw"]["rows"]
     qwen = next(r for r in rows if r["plan"] == "fused")
     assert qwen["anchor_tok_s"] == "32.91" and qwen["anchor_source"] == "RKLLM w8a8"
-    assert "host_us_per_step_measured" not in qwen
+    assert "host_us_per_submit_measured" not in qwen
 
 
 def test_unknown_model_is_a_clear_error():

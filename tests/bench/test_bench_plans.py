@@ -34,7 +34,7 @@ def test_auto_is_the_per_weight_minimum(name):
     weights = plans.preset_weights(model, plans.DEFAULT_QUANT[name])
     for m in (1, 16, 512):
         for cores in (1, 3):
-            t = {p: plans.step_seconds(weights, model.layers, p, m, npu_dtype="int8", cores=cores) for p in plans.PLANS}
+            t = {p: plans.pass_seconds(weights, model.layers, p, m, npu_dtype="int8", cores=cores) for p in plans.PLANS}
             assert t["auto"] <= t["npu"] and t["auto-split"] <= t["auto"] * (1 + 1e-12)
             placed = plans.place(weights, "auto", m, npu_dtype="int8", cores=cores)
             for p in placed:

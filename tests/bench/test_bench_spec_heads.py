@@ -1,7 +1,7 @@
-"""rknpu bench spec, heads: the head shapes follow llama.cpp's tensors, a step is the target's
+"""rknpu bench spec, heads: the head shapes follow llama.cpp's tensors, a round is the target's
 verification plus the head's passes priced by bench.plans, the auto plan and the head's
 placement are cost.placement's argmin, the chain model inverts, and the goals' acceptance
-length is what the step costs say."""
+length is what the round costs say."""
 
 from __future__ import annotations
 
@@ -57,13 +57,13 @@ def test_head_weight_types_follow_llama_cpps_quantizer():
 
 
 @pytest.mark.parametrize("plan", sh.SPEC_PLANS)
-def test_step_is_verification_plus_the_head_passes_with_host_ops(plan):
+def test_round_is_verification_plus_the_head_passes_with_host_ops(plan):
     head = HEADS["eagle3"]
     for n in (1, 3, 7):
-        want = (plans.step_seconds(list(TARGET.weights), 28, plan, n + 1, npu_dtype="int8", cores=3)
-                + n * plans.step_seconds(list(head.weights), 1, plan, 1, npu_dtype="int8", cores=3)
-                + plans.step_seconds(list(head.weights), 1, plan, n + 1, npu_dtype="int8", cores=3))
-        assert sh.step_s(TARGET, head, n, plan, BOARD) == pytest.approx(want)
+        want = (plans.pass_seconds(list(TARGET.weights), 28, plan, n + 1, npu_dtype="int8", cores=3)
+                + n * plans.pass_seconds(list(head.weights), 1, plan, 1, npu_dtype="int8", cores=3)
+                + plans.pass_seconds(list(head.weights), 1, plan, n + 1, npu_dtype="int8", cores=3))
+        assert sh.round_s(TARGET, head, n, plan, BOARD) == pytest.approx(want)
     # host ops are in every pass: one layer's for the head, 28 layers' for the target
     assert sh.pass_s(head, plan, 1, BOARD) > cpu.host_ops_seconds(1)
     assert sh.pass_s(TARGET, plan, 1, BOARD) > cpu.host_ops_seconds(28)
@@ -73,7 +73,7 @@ def test_step_is_verification_plus_the_head_passes_with_host_ops(plan):
 
 def test_auto_is_never_slower_than_the_npu_or_the_servers_host_path():
     """auto takes each matmul's argmin of the NPU and the server's host path (the GGUF bytes
-    unrepacked), so its step is never above either pure placement at any M."""
+    unrepacked), so its pass is never above either pure placement at any M."""
     for model in (TARGET, *HEADS.values()):
         for M in range(1, max(sh.DRAFT_NS) + 2):
             auto = sh.pass_s(model, "auto", M, BOARD)
@@ -105,15 +105,15 @@ def test_head_placement_is_the_argmin_of_the_two_models():
     assert sh.placement_of(HEADS["eagle3"], "npu", 1, BOARD) == pl.NPU
 
 
-def test_step_rows_cover_every_plan_and_length():
-    rows = sh.step_rows(TARGET, HEADS, BOARD)
+def test_round_rows_cover_every_plan_and_length():
+    rows = sh.round_rows(TARGET, HEADS, BOARD)
     assert len(rows) == len(HEADS) * len(sh.DRAFT_NS) * len(sh.SPEC_PLANS)
     by = {(r["head"], r["n_draft"], r["plan"]): r for r in rows}
     for (kind, n, plan), r in by.items():
-        assert r["step_ms_modeled"] == pytest.approx(sh.step_s(TARGET, HEADS[kind], n, plan, BOARD) * 1e3)
-        assert r["ceiling_tok_s_modeled"] == pytest.approx((n + 1) / r["step_ms_modeled"] * 1e3)
+        assert r["round_ms_modeled"] == pytest.approx(sh.round_s(TARGET, HEADS[kind], n, plan, BOARD) * 1e3)
+        assert r["ceiling_tok_s_modeled"] == pytest.approx((n + 1) / r["round_ms_modeled"] * 1e3)
         if plan == "auto":
-            assert r["step_ms_modeled"] <= by[(kind, n, "npu")]["step_ms_modeled"] + 1e-9
+            assert r["round_ms_modeled"] <= by[(kind, n, "npu")]["round_ms_modeled"] + 1e-9
 
 
 def test_chain_model_and_its_inverse():
@@ -133,7 +133,7 @@ def test_published_rows_carry_their_source_and_pick_the_best_length():
     for row in rows:
         pub = next(p for p in sh.PUBLISHED if p.model == row["model"])
         alpha = sh.alpha_from_tau(pub.tau)
-        by_n = {n: sh.chain_tau(alpha, n) / sh.step_s(TARGET, HEADS[pub.head], n, row["plan"], BOARD)
+        by_n = {n: sh.chain_tau(alpha, n) / sh.round_s(TARGET, HEADS[pub.head], n, row["plan"], BOARD)
                 for n in sh.DRAFT_NS}
         assert row["best_n_draft"] == max(by_n, key=lambda n: by_n[n])
         assert row["tok_s_modeled"] == pytest.approx(by_n[row["best_n_draft"]])
@@ -150,11 +150,11 @@ def test_needed_tau_meets_the_goal_exactly_and_the_best_plan_needs_least():
         (h, g, p) for h in HEADS for g in goals for p in sh.SPEC_PLANS}
     for r in rows:
         if r["tau_needed_modeled"] is None:
-            # unreachable: at every length the goal needs more than n + 1 tokens a step
-            assert all(r["goal_tok_s"] * sh.step_s(TARGET, HEADS[r["head"]], n, r["plan"], BOARD) > n + 1
+            # unreachable: at every length the goal needs more than n + 1 tokens a round
+            assert all(r["goal_tok_s"] * sh.round_s(TARGET, HEADS[r["head"]], n, r["plan"], BOARD) > n + 1
                        for n in sh.DRAFT_NS)
             continue
-        cost = sh.step_s(TARGET, HEADS[r["head"]], r["n_draft"], r["plan"], BOARD)
+        cost = sh.round_s(TARGET, HEADS[r["head"]], r["n_draft"], r["plan"], BOARD)
         assert r["tau_needed_modeled"] / cost == pytest.approx(r["goal_tok_s"])
         assert r["tau_needed_modeled"] <= r["n_draft"] + 1
     for head in HEADS:
@@ -173,8 +173,8 @@ def test_cli_writes_the_head_tables_and_the_tau_plot(tmp_path):
                               "--ms", "1,4", "--quant", "Q4_K_M"])
     assert cli.run(args) == 0
     report = json.loads((out / "spec.json").read_text())
-    assert {r["head"] for r in report["raw"]["head_steps"]} == {"eagle3", "mtp"}
-    assert {r["plan"] for r in report["raw"]["head_steps"]} == set(sh.SPEC_PLANS)
+    assert {r["head"] for r in report["raw"]["head_rounds"]} == {"eagle3", "mtp"}
+    assert {r["plan"] for r in report["raw"]["head_rounds"]} == set(sh.SPEC_PLANS)
     assert len(report["raw"]["head_published"]) == len(sh.PUBLISHED) * len(sh.SPEC_PLANS)
     assert report["meta"]["quant"] == "Q4_K_M"
     assert report["raw"]["cpu_plain_tok_s_modeled"] < report["raw"]["cpu_q4_0_plain_tok_s_modeled"]

@@ -5,7 +5,7 @@ real gemma3-270m on ``--device host`` and the simulated NPU; and ``--protocol au
 its own port.
 
 Why the near-tie rule even on ``--device host``: the server's host ops are the pinned build's
-ggml-cpu, not b11739's, so two correct CPUs may round a top-2 near-tie either way. Every step's
+ggml-cpu, not b11739's, so two correct CPUs may round a top-2 near-tie either way. Every token's
 top-2 log-probabilities come from the client itself (tests/support/wheel_client.py), so a near-tie
 is told from a wrong token.
 """

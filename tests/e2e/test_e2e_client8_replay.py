@@ -86,7 +86,7 @@ def test_replayed_session_gets_the_reference_replies(tmp_path: Path, client, arc
             tensors_compared += 1
         else:
             assert x.tested == x.reference, f"{what}: {x.tested.hex()} vs reference {x.reference.hex()}"
-    assert tensors_compared >= 8, tensors_compared                # the logits of every step at least
+    assert tensors_compared >= 8, tensors_compared                # the logits of every pass at least
 
 
 def _check_enums(graphs: list[bytes]) -> None:

@@ -144,11 +144,11 @@ def _greedy_top2(api) -> list[tuple[str, float, str]]:
     """(token, its log-probability minus the runner-up's, the runner-up) per greedy token."""
     reply = api.post("/completion", {"prompt": GREEDY_PROMPT, "n_predict": GREEDY_TOKENS, "temperature": 0,
                                      "n_probs": 2, "seed": 1}, timeout=1500)
-    steps = []
+    tokens = []
     for position in reply["completion_probabilities"]:
         (first, second) = position["top_logprobs"][:2]
-        steps.append((first["token"], first["logprob"] - second["logprob"], second["token"]))
-    return steps
+        tokens.append((first["token"], first["logprob"] - second["logprob"], second["token"]))
+    return tokens
 
 
 @pytest.mark.timeout(1800)

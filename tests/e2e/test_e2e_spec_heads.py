@@ -6,7 +6,7 @@ What must hold, for each head, through the simulated NPU and through ``--device 
 temperature 0 the speculative answer is the same text as the plain answer of the same target;
 drafts were accepted (llama-server's ``timings.draft_n_accepted`` > 0) and rejected (the
 rejected rows roll the target's KV cache back on the device); and, on the NPU, the target's
-verification steps ran as NPU matmuls with M = n_draft + 1 rows (``--stats-json``
+verification passes ran as NPU matmuls with M = n_draft + 1 rows (``--stats-json``
 ``npu_matmuls_by_m``, beyond those of the plain run). Also EAGLE-3's reduced draft vocabulary
 (``d2t``) and two sequences speculating at once (``-np 2``).
 
@@ -116,7 +116,7 @@ def test_head_drafts_are_accepted_and_verified_on_the_device(tmp_path: Path, hea
     if device == "host":
         return
     by_m = rows_by_m(server.stats())
-    # a verification step runs every matmul weight of the target once at M = N_DRAFT + 1 (a head on the
+    # a verification pass runs every matmul weight of the target once at M = N_DRAFT + 1 (a head on the
     # device adds its own, on the same rows: those batches follow the target's, never replace them)
     verified = by_m.get(N_DRAFT + 1, 0) - plain_by_m.get(N_DRAFT + 1, 0)
     assert verified >= TARGET_MATMULS, f"no {N_DRAFT + 1}-row verification on the NPU: plain {plain_by_m}, after {by_m}"
@@ -126,7 +126,7 @@ def test_head_drafts_are_accepted_and_verified_on_the_device(tmp_path: Path, hea
 @pytest.mark.parametrize("head", ["eagle3", "mtp"])
 def test_two_sequences_speculate_at_once_through_the_npu(tmp_path: Path, heads: Heads, head: str) -> None:
     """``-np 2``, two chats at once with the head: each answer is the same server's plain answer
-    to that chat, both drafted and had drafts accepted, and verification steps carrying both
+    to that chat, both drafted and had drafts accepted, and verification passes carrying both
     sequences' drafts (more than N_DRAFT + 1 rows) ran on the NPU."""
     slots = (*NO_WARMUP, "-np", "2", "-c", "1024")
     model = heads.model(head)
@@ -143,7 +143,7 @@ def test_two_sequences_speculate_at_once_through_the_npu(tmp_path: Path, heads: 
         assert reply["timings"].get("draft_n_accepted", 0) > 0, f"{reply['timings']}\n{log}"
     by_m = rows_by_m(server.stats())
     both = {m: n - plain_by_m.get(m, 0) for m, n in by_m.items() if N_DRAFT + 1 < m <= 2 * (N_DRAFT + 1)}
-    assert any(n > 0 for n in both.values()), f"no two-sequence verification step: plain {plain_by_m}, after {by_m}"
+    assert any(n > 0 for n in both.values()), f"no two-sequence verification pass: plain {plain_by_m}, after {by_m}"
 
 
 @pytest.mark.timeout(300)

@@ -106,7 +106,7 @@ def ask_chats(server, contents: tuple[str, ...], *, concurrently: bool) -> list[
 
 def ask_in_lockstep(server) -> list[tuple[list[int], list[Choice]]]:
     """The four prompts in one ``/completion`` request: llama-server gives them four slots before
-    its next step, so the prompts are evaluated in one batch and every decode step has four rows,
+    its next pass, so the prompts are evaluated in one batch and every decode pass has four rows,
     whatever the timing. The batch composition is then the same on every server and every run."""
     results = server.post("/completion", {"prompt": list(CHATS), "temperature": 0.0, "n_predict": MAX_TOKENS,
                                           "seed": 1, "ignore_eos": True, "n_probs": 2, "cache_prompt": False,
@@ -155,15 +155,15 @@ def test_four_slots_in_lockstep_through_the_npu_repeat_exactly_and_agree_with_th
     assert again == npu_answers
     compared = agree_all([s for _, s in npu_answers], [s for _, s in cpu_answers], "lockstep answer")
     assert compared >= sum(len(s) for _, s in cpu_answers) // 2
-    assert rows_by_m(server.stats()).get(len(CHATS), 0) > 0, f"no 4-row decode step on the NPU: {server.stats()}"
+    assert rows_by_m(server.stats()).get(len(CHATS), 0) > 0, f"no 4-row decode pass on the NPU: {server.stats()}"
 
 
 @pytest.mark.timeout(900)
 def test_four_concurrent_chats_agree_with_the_cpu_server_and_batch_on_the_npu(tmp_path: Path,
                                                                               tiny: tuple[Path, Path]) -> None:
-    """``-np 4`` with four chat requests at once: which rows share a step now depends on
+    """``-np 4`` with four chat requests at once: which rows share a pass now depends on
     timing, on both servers. Every answer equals the CPU server's one-at-a-time answer except
-    at a near-tie both servers see (tests/support/greedy.py); the multi-slot steps ran on the NPU."""
+    at a near-tie both servers see (tests/support/greedy.py); the multi-slot passes ran on the NPU."""
     target, _ = tiny
     with llama_server(tmp_path, target, rpc=None, extra=SLOTS) as cpu:
         cpu_answers = ask_chats(cpu, CHATS, concurrently=False)
@@ -175,11 +175,11 @@ def test_four_concurrent_chats_agree_with_the_cpu_server_and_batch_on_the_npu(tm
     assert agree_all(one_at_a_time, cpu_answers, "sequential chat") >= n_tokens // 2
     assert agree_all(at_once, cpu_answers, "concurrent chat") >= n_tokens // 2
     batched = {m: n for m, n in rows_by_m(server.stats()).items() if 2 <= m <= len(CHATS)}
-    assert batched, f"no multi-slot decode step on the NPU: {server.stats()}"
+    assert batched, f"no multi-slot decode pass on the NPU: {server.stats()}"
 
 
 def varied_chats(seed: int, n: int = 12) -> list[tuple[str, int]]:
-    """n chats of 3..12 words and 6..40 tokens: through 4 slots, slots finish at different steps
+    """n chats of 3..12 words and 6..40 tokens: through 4 slots, slots finish at different passes
     and the next chat takes a freed slot (its KV cells) while the others keep decoding."""
     rng = random.Random(seed)
     return [(" ".join(rng.choice(CHAT_WORDS) for _ in range(rng.randint(3, 12))), rng.randint(6, 40)) for _ in range(n)]
@@ -200,7 +200,7 @@ def ask_varied(server, jobs: list[tuple[str, int]], *, concurrently: bool, stagg
 
 @pytest.mark.timeout(900)
 def test_slots_refilled_mid_decode_agree_with_the_cpu_server(tmp_path: Path, tiny: tuple[Path, Path]) -> None:
-    """Twelve chats of different lengths through four slots: steps of 1..4 decode rows mixed with
+    """Twelve chats of different lengths through four slots: passes of 1..4 decode rows mixed with
     prompt rows, and freed slots refilled while the others decode. Every answer agrees with the
     CPU server's answer to the same chat asked alone."""
     target, _ = tiny

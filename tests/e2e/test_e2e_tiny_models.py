@@ -109,7 +109,7 @@ def test_moe_ssm_hybrid_greedy_tokens_equal_cpu(tmp_path: Path, arch: str) -> No
 
 def _decode_submits(tmp_path: Path, model: Path, extra: tuple[str, ...]) -> tuple[float, str, dict]:
     """NPU submits per decoded token: two servers (stats written at their exit) decode 4 and
-    12 tokens of the same prompt; the difference is 8 decode steps (prefill and warm-up cancel)."""
+    12 tokens of the same prompt; the difference is 8 decode passes (prefill and warm-up cancel)."""
     submits, text, stats = [], "", {}
     for n in (4, 12):
         with rknpu_server(tmp_path, extra=("--weights", "fp16", *extra), name=f"submits-{n}") as server:

@@ -1,6 +1,6 @@
 """The ioctls one replayed fusion costs, counted at the kernel boundary.
 
-WHY: every MEM_SYNC and SUBMIT is a syscall plus the Python around it, per NPU step, a few
+WHY: every MEM_SYNC and SUBMIT is a syscall plus the Python around it, per NPU submit, a few
 hundred times per token. A replayed fusion must clean what the CPU wrote (A, and C holding the
 canaries) and invalidate what the NPU wrote (C), and nothing else: the regcmd and the vendor
 task array were cleaned once, when the fusion was planned."""
@@ -34,7 +34,7 @@ def test_a_replayed_fusion_syncs_exactly_its_ranges(kind, chained_calls, single_
         chained, single = npu.fuse(siblings), npu.fuse([alone])
         a, b = rng.standard_normal((1, 64)).astype(np.float32), rng.standard_normal((1, 32)).astype(np.float32)
         chained.run(a), single.run(b)   # planned: tables, task BOs, regcmd cleaned
-        for _ in range(3):              # alternating, as a decode token's steps do
+        for _ in range(3):              # alternating, as a decode token's submits do
             kernel.clear()
             got = chained.run(a)
             # one clean of A and C (one buffer), one invalidate of C, the submit

@@ -42,9 +42,9 @@ def run(npu, group: bool) -> tuple[list[dict[str, np.ndarray]], dict]:
             o = f32(ch, cb + 5120, K, M, op=MUL_MAT, src=(w["o"].id, r.id), name="o")
             nodes = [a, q, r, v, s, k, o]
             results = []
-            for step in range(2):
+            for n_pass in range(2):
                 c.set_array(x, rng.standard_normal((M, K)).astype(np.float32))
-                if step == 0:
+                if n_pass == 0:
                     c.graph_compute(nodes, [x, *w.values(), *nodes])
                 else:
                     c.graph_recompute()

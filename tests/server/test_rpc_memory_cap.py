@@ -35,10 +35,10 @@ def _run(cap_bytes):
                          src=(wt[i].id, x.id), name=f"out{i}") for i in range(N_WEIGHTS)]
                 for t, w in zip(wt, ws):
                     c.set_array(t, w)
-                for step in range(2):
+                for n_pass in range(2):
                     a = rng.standard_normal((M, K)).astype(np.float32)
                     c.set_array(x, a)
-                    if step == 0:
+                    if n_pass == 0:
                         c.graph_compute(dst, [*wt, x, *dst])
                     else:
                         c.graph_recompute()

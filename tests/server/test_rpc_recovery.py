@@ -27,14 +27,14 @@ def _ops(state, engine: str) -> int:
     return 0 if counter is None else counter.ops
 
 
-def _run(npu, steps=1):
-    """Compute the graph ``steps`` times with fresh activations; every result checked."""
+def _run(npu, passes=1):
+    """Compute the graph ``passes`` times with fresh activations; every result checked."""
     for st in serve(npu=npu):
         with st.client() as c:
             g = MatmulGraph(c)
             w = rng_w()
             c.set_array(g.w, w)
-            for i in range(steps):
+            for i in range(passes):
                 x = np.random.default_rng(i).standard_normal((M, K)).astype(np.float32)
                 c.set_array(g.x, x)
                 if i == 0:
@@ -59,25 +59,25 @@ def test_one_fault_costs_a_reset_and_a_retry_on_the_npu(fault):
     assert state.stats.per_op[("MUL_MAT", NPU)].ops == 1
 
 
-def test_two_faults_run_the_step_on_the_host_and_the_next_step_on_the_npu_again():
+def test_two_faults_run_the_pass_on_the_host_and_the_next_pass_on_the_npu_again():
     npu = FaultyNpu([NpuTimeout("hang", 110), NpuTimeout("hang", 110)])
-    state = _run(npu, steps=2)
+    state = _run(npu, passes=2)
     r = state.recovery
     assert (r.faults["timeout"], r.resets, r.retries, r.retried_ok, r.host_fallbacks) == (2, 2, 1, 0, 1)
-    assert npu.matmuls == 1                               # step 2 back on the NPU
-    # step 1 on the host (ggml-cpu), step 2 on the NPU
+    assert npu.matmuls == 1                               # pass 2 back on the NPU
+    # pass 1 on the host (ggml-cpu), pass 2 on the NPU
     assert state.stats.per_op[("MUL_MAT", HOST)].ops == 1 and state.stats.per_op[("MUL_MAT", NPU)].ops == 1
     assert state.weight_stats.failures == 0
 
 
 def test_repeated_faults_demote_the_weight_for_good(caplog):
     npu = FaultyNpu([NpuFault("dma", 14)] * DEMOTE_AFTER)
-    steps = DEMOTE_AFTER // 2 + 1                       # two faulted attempts a step, then one on the host
-    state = _run(npu, steps=steps)
+    passes = DEMOTE_AFTER // 2 + 1                      # two faulted attempts a pass, then one on the host
+    state = _run(npu, passes=passes)
     r = state.recovery
     assert r.demoted == 1 and r.faults["dma"] == DEMOTE_AFTER and r.host_fallbacks == DEMOTE_AFTER // 2 - 1
     assert state.weight_stats.failures == 1 and npu.matmuls == 0 and npu.frees == 1
-    assert state.stats.per_op[("MUL_MAT", HOST)].ops == steps
+    assert state.stats.per_op[("MUL_MAT", HOST)].ops == passes
     assert any(f"{DEMOTE_AFTER} NPU faults in a row" in rec.getMessage() for rec in caplog.records)
 
 
@@ -91,7 +91,7 @@ def test_a_success_between_faults_resets_the_streak():
             c.set_array(g.x, np.ones((M, K), np.float32))
             g.compute()
             ones = np.ones((M, K), np.float32)
-            for _ in range(DEMOTE_AFTER):            # a step faulting twice (host), then a good one
+            for _ in range(DEMOTE_AFTER):            # a pass faulting twice (host), then a good one
                 npu.faults = [StaleOutput("stale")] * 2
                 c.graph_recompute()
                 np.testing.assert_allclose(c.get_array(g.out), ones @ w.T, rtol=1e-5, atol=1e-5)
@@ -105,14 +105,14 @@ def test_a_success_between_faults_resets_the_streak():
 
 def test_weights_a_reset_destroyed_are_restaged():
     npu = FaultyNpu([NpuTimeout("hang", 110)], reset_loses_weights=True)
-    state = _run(npu, steps=2)
+    state = _run(npu, passes=2)
     assert state.recovery.restaged == 1 and npu.uploads == 2 and state.recovery.retried_ok == 1
     assert state.weight_stats.staged == 0          # the client left: nothing staged any more
 
 
 def test_other_engine_errors_keep_the_old_policy():
     npu = FaultyNpu([RuntimeError("engine refused the shape")])
-    state = _run(npu, steps=2)
+    state = _run(npu, passes=2)
     assert state.recovery.resets == 0 and state.weight_stats.failures == 1
     assert _ops(state, HOST) == 2 and _ops(state, NPU) == 0
 
@@ -122,7 +122,7 @@ def test_simulated_faults_through_the_server_lose_nothing(spec):
     injector = inject_faults("rknpu", spec)
     npu = open_engine(open_device("sim-rknpu", syscalls=injector))
     try:
-        state = _run(npu, steps=4)
+        state = _run(npu, passes=4)
         engine_resets = npu.counters["resets"]
     finally:
         npu.close()
@@ -141,7 +141,7 @@ def test_simulated_rocket_faults_end_stale_and_lose_nothing():
     injector = inject_faults("rocket", "timeout@2,dma@4,core@6")
     npu = open_engine(open_device("sim-rocket", syscalls=injector))
     try:
-        state = _run(npu, steps=4)
+        state = _run(npu, passes=4)
     finally:
         npu.close()
     r = state.recovery

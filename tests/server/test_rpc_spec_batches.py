@@ -1,5 +1,5 @@
 """Speculative decoding and parallel slots send graphs that alternate between a few batch
-sizes (M = 1 for a plain step, M = 1 + drafted tokens for a verification, M = active slots).
+sizes (M = 1 for a plain pass, M = 1 + drafted tokens for a verification, M = active slots).
 The server must plan each shape once and replay it from then on, and count NPU matmuls by M."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_alternating_batch_sizes_are_planned_once_and_counted_by_m():
             weight = np.random.default_rng(0).standard_normal((N, K)).astype(np.float32)
             c.set_array(w, weight)
             graphs = {}
-            for m in (1, 4, 2):          # a plain step, a 3-token draft verified, a 1-token draft
+            for m in (1, 4, 2):          # a plain pass, a 3-token draft verified, a 1-token draft
                 x = T(ne=(K, m, 1, 1), buffer=ch, data=cb, name="x")
                 out = T(ne=(N, m, 1, 1), buffer=ch, data=cb + 4096 * 4, op=MUL_MAT, src=(w.id, x.id), name="q")
                 graphs[m] = (x, out)
@@ -51,7 +51,7 @@ def test_alternating_batch_sizes_are_planned_once_and_counted_by_m():
 
 
 def test_partial_offload_splits_times_batch_sizes_fit_the_plan_cache():
-    """-ot partial offload sends ~90 graph splits per step [ggml-rpc.md §5.1]; a speculative
+    """-ot partial offload sends ~90 graph splits per pass [ggml-rpc.md §5.1]; a speculative
     session sends each split at every batch size it alternates between (here 1..4 rows). The
     second round must replay every plan: no split may be re-planned."""
     splits, sizes = 90, (1, 2, 3, 4)

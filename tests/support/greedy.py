@@ -1,7 +1,7 @@
 """Greedy answers of two llama-servers compared token by token, allowing only near-ties to differ.
 
-Why not plain string equality: with ``-np N`` continuous batching, which rows share a step
-(prompt batches of several slots, decode steps of 1..N rows) depends on when requests arrive,
+Why not plain string equality: with ``-np N`` continuous batching, which rows share a pass
+(prompt batches of several slots, decode passes of 1..N rows) depends on when requests arrive,
 and neither ggml-cpu nor the NPU gives a row the same rounding at every batch composition.
 Measured on the tiny random llama (docs/speculative.md, "Tests"): the chosen token's logprob
 moves by up to ~0.005 nats between compositions on the CPU-only server itself and by up to

@@ -13,7 +13,7 @@ target's own E, w_out and H so that it computes that same B:
   token), V passes the embedding through, ``wo`` scales it, and the inherited output head
   turns it into B(token). The fused target features enter through ``fc`` and a residual
   scaled to ``FEATURE_GAIN``: they perturb, they do not decide. Chained drafts follow B, so
-  several per step are accepted. With ``d2t`` the head's vocabulary is the image of B plus a
+  several per pass are accepted. With ``d2t`` the head's vocabulary is the image of B plus a
   few other tokens and its output head the target's rows for them.
 - MTP (the target's own next-token layer, ``blk.N.nextn.*``, hy_v3): ``eh_proj`` keeps the
   normalized token half of [token; hidden], the block adds a small perturbation, and the shared
@@ -24,7 +24,7 @@ target's own E, w_out and H so that it computes that same B:
   hardly rotate it), so every MASK row attends to the anchor and predicts B(anchor). The
   injected features have a zero FLAG component (``enc.output_norm``), so they score 0 against
   a MASK query and get no weight. Only the first draft of a block follows B: acceptance is
-  one token per step unless B repeats.
+  one token per pass unless B repeats.
 - DSpark (DFlash plus a Markov head): the Markov head is B itself, exactly: ``markov_w1[t]``
   = rmsnorm(E[t]) * w_out and ``markov_w2`` = H, so its bias is the target's bigram logits,
   chained through the block by argmax; the backbone's logits are scaled down

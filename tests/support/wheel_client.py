@@ -1,6 +1,6 @@
 """The llama.cpp b11739 client (protocol 8.0.0) in tests: ``toolchain.llamacpp_wheel`` makes the
 ``llama-cpp-py-sync==0.11739`` wheel load here (glibc < 2.38: its four C23 symbols, docs/ggml-rpc.md
-P17); this module drives it in a subprocess (a greedy run with every step's top-2 log-probabilities,
+P17); this module drives it in a subprocess (a greedy run with every token's top-2 log-probabilities,
 for the near-tie rule) and runs its bundled C++ 8.0.0 server as the reference.
 """
 
@@ -60,7 +60,7 @@ class Greedy:
 def greedy(c: Client, model: Path, prompt: str, n_predict: int, *, rpc: list[str] | None = None,
            n_ctx: int = 256, timeout: float = 600, split_mode: str | None = None,
            flash_attn: int | None = None) -> Greedy:
-    """Greedy tokens of the b11739 client (CPU-only, or every layer over ``rpc``), with each step's
+    """Greedy tokens of the b11739 client (CPU-only, or every layer over ``rpc``), with each token's
     top-2 logprobs for the near-tie rule (support.greedy)."""
     args = {"model": str(model), "prompt": prompt, "n_predict": n_predict, "rpc": rpc or [], "n_ctx": n_ctx,
             "split_mode": split_mode, "flash_attn": flash_attn}

@@ -1,9 +1,9 @@
-"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode step
-runs, the host time per NPU step measured here, and the published figures beside it.
+"""Decode forecast: per token, the modeled NPU time of the programs and submits a decode
+pass runs, the host time per NPU submit measured here, and the published figures beside it.
 
 Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
-bucket, per decode step (fused by default: 4 submits per layer plus the head; unfused: one
-per matmul), each step a submit (``OWN_DRIVER``); host ops are not priced; the host time is
+bucket, per decode pass (fused by default: 4 submits per layer plus the head; unfused: one
+per matmul), each a submit (``OWN_DRIVER``); host ops are not priced; the host time is
 *measured* on this host, on the lean path (``engine.fusion.Fusion``), the submit itself
 excluded. Shapes come from a GGUF or the presets (each model's published config.json).
 Why: docs/decisions.md "bench/decode.py";
@@ -89,14 +89,14 @@ class DecodeSubmit:
     count: int = 1         # how many times per token (the layers)
 
 
-def decode_steps(model: ModelShape, fused: bool = True) -> list[DecodeSubmit]:
-    """The NPU steps of one decode token, as the server plans them (module doc)."""
+def decode_submits(model: ModelShape, fused: bool = True) -> list[DecodeSubmit]:
+    """The NPU submits of one decode token, as the server plans them (module doc)."""
     mm = model.layer_matmuls()
     groups = [("q", "k", "v"), ("o",), ("gate", "up"), ("down",)] if fused else [(n,) for n in mm]
-    steps = [DecodeSubmit(g, mm[g[0]][0], tuple(mm[n][1] for n in g), fused and len(g) > 1, model.layers)
+    submits = [DecodeSubmit(g, mm[g[0]][0], tuple(mm[n][1] for n in g), fused and len(g) > 1, model.layers)
              for g in groups]
-    steps.append(DecodeSubmit(("output",), model.hidden, (model.vocab,), False, 1))
-    return steps
+    submits.append(DecodeSubmit(("output",), model.hidden, (model.vocab,), False, 1))
+    return submits
 
 
 def laddered_envelope():
@@ -113,27 +113,27 @@ def _envelope(name):
     return laddered_envelope() if name in (None, "laddered") else by_name(name)
 
 
-def step_programs(step: DecodeSubmit, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
-    """The programs the engine compiles for ``step`` at ``m`` rows (its M bucket) in
+def submit_programs(sub: DecodeSubmit, m: int, dtype: str, cores: int, abi: str = "rknpu", envelope=None) -> list:
+    """The programs the engine compiles for ``sub`` at ``m`` rows (its M bucket) in
     ``envelope`` (default: the fully laddered board's)."""
     from ggml_rknpu.compiler.matmul import compile_matmul
     from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, m_bucket
 
     env = _envelope(envelope)
     out = OUT_FOR_WEIGHT[dtype]
-    Ns = (sum(step.Ns),) if step.fused else step.Ns
-    return [compile_matmul(m_bucket(m), step.K, n, dtype=dtype, out=out, cores=min(cores, env.max_cores), abi=abi,
+    Ns = (sum(sub.Ns),) if sub.fused else sub.Ns
+    return [compile_matmul(m_bucket(m), sub.K, n, dtype=dtype, out=out, cores=min(cores, env.max_cores), abi=abi,
                            envelope=env) for n in Ns]
 
 
-def step_workload_for(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None):
+def submit_workload_for(sub: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None):
     from ggml_rknpu.engine.fusion import fusion_workload
 
-    return fusion_workload(step_programs(step, m, dtype, cores, envelope=envelope))
+    return fusion_workload(submit_programs(sub, m, dtype, cores, envelope=envelope))
 
 
-def modeled_step_s(step: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None) -> float:
-    return modeled_time(step_workload_for(step, m, dtype, cores, envelope),
+def modeled_submit_s(sub: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None) -> float:
+    return modeled_time(submit_workload_for(sub, m, dtype, cores, envelope),
                         npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
 
@@ -149,16 +149,16 @@ def stream_bound(dtype: str, cores: int) -> float:
 
 
 def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
-    """Modeled NPU figures of one decode step of ``m`` sequences."""
+    """Modeled NPU figures of one decode pass of ``m`` sequences."""
     b = 1 if dtype == "int8" else 2
-    steps = decode_steps(model, fused)
-    seconds = sum(modeled_step_s(s, m, dtype, cores, envelope) * s.count for s in steps)
-    weight_bytes = sum(step.K * n * b * step.count for step in steps for n in step.Ns)
-    submits = sum(step_workload_for(s, m, dtype, cores, envelope).submits * s.count for s in steps)
+    submits = decode_submits(model, fused)
+    seconds = sum(modeled_submit_s(s, m, dtype, cores, envelope) * s.count for s in submits)
+    weight_bytes = sum(sub.K * n * b * sub.count for sub in submits for n in sub.Ns)
+    submits = sum(submit_workload_for(s, m, dtype, cores, envelope).submits * s.count for s in submits)
     return {
         "model": model.name, "weights": dtype, "M": m, "plan": "fused" if fused else "unfused",
         "submits_per_token": submits, "submits_per_layer": (submits - 1) / model.layers,
-        "npu_ms_per_step_modeled": seconds * 1e3,
+        "npu_ms_per_pass_modeled": seconds * 1e3,
         "tok_s_modeled": m / seconds,
         "stream_gb_s_modeled": weight_bytes / seconds / 1e9,
         "submit_ms_modeled": submits * OWN_DRIVER.per_submit_s * 1e3,
@@ -169,21 +169,21 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
     }
 
 
-def measure_host_step(npu, step: DecodeSubmit, m: int, dtype: str, reps: int,
+def measure_host_submit(npu, sub: DecodeSubmit, m: int, dtype: str, reps: int,
                       rng: np.random.Generator) -> tuple[float, float]:
-    """Median host seconds of the lean path around one submit of ``step`` on this host,
+    """Median host seconds of the lean path around one submit of ``sub`` on this host,
     the submit itself excluded: (alone: ``Fusion.rehearse``, A written and C read with no
     submit between; after a simulated submit: the same phases of ``Fusion.run``, whose
     simulation has just evicted the CPU caches)."""
-    parts = [rng.standard_normal((n, step.K), dtype=np.float32) * 0.05 for n in step.Ns]
-    if step.fused:
+    parts = [rng.standard_normal((n, sub.K), dtype=np.float32) * 0.05 for n in sub.Ns]
+    if sub.fused:
         weights = [npu.upload_fused_weight(parts, dtype=dtype)]
     else:
         weights = [npu.upload_weight(p, dtype=dtype) for p in parts]
     del parts
     try:
         planned = npu.fuse(weights, m=m)
-        a = rng.standard_normal((m, step.K), dtype=np.float32)
+        a = rng.standard_normal((m, sub.K), dtype=np.float32)
         planned.run(a)                       # warm-up: compile, bind, first touch
         after_submit = []
         for _ in range(reps):
@@ -221,9 +221,9 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     p.add_argument("model", nargs="*", default=[],
                    help=f"GGUF files and/or presets ({', '.join(PRESETS)}); default: every preset")
     p.add_argument("--weights", default="int8,fp16", help="comma list of weight formats (default int8,fp16)")
-    p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per step (default 1,2,4,8,16)")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per pass (default 1,2,4,8,16)")
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3), help="NPU cores the programs use (default 3)")
-    p.add_argument("--host-reps", type=int, default=5, help="timed runs per step for the host figure (0: skip)")
+    p.add_argument("--host-reps", type=int, default=5, help="timed runs per submit for the host figure (0: skip)")
     p.add_argument("--quant", default=None, choices=QUANT_MIXES,
                    help="quantization mix the presets' plan rows are priced in (default: Gemma3-1B Q4_0, "
                         "Qwen3-0.6B Q8_0, the others Q4_K_M); a GGUF's types are read from it")
@@ -256,7 +256,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
     if not ms or any(not 1 <= m <= 16 for m in ms):
         raise ValueError(f"--ms takes decode row counts 1..16, got {args.ms!r}")
     rows: list[dict] = []
-    # (K, Ns, fused, M, weights) -> measure_host_step's (host alone, after a submit) seconds
+    # (K, Ns, fused, M, weights) -> measure_host_submit's (host alone, after a submit) seconds
     host_cache: dict[tuple[int, tuple[int, ...], bool, int, str], tuple[float, float]] = {}
     host_rows: list[dict] = []
     npu = None
@@ -279,18 +279,18 @@ def run(args, rig, console: Console) -> rp.Report | None:
                             row["anchor_source"] = anchor[1] if anchor and m == 1 else ""
                             if npu is not None and fused:
                                 host = 0.0
-                                for step in decode_steps(model, fused):
-                                    key = (step.K, step.Ns, step.fused, m, dtype)
+                                for sub in decode_submits(model, fused):
+                                    key = (sub.K, sub.Ns, sub.fused, m, dtype)
                                     if key not in host_cache:
-                                        host_cache[key] = measure_host_step(npu, step, m, dtype, args.host_reps, rng)
+                                        host_cache[key] = measure_host_submit(npu, sub, m, dtype, args.host_reps, rng)
                                         host_rows.append({
-                                            "step": "+".join(step.names) + (" (fused)" if step.fused else ""),
-                                            "weights": dtype, "M": m, "K": step.K, "N": "+".join(map(str, step.Ns)),
+                                            "submit": "+".join(sub.names) + (" (fused)" if sub.fused else ""),
+                                            "weights": dtype, "M": m, "K": sub.K, "N": "+".join(map(str, sub.Ns)),
                                             "host_us_measured": host_cache[key][0] * 1e6,
                                             "host_after_submit_us_measured": host_cache[key][1] * 1e6})
-                                    host += host_cache[key][0] * step.count
-                                row["host_us_per_step_measured"] = host / row["submits_per_token"] * 1e6
-                                row["host_ms_per_step_measured"] = host * 1e3
+                                    host += host_cache[key][0] * sub.count
+                                row["host_us_per_submit_measured"] = host / row["submits_per_token"] * 1e6
+                                row["host_ms_per_pass_measured"] = host * 1e3
                             rows.append(row)
                             advance()
     finally:
@@ -300,26 +300,26 @@ def run(args, rig, console: Console) -> rp.Report | None:
     ceiling = dram_bandwidth(DRAM_MHZ) / 1e9
     columns = [
         rp.Column("model", "model"), rp.Column("weights", "weights"), rp.Column("plan", "plan"), rp.Column("M", "M"),
-        rp.Column("submits_per_token", "submits/step"),
-        rp.Column("npu_ms_per_step_modeled", "NPU ms/step", "{:.1f}", figure=True),
+        rp.Column("submits_per_token", "submits/pass"),
+        rp.Column("npu_ms_per_pass_modeled", "NPU ms/pass", "{:.1f}", figure=True),
         rp.Column("tok_s_modeled", "tok/s", "{:.1f}", figure=True),
         rp.Column("stream_gb_s_modeled", "weight stream GB/s", "{:.1f}", figure=True),
         rp.Column("submit_ms_modeled", "of which submits ms", "{:.1f}", figure=True),
         rp.Column("tok_s_at_ceiling_modeled", "tok/s at most: DRAM ceiling, same submits", "{:.2f}", figure=True),
         rp.Column("tok_s_at_bound_modeled", "tok/s at most: model's job bound, same submits", "{:.2f}", figure=True),
-        rp.Column("host_us_per_step_measured", "host µs per NPU step", "{:.1f}", figure=True),
-        rp.Column("host_ms_per_step_measured", "host ms/step", "{:.2f}", figure=True),
+        rp.Column("host_us_per_submit_measured", "host µs per NPU submit", "{:.1f}", figure=True),
+        rp.Column("host_ms_per_pass_measured", "host ms/pass", "{:.2f}", figure=True),
         rp.Column("anchor_tok_s", "published tok/s (board)"), rp.Column("anchor_source", "by"),
     ]
     note = (f"NPU figures modeled (cost.model: {args.cores} cores, NPU {NPU_MHZ} MHz, DRAM {DRAM_MHZ} MHz, "
-            f"DRAM ceiling {ceiling:.1f} GB/s, {OWN_DRIVER.per_submit_s * 1e6:.0f} µs per submit); a step decodes "
+            f"DRAM ceiling {ceiling:.1f} GB/s, {OWN_DRIVER.per_submit_s * 1e6:.0f} µs per submit); a pass decodes "
             "M sequences by one token. Host figures measured on this host (not the board): the engine's lean "
             "path around each submit, simulator execution excluded. Published figures: single-stream, on boards.")
-    table = rp.Table("Decode per step: modeled NPU time, measured host time, published figures", columns, rows, note)
+    table = rp.Table("Decode per pass: modeled NPU time, measured host time, published figures", columns, rows, note)
     tables = [table]
     if host_rows:
-        tables.append(rp.Table("Host time per NPU step (measured on this host, not the board)", [
-            rp.Column("step", "step"), rp.Column("weights", "weights"), rp.Column("M", "M"), rp.Column("K", "K"),
+        tables.append(rp.Table("Host time per NPU submit (measured on this host, not the board)", [
+            rp.Column("submit", "submit"), rp.Column("weights", "weights"), rp.Column("M", "M"), rp.Column("K", "K"),
             rp.Column("N", "N"), rp.Column("host_us_measured", "host µs", "{:.1f}", figure=True),
             rp.Column("host_after_submit_us_measured", "host µs after a simulated submit", "{:.1f}", figure=True)],
             host_rows,
@@ -330,7 +330,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
     plan_table, plan_plot, plan_rows = _plans(args, models)
     tables.append(plan_table)
     fused_rows = [r for r in rows if r["plan"] == "fused"]
-    plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per step (fused plan)", "M (sequences per step)",
+    plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per pass (fused plan)", "M (sequences per pass)",
                    "tokens/s", rp.series_by(fused_rows, "weights", "M", "tok_s_modeled", "{0} {1}")
                    if len(models) == 1 else
                    [s for d in dtypes for s in rp.series_by([r for r in fused_rows if r["weights"] == d], "model", "M",
@@ -346,7 +346,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
              "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
-                     tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_steps": host_rows, "plans": plan_rows},
+                     tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_submits": host_rows, "plans": plan_rows},
                      notes=notes)
 
 
@@ -382,7 +382,7 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
                           "cost.placement puts it, no split (rknpu serve --placement auto); auto-split = splits "
                           "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops priced alike in every plan; "
                           f"a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
-                          f"{plans.JOB_ANSWER} decode steps. docs/placement.md")
+                          f"{plans.JOB_ANSWER} decode passes. docs/placement.md")
     plot = rp.Plot("plans_job_s.png", f"Whole job ({plans.JOB_PROMPT}+{plans.JOB_ANSWER} tokens) by plan",
                    "model, envelope", "seconds",
                    rp.series_by([dict(r, at=f"{r['model']} {r['envelope']}") for r in rows], "plan", "at",

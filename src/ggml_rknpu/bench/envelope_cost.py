@@ -48,8 +48,8 @@ ENVELOPES: tuple[tuple[str, Envelope, int], ...] = (
 )
 
 
-def step_ms(model: ModelShape, M: int, dtype: str, env: Envelope, cores: int) -> tuple[float, int]:
-    """(modeled ms, submits) of one step of M rows: all layers' matmuls and the LM head."""
+def pass_ms(model: ModelShape, M: int, dtype: str, env: Envelope, cores: int) -> tuple[float, int]:
+    """(modeled ms, submits) of one forward pass of M rows: all layers' matmuls and the LM head."""
     out = "int32" if dtype == "int8" else "fp32"
     total, submits = 0.0, 0
     shapes = [(K, N, model.layers) for _, K, N in model.matmuls] + [(model.hidden, model.vocab, 1)]
@@ -60,19 +60,19 @@ def step_ms(model: ModelShape, M: int, dtype: str, env: Envelope, cores: int) ->
     return total * 1e3, submits
 
 
-def table(steps=(("prefill 512", 512), ("decode", 1)), dtypes=("fp16", "int8")) -> str:
-    head = "| model | step | dtype | " + " | ".join(name for name, _, _ in ENVELOPES) + " |"
+def table(passes=(("prefill 512", 512), ("decode", 1)), dtypes=("fp16", "int8")) -> str:
+    head = "| model | pass | dtype | " + " | ".join(name for name, _, _ in ENVELOPES) + " |"
     lines = [head, "|" + "---|" * (3 + len(ENVELOPES))]
     for model in MODELS:
-        for step, M in steps:
+        for pass_name, M in passes:
             for dtype in dtypes:
                 cells = []
                 base = None
                 for _, env, cores in ENVELOPES:
-                    ms, submits = step_ms(model, M, dtype, env, cores)
+                    ms, submits = pass_ms(model, M, dtype, env, cores)
                     base = base or ms
                     cells.append(f"{ms:.1f} ms, {submits} submits ({ms / base:.2f}x)")
-                lines.append(f"| {model.name} | {step} | {dtype} | " + " | ".join(cells) + " |")
+                lines.append(f"| {model.name} | {pass_name} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

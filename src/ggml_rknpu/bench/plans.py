@@ -1,4 +1,4 @@
-"""Whole-model step times under three placements, all *modeled* on the board: ``cpu``
+"""Whole-model forward-pass times under three placements, all *modeled* on the board: ``cpu``
 (llama.cpp alone: every matmul in ggml-cpu, repacked where it repacks), ``npu`` (every
 weight matmul on the NPU), ``auto`` (each weight where ``cost.placement`` puts it, no
 split, host weights from repacked copies: what ``rknpu serve --placement auto`` does) and
@@ -42,7 +42,7 @@ JOB_PROMPT, JOB_ANSWER = 512, 128
 
 @dataclass(frozen=True)
 class Weight:
-    """One weight matmul of a model: [N, K] of ``type``, ``count`` times per step."""
+    """One weight matmul of a model: [N, K] of ``type``, ``count`` times per pass."""
 
     name: str
     K: int
@@ -116,7 +116,7 @@ def gguf_weights(path: Path) -> list[Weight]:
 
 @dataclass(frozen=True)
 class Placed:
-    """One weight's modeled seconds per step in a plan, and where it ran."""
+    """One weight's modeled seconds per pass in a plan, and where it ran."""
 
     weight: Weight
     where: str
@@ -142,9 +142,9 @@ def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: in
     return out
 
 
-def step_seconds(weights: list[Weight], layers: int, plan: str, M: int, *, npu_dtype: str, cores: int,
+def pass_seconds(weights: list[Weight], layers: int, plan: str, M: int, *, npu_dtype: str, cores: int,
                  threads: int = cpu.BIG_CORES, head_rows: int | None = None) -> float:
-    """Modeled seconds of one step of M rows: every weight matmul (the head at
+    """Modeled seconds of one forward pass of M rows: every weight matmul (the head at
     ``head_rows`` rows, default M) plus the host ops."""
     body = [w for w in weights if w.name != "output"]
     head = [w for w in weights if w.name == "output"]
@@ -156,17 +156,17 @@ def step_seconds(weights: list[Weight], layers: int, plan: str, M: int, *, npu_d
 
 
 def decode_tok_s(weights: list[Weight], layers: int, plan: str, M: int, **kw) -> float:
-    """Tokens/s of M sequences decoding one token per step."""
-    return M / step_seconds(weights, layers, plan, M, **kw)
+    """Tokens/s of M sequences decoding one token per pass."""
+    return M / pass_seconds(weights, layers, plan, M, **kw)
 
 
 def prefill_tok_s(weights: list[Weight], layers: int, plan: str, prompt: int, **kw) -> float:
     """Tokens/s of one prompt of ``prompt`` rows in one batch (the head for its last row)."""
-    return prompt / step_seconds(weights, layers, plan, prompt, head_rows=1, **kw)
+    return prompt / pass_seconds(weights, layers, plan, prompt, head_rows=1, **kw)
 
 
 def job_seconds(weights: list[Weight], layers: int, plan: str, **kw) -> float:
-    """A whole job: a ``JOB_PROMPT``-token prompt, then ``JOB_ANSWER`` decode steps of one row."""
+    """A whole job: a ``JOB_PROMPT``-token prompt, then ``JOB_ANSWER`` decode passes of one row."""
     return (JOB_PROMPT / prefill_tok_s(weights, layers, plan, JOB_PROMPT, **kw)
             + JOB_ANSWER / decode_tok_s(weights, layers, plan, 1, **kw))
 

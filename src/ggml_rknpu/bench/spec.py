@@ -1,6 +1,6 @@
 """``rknpu bench spec``: the regime where the NPU wins, several rows per weight pass.
 
-Three parts, each labelled with its basis: the *modeled* NPU time of one step per M
+Three parts, each labelled with its basis: the *modeled* NPU time of one pass per M
 bucket (host ops, RPC and pack/unpack not included); speculative-decoding acceptance
 *measured* with llama.cpp's own ``llama-server`` on the CPU backend (every speculative
 answer compared with the plain greedy one); and the *modeled* product, effective decode
@@ -25,7 +25,7 @@ from rich.console import Console
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.plans import QUANT_MIXES
 from ggml_rknpu.bench.rig import RigReport
-from ggml_rknpu.bench.spec_shapes import DRAFT_FOR, PRESET_DIMS, PRESETS, ModelShapes, modeled_step_s
+from ggml_rknpu.bench.spec_shapes import DRAFT_FOR, PRESET_DIMS, PRESETS, ModelShapes, modeled_pass_s
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32)
 RKLLM_TOK_S = {"qwen2.5-1.5b": 16.7}   # w8a8 decode on RK3588 [docs/anchors.md A4]
@@ -35,7 +35,7 @@ NGRAM_SIZE_M = 15                      # OUR CHOICE: verification rows <= 16, on
 
 def shapes_from_gguf(path: Path) -> ModelShapes:
     """Every 2-D matmul weight of a GGUF (the output head, or the tied token embedding when
-    there is none). 3-D expert tensors are skipped: which experts a step reads depends on
+    there is none). 3-D expert tensors are skipped: which experts a pass reads depends on
     routing, which a shape table cannot price."""
     from gguf import GGUFReader
 
@@ -58,13 +58,13 @@ def shapes_from_gguf(path: Path) -> ModelShapes:
 def regime_rows(shapes: ModelShapes, ms: list[int], *, dtype: str, cores: int) -> list[dict]:
     from ggml_rknpu.engine.programs import m_bucket
 
-    base = modeled_step_s(shapes, 1, dtype=dtype, cores=cores)
+    base = modeled_pass_s(shapes, 1, dtype=dtype, cores=cores)
     rows = []
     for m in ms:
-        step = modeled_step_s(shapes, m, dtype=dtype, cores=cores)
-        rows.append({"M": m, "bucket": m_bucket(m), "step_ms_modeled": step * 1e3,
-                     "step_vs_m1_modeled": step / base, "tok_s_modeled": m / step,
-                     "per_row_tok_s_modeled": 1 / step})
+        t_pass = modeled_pass_s(shapes, m, dtype=dtype, cores=cores)
+        rows.append({"M": m, "bucket": m_bucket(m), "pass_ms_modeled": t_pass * 1e3,
+                     "pass_vs_m1_modeled": t_pass / base, "tok_s_modeled": m / t_pass,
+                     "per_row_tok_s_modeled": 1 / t_pass})
     return rows
 
 
@@ -129,7 +129,7 @@ PROMPTS = {
 class SpecMode:
     name: str
     args: tuple[str, ...]
-    rows_per_step: int        # the largest verification batch this mode sends (M)
+    rows_per_pass: int        # the largest verification batch this mode sends (M)
 
 
 def spec_modes(draft: Path) -> list[SpecMode]:
@@ -199,16 +199,16 @@ def distinct_4grams(text: str) -> float | None:
 
 
 def acceptance_row(mode: SpecMode, prompt: str, reply: dict, plain_text: str | None) -> dict:
-    """Figures of one speculative answer. Target steps after the prompt: every accepted draft
-    token saves one, so steps = generated - accepted."""
+    """Figures of one speculative answer. Target passes after the prompt: every accepted draft
+    token saves one, so passes = generated - accepted."""
     t = reply.get("timings", {})
     n_gen = int(t.get("predicted_n", 0))
     drafted = int(t.get("draft_n", 0))
     accepted = int(t.get("draft_n_accepted", 0))
-    steps = max(1, n_gen - accepted)
+    passes = max(1, n_gen - accepted)
     return {"mode": mode.name, "prompt": prompt, "generated": n_gen, "drafted": drafted, "accepted": accepted,
             "acceptance_measured": accepted / drafted if drafted else None,
-            "tokens_per_step_measured": n_gen / steps, "rows_per_step": mode.rows_per_step,
+            "tokens_per_pass_measured": n_gen / passes, "rows_per_pass": mode.rows_per_pass,
             "cpu_tok_s_measured": float(t.get("predicted_per_second", 0.0)),
             "same_text_as_plain": None if plain_text is None else reply.get("content") == plain_text,
             "distinct_4grams": distinct_4grams(reply.get("content", "")), "text": reply.get("content", "")}
@@ -231,30 +231,30 @@ def measure_acceptance(target: Path, draft: Path, out: Path, *, n_predict: int, 
 
 def effective_rows(target: ModelShapes, draft: ModelShapes | None, acceptance: list[dict], *, dtype: str,
                    cores: int, rkllm: float | None) -> list[dict]:
-    """Modeled tok/s = generated / (target steps x their step time + draft passes x t_draft(1)).
+    """Modeled tok/s = generated / (target passes x their pass time + draft passes x t_draft(1)).
 
-    Conservative on purpose: a verification step holds at least one drafted token, so at most
-    min(steps, drafted) steps verified a draft; each is priced at the mode's largest batch
-    (M = rows_per_step), the other steps at M = 1. The draft model runs once per drafted token
-    plus once per target step (it reads the token the target chose)."""
-    t1 = modeled_step_s(target, 1, dtype=dtype, cores=cores)
-    t_draft = modeled_step_s(draft, 1, dtype=dtype, cores=cores) if draft is not None else None
+    Conservative on purpose: a verification pass holds at least one drafted token, so at most
+    min(passes, drafted) passes verified a draft; each is priced at the mode's largest batch
+    (M = rows_per_pass), the other passes at M = 1. The draft model runs once per drafted token
+    plus once per target pass (it reads the token the target chose)."""
+    t1 = modeled_pass_s(target, 1, dtype=dtype, cores=cores)
+    t_draft = modeled_pass_s(draft, 1, dtype=dtype, cores=cores) if draft is not None else None
     rows = []
     for a in acceptance:
-        n_gen, steps = a["generated"], a["generated"] - a["accepted"]
-        if n_gen <= 0 or steps <= 0:
+        n_gen, passes = a["generated"], a["generated"] - a["accepted"]
+        if n_gen <= 0 or passes <= 0:
             continue
         uses_draft_model = a["mode"].startswith("draft")
         if uses_draft_model and t_draft is None:
             continue
-        step = modeled_step_s(target, a["rows_per_step"], dtype=dtype, cores=cores)
-        verified = min(steps, a["drafted"])
-        target_s = verified * step + (steps - verified) * t1
-        draft_s = (a["drafted"] + steps) * t_draft if uses_draft_model else 0.0
+        t_pass = modeled_pass_s(target, a["rows_per_pass"], dtype=dtype, cores=cores)
+        verified = min(passes, a["drafted"])
+        target_s = verified * t_pass + (passes - verified) * t1
+        draft_s = (a["drafted"] + passes) * t_draft if uses_draft_model else 0.0
         tok_s = n_gen / (target_s + draft_s)
         rows.append({"mode": a["mode"], "prompt": a["prompt"],
-                     "tokens_per_step_measured": a["tokens_per_step_measured"],
-                     "target_ms_per_step_modeled": target_s / steps * 1e3,
+                     "tokens_per_pass_measured": a["tokens_per_pass_measured"],
+                     "target_ms_per_pass_modeled": target_s / passes * 1e3,
                      "draft_ms_per_token_modeled": draft_s / n_gen * 1e3,
                      "tok_s_modeled": tok_s, "vs_plain_modeled": tok_s * t1,
                      "vs_rkllm_modeled": tok_s / rkllm if rkllm else None})
@@ -263,9 +263,9 @@ def effective_rows(target: ModelShapes, draft: ModelShapes | None, acceptance: l
 
 def draft_ceiling_tok_s(target: ModelShapes, draft: ModelShapes, n_max: int, *, dtype: str, cores: int) -> float:
     """Modeled tok/s of draft-model speculation if every drafted token were accepted: n_max + 1
-    tokens per step, for one target step at M = n_max + 1 and n_max + 1 draft passes."""
-    step = modeled_step_s(target, n_max + 1, dtype=dtype, cores=cores)
-    return (n_max + 1) / (step + (n_max + 1) * modeled_step_s(draft, 1, dtype=dtype, cores=cores))
+    tokens per pass, for one target pass at M = n_max + 1 and n_max + 1 draft passes."""
+    t_pass = modeled_pass_s(target, n_max + 1, dtype=dtype, cores=cores)
+    return (n_max + 1) / (t_pass + (n_max + 1) * modeled_pass_s(draft, 1, dtype=dtype, cores=cores))
 
 
 # --- command ----------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def add_arguments(p, common) -> None:
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3))
     p.add_argument("--quant", default="Q4_0", choices=QUANT_MIXES,
                    help="the GGUF mix the heads' cpu and auto plans price (llama.cpp's quantizer; default Q4_0)")
-    p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="rows per step (default 1,2,4,8,16,32)")
+    p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="rows per pass (default 1,2,4,8,16,32)")
     p.add_argument("--modeled-only", action="store_true", help="skip the measured acceptance part")
     p.add_argument("--n-predict", type=int, default=128, help="tokens per answer in the acceptance runs")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per answer")
@@ -293,14 +293,14 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     rkllm = None if args.model else RKLLM_TOK_S.get(args.preset)
     ms = sorted({int(m) for m in args.ms.split(",") if m.strip()})
     regime = regime_rows(target, ms, dtype=args.dtype, cores=args.cores)
-    tables = [rp.Table(f"{target.name} {args.dtype}, {args.cores} cores: one step with M rows", [
+    tables = [rp.Table(f"{target.name} {args.dtype}, {args.cores} cores: one pass with M rows", [
         rp.Column("M", "M rows"), rp.Column("bucket", "program M"),
-        rp.Column("step_ms_modeled", "NPU ms/step", "{:.1f}", figure=True),
-        rp.Column("step_vs_m1_modeled", "x M=1", "{:.3f}", figure=True),
-        rp.Column("tok_s_modeled", "tok/s (M per step)", "{:.1f}", figure=True),
+        rp.Column("pass_ms_modeled", "NPU ms/pass", "{:.1f}", figure=True),
+        rp.Column("pass_vs_m1_modeled", "x M=1", "{:.3f}", figure=True),
+        rp.Column("tok_s_modeled", "tok/s (M per pass)", "{:.1f}", figure=True),
         rp.Column("per_row_tok_s_modeled", "tok/s per stream", "{:.1f}", figure=True),
     ], regime, note="matmul weights only (host ops, RPC, pack/unpack not included); "
-                    f"{target.n_weights} weight passes per step; source: {target.source}")]
+                    f"{target.n_weights} weights read per pass; source: {target.source}")]
     notes = ["modeled figures come from our compiler's programs priced by cost/model.py; never a board measurement"]
     raw: dict = {"regime": regime}
     plots = []
@@ -332,8 +332,8 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
             rp.Column("mode", "mode"), rp.Column("prompt", "prompt"), rp.Column("generated", "generated"),
             rp.Column("drafted", "drafted"), rp.Column("accepted", "accepted"),
             rp.Column("acceptance_measured", "acceptance", "{:.2f}", figure=True),
-            rp.Column("tokens_per_step_measured", "tokens/target step", "{:.2f}", figure=True),
-            rp.Column("rows_per_step", "max M"), rp.Column("same_text_as_plain", "= plain greedy"),
+            rp.Column("tokens_per_pass_measured", "tokens/target pass", "{:.2f}", figure=True),
+            rp.Column("rows_per_pass", "max M"), rp.Column("same_text_as_plain", "= plain greedy"),
             rp.Column("distinct_4grams", "distinct 4-grams", "{:.2f}"),
             rp.Column("cpu_tok_s_measured", "CPU tok/s (1 thread)", "{:.1f}", figure=True),
         ], acceptance, note=f"llama.cpp {llamacpp.LLAMA_CPP_COMMIT}, -t 1 -ngl 0, temperature 0, "
@@ -344,13 +344,13 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
         raw["effective"] = product
         tables.append(rp.Table(f"{target.name}: effective decode with speculation at the measured acceptance", [
             rp.Column("mode", "mode"), rp.Column("prompt", "prompt"),
-            rp.Column("tokens_per_step_measured", "tokens/step (gemma3 pair)", "{:.2f}", figure=True),
-            rp.Column("target_ms_per_step_modeled", "target ms/step", "{:.1f}", figure=True),
+            rp.Column("tokens_per_pass_measured", "tokens/pass (gemma3 pair)", "{:.2f}", figure=True),
+            rp.Column("target_ms_per_pass_modeled", "target ms/pass", "{:.1f}", figure=True),
             rp.Column("draft_ms_per_token_modeled", "draft ms/token", "{:.1f}", figure=True),
             rp.Column("tok_s_modeled", "tok/s", "{:.1f}", figure=True),
             rp.Column("vs_plain_modeled", "x plain", "{:.2f}", figure=True),
             rp.Column("vs_rkllm_modeled", f"x RKLLM {rkllm} tok/s" if rkllm else "x RKLLM", "{:.2f}", figure=True),
-        ], product, note="tokens/step measured for gemma3 pairs and applied to this target: an assumption"))
+        ], product, note="tokens/pass measured for gemma3 pairs and applied to this target: an assumption"))
         notes += [
             "acceptance measured with llama-server on the client's CPU backend (-ngl 0): acceptance depends on "
             "the models and the text, not on the device; the NPU path's answers are checked equal in the tests "
@@ -358,8 +358,8 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
             f"draft model: gemma-3-270m's first {len(DRAFT_LAYERS)} of 18 layers (early exit, written by this "
             "command); "
             f"n-gram mode: ngram-simple with --spec-ngram-simple-size-m {NGRAM_SIZE_M} (verification M <= 16)",
-            "effective tok/s prices min(steps, drafted) target steps at the mode's largest M, the rest at M=1, and "
-            "the draft at one pass per drafted token plus one per step (conservative); host ops and RPC time are "
+            "effective tok/s prices min(passes, drafted) target passes at the mode's largest M, the rest at M=1, and "
+            "the draft at one pass per drafted token plus one per target pass (conservative); host ops and RPC time are "
             "not included",
             f"draft pass priced as {draft.name if draft else 'none (no draft preset for this target)'} "
             f"{args.dtype} on the NPU at M=1",
@@ -376,7 +376,7 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     series = [rp.Series("NPU matmuls (modeled)", xs, [r["tok_s_modeled"] for r in regime])]
     if rkllm:
         series.append(rp.Series(f"RKLLM single stream {rkllm} tok/s (measured, published)", xs, [rkllm] * len(xs)))
-    plot = rp.Plot("tok_s_vs_m.png", f"{target.name} {args.dtype}: tokens/s vs rows per step", "M rows per step",
+    plot = rp.Plot("tok_s_vs_m.png", f"{target.name} {args.dtype}: tokens/s vs rows per pass", "M rows per pass",
                    "tokens/s", series, log_x=True)
     return rp.Report("spec", f"Speculative decoding and parallel slots: {target.name}", rig.to_dict(), meta=meta,
                      tables=tables, plots=[plot, *plots], raw=raw, notes=notes)

@@ -1,9 +1,9 @@
 """Speculative heads in ``rknpu bench spec``: EAGLE-3 and MTP decode, *modeled* on the board
 under the placement plans of ``bench.plans``.
 
-One step with n drafts = the target's verification at M = n + 1, the head's n drafting passes
-at M = 1 and its pass over the verified rows; decode = tau / step, tau the published acceptance
-length (``PUBLISHED``). Each pass is priced by ``plans.step_seconds`` (weight matmuls plus host
+One round with n drafts = the target's verification at M = n + 1, the head's n drafting passes
+at M = 1 and its pass over the verified rows; decode = tau / round, tau the published acceptance
+length (``PUBLISHED``). Each pass is priced by ``plans.pass_seconds`` (weight matmuls plus host
 ops) under ``npu``, ``cpu`` (llama.cpp alone), ``auto`` (``cost.placement``'s argmin, as
 ``rknpu serve --placement auto``) and ``auto-split`` (modeled only). The best draft length
 uses a chain model with alpha = 1 - 1/tau, a lower bound (docs/speculative.md "Speculative
@@ -28,7 +28,7 @@ DRAFT_NS = tuple(range(1, 9))
 DEFAULT_N_DRAFT = 3           # llama.cpp's --spec-draft-n-max default (common.h, speculative.draft.n_max)
 SPEC_PLANS = ("npu", "cpu", "auto", "auto-split")
 RUNNABLE = ("npu", "cpu", "auto")   # what a user can run today (splits are opt-in, their gain modeled only)
-PLAIN = "cpu, no speculation"   # the baseline: llama.cpp alone decoding one token per step
+PLAIN = "cpu, no speculation"   # the baseline: llama.cpp alone decoding one token per pass
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Published:
 
     head: str          # "eagle3" | "mtp"
     model: str
-    tau: float         # tokens per target step, accepted drafts + 1
+    tau: float         # tokens per target pass (one per round), accepted drafts + 1
     conditions: str
     source: str
 
@@ -130,17 +130,17 @@ class Board:
 
 def pass_s(model: Priced, plan: str, M: int, board: Board) -> float:
     """Modeled seconds of one pass of ``M`` rows under ``plan`` (matmuls and host ops)."""
-    return plans.step_seconds(list(model.weights), model.layers, plan, M, npu_dtype=board.npu_dtype,
+    return plans.pass_seconds(list(model.weights), model.layers, plan, M, npu_dtype=board.npu_dtype,
                               cores=board.cores, threads=board.threads)
 
 
-def step_s(target: Priced, head: Priced, n: int, plan: str, board: Board) -> float:
-    """Modeled seconds of one speculative step with ``n`` drafted tokens under ``plan``."""
+def round_s(target: Priced, head: Priced, n: int, plan: str, board: Board) -> float:
+    """Modeled seconds of one speculative round with ``n`` drafted tokens under ``plan``."""
     return pass_s(target, plan, n + 1, board) + n * pass_s(head, plan, 1, board) + pass_s(head, plan, n + 1, board)
 
 
 def plain_tok_s(target: Priced, board: Board) -> float:
-    """llama.cpp alone without speculation: one token per CPU step."""
+    """llama.cpp alone without speculation: one token per CPU pass."""
     return 1.0 / pass_s(target, "cpu", 1, board)
 
 
@@ -155,7 +155,7 @@ def placement_of(model: Priced, plan: str, M: int, board: Board) -> str:
 
 
 def chain_tau(alpha: float, n: int) -> float:
-    """Tokens per step of a chain of n drafts, each accepted with probability alpha after its predecessors."""
+    """Tokens per round of a chain of n drafts, each accepted with probability alpha after its predecessors."""
     return float(n + 1) if alpha >= 1.0 else (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
 
 
@@ -164,17 +164,17 @@ def alpha_from_tau(tau: float) -> float:
     return 1.0 - 1.0 / tau
 
 
-def step_rows(target: Priced, heads: dict[str, Priced], board: Board) -> list[dict]:
+def round_rows(target: Priced, heads: dict[str, Priced], board: Board) -> list[dict]:
     rows = []
     for kind, head in heads.items():
         for n in DRAFT_NS:
             for plan in SPEC_PLANS:
-                total = step_s(target, head, n, plan, board)
+                total = round_s(target, head, n, plan, board)
                 rows.append({"head": kind, "n_draft": n, "M": n + 1, "plan": plan,
                              "verify_ms_modeled": pass_s(target, plan, n + 1, board) * 1e3,
                              "head_pass_ms_modeled": pass_s(head, plan, 1, board) * 1e3,
                              "head_on": placement_of(head, plan, 1, board),
-                             "step_ms_modeled": total * 1e3, "ceiling_tok_s_modeled": (n + 1) / total})
+                             "round_ms_modeled": total * 1e3, "ceiling_tok_s_modeled": (n + 1) / total})
     return rows
 
 
@@ -190,7 +190,7 @@ def goals(target: Priced, q4_0: Priced, board: Board, rkllm: float | None) -> di
 def best_n(target: Priced, head: Priced, tau: float, plan: str, board: Board) -> tuple[float, int]:
     """(tok/s, n) at the best draft length under the chain model with alpha = 1 - 1/tau."""
     alpha = alpha_from_tau(tau)
-    return max((chain_tau(alpha, n) / step_s(target, head, n, plan, board), n) for n in DRAFT_NS)
+    return max((chain_tau(alpha, n) / round_s(target, head, n, plan, board), n) for n in DRAFT_NS)
 
 
 def published_rows(target: Priced, heads: dict[str, Priced], board: Board, *, rkllm: float | None,
@@ -206,12 +206,12 @@ def published_rows(target: Priced, heads: dict[str, Priced], board: Board, *, rk
         for plan in SPEC_PLANS:
             tok_s, n = best_n(target, head, pub.tau, plan, board)
             rows.append({"head": pub.head, "model": pub.model, "tau_published_measured": pub.tau, "plan": plan,
-                         "tok_s_at_default_n_modeled": pub.tau / step_s(target, head, DEFAULT_N_DRAFT, plan, board),
+                         "tok_s_at_default_n_modeled": pub.tau / round_s(target, head, DEFAULT_N_DRAFT, plan, board),
                          "alpha_modeled": alpha_from_tau(pub.tau), "best_n_draft": n,
                          "tau_at_best_modeled": chain_tau(alpha_from_tau(pub.tau), n), "tok_s_modeled": tok_s,
                          "vs_rkllm_modeled": tok_s / rkllm if rkllm else None,
                          "vs_cpu_plain_modeled": tok_s / plain, "vs_cpu_q4_0_modeled": tok_s / cpu_q4,
-                         "tau_needed_for_goals_modeled": need * step_s(target, head, n, plan, board),
+                         "tau_needed_for_goals_modeled": need * round_s(target, head, n, plan, board),
                          "conditions": pub.conditions, "source": pub.source})
     return rows
 
@@ -225,7 +225,7 @@ def needed_rows(target: Priced, heads: dict[str, Priced], board: Board, *, rkllm
         for goal, tok_s in goals(target, q4_0, board, rkllm).items():
             group: list[dict] = []
             for plan in SPEC_PLANS:
-                feasible = [(tok_s * step_s(target, head, n, plan, board), n) for n in DRAFT_NS]
+                feasible = [(tok_s * round_s(target, head, n, plan, board), n) for n in DRAFT_NS]
                 feasible = [(tau, n) for tau, n in feasible if tau <= n + 1]
                 tau, n = min(feasible) if feasible else (None, None)
                 group.append({"head": kind, "goal": goal, "goal_tok_s": tok_s, "plan": plan,
@@ -240,7 +240,7 @@ def needed_rows(target: Priced, heads: dict[str, Priced], board: Board, *, rkllm
 
 
 def _alpha_for(tau: float, n: int) -> float:
-    """Per-draft acceptance whose chain of n drafts averages ``tau`` tokens per step (bisection)."""
+    """Per-draft acceptance whose chain of n drafts averages ``tau`` tokens per round (bisection)."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -250,21 +250,21 @@ def _alpha_for(tau: float, n: int) -> float:
 
 def tau_curve(target: Priced, head: Priced, n: int, plan: str, board: Board) -> tuple[list, list]:
     """Modeled tok/s against tau (1 .. n + 1) at draft length n: the plot's line for that n and plan."""
-    cost = step_s(target, head, n, plan, board)
+    cost = round_s(target, head, n, plan, board)
     taus = [1.0 + 0.25 * i for i in range(4 * n + 1)]
     return taus, [t / cost for t in taus]
 
 
-def _step_table(title: str, steps: list[dict], note: str) -> rp.Table:
+def _round_table(title: str, rounds: list[dict], note: str) -> rp.Table:
     return rp.Table(title, [
         rp.Column("head", "head"), rp.Column("n_draft", "n drafted"), rp.Column("M", "verify M"),
         rp.Column("plan", "plan"),
         rp.Column("verify_ms_modeled", "target verify ms", "{:.1f}", figure=True),
         rp.Column("head_pass_ms_modeled", "head pass ms (M=1)", "{:.2f}", figure=True),
         rp.Column("head_on", "head (M=1) on"),
-        rp.Column("step_ms_modeled", "step ms", "{:.1f}", figure=True),
+        rp.Column("round_ms_modeled", "round ms", "{:.1f}", figure=True),
         rp.Column("ceiling_tok_s_modeled", "tok/s if all accepted", "{:.1f}", figure=True),
-    ], steps, note=note)
+    ], rounds, note=note)
 
 
 def report_parts(dims: dict, name: str, source: str, *, quant: str, dtype: str, cores: int,
@@ -275,15 +275,15 @@ def report_parts(dims: dict, name: str, source: str, *, quant: str, dtype: str, 
     q4_0 = priced(target_for(dims, name, source), GOAL_CPU_QUANT)
     shapes = heads_for(dims, name)
     heads = {kind: priced(shape, quant) for kind, shape in shapes.items()}
-    steps = step_rows(target, heads, board)
+    rounds = round_rows(target, heads, board)
     published = published_rows(target, heads, board, rkllm=rkllm, q4_0=q4_0)
     needed = needed_rows(target, heads, board, rkllm=rkllm, q4_0=q4_0)
     plain = plain_tok_s(target, board)
     rk = f"x RKLLM {rkllm}" if rkllm else "x RKLLM"
     where = f"{name} {quant} (NPU {dtype}, {cores} cores; CPU {board.threads} A76 threads)"
     tables = [
-        _step_table(f"{where}: one step with a head drafting n tokens, by plan", steps,
-                    "step = verify at M = n + 1 + n head passes at M = 1 + one head pass over the verified rows; "
+        _round_table(f"{where}: one round with a head drafting n tokens, by plan", rounds,
+                    "round = verify at M = n + 1 + n head passes at M = 1 + one head pass over the verified rows; "
                     "each pass = its weight matmuls under the plan + its host ops (cost.cpu.host_ops_seconds per "
                     "layer, every plan); npu: every matmul on the NPU; cpu: llama.cpp alone (ggml-cpu, repacked); "
                     "auto: each matmul at the argmin of cost.placement (rknpu serve --placement auto; its host "
@@ -335,10 +335,10 @@ def report_parts(dims: dict, name: str, source: str, *, quant: str, dtype: str, 
             series.append(rp.Series(f"{row['head']} {row['model']}: published tau {row['tau_published_measured']} "
                                     "(measured)", [row["tau_published_measured"]], [row["tok_s_at_default_n_modeled"]]))
     plot = rp.Plot("tok_s_vs_tau.png", f"{name} {quant} with a head: tokens/s vs acceptance length",
-                   "tau: tokens per target step", "tokens/s (modeled)", series)
+                   "tau: tokens per target pass", "tokens/s (modeled)", series)
     notes = [f"heads priced under the plans npu / cpu / auto / auto-split at {quant} (llama.cpp's quantizer mix, "
              f"bench.plans); the CPU by cost.cpu ({board.threads} A76 threads), the NPU by cost.model; the head's "
              "placement at M = 1 under auto is the argmin of the two per matmul (cost.placement.place_matmul)"]
-    raw = {"head_steps": steps, "head_published": published, "head_needed": needed,
+    raw = {"head_rounds": rounds, "head_published": published, "head_needed": needed,
            "cpu_plain_tok_s_modeled": plain, "cpu_q4_0_plain_tok_s_modeled": plain_tok_s(q4_0, board)}
     return tables, plot, raw, notes

@@ -1,4 +1,4 @@
-"""The matmul weights one step streams, and their modeled NPU time: the shape tables ``rknpu
+"""The matmul weights one forward pass streams, and their modeled NPU time: the shape tables ``rknpu
 bench spec`` prices (targets, draft models, speculative heads)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """The matmul weights one decode step streams: (K, N) of each, with their counts."""
+    """The matmul weights one decode pass streams: (K, N) of each, with their counts."""
 
     name: str
     weights: tuple[tuple[tuple[int, int], int], ...]
@@ -49,8 +49,8 @@ PRESETS = {name: dense_transformer(name, **dims, source=_QWEN_SOURCE.format(_PRE
 DRAFT_FOR = {"qwen2.5-1.5b": "qwen2.5-0.5b"}   # same tokenizer, the usual pairing
 
 
-def modeled_step_s(shapes: ModelShapes, m: int, *, dtype: str, cores: int) -> float:
-    """Modeled NPU seconds of one step with ``m`` rows: each weight once, at the engine's M bucket."""
+def modeled_pass_s(shapes: ModelShapes, m: int, *, dtype: str, cores: int) -> float:
+    """Modeled NPU seconds of one pass with ``m`` rows: each weight once, at the engine's M bucket."""
     from ggml_rknpu.bench.matmul import modeled_program_time
     from ggml_rknpu.engine.programs import m_bucket
 

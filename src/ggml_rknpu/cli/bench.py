@@ -1,7 +1,7 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
 CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
-``npu-step`` and ``sim`` (each module's docstring says what it measures).
+``npu-submit`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
 (throttled DRAM, powersave CPU, hot board, no driver) refuses to benchmark unless
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model_bench.add_arguments(sub.add_parser("model", help="llama-bench CPU-only vs through rknpu serve"), _common)
     from ggml_rknpu.bench import decode as decode_bench
     decode_bench.add_arguments(sub.add_parser(
-        "decode", help="decode forecast per model: modeled NPU time per token, measured host time per NPU step"),
+        "decode", help="decode forecast per model: modeled NPU time per token, measured host time per NPU submit"),
         _common)
     from ggml_rknpu.bench import rpc_overhead
     rpc_overhead.add_arguments(sub.add_parser(
@@ -124,11 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "mid-message), plus a second llama.cpp process; p50/p99 and their ratio"), _common)
     from ggml_rknpu.bench import spec
     spec.add_arguments(sub.add_parser(
-        "spec", help="speculative decoding / parallel slots: modeled NPU step time by M, measured acceptance"),
+        "spec", help="speculative decoding / parallel slots: modeled NPU pass time by M, measured acceptance"),
         _common)
-    from ggml_rknpu.bench import npu_step
-    npu_step.add_arguments(sub.add_parser(
-        "npu-step", help="host work per NPU decode step by phase (pack, canaries, syncs+submit, unpack; simulator)"))
+    from ggml_rknpu.bench import npu_submit
+    npu_submit.add_arguments(sub.add_parser(
+        "npu-submit", help="host work per NPU decode submit by phase (pack, canaries, syncs+submit, unpack; simulator)"))
     from ggml_rknpu.bench import sim as sim_bench
     sim_bench.add_arguments(sub.add_parser(
         "sim", help="simulated matmul through the public API vs numpy on this host (simulator speed)"))
@@ -368,10 +368,10 @@ def run(args: argparse.Namespace) -> int:
         from ggml_rknpu.bench import sim as sim_bench
 
         return sim_bench.run(args, console)
-    if args.bench == "npu-step":   # host-only, simulated device: no rig to check
-        from ggml_rknpu.bench import npu_step
+    if args.bench == "npu-submit":   # host-only, simulated device: no rig to check
+        from ggml_rknpu.bench import npu_submit
 
-        return npu_step.run(args, console)
+        return npu_submit.run(args, console)
     try:
         rig = rig_gate(args, console)
     except FileNotFoundError as exc:

@@ -1,6 +1,6 @@
 """The model demo: build what is missing, serve on the NPU (simulator without one), generate text.
 
-Steps: the pinned llama.cpp tools (scripts/build-llama-cpp, cached), the real gemma-3-270m Q4_K_M
+Stages: the pinned llama.cpp tools (scripts/build-llama-cpp, cached), the real gemma-3-270m Q4_K_M
 (from PyPI, cached), ``rknpu serve`` on a free loopback port, then unmodified
 ``llama-completion --rpc 127.0.0.1:PORT -ngl 99`` printing the generated text, then the server is
 stopped (it prints its per-engine counters on the way out). On the simulator every NPU job is

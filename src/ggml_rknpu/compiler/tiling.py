@@ -54,7 +54,7 @@ class TaskTile:
     data_banks: int
     block: KChunk | None = None   # the weight layout chunk holding the task's weights, when
     #                               the task computes only part of it (one kernel group: split K
-    #                               of a decode step, ``group_split``); None: ``chunk`` itself
+    #                               of a decode pass, ``group_split``); None: ``chunk`` itself
 
     @property
     def weight_banks(self) -> int:
@@ -208,12 +208,12 @@ def _tile(shape: MatmulShape, cores: int, chunks: tuple[KChunk, ...], envelope: 
     return Tiling(shape, chunks, tuple(tasks), len(core_ranges))
 
 
-# --- split K of a decode step over the weights as packed ------------------------------
+# --- split K of a decode pass over the weights as packed ------------------------------
 GROUP_SPLIT_MAX_ROWS = 16
-# OUR CHOICE: decode steps (M <= 16, one MAC pass of rows [cost.model M_ATOM]) are the
+# OUR CHOICE: decode passes (M <= 16, one MAC atom of rows [cost.model M_ATOM]) are the
 # shapes where a whole kernel group of a long K leaves too few data banks for their rows
 # (fp16 K in (6144, 8192]: 8-11 rows at full weight fill, 2 at the proven 8/11), so the
-# step runs as M tiles that each re-stream the core's weights. Prefill is not evaluated
+# pass runs as M tiles that each re-stream the core's weights. Prefill is not evaluated
 # here (its many M tiles would become thousands of one-group tasks).
 
 

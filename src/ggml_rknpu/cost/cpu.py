@@ -7,7 +7,7 @@ over the cores' DRAM read rate, or the multiply-accumulates over the kernel's MA
 whichever is longer. Which kernel runs is ggml-cpu's choice: the repacked ARM kernels
 (``repack.cpp``) where llama.cpp repacks a type on a dotprod core, the plain ``vec_dot``
 on the GGUF bytes otherwise. Host ops (norms, RoPE, attention, the GLU) cost a fixed time
-per layer and step (``host_ops_seconds``). Why a roofline and which figures fixed which
+per layer and forward pass (``host_ops_seconds``). Why a roofline and which figures fixed which
 constant: docs/placement.md."""
 
 from __future__ import annotations
@@ -144,6 +144,6 @@ def cpu_matmul_seconds(weight_type: int | str, M: int, K: int, N: int, *, thread
 
 
 def host_ops_seconds(layers: int) -> float:
-    """Modeled host-op time of one step (a decode step or a prompt batch) of a ``layers``-deep
+    """Modeled host-op time of one forward pass (a decode pass or a prompt batch) of a ``layers``-deep
     model: the same in every placement, since host ops always run in ggml-cpu."""
     return layers * HOST_OPS_S_PER_LAYER

@@ -142,9 +142,9 @@ class TracingSyscalls(_Wrapping):
 class TimingSyscalls(_Wrapping):
     """Wraps any ``Syscalls``; counts ioctls by name and the wall time spent inside them.
 
-    WHY: a per-step host budget must tell our own work (packing, the driver wrappers) from
+    WHY: a per-submit host budget must tell our own work (packing, the driver wrappers) from
     the kernel's; off a board the "kernel" is the simulator, whose time is not a host cost
-    of the board (``rknpu bench npu-step``)."""
+    of the board (``rknpu bench npu-submit``)."""
 
     def __init__(self, inner: Syscalls) -> None:
         super().__init__(inner)

@@ -14,7 +14,7 @@ from ggml_rknpu.server.plan import GraphPlan
 PLANS_PER_DEVICE = 1024
 # identical-graph cache: partial offload (-ot) sends ~90 splits per token [docs/ggml-rpc.md §5.1], and
 # speculative decoding / parallel slots send each split at every batch size they alternate
-# between (1..n_draft+1): 90 x 4 already overflowed 256 and re-planned every split every step.
+# between (1..n_draft+1): 90 x 4 already overflowed 256 and re-planned every split every pass.
 # 1024 is also upstream's graph cache size in RPC protocol 8 (docs/ggml-rpc.md §3.5).
 
 

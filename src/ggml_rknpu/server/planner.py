@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import numpy as np
 
@@ -19,7 +18,7 @@ from ggml_rknpu.engine.contract import MatmulEngine, fusing
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
-from ggml_rknpu.libggml.lib import Ggml
+from ggml_rknpu.libggml.lib import Ggml, TensorP
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
@@ -147,9 +146,9 @@ class GraphPlanner:
                          checks=checks, counts=counts, groups=groups)
 
     @staticmethod
-    def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, Any]:
+    def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, TensorP]:
         """One ggml tensor per graph tensor, data in the server's buffers, then sources and views."""
-        ptrs = {}
+        ptrs: dict[int, TensorP] = {}
         for tid, t in g.tensors.items():
             c = checked[tid]
             data = (c.buffer.array, c.start) if c.buffer is not None and c.end > c.start else None
@@ -162,7 +161,7 @@ class GraphPlanner:
     def _span(self, t: RpcTensor, checked: dict[int, CheckedTensor]) -> int:
         return sum(checked[s].end - checked[s].start for s in (t.id, *t.src) if s)
 
-    def _step(self, run: list[Node], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
+    def _step(self, run: list[Node], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP],
               host: HostContext, indices: dict[int, list[tuple[int, int]]],
               slots: dict[int, WeightSlot | None], cpu_ok: dict[int, bool],
               copies: dict[int, HostCopy]) -> HostSegment | NpuStep | SplitStep | Delivery:
@@ -185,7 +184,7 @@ class GraphPlanner:
                        rounder=self.activations.for_step(slot.type, a_type, a.size))
 
     def _expert_step(self, t: RpcTensor, slots: tuple[WeightSlot | None, ...], checked: dict[int, CheckedTensor],
-                     ptrs: dict[int, Any], host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> ExpertStep:
+                     ptrs: dict[int, TensorP], host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> ExpertStep:
         """A MUL_MAT_ID with resident experts (``server/expert_step.py``); its ids checked as the rule says."""
         (src, bound), = indices[t.id]
         ids = checked[t.src[src]]
@@ -195,7 +194,7 @@ class GraphPlanner:
         rounder = self.activations.for_step(w.type, checked[t.src[1]].rpc.type, w.ne[0] * t.ne[1] * t.ne[2])
         return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats, rounder)
 
-    def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, Any],
+    def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]],
                  copies: dict[int, HostCopy] | None = None) -> HostSegment:
         checks = []
@@ -216,7 +215,7 @@ class GraphPlanner:
                            tuple(copies[nid] for nid in run if copies and nid in copies))
 
     def _repacked(self, g: ParsedGraph, position: dict[int, int], checked: dict[int, CheckedTensor],
-                  ptrs: dict[int, Any], slots: dict[int, WeightSlot | None], computing: list[int]) -> dict[int, HostCopy]:
+                  ptrs: dict[int, TensorP], slots: dict[int, WeightSlot | None], computing: list[int]) -> dict[int, HostCopy]:
         """Host MUL_MATs of a weight ggml-cpu repacks, pointed at its repacked copy: node -> copy.
 
         A candidate is a weight by the NPU's rules (``placement.host_weight``) whose matmul runs
@@ -273,7 +272,7 @@ class GraphPlanner:
         return slot
 
     def _split_step(self, t: RpcTensor, slot: WeightSlot, host_rows: int, checked: dict[int, CheckedTensor],
-                    ptrs: dict[int, Any], host: HostContext) -> SplitStep:
+                    ptrs: dict[int, TensorP], host: HostContext) -> SplitStep:
         """A split MUL_MAT: the NPU over the weight's first rows into those columns of dst, a
         one-node ggml graph over the last ``host_rows`` rows (from a repacked copy where ggml
         repacks them) into the others, and a one-node graph of the NPU's rows as its fallback."""

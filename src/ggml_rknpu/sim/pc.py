@@ -6,7 +6,7 @@ Invariants: a fetch outside mapped memory is a DMA read error (raw-status bit 12
 with no op-enable idles the PC with no interrupt; INT_STATUS shows completion only once all
 TASK_NUMBER tasks completed; a task is decoded once (``DecodeCache``, keyed by its fetched
 bytes) only if it ran without a refusal and its decode cannot depend on an earlier task, and
-a replay still fetches, writes every register and checks every address. The steps and the
+a replay still fetches, writes every register and checks every address. The choices and the
 inferences they rest on: docs/decisions.md "sim/pc.py"; the cache: docs/simulator.md."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""NPU-step host benchmark: the host work around each submit of single-stream decode, by phase
+"""NPU-submit host benchmark: the host work around each submit of single-stream decode, by phase
 (pack, canaries, syncs + submit on our side, unpack), measured on this host.
 
-Invariants: the steps are one token's as the server issues them, replayed on the simulated
+Invariants: the submits are one token's as the server issues them, replayed on the simulated
 device through ``kernel.trace.TimingSyscalls``; the time inside the simulated kernel's
 ioctl handlers is shown apart and is *not* a host cost on a board. Why and the method:
-docs/decisions.md "bench/npu_step.py"."""
+docs/decisions.md "bench/npu_submit.py"."""
 
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ class LayerShape:
     kv: int = 256
     ffn: int = 2048
 
-    def steps(self) -> list[tuple[str, int, list[int]]]:
-        """(name, K, N of each chained member) of the 4 decode steps, as the server groups them."""
+    def submits(self) -> list[tuple[str, int, list[int]]]:
+        """(name, K, N of each chained member) of the 4 decode submits, as the server groups them."""
         return [("q+k+v", self.hidden, [self.q, self.kv, self.kv]), ("o", self.q, [self.hidden]),
                 ("gate+up", self.hidden, [self.ffn, self.ffn]), ("down", self.ffn, [self.hidden])]
 
 
-class _ServerStep:
-    """One NPU step as ``server.plan_steps`` issues it: several siblings as a chained
+class _ServerSubmit:
+    """One NPU submit as a ``server.plan_steps`` step issues it: several siblings as a chained
     ``Npu.fuse(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
     ``server.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
 
@@ -57,7 +57,7 @@ class _ServerStep:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench-out/npu-step", metavar="DIR", help="report directory")
+    p.add_argument("--out", default="bench-out/npu-submit", metavar="DIR", help="report directory")
     p.add_argument("--device", default="sim-rknpu", choices=("sim-rknpu", "sim-rocket"))
     p.add_argument("--dtype", default="fp16", choices=("fp16", "int8"))
     p.add_argument("--layers", type=int, default=4, help="decoder layers replayed per token (default 4)")
@@ -76,8 +76,8 @@ def _loadavg() -> float | None:
 
 
 def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int, rng: np.random.Generator) -> dict:
-    """Per step kind: per-phase µs (median and min over tokens), ioctls per step, and the
-    simulator's µs per step (NPU model; simulated driver)."""
+    """Per submit kind: per-phase µs (median and min over tokens), ioctls per submit, and the
+    simulator's µs per submit (NPU model; simulated driver)."""
     from ggml_rknpu.devices import open_simulated
     from ggml_rknpu.engine.api import Npu
     from ggml_rknpu.kernel.trace import TimingSyscalls
@@ -88,24 +88,24 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
     try:
         plan = []
         for _ in range(layers):
-            for name, k, ns in shape.steps():
+            for name, k, ns in shape.submits():
                 weights = [npu.upload_weight((rng.standard_normal((n, k)) * 0.05).astype(np.float32), dtype)
                            for n in ns]
                 a = rng.standard_normal((1, k)).astype(np.float32)
                 outs = [np.empty((1, n), np.float32) for n in ns]
-                plan.append((name, _ServerStep(npu, weights), a, outs))
-        for _name, step, a, outs in plan:   # warm: programs compiled, tables built
-            step.run(a, outs)
+                plan.append((name, _ServerSubmit(npu, weights), a, outs))
+        for _name, sub, a, outs in plan:   # warm: programs compiled, tables built
+            sub.run(a, outs)
         kinds = list(dict.fromkeys(name for name, *_ in plan))
         per_token: dict[str, dict[str, list[float]]] = {k: {p: [] for p in (*PHASES, "npu_model", "sim_driver")}
                                                         for k in kinds}
         calls: dict[str, dict[str, int]] = {k: {} for k in kinds}
         for _ in range(tokens):
             sums = {k: dict.fromkeys((*PHASES, "npu_model", "sim_driver"), 0.0) for k in kinds}
-            for name, step, a, outs in plan:
+            for name, sub, a, outs in plan:
                 kernel.clear()
                 sim0 = kernel.simulation_seconds
-                pack_s, submit_s, unpack_s, canary_s = step.run(a, outs)
+                pack_s, submit_s, unpack_s, canary_s = sub.run(a, outs)
                 model_s = kernel.simulation_seconds - sim0
                 in_kernel_s = sum(kernel.ns.values()) * 1e-9
                 s = sums[name]
@@ -124,8 +124,8 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
         npu.close()
     rows = []
     for name in kinds:
-        row: dict = {"step": name, "K": next(k for n, k, _ in shape.steps() if n == name),
-                     "N": "+".join(str(n) for n in next(ns for n, _, ns in shape.steps() if n == name)),
+        row: dict = {"submit": name, "K": next(k for n, k, _ in shape.submits() if n == name),
+                     "N": "+".join(str(n) for n in next(ns for n, _, ns in shape.submits() if n == name)),
                      "ioctls": ", ".join(f"{n} {c}" for c, n in sorted(calls[name].items()))}
         for phase, values in per_token[name].items():
             row[f"{phase}_us_measured"] = statistics.median(values)
@@ -138,7 +138,7 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
 
 
 COLUMNS = [
-    rp.Column("step", "step"), rp.Column("K", "K"), rp.Column("N", "N"),
+    rp.Column("submit", "submit"), rp.Column("K", "K"), rp.Column("N", "N"),
     rp.Column("pack_us_measured", "pack µs", "{:.1f}", figure=True),
     rp.Column("canaries_us_measured", "canaries µs", "{:.1f}", figure=True),
     rp.Column("syncs_submit_us_measured", "syncs+submit µs (ours)", "{:.1f}", figure=True),
@@ -147,7 +147,7 @@ COLUMNS = [
     rp.Column("host_min_us_measured", "host µs (min)", "{:.1f}"),
     rp.Column("npu_model_us_measured", "sim: NPU model µs", "{:.0f}"),
     rp.Column("sim_driver_us_measured", "sim: driver µs", "{:.1f}"),
-    rp.Column("ioctls", "ioctls per step"),
+    rp.Column("ioctls", "ioctls per submit"),
 ]
 
 
@@ -159,20 +159,20 @@ def run(args: argparse.Namespace, console: Console) -> int:
     wall = time.perf_counter() - t0
     load1 = _loadavg()
     rows = result["rows"]
-    per_step = statistics.mean(r["host_us_measured"] for r in rows)
+    per_submit = statistics.mean(r["host_us_measured"] for r in rows)
     meta = {"device": args.device, "dtype": args.dtype, "layers": args.layers, "tokens": args.tokens,
             "shape": {"hidden": shape.hidden, "q": shape.q, "kv": shape.kv, "ffn": shape.ffn}, "host": host_description(),
             "load_average": [load0, load1], "wall_s": wall}
     notes = [f"measured on this host ({meta['host']}), load average {load0} -> {load1}; not a board figure. "
-             f"Median over {args.tokens} tokens of the per-step mean ({args.layers} layers, M = 1, {args.dtype})",
+             f"Median over {args.tokens} tokens of the per-submit mean ({args.layers} layers, M = 1, {args.dtype})",
              "host µs = pack + canaries + syncs+submit (ours: the device/ABI/driver wrappers, outside the "
              "kernel's ioctl handlers) + unpack",
              "sim columns: time inside the simulated kernel's ioctl handlers (the NPU model's execution; the "
              "simulated driver's checks and cache copies): not a host cost on a board",
-             f"mean host µs per NPU step over the 4 step kinds: {per_step:.1f}; per token at 4 steps per layer: "
-             f"{per_step * 4:.0f} µs per layer"]
-    report = rp.Report("npu-step", f"Host work per NPU decode step ({args.device}, {args.dtype})", rig={},
-                       meta=meta, tables=[rp.Table("Host µs per NPU step, by phase (median over tokens)",
+             f"mean host µs per NPU submit over the 4 submit kinds: {per_submit:.1f}; per token at 4 submits per layer: "
+             f"{per_submit * 4:.0f} µs per layer"]
+    report = rp.Report("npu-submit", f"Host work per NPU decode submit ({args.device}, {args.dtype})", rig={},
+                       meta=meta, tables=[rp.Table("Host µs per NPU submit, by phase (median over tokens)",
                                                    COLUMNS, rows)], raw=result, notes=notes)
     report.print(console)
     paths = report.write(args.out)
