@@ -8,11 +8,8 @@ upstream, whose rank 0 waits in ``accept()`` without a limit, the join is bounde
 (``JOIN_TIMEOUT_S``) and every exchange by the stall timeout: a peer that dies or stalls costs
 that client its connection, never the server [docs/server.md: COMM_*].
 
-The link has no framing, so a peer that sends more than asked would shift every later sum.
-After each receive the protocol leaves the peer nothing to say (it waits for us), so a byte
-already pending then is a surplus and ends the link (:func:`_surplus`); so does one pending
-when rank 0 starts an all-reduce. A surplus that arrives later, while rank 1 waits for rank 0's
-next tensor, cannot be told from that tensor on upstream's wire.
+The link has no framing: a byte pending where the protocol leaves the peer nothing to say is a
+surplus that would shift every later sum, and ends the link (:func:`_surplus`; docs/server.md).
 """
 
 from __future__ import annotations
