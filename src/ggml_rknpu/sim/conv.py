@@ -19,7 +19,7 @@ import numpy as np
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import ceil_div
-from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, note_device_write
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, content_token, device_write_view, note_device_write
 from ggml_rknpu.sim.validate import (
     CONV_RULES,
     NotModeled,
@@ -244,8 +244,11 @@ def _planes(memory: DeviceMemory, base: int, n_planes: int, pitch: int, plane_by
 
 def _mapped(memory: DeviceMemory, base: int, nbytes: int, what: str,
             error: type[DmaRead]) -> np.ndarray:
-    """The DMA range check of [base, base+nbytes): its uint8 view, or ``error``."""
+    """The DMA range check of [base, base+nbytes): its uint8 view (for a write when
+    ``error`` is ``DmaWrite``), or ``error``."""
     try:
+        if issubclass(error, DmaWrite):
+            return device_write_view(memory, base, nbytes)
         return memory.view(base, nbytes)
     except DmaFault as fault:
         raise error(what, fault) from None
@@ -427,6 +430,11 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 WEIGHT_CACHE_BYTES = 3 << 30    # decoded fp32 weights kept across runs (gemma3-270m: ~1.1 GiB)
 FEATURE_CACHE_BYTES = 256 << 20  # decoded fp32 features (the cores of one submit share A)
+# Decoded weights are kept from their second read of the same bytes on: a replayed program
+# (every decode token) reads them again, a weight multiplied once (a test case, a MoE expert
+# one graph routes to once) is decoded, used and dropped, and costs no host memory after.
+SEEN_KEYS = 1 << 16              # weights read once, remembered by key and token
+_UNSEEN = object()
 
 
 class _Decoded:
@@ -436,10 +444,12 @@ class _Decoded:
     token (``note_device_write``). Entries without one are checked by address
     (``invalidate``) and dropped at the end of the run."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, admit_on_reuse: bool = False) -> None:
         self.max_bytes = max_bytes
+        self.admit_on_reuse = admit_on_reuse
         self._entries: OrderedDict[tuple, tuple[object, tuple[int, int], np.ndarray]] = OrderedDict()
         self._untracked: set[tuple] = set()
+        self._seen: OrderedDict[tuple, object] = OrderedDict()   # key -> token, read once
         self._bytes = 0
 
     def get(self, key: tuple, token: object, extent: tuple[int, int],
@@ -449,6 +459,12 @@ class _Decoded:
             self._entries.move_to_end(key)
             return hit[2]
         value = read()
+        if self.admit_on_reuse and token is not None and self._seen.pop(key, _UNSEEN) != token:
+            self._drop(key)
+            self._seen[key] = token               # kept only if the same bytes are read again
+            if len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
+            return value
         self._drop(key)
         self._entries[key] = (token, extent, value)
         if token is None:
@@ -475,6 +491,8 @@ class _Decoded:
         """The memory [start, start + nbytes) was freed: drop every entry decoded from it."""
         for key in [k for k, e in self._entries.items() if _overlap(e[1], (start, start + nbytes))]:
             self._drop(key)
+        for key in [k for k in self._seen if _overlap((k[0], k[0] + k[1]), (start, start + nbytes))]:
+            del self._seen[key]
 
     def end_run(self) -> None:
         for key in list(self._untracked):
@@ -483,13 +501,14 @@ class _Decoded:
     def clear(self) -> None:
         self._entries.clear()
         self._untracked.clear()
+        self._seen.clear()
         self._bytes = 0
 
 
 class OperandCache:
     """Decoded (N, C) weights and (M, C) features, so tasks, cores and jobs reading the same
-    bytes decode them once: replayed programs skip the weight decode, and the cores of one
-    submit share the decode of A. An entry is keyed by the task's registers and used only
+    bytes decode them once: replayed programs skip the weight decode (from the second read
+    of the same bytes on: ``SEEN_KEYS``), and the cores of one submit share the decode of A. An entry is keyed by the task's registers and used only
     while the memory's content token of its bytes is unchanged (no sync, no NPU write to
     the object since), so a changed operand is always read again. Entries without a token
     (memory that cannot tell) are dropped when a task writes over them (``invalidate``) and
@@ -497,7 +516,7 @@ class OperandCache:
 
     def __init__(self, weight_bytes: int = WEIGHT_CACHE_BYTES,
                  feature_bytes: int = FEATURE_CACHE_BYTES) -> None:
-        self._weights = _Decoded(weight_bytes)
+        self._weights = _Decoded(weight_bytes, admit_on_reuse=True)
         self._features = _Decoded(feature_bytes)
 
     def check_weights(self, memory: DeviceMemory, task: ConvTask) -> object | None:

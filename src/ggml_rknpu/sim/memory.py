@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import mmap
+import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +28,13 @@ PAGE = PAGE_BYTES
 IOVA_BASE = PAGE
 IOVA_END = ADDRESS_WINDOW_BYTES
 MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x100000000]
+
+
+# A cached object at least this large keeps its CPU-cache view as a copy-on-write mapping of
+# its DRAM (``GemObject``): a page costs host memory twice only while the two views differ.
+# Smaller ones (activations, programs, task arrays: synced every job) keep two plain arrays.
+SHARED_VIEW_MIN_BYTES = 1 << 20
+SYNC_CHUNK_BYTES = 64 << 20   # a sync copies and drops at most this much at a time
 
 
 def page_align(n: int) -> int:
@@ -44,9 +53,10 @@ class DmaFault(Exception):
 class DeviceMemory(Protocol):
     """What the NPU model needs: ``view`` (required). A memory may also offer
     ``content_token(iova, nbytes)`` (hashable, or None when unknown) and
-    ``note_device_write(iova, nbytes)`` (which must change the token of what was written);
-    the model uses them through ``content_token`` and ``note_device_write`` below, which
-    treat a memory without them as untracked."""
+    ``note_device_write(iova, nbytes)`` (which must change the token of what was written)
+    and ``device_write_view(iova, nbytes)`` (the view for a write); the model uses them
+    through the functions of those names below, which treat a memory without them as
+    untracked."""
 
     def view(self, iova: int, nbytes: int) -> np.ndarray: ...
 
@@ -56,6 +66,13 @@ def content_token(memory: DeviceMemory, iova: int, nbytes: int) -> object | None
     None when the memory cannot tell (then nothing may be kept across hardware runs)."""
     method = getattr(memory, "content_token", None)
     return method(iova, nbytes) if method is not None else None
+
+
+def device_write_view(memory: DeviceMemory, iova: int, nbytes: int) -> np.ndarray:
+    """The view the NPU writes [iova, iova+nbytes) through: ``memory.device_write_view``
+    when it has one (it keeps CPU-cached copies apart from the write), else ``view``."""
+    method = getattr(memory, "device_write_view", None)
+    return method(iova, nbytes) if method is not None else memory.view(iova, nbytes)
 
 
 def note_device_write(memory: DeviceMemory, iova: int, nbytes: int) -> None:
@@ -144,7 +161,17 @@ _SERIALS = itertools.count(1)
 
 @dataclass(eq=False)
 class GemObject:
-    """One buffer object. ``dram`` is what the NPU sees; ``cpu`` what the CPU mapping sees."""
+    """One buffer object. ``dram`` is what the NPU sees; ``cpu`` what the CPU mapping sees.
+
+    A cached object of ``SHARED_VIEW_MIN_BYTES`` or more holds its DRAM in a memfd mapped
+    shared (``dram``) and privately (``cpu``): a page the CPU writes becomes the CPU's own
+    (the host kernel's copy-on-write), a page a sync made equal on both sides is dropped
+    from the private mapping and reads DRAM again (``madvise(MADV_DONTNEED)``), and before
+    the NPU writes a range (``prepare_device_write``) every CPU page there that still reads
+    DRAM is made the CPU's own, holding what it held. So the CPU sees exactly what two
+    separate copies would show (stale data after a missing sync included), and a weight
+    written once and synced costs its size once, not twice. Host memory of the simulator
+    only: a board has one DRAM and a cache."""
 
     size: int  # page aligned
     flags: int
@@ -160,11 +187,26 @@ class GemObject:
     failed_job: str | None = None  # rocket: why the last job writing this BO failed
     serial: int = field(init=False)  # unique for the process: never reused like id() or IOVAs
     generation: int = 0  # bumped whenever the dram bytes may have changed (cached objects)
+    # shared views only: the private mapping, and which of its pages may still read DRAM
+    _cpu_map: mmap.mmap | None = field(init=False, repr=False, default=None)
+    _reads_dram: np.ndarray | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
+        self.serial = next(_SERIALS)
+        if self.cached and self.size >= SHARED_VIEW_MIN_BYTES and self.size % mmap.PAGESIZE == 0:
+            fd = os.memfd_create(f"sim-npu-bo-{self.serial}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, self.size)
+                shared = mmap.mmap(fd, self.size, mmap.MAP_SHARED)
+                self._cpu_map = mmap.mmap(fd, self.size, mmap.MAP_PRIVATE)
+            finally:
+                os.close(fd)
+            self.dram = np.frombuffer(shared, dtype=np.uint8)
+            self.cpu = np.frombuffer(self._cpu_map, dtype=np.uint8)
+            self._reads_dram = np.ones(self.size // mmap.PAGESIZE, dtype=bool)
+            return
         self.dram = np.zeros(self.size, dtype=np.uint8)
         self.cpu = np.zeros(self.size, dtype=np.uint8) if self.cached else self.dram
-        self.serial = next(_SERIALS)
 
     @property
     def content_token(self) -> tuple[int, int] | None:
@@ -176,21 +218,67 @@ class GemObject:
     def alive(self) -> bool:
         return self.handle_refs > 0 or self.mappings > 0
 
+    @property
+    def private_cpu_pages(self) -> int:
+        """Pages of a shared view the CPU holds on its own (all of them for two arrays)."""
+        if self._reads_dram is None:
+            return self.size // mmap.PAGESIZE if self.cached else 0
+        return int(np.count_nonzero(~self._reads_dram))
+
+    def _read_dram(self, offset: int, size: int) -> None:
+        """The CPU's pages wholly inside [offset, offset+size), equal to DRAM there, read
+        DRAM again; the partial pages at the ends stay the CPU's own."""
+        assert self._cpu_map is not None and self._reads_dram is not None
+        first, last = -(-offset // mmap.PAGESIZE), (offset + size) // mmap.PAGESIZE
+        if last > first:
+            self._cpu_map.madvise(mmap.MADV_DONTNEED, first * mmap.PAGESIZE, (last - first) * mmap.PAGESIZE)
+            self._reads_dram[first:last] = True
+
     def sync_for_device(self, offset: int, size: int) -> None:
-        if self.cached:
+        if not self.cached:
+            return
+        if self._cpu_map is None:
             self.dram[offset : offset + size] = self.cpu[offset : offset + size]
-            self.generation += 1
+        else:
+            for start in range(offset, offset + size, SYNC_CHUNK_BYTES):
+                end = min(start + SYNC_CHUNK_BYTES, offset + size)
+                self.dram[start:end] = self.cpu[start:end]
+                self._read_dram(start, end - start)
+        self.generation += 1
 
     def write_back(self, dirty: np.ndarray) -> None:
         """Copy to dram the bytes ``dirty`` (a bool mask over the object) selects: a partial
         cache clean. The content token changes only if a byte may have changed."""
         if self.cached and dirty.any():
+            self.prepare_device_write(0, self.size)
             self.dram[dirty] = self.cpu[dirty]
             self.generation += 1
 
     def sync_for_cpu(self, offset: int, size: int) -> None:
-        if self.cached:
+        if not self.cached:
+            return
+        if self._cpu_map is None:
             self.cpu[offset : offset + size] = self.dram[offset : offset + size]
+            return
+        first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            self.cpu[offset : offset + size] = self.dram[offset : offset + size]
+            return
+        self.cpu[offset:first] = self.dram[offset:first]
+        self.cpu[last : offset + size] = self.dram[last : offset + size]
+        self._read_dram(first, last - first)
+
+    def prepare_device_write(self, offset: int, size: int) -> None:
+        """The NPU (or a partial clean) is about to write DRAM in [offset, offset+size): CPU
+        pages there that still read DRAM become the CPU's own first, holding what they hold."""
+        if self._reads_dram is None or size <= 0:
+            return
+        first, last = offset // mmap.PAGESIZE, -(-(offset + size) // mmap.PAGESIZE)
+        pages = np.flatnonzero(self._reads_dram[first:last]) + first
+        if pages.size:
+            at = pages * mmap.PAGESIZE
+            self.cpu[at] = self.cpu[at]     # a write faults the page in as the CPU's own copy
+            self._reads_dram[pages] = False
 
 
 class IommuDomain:
@@ -255,6 +343,13 @@ class IommuDomain:
         token = obj.content_token
         return None if token is None else (*token, iova - obj.dma_addr)
 
+    def device_write_view(self, iova: int, nbytes: int) -> np.ndarray:
+        """``view`` of bytes the NPU is about to write (the CPU's cached copy keeps its own)."""
+        obj = self._object(iova, nbytes)
+        off = iova - obj.dma_addr
+        obj.prepare_device_write(off, nbytes)
+        return obj.dram[off : off + nbytes]
+
     def note_device_write(self, iova: int, nbytes: int) -> None:
         obj = self.lookup(iova)
         if obj is not None:
@@ -280,6 +375,9 @@ class NpuMmu:
 
     def content_token(self, iova: int, nbytes: int) -> tuple[int, int, int] | None:
         return self._attached(iova, nbytes).content_token(iova, nbytes)
+
+    def device_write_view(self, iova: int, nbytes: int) -> np.ndarray:
+        return self._attached(iova, nbytes).device_write_view(iova, nbytes)
 
     def note_device_write(self, iova: int, nbytes: int) -> None:
         self._attached(iova, nbytes).note_device_write(iova, nbytes)

@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import as_strided
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.sim.conv import DmaRead, DmaWrite
-from ggml_rknpu.sim.memory import DeviceMemory, DmaFault
+from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, device_write_view
 from ggml_rknpu.sim.validate import NotModeled, RegisterSource, check_reserved, fld, refuse
 
 # PPU_RDMA DATA_FORMAT.IN_PRECISION: 0 4-bit, 1 8-bit, 2 16-bit, 3 32-bit [TRM ppu_rdma_data_format]
@@ -84,7 +84,7 @@ def _cube(memory: DeviceMemory, base: int, planes: int, height: int, width: int,
     atom = limits.ATOM_BYTES
     span = (planes - 1) * plane_bytes + (height - 1) * line_bytes + width * atom
     try:
-        flat = memory.view(base, span)
+        flat = device_write_view(memory, base, span) if issubclass(error, DmaWrite) else memory.view(base, span)
     except DmaFault as fault:
         raise error(what, fault) from None
     return as_strided(flat, shape=(planes, height, width * atom),
