@@ -193,7 +193,8 @@ class GemObject:
 
     def __post_init__(self) -> None:
         self.serial = next(_SERIALS)
-        if self.cached and self.size >= SHARED_VIEW_MIN_BYTES and self.size % mmap.PAGESIZE == 0:
+        if (self.cached and self.size >= SHARED_VIEW_MIN_BYTES and self.size % mmap.PAGESIZE == 0
+                and hasattr(os, "memfd_create")):   # Linux; elsewhere two arrays, as below
             fd = os.memfd_create(f"sim-npu-bo-{self.serial}", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, self.size)
