@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import TYPE_NAMES, TYPE_TRAITS, GgmlGluOp, GgmlOp, GgmlType, GgmlUnaryOp
+from ggml_rknpu.libggml.log import GgmlLog, LogCallback
 from ggml_rknpu.toolchain import llamacpp
 
 LIB_DIR_ENV = llamacpp.GGML_LIB_DIR_ENV
@@ -79,6 +80,7 @@ _BASE_FUNCS: dict[str, tuple] = {
     "ggml_threadpool_params_init": (None, [ctypes.POINTER(abi.ThreadpoolParams), _I]),
     # ggml-quants.h (GGML_API): Q8_K, ggml-cpu's activation type for the k-quants, has no to_float trait
     "dequantize_row_q8_K": (None, [_VP, _VP, _I64]),
+    "ggml_log_set": (None, [LogCallback, _VP]),
     # ggml-backend.h: buffers of a buffer type (ggml-cpu's CPU_REPACK extra buffer, ``libggml.repack``)
     "ggml_backend_reg_get_proc_address": (_VP, [_VP, ctypes.c_char_p]),
     "ggml_backend_buft_name": (ctypes.c_char_p, [_VP]),
@@ -137,6 +139,7 @@ class Ggml:
     ggml_get_type_traits: Callable[[int], ctypes._Pointer[abi.TypeTraits]]
     ggml_threadpool_params_init: Callable[[ctypes._CArgObject, int], None]
     dequantize_row_q8_K: Callable[[VoidP, VoidP, int], None]
+    ggml_log_set: Callable[[LogCallback, VoidP], None]
     ggml_backend_reg_get_proc_address: Callable[[VoidP, bytes], VoidP]
     ggml_backend_buft_name: Callable[[VoidP], bytes | None]
     ggml_backend_buft_get_alloc_size: Callable[[VoidP, TensorP], int]
@@ -179,6 +182,8 @@ class Ggml:
         # the replay's hot call (hundreds of segments per token): a prototype of plain pointers, called
         # with the graph's and the cplan's addresses as ints (no byref, no POINTER argument check)
         self.graph_compute_raw = GraphComputeRaw(_addr(self.cpu.ggml_graph_compute))
+        self.log = GgmlLog()
+        self.ggml_log_set(self.log.callback, None)  # ggml's messages into Python logging (libggml.log)
         self.ggml_cpu_init()                       # fp16 tables; required before any compute
         check_abi(self)
         self.cpu_device = self.ggml_backend_reg_dev_get(self.ggml_backend_cpu_reg(), 0)
