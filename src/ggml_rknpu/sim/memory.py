@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ggml_rknpu.hw.alignment import align_up
+from ggml_rknpu.hw.alignment import align_up, ceil_div
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
 
 PAGE = PAGE_BYTES
@@ -230,7 +230,7 @@ class GemObject:
         """The CPU's pages wholly inside [offset, offset+size), equal to DRAM there, read
         DRAM again; the partial pages at the ends stay the CPU's own."""
         assert self._cpu_map is not None and self._reads_dram is not None
-        first, last = -(-offset // mmap.PAGESIZE), (offset + size) // mmap.PAGESIZE
+        first, last = ceil_div(offset, mmap.PAGESIZE), (offset + size) // mmap.PAGESIZE
         if last > first:
             self._cpu_map.madvise(mmap.MADV_DONTNEED, first * mmap.PAGESIZE, (last - first) * mmap.PAGESIZE)
             self._reads_dram[first:last] = True
@@ -261,7 +261,7 @@ class GemObject:
         if self._cpu_map is None:
             self.cpu[offset : offset + size] = self.dram[offset : offset + size]
             return
-        first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        first, last = align_up(offset, mmap.PAGESIZE), (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
         if last <= first:
             self.cpu[offset : offset + size] = self.dram[offset : offset + size]
             return
@@ -274,7 +274,7 @@ class GemObject:
         pages there that still read DRAM become the CPU's own first, holding what they hold."""
         if self._reads_dram is None or size <= 0:
             return
-        first, last = offset // mmap.PAGESIZE, -(-(offset + size) // mmap.PAGESIZE)
+        first, last = offset // mmap.PAGESIZE, ceil_div(offset + size, mmap.PAGESIZE)
         pages = np.flatnonzero(self._reads_dram[first:last]) + first
         if pages.size:
             at = pages * mmap.PAGESIZE
