@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from ggml_rknpu.libggml import abi, lib, repack
-from ggml_rknpu.libggml.compute import HostContext, Threads, default_threads
+from ggml_rknpu.libggml import lib, repack
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from support.host_matmul import ggml_cpu_matmul
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,29 +33,8 @@ def q4_0(rng, n: int = N) -> bytes:
 
 def ggml_cpu(wq: bytes, a: np.ndarray, *, repacked: bool, n: int = N) -> np.ndarray:
     """dst = a @ W^T in ggml-cpu in-process: W from the GGUF bytes, or from ggml's own CPU_REPACK buffer."""
-    g = lib.load()
-    threads = Threads(g, default_threads())
-    host = HostContext(g, threads, 4, (1,))
-    w_bytes = np.frombuffer(wq, dtype=np.uint8).copy()
-    x = np.ascontiguousarray(a, dtype=np.float32)
-    out = np.zeros((x.shape[0], n), dtype=np.float32)
-    copy = repack.repack(g, Q4_0, K, n, w_bytes, "w") if repacked else None
-    try:
-        w = copy.tensor if copy is not None else host.tensor(
-            Q4_0, (K, n, 1, 1), (18, Q4_ROW, Q4_ROW * n, Q4_ROW * n), 0, (), 0, "w", (w_bytes, 0))
-        xt = host.new_tensor_contiguous(F32, (K, x.shape[0], 1, 1), "a", x)
-        d = host.new_tensor_contiguous(F32, (n, x.shape[0], 1, 1), "d", out)
-        d.contents.op, d.contents.flags = MUL_MAT, abi.GGML_TENSOR_FLAG_COMPUTE
-        host.link(d, [w, xt], None, 0)
-        seg = host.segment([d])
-        host.finish()
-        seg.run()
-    finally:
-        host.close()
-        threads.close()
-        if copy is not None:
-            copy.close()
-    return out
+    assert len(wq) == n * Q4_ROW
+    return ggml_cpu_matmul(Q4_0, K, wq, a, repacked=repacked)
 
 
 def test_ggml_repacks_q4_0_here_and_not_f32():

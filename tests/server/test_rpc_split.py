@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from ggml_rknpu.libggml import abi, lib, repack
-from ggml_rknpu.libggml.compute import HostContext, Threads, default_threads
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.server.placement_policy import Placer
+from support.host_matmul import ggml_cpu_matmul
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,31 +28,7 @@ def row_bytes(type_: int) -> int:
 
 def ggml_cpu(type_: int, wq: bytes, a: np.ndarray, *, repacked: bool) -> np.ndarray:
     """dst = a @ W^T in ggml-cpu in-process (W: the given rows' GGUF bytes, or ggml's CPU_REPACK copy)."""
-    g = lib.load()
-    row = row_bytes(type_)
-    n = len(wq) // row
-    threads = Threads(g, default_threads())
-    host = HostContext(g, threads, 4, (1,))
-    w_bytes = np.frombuffer(wq, dtype=np.uint8).copy()
-    out = np.zeros((a.shape[0], n), dtype=np.float32)
-    copy = repack.repack(g, type_, K, n, w_bytes, "w") if repacked else None
-    try:
-        w = copy.tensor if copy is not None else host.tensor(type_, (K, n, 1, 1), (TYPE_TRAITS[GgmlType(type_)][1],
-                                                                                  row, row * n, row * n),
-                                                              0, (), 0, "w", (w_bytes, 0))
-        x = host.new_tensor_contiguous(F32, (K, a.shape[0], 1, 1), "a", a)
-        d = host.new_tensor_contiguous(F32, (n, a.shape[0], 1, 1), "d", out)
-        d.contents.op, d.contents.flags = MUL_MAT, abi.GGML_TENSOR_FLAG_COMPUTE
-        host.link(d, [w, x], None, 0)
-        seg = host.segment([d])
-        host.finish()
-        seg.run()
-    finally:
-        host.close()
-        threads.close()
-        if copy is not None:
-            copy.close()
-    return out
+    return ggml_cpu_matmul(type_, K, wq, a, repacked=repacked)
 
 
 def _serve(quant: str, fail: bool = False):
