@@ -24,9 +24,8 @@ from typing import Any
 
 from rich.console import Console
 
-from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.bench import gguf_run, llama_server
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.bench.soak import QUESTIONS, _answer, _body, _post, _start_llama_server
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.wire import Cmd
 from ggml_rknpu.toolchain import launch, llamacpp
@@ -103,7 +102,7 @@ def _stream(port: int, args, t_start: float, n: int | None = None) -> list[dict]
     def one(i: int) -> dict:
         t0 = time.monotonic()
         try:
-            text, error = _answer(_post(port, _body(QUESTIONS[i % len(QUESTIONS)], args.max_tokens), args.timeout)), None
+            text, error = llama_server.ask(port, llama_server.QUESTIONS[i % len(llama_server.QUESTIONS)], args.max_tokens, args.timeout), None
         except Exception as exc:      # counted as a failed request, never hidden
             text, error = None, f"{type(exc).__name__}: {exc}"
         return {"i": i, "start_s": t0 - t_start, "latency_s_measured": time.monotonic() - t0, "error": error,
@@ -121,7 +120,7 @@ def _pct(latencies: list[float], p: float) -> float:
 def _completion(model: Path, rpc_port: int) -> dict:
     """A second llama.cpp process through the same server, to completion."""
     argv = [str(llamacpp.tool("llama-completion")), "--rpc", f"127.0.0.1:{rpc_port}", "-m", str(model),
-            "-p", QUESTIONS[0], "-n", "8", "--temp", "0", "-no-cnv", "-t", "1", "-c", "256", "-ngl", "99",
+            "-p", llama_server.QUESTIONS[0], "-n", "8", "--temp", "0", "-no-cnv", "-t", "1", "-c", "256", "-ngl", "99",
             "--no-display-prompt", "--seed", "1"]
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=1800,
@@ -144,7 +143,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         server = launch.start_rknpu_serve(rpc_port, device=device, log=slog, extra=(
             "--no-progress", "--placement", "npu", "--stall-timeout", "86400"))
         try:
-            llama, port = _start_llama_server(model, rpc_port, args.slots, llog)
+            llama, port = llama_server.start(model, rpc_port, args.slots, llog)
             try:
                 # warm-up: the batch sizes of the stream compile their NPU programs before either run
                 _stream(port, args, time.monotonic(), n=2 * args.slots)

@@ -11,25 +11,19 @@ docs/decisions.md "bench/soak.py"; use: docs/faults.md "Soak"."""
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
 
-from ggml_rknpu.bench import gguf_run
+from ggml_rknpu.bench import gguf_run, llama_server
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.toolchain import launch, llamacpp
+from ggml_rknpu.toolchain import launch
 
 DEFAULT_FAULTS = "timeout:0.002,dma:0.002,stale:0.002,core:0.002,seed=1"
-QUESTIONS = ("What is the capital of France?", "Name a primary colour.", "What is two plus two?",
-             "Which planet is closest to the Sun?", "What do bees make?", "How many legs has a spider?",
-             "What is frozen water called?", "Which ocean is the largest?")
 
 
 def add_arguments(p, common) -> None:
@@ -72,39 +66,6 @@ class _Rss:
         return self.samples
 
 
-def _post(port: int, body: dict, timeout: float) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        return json.loads(reply.read())
-
-
-def _body(question: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "seed": 1}
-
-
-def _start_llama_server(model: Path, rpc_port: int, slots: int, log) -> tuple[subprocess.Popen, int]:
-    port = launch.free_port()
-    argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", "1", "-c", str(256 * slots), "-np", str(slots), "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99"]
-    proc = subprocess.Popen(argv, env=launch.tool_env("llama-server"), stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2.0) as reply:
-                if reply.status == 200:
-                    return proc, port
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.5)
-    launch.stop(proc)
-    raise RuntimeError(f"llama-server not ready within 900 s; see {log.name}")
-
-
 WARMUP = 0.2   # of the run after the first answer: allocator and caches settle (weights staged, plans built)
 TAIL = 0.1     # of the samples: the window compared at each end (a median: one GC or compute peak does not count)
 
@@ -120,17 +81,14 @@ def rss_growth_after_warmup(samples: list[tuple[float, float]], first_done: floa
     return 100.0 * (end - start) / start
 
 
-def _answer(reply: dict) -> str:
-    return reply["choices"][0]["message"]["content"]
-
-
 def run(args, rig, console: Console) -> rp.Report | None:
     prepared = gguf_run.prepare(args, console, "soak")
     if prepared is None:
         return None
     model, out = prepared
     device = args.device or "sim-rknpu"
-    distinct = list(QUESTIONS[:min(len(QUESTIONS), args.requests)] if args.minutes is None else QUESTIONS)
+    questions = llama_server.QUESTIONS
+    distinct = list(questions[:min(len(questions), args.requests)] if args.minutes is None else questions)
 
     console.print(f"soak: fault-free reference answers for {len(distinct)} prompts ...")
     reference = {}
@@ -139,10 +97,10 @@ def run(args, rig, console: Console) -> rp.Report | None:
         server = launch.start_rknpu_serve(rpc_port, device=device, log=slog,
                                           extra=("--no-progress", "--placement", "npu"))
         try:
-            llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
+            llama, port = llama_server.start(model, rpc_port, args.concurrency, llog)
             try:
                 for q in distinct:
-                    reference[q] = _answer(_post(port, _body(q, args.max_tokens), args.timeout))
+                    reference[q] = llama_server.ask(port, q, args.max_tokens, args.timeout)
             finally:
                 launch.stop(llama)
         finally:
@@ -159,13 +117,13 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rss = _Rss(server.pid)
         t_start = time.monotonic()
         try:
-            llama, port = _start_llama_server(model, rpc_port, args.concurrency, llog)
+            llama, port = llama_server.start(model, rpc_port, args.concurrency, llog)
             try:
                 def one(i: int) -> dict:
                     question = distinct[i % len(distinct)]
                     t0 = time.monotonic()
                     try:
-                        text, error = _answer(_post(port, _body(question, args.max_tokens), args.timeout)), None
+                        text, error = llama_server.ask(port, question, args.max_tokens, args.timeout), None
                     except Exception as exc:      # counted as a failed request, never hidden
                         text, error = None, f"{type(exc).__name__}: {exc}"
                     t1 = time.monotonic()
