@@ -220,10 +220,21 @@ class ServerClosed(Exception):
 class RpcClient:
     """Speaks the wire format; every call checks the reply size like the C++ client does."""
 
-    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0, major: int = 7) -> None:
+    def __init__(self, port: int, hello: bool = True, timeout: float = 10.0, major: int = 7,
+                 rcvbuf: int | None = None) -> None:
+        """``rcvbuf``: SO_RCVBUF set before connecting (a reader that the server's replies wait
+        for, instead of the kernel's autotuned megabytes)."""
         self.major = major
         self.port = port
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(("127.0.0.1", port))
+        except OSError:
+            self.sock.close()
+            raise
         _OPEN_CLIENTS.add(self)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hello:

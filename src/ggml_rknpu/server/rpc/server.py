@@ -37,6 +37,16 @@ from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc.link import (
+    MIN_RATE_KIB_S,
+    RECV_CHUNK,
+    ClientGone,
+    IdleTimeout,
+    Link,
+    Reader,
+    Stalled,
+    TooSlow,
+)
 from ggml_rknpu.server.rpc.proto8 import Proto8
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.stats import ServerStats
@@ -47,85 +57,8 @@ from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats, WeightSt
 log = logging.getLogger("ggml_rknpu.rpc")
 
 HOST_ONLY_BUDGET = 4 << 30   # --device host: the RK3588 NPU's 32-bit IOVA window [docs/decisions.md "Interfaces between the layers": 32-bit NPU addresses]
-_RECV_CHUNK = 1 << 16
 MAX_CLIENTS = 256            # connections served at once; one more is refused at accept (--max-clients)
 LISTEN_BACKLOG = 128         # connections the kernel queues while the accept loop catches up
-
-
-class ClientGone(Exception):
-    """EOF from the client: a goodbye at a message boundary, or a truncated message."""
-
-    def __init__(self, truncated: bool) -> None:
-        super().__init__("message truncated by EOF" if truncated else "client closed the connection")
-        self.truncated = truncated
-
-
-class IdleTimeout(Exception):
-    """No message started within ``--idle-timeout`` of the last one."""
-
-
-class Reader:
-    """Buffered exact reads from a socket; big payloads go straight into their destination."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray(_RECV_CHUNK)
-        self._view = memoryview(self._buf)
-        self._lo = 0
-        self._hi = 0
-        self.total = 0
-        self._idle = select.poll()
-        self._idle.register(sock, select.POLLIN)
-
-    def _fill(self, at_boundary: bool) -> None:
-        n = self._sock.recv_into(self._view, _RECV_CHUNK)
-        if n == 0:
-            raise ClientGone(truncated=not at_boundary)
-        self._lo, self._hi = 0, n
-        self.total += n
-
-    def at_boundary_wait(self, idle_s: float | None = None) -> None:
-        """Block until the next message starts (EOF here is a clean goodbye).
-
-        Between messages a client may stay idle for as long as it likes by default
-        (llama-server holds its connection for hours while waiting for HTTP requests):
-        ``idle_s`` None; otherwise ``IdleTimeout`` after ``idle_s`` seconds without a byte.
-        Inside a message the socket timeout applies to every recv, so a slow link that
-        keeps sending survives and a client that stops mid-message is dropped."""
-        if self._lo == self._hi:
-            # poll, not select: no FD_SETSIZE limit on the socket's fd
-            if not self._idle.poll(None if idle_s is None else max(1, int(idle_s * 1000))):
-                raise IdleTimeout(f"no message for {idle_s:.0f} s")
-            self._fill(True)
-
-    def read(self, n: int) -> bytes:
-        avail = self._hi - self._lo
-        if n <= avail:
-            out = bytes(self._view[self._lo:self._lo + n])
-            self._lo += n
-            return out
-        whole = bytearray(n)
-        self.read_into(memoryview(whole))
-        return bytes(whole)
-
-    def read_into(self, target: memoryview) -> None:
-        n = len(target)
-        pos = min(n, self._hi - self._lo)
-        target[:pos] = self._view[self._lo:self._lo + pos]
-        self._lo += pos
-        while pos < n:
-            if n - pos >= _RECV_CHUNK:               # large remainder: straight into the target
-                got = self._sock.recv_into(target[pos:], n - pos)
-                if got == 0:
-                    raise ClientGone(truncated=True)
-                self.total += got
-                pos += got
-            else:
-                self._fill(False)
-                take = min(n - pos, self._hi)
-                target[pos:pos + take] = self._view[:take]
-                self._lo = take
-                pos += take
 
 
 @dataclass
@@ -137,6 +70,7 @@ class ServerConfig:
     stats_each_client: bool = False
     stats_json: Path | None = None    # rewritten after every client and at exit
     stall_timeout_s: float = 120.0    # a message (or a reply) that makes no progress this long closes the client
+    min_rate_kib_s: float = MIN_RATE_KIB_S   # ... as does one not complete in stall_timeout_s + bytes / this rate
     weight_reuse: bool = True         # keep staged weights of freed buffers for later clients (RetiredWeights)
     threads: int | None = None        # ggml-cpu host threads (None: libggml.compute.default_threads())
     group_matmuls: bool = True        # NPU matmuls reading one activation run as one submit (plan_steps.NpuGroup)
@@ -158,7 +92,8 @@ class SessionCounts:
     now: int = 0                      # connections being served
     peak: int = 0                     # most at once
     refused_at_accept: int = 0        # over --max-clients
-    stalled: int = 0                  # dropped: no progress within a message for --stall-timeout
+    stalled: int = 0                  # dropped: no progress within a message (or a reply) for --stall-timeout
+    too_slow: int = 0                 # dropped: a message (or a reply) past its deadline (--min-rate)
     idle_closed: int = 0              # dropped: idle between messages for --idle-timeout
     over_session_memory: int = 0      # ALLOC_BUFFERs refused by --session-memory
 
@@ -237,8 +172,8 @@ class ServerState:
         lines = [self.stats.render(self.weight_stats), self.recovery.render()]
         c = self.sessions
         lines.append(f"connections: {c.now} now, {c.peak} at most at once, {c.refused_at_accept} refused at accept, "
-                     f"{c.stalled} stalled, {c.idle_closed} idle; {self.live.copies} staged copies shared "
-                     f"({self.live.shared} stagings from another session's); {self.turns.waited} of "
+                     f"{c.stalled} stalled, {c.too_slow} too slow, {c.idle_closed} idle; {self.live.copies} staged "
+                     f"copies shared ({self.live.shared} stagings from another session's); {self.turns.waited} of "
                      f"{self.turns.granted} turns waited {self.turns.wait_seconds:.2f} s")
         if self.placer is not None and self.placer.records:
             lines.append(self.placer.render())
@@ -287,8 +222,8 @@ class Session:
         self.peer = peer
         self.major = major
         self.other_port = other_port
-        sock.settimeout(state.config.stall_timeout_s)
-        self.reader = Reader(sock)
+        self.link = Link(sock, state.config.stall_timeout_s, state.config.min_rate_kib_s)
+        self.reader = Reader(self.link)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
                                    state.retired, state.live)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
@@ -329,9 +264,10 @@ class Session:
             stats.connections += 1
         try:
             while True:
-                self.reader.at_boundary_wait(state.config.idle_timeout_s)
-                cmd, size = wire.REQUEST_HEADER.unpack(self.reader.read(wire.REQUEST_HEADER.size))
+                header = self.reader.next_header(wire.REQUEST_HEADER.size, state.config.idle_timeout_s)
+                cmd, size = wire.REQUEST_HEADER.unpack(header)
                 wire.expected_payload(cmd, size, self.major)
+                self.link.what = f"a {Cmd(cmd).name} message of {len(header) + size} bytes"
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
                 self.commands_after_hello += self.hello
@@ -358,15 +294,18 @@ class Session:
             with state.counting:
                 state.sessions.idle_closed += 1
             log.info("closing %s: %s between messages (--idle-timeout)", self.peer, exc)
-        except TimeoutError as exc:
-            if exc.errno is None:      # our socket timeout, not the kernel's keepalive verdict
-                self._count_rejected()
-                with state.counting:
-                    state.sessions.stalled += 1
-                log.warning("closing %s: no progress for %.0f s in the middle of a message",
-                            self.peer, self.state.config.stall_timeout_s)
-            else:
-                log.warning("%s vanished (TCP keepalive: %s)", self.peer, exc)
+        except Stalled as exc:
+            self._count_rejected()
+            with state.counting:
+                state.sessions.stalled += 1
+            log.warning("closing %s: %s", self.peer, exc)
+        except TooSlow as exc:
+            self._count_rejected()
+            with state.counting:
+                state.sessions.too_slow += 1
+            log.warning("closing %s: %s", self.peer, exc)
+        except TimeoutError as exc:    # the kernel's verdict: our own socket timeouts are the two above
+            log.warning("%s vanished (TCP keepalive: %s)", self.peer, exc)
         except Exception as exc:  # op failures, data errors, engine errors: close, keep serving
             signature = _unsupported_signature(exc)
             if signature is not None:
@@ -429,7 +368,7 @@ class Session:
                 gc.collect()
 
     def _send(self, payload: bytes) -> None:
-        self.sock.sendall(wire.pack_response(payload))
+        self.link.send(wire.pack_response(payload))
         self._count_out(len(payload) + 8)
 
     def _count_out(self, n: int) -> None:
@@ -563,11 +502,10 @@ class Session:
         offset, n = wire.TENSOR_OFFSET_U64.unpack_from(payload, wire.RPC_TENSOR_SIZE)
         start, end = buf.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
         data = buf.array.data[start:end]
-        if n <= _RECV_CHUNK:                      # one segment for the per-token logits read
-            self.sock.sendall(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
+        if n <= RECV_CHUNK:                      # one segment for the per-token logits read
+            self.link.send(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
         else:
-            self.sock.sendall(wire.RESPONSE_HEADER.pack(n))
-            self.sock.sendall(data)
+            self.link.send(wire.RESPONSE_HEADER.pack(n), data)
         self._count_out(n + 8)
 
     def _memset_tensor(self, size: int) -> None:
