@@ -3,17 +3,22 @@ SIGUSR1 and at exit; binding elsewhere warns loudly."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from ggml_rknpu.cli import serve
 from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState, is_loopback
+from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import RpcClient, wait_for_line
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +53,46 @@ def test_serve_process_answers_and_reports(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_serve_min_rate_sets_the_deadline_of_a_message(tmp_path):
+    """``--stall-timeout 0.5 --min-rate 0.0234375`` (24 B/s): a HELLO payload trickled a byte
+    every 0.1 s is cut 0.5 s + 24 bytes / 24 B/s = 1.5 s after its first byte (the default rate
+    would cut it at ~0.5 s), and the drop is counted in the JSON stats."""
+    stall_s, rate_kib_s = 0.5, wire.HELLO_REQ.size / 1024
+    deadline_s = stall_s + 1.0
+    proc = subprocess.Popen([sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--port", "0",
+                             "--device", "host", "--stall-timeout", str(stall_s), "--min-rate", str(rate_kib_s),
+                             "--stats-json", str(tmp_path / "stats.json")],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        port = int(wait_for_line(proc, r"on 127\.0\.0\.1:(\d+)", lines).group(1))
+        request = wire.pack_request(Cmd.HELLO, bytes(wire.HELLO_REQ.size))
+        with RpcClient(port, hello=False) as c:
+            t0 = time.monotonic()
+            c.sock.sendall(request[:wire.REQUEST_HEADER.size])
+            for i in range(wire.REQUEST_HEADER.size, len(request)):
+                c.sock.sendall(request[i:i + 1])
+                if c.is_closed_by_server(timeout=0.1):
+                    break
+            closed_s = time.monotonic() - t0
+        assert i < len(request) - 1 and deadline_s - 0.05 <= closed_s <= deadline_s + 1.0, closed_s
+        wait_for_line(proc, r"not complete within 1\.5 s \(--stall-timeout 0\.5 s \+ 24 bytes at --min-rate", lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert json.loads((tmp_path / "stats.json").read_text())["sessions"]["too_slow"] == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("flag", ["--min-rate", "--stall-timeout"])
+def test_serve_refuses_a_rate_or_stall_timeout_of_zero(flag, caplog):
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.run(parser.parse_args(["--port", "0", "--device", "host", flag, "0"])) == 2
+    assert "--min-rate and --stall-timeout must be above 0" in caplog.text
 
 
 def test_non_loopback_bind_warns(caplog):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ggml_rknpu.server.host_budget import HostBudget, default_budget, fix_malloc_threshold, mem_total_bytes
+from ggml_rknpu.server.rpc.link import MIN_RATE_KIB_S
 
 DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
 ENGINES = ("ours", "rknn")
@@ -60,8 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-json", type=Path, default=None, metavar="FILE",
                    help="also write the counters as JSON to FILE after every computing client and at exit")
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="drop a client that sends nothing this long in the middle of a message (every byte "
-                        "received restarts it, so a slow link survives; it only ever holds that client)")
+                   help="drop a client that sends (or reads) nothing this long in the middle of a message or "
+                        "a reply; a message header must also arrive within it of its first byte")
+    p.add_argument("--min-rate", type=float, default=MIN_RATE_KIB_S, metavar="KIB",
+                   help=f"drop a client whose message (or reply) of N bytes is not complete within "
+                        f"stall-timeout + N / (KIB KiB/s) of its first byte, though bytes keep coming "
+                        f"(default {MIN_RATE_KIB_S:g}: about 0.5 Mbit/s; a 300 MB tensor gets 78 min)")
     p.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
                    help="drop a client idle this long between messages (default: never; llama-server holds "
                         "its connection idle for hours between requests)")
@@ -237,6 +242,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "rknn" and args.device == "host":
         log.error("--engine rknn and --device host contradict each other (host runs no engine)")
         return 2
+    if not args.min_rate > 0 or not args.stall_timeout > 0:
+        log.error("--min-rate and --stall-timeout must be above 0, got %g KiB/s and %g s", args.min_rate,
+                  args.stall_timeout)
+        return 2
     try:
         npu, engine, injector = _open_engine(args)
     except Exception as exc:
@@ -269,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
-                          stall_timeout_s=args.stall_timeout, weight_reuse=not args.no_weight_reuse,
+                          stall_timeout_s=args.stall_timeout, min_rate_kib_s=args.min_rate,
+                          weight_reuse=not args.no_weight_reuse,
                           threads=args.threads, group_matmuls=not args.no_fuse,
                           activations=args.activations, placement=placement,
                           host_threads=args.host_threads, host_repack=not args.no_host_repack,
