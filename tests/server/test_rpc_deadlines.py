@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.server.rpc import wire
-from ggml_rknpu.server.rpc.link import KIB
+from ggml_rknpu.server.rpc.deadlines import KIB
 from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import RpcClient, ServerClosed, T, serve
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ggml_rknpu.server.host_budget import HostBudget, default_budget, fix_malloc_threshold, mem_total_bytes
-from ggml_rknpu.server.rpc.link import MIN_RATE_KIB_S
+from ggml_rknpu.server.rpc.deadlines import MIN_RATE_KIB_S
 
 DEVICES = ("auto", "rknpu", "rocket", "sim-rknpu", "sim-rocket", "host")
 ENGINES = ("ours", "rknn")

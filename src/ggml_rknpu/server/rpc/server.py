@@ -37,12 +37,12 @@ from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.rpc import wire
-from ggml_rknpu.server.rpc.link import (
+from ggml_rknpu.server.rpc.deadlines import (
     MIN_RATE_KIB_S,
     RECV_CHUNK,
     ClientGone,
+    Deadlines,
     IdleTimeout,
-    Link,
     Reader,
     Stalled,
     TooSlow,
@@ -222,8 +222,8 @@ class Session:
         self.peer = peer
         self.major = major
         self.other_port = other_port
-        self.link = Link(sock, state.config.stall_timeout_s, state.config.min_rate_kib_s)
-        self.reader = Reader(self.link)
+        self.deadlines = Deadlines(sock, state.config.stall_timeout_s, state.config.min_rate_kib_s)
+        self.reader = Reader(self.deadlines)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
                                    state.retired, state.live)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
@@ -267,7 +267,7 @@ class Session:
                 header = self.reader.next_header(wire.REQUEST_HEADER.size, state.config.idle_timeout_s)
                 cmd, size = wire.REQUEST_HEADER.unpack(header)
                 wire.expected_payload(cmd, size, self.major)
-                self.link.what = f"a {Cmd(cmd).name} message of {len(header) + size} bytes"
+                self.deadlines.what = f"a {Cmd(cmd).name} message of {len(header) + size} bytes"
                 if not self.hello and cmd != Cmd.HELLO:
                     raise ProtocolError(f"expected HELLO first, got {Cmd(cmd).name}")
                 self.commands_after_hello += self.hello
@@ -368,7 +368,7 @@ class Session:
                 gc.collect()
 
     def _send(self, payload: bytes) -> None:
-        self.link.send(wire.pack_response(payload))
+        self.deadlines.send(wire.pack_response(payload))
         self._count_out(len(payload) + 8)
 
     def _count_out(self, n: int) -> None:
@@ -503,9 +503,9 @@ class Session:
         start, end = buf.span(t.rpc.data + offset, n, f"GET_TENSOR '{t.rpc.name}' at +{offset}")
         data = buf.array.data[start:end]
         if n <= RECV_CHUNK:                      # one segment for the per-token logits read
-            self.link.send(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
+            self.deadlines.send(wire.RESPONSE_HEADER.pack(n) + data.tobytes())
         else:
-            self.link.send(wire.RESPONSE_HEADER.pack(n), data)
+            self.deadlines.send(wire.RESPONSE_HEADER.pack(n), data)
         self._count_out(n + 8)
 
     def _memset_tensor(self, size: int) -> None:

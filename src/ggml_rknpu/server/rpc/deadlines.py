@@ -41,7 +41,7 @@ class TooSlow(Exception):
     """A message or a reply not complete by its deadline, though its bytes kept coming."""
 
 
-class Link:
+class Deadlines:
     """The socket timeouts of one connection: the deadline of the message or reply in
     progress, enforced through the timeout of each recv and send."""
 
@@ -132,16 +132,16 @@ class Link:
 class Reader:
     """Buffered exact reads from a client; big payloads go straight into their destination."""
 
-    def __init__(self, link: Link) -> None:
-        self._link = link
-        self._sock = link.sock
+    def __init__(self, deadlines: Deadlines) -> None:
+        self._deadlines = deadlines
+        self._sock = deadlines.sock
         self._buf = bytearray(RECV_CHUNK)
         self._view = memoryview(self._buf)
         self._lo = 0
         self._hi = 0
         self.total = 0
         self._idle = select.poll()
-        self._idle.register(link.sock, select.POLLIN)
+        self._idle.register(deadlines.sock, select.POLLIN)
 
     def _filled(self, n: int, at_boundary: bool) -> None:
         if n == 0:
@@ -162,17 +162,17 @@ class Reader:
                 raise IdleTimeout(f"no message for {idle_s:.0f} s")
             # bytes (or EOF) are ready: this recv does not wait, and is not the message's progress
             self._filled(self._sock.recv_into(self._view, RECV_CHUNK), True)
-        self._link.begin(f"a message header ({size} bytes)")
+        self._deadlines.begin(f"a message header ({size} bytes)")
         return self._take(size)
 
     def read(self, n: int) -> bytes:
         """``n`` bytes of the current message's payload (its deadline grows by n / min_rate)."""
-        self._link.allow(n)
+        self._deadlines.allow(n)
         return self._take(n)
 
     def read_into(self, target: memoryview) -> None:
         """Payload bytes straight into ``target`` (its deadline grows by len / min_rate)."""
-        self._link.allow(len(target))
+        self._deadlines.allow(len(target))
         self._take_into(target)
 
     def _take(self, n: int) -> bytes:
@@ -190,16 +190,16 @@ class Reader:
         pos = min(n, self._hi - self._lo)
         target[:pos] = self._view[self._lo:self._lo + pos]
         self._lo += pos
-        link = self._link
+        deadlines = self._deadlines
         while pos < n:
             if n - pos >= RECV_CHUNK:               # large remainder: straight into the target
-                got = link.recv_into(target[pos:], n - pos)
+                got = deadlines.recv_into(target[pos:], n - pos)
                 if got == 0:
                     raise ClientGone(truncated=True)
                 self.total += got
                 pos += got
             else:
-                self._filled(link.recv_into(self._view, RECV_CHUNK), False)
+                self._filled(deadlines.recv_into(self._view, RECV_CHUNK), False)
                 take = min(n - pos, self._hi)
                 target[pos:pos + take] = self._view[:take]
                 self._lo = take
