@@ -142,3 +142,23 @@ def test_simulated_kernel_log_keeps_its_last_lines():
     for i in range(3 * DMESG_LINES):
         k.log_line(f"line {i}")
     assert DMESG_LINES // 2 <= len(k.dmesg) <= DMESG_LINES and k.dmesg[-1] == f"line {3 * DMESG_LINES - 1}"
+
+
+def test_retired_weights_make_room_for_live_ones_oldest_first():
+    stats = WeightStats()
+    lru = RetiredWeights(stats, budget_bytes=300)
+    h = [_Handle(100) for _ in range(3)]
+    for i, handle in enumerate(h):
+        assert lru.retire((i,), handle, 100, str(i))
+    lru.make_room(0)                                   # nothing live: all three fit
+    assert stats.retired_now == 3 and stats.evicted_staging == 0
+    lru.make_room(150)                                 # 150 live bytes: the two oldest go
+    assert [x.freed for x in h] == [True, True, False]
+    assert (stats.retired_bytes, stats.evicted_staging, stats.evicted_budget) == (100, 2, 0)
+    lru.make_room(1000)                                # more than the budget: nothing is left
+    assert h[2].freed and stats.retired_now == 0 and stats.evicted_staging == 3
+    unbounded = RetiredWeights(WeightStats())           # bounded by NPU memory only: never
+    kept = _Handle(100)
+    unbounded.retire(("k",), kept, 100, "k")
+    unbounded.make_room(1 << 40)
+    assert not kept.freed and unbounded.take(("k",)) is kept

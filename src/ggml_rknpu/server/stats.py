@@ -166,7 +166,8 @@ class ServerStats:
                 lines.append(f"MoE experts: {weights.experts_staged} resident, {weights.experts_host} on the host")
             lines.append(
                 f"weight reuse across clients: {weights.reused} reused, {weights.retired} retired, "
-                f"{weights.evicted} evicted for NPU memory, {weights.evicted_budget} for the host cache budget; "
+                f"{weights.evicted} evicted for NPU memory, {weights.evicted_budget} for the host cache budget, "
+                f"{weights.evicted_staging} for live weights; "
                 f"{weights.retired_now} retired now "
                 f"({weights.retired_bytes / 2**20:.1f} MiB NPU), digests {weights.digest_seconds:.2f} s"
             )
