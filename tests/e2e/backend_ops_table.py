@@ -2,7 +2,8 @@
 
 Why one server per op: test-backend-ops aborts at the first closed connection, and a refused
 case closes it (that is the validator doing its job), so one op cannot hide the others.
-Prints a table (op, cases passed / total, verdict, the server's first refusal, seconds).
+Prints a table (op, cases passed / total, verdict, the server's peak RSS (VmHWM, read just
+before it stops: measured), seconds, the server's first refusal).
 
     .venv/bin/python tests/e2e/backend_ops_table.py [--ops ADD,MUL_MAT] [--timeout 1800] [--json out.json]
 
@@ -35,14 +36,25 @@ def list_ops() -> list[str]:
     return [line.strip() for line in out.splitlines() if re.fullmatch(r"[A-Z0-9_]+", line.strip())]
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """A live process's peak resident set (VmHWM), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def run_op(op: str, tmp: Path, timeout: float) -> dict:
     t0 = time.perf_counter()
     with rknpu_server(tmp, name=f"serve-{op}") as srv:
+        assert srv.proc is not None
         try:
             r = run_backend_ops(srv.endpoint, op, timeout=timeout)
         except Exception as exc:             # subprocess.TimeoutExpired
             return {"op": op, "passed": 0, "total": 0, "verdict": "timeout", "reason": str(exc)[:120],
-                    "seconds": time.perf_counter() - t0}
+                    "seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib(srv.proc.pid)}
+        peak = peak_rss_mib(srv.proc.pid)
         log = srv.log_path.read_text(errors="replace") if srv.log_path.exists() else ""
     refusals = [m for m in _REFUSAL.findall(log) if "client closed" not in m]
     if r.total and r.passed == r.total and r.backend_ok:
@@ -56,7 +68,8 @@ def run_op(op: str, tmp: Path, timeout: float) -> dict:
     else:
         verdict = "aborted"
     return {"op": op, "passed": r.passed, "total": r.total, "verdict": verdict,
-            "reason": refusals[0][:160] if refusals else "", "seconds": time.perf_counter() - t0}
+            "reason": refusals[0][:160] if refusals else "", "seconds": time.perf_counter() - t0,
+            "peak_rss_mib": peak}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         for op in ops:
             row = run_op(op, Path(tmp), args.timeout)
             rows.append(row)
+            peak = row["peak_rss_mib"]
             print(f"{row['op']:<24} {row['passed']:>6}/{row['total']:<6} {row['verdict']:<14} "
-                  f"{row['seconds']:7.1f}s  {row['reason']}", flush=True)
+                  f"{'-' if peak is None else f'{peak:.0f}':>6} MiB {row['seconds']:7.1f}s  {row['reason']}", flush=True)
     ok = [r for r in rows if r["verdict"] == "ok"]
+    peaks = [r["peak_rss_mib"] for r in rows if r["peak_rss_mib"] is not None]
     print(f"\n{len(ok)}/{len(rows)} ops pass every case ({sum(r['passed'] for r in ok)} cases); "
-          f"{sum(r['passed'] for r in rows)}/{sum(r['total'] for r in rows)} cases passed over all ops")
+          f"{sum(r['passed'] for r in rows)}/{sum(r['total'] for r in rows)} cases passed over all ops; "
+          f"server peak RSS {max(peaks, default=0):.0f} MiB (measured)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0 if len(ok) == len(rows) else 1

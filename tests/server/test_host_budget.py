@@ -1,14 +1,19 @@
 """The host cache budget: the default from the machine's memory, retired weights kept
 least-recently-retired first within their share (evictions counted), the engine's bound
-programs within theirs, and the simulator's decoded weights of freed memory dropped at once."""
+programs within theirs, the simulator's decoded weights of freed memory dropped at once, and
+the C heap's free pages given back."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
 
 import numpy as np
 import pytest
 
 from ggml_rknpu.engine import open_engine
-from ggml_rknpu.server.host_budget import MIN_BYTES, HostBudget, default_budget
+from ggml_rknpu.server.host_budget import MIN_BYTES, HostBudget, default_budget, return_free_heap
 from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats
 from ggml_rknpu.sim.kernel import SimKernel
 from ggml_rknpu.sim.npu import SimNpu
@@ -142,3 +147,57 @@ def test_simulated_kernel_log_keeps_its_last_lines():
     for i in range(3 * DMESG_LINES):
         k.log_line(f"line {i}")
     assert DMESG_LINES // 2 <= len(k.dmesg) <= DMESG_LINES and k.dmesg[-1] == f"line {3 * DMESG_LINES - 1}"
+
+
+def test_retired_weights_make_room_for_live_ones_oldest_first():
+    stats = WeightStats()
+    lru = RetiredWeights(stats, budget_bytes=300)
+    h = [_Handle(100) for _ in range(3)]
+    for i, handle in enumerate(h):
+        assert lru.retire((i,), handle, 100, str(i))
+    lru.make_room(0)                                   # nothing live: all three fit
+    assert stats.retired_now == 3 and stats.evicted_staging == 0
+    lru.make_room(150)                                 # 150 live bytes: the two oldest go
+    assert [x.freed for x in h] == [True, True, False]
+    assert (stats.retired_bytes, stats.evicted_staging, stats.evicted_budget) == (100, 2, 0)
+    lru.make_room(1000)                                # more than the budget: nothing is left
+    assert h[2].freed and stats.retired_now == 0 and stats.evicted_staging == 3
+    unbounded = RetiredWeights(WeightStats())           # bounded by NPU memory only: never
+    kept = _Handle(100)
+    unbounded.retire(("k",), kept, 100, "k")
+    unbounded.make_room(1 << 40)
+    assert not kept.freed and unbounded.take(("k",)) is kept
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")),
+                                                                         "malloc_trim"),
+                    reason="needs glibc (malloc_trim)")
+def test_return_free_heap_gives_a_thread_arena_back():
+    """A session thread's arena keeps what it freed below a live block; the trim returns it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.argtypes, libc.malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
+    libc.free.argtypes, libc.free.restype = (ctypes.c_void_p,), None
+    block, count = 32 << 10, 4096                       # 128 MiB in blocks far below any mmap threshold
+    rss: dict[str, int] = {}
+
+    def session() -> None:
+        blocks = [libc.malloc(block) for _ in range(count)]
+        assert all(blocks)
+        for b in blocks:
+            ctypes.memset(b, 1, block)                  # resident
+        for b in blocks[:-1]:
+            libc.free(b)                                # the last one stays: the heap's top is live
+        rss["freed"] = _rss_bytes()
+        assert return_free_heap()
+        rss["trimmed"] = _rss_bytes()
+        libc.free(blocks[-1])
+
+    t = threading.Thread(target=session)
+    t.start()
+    t.join()
+    assert rss["freed"] - rss["trimmed"] >= (count // 2) * block, rss

@@ -183,3 +183,39 @@ def test_server_close_frees_retired_weights():
         run_client(st, w, np.ones((M, K), np.float32))
         assert npu.frees == 0
     assert npu.frees == 1 and st.state.weight_stats.retired_now == 0
+
+
+def test_retired_weights_keep_only_the_room_live_weights_leave():
+    """Within the host cache budget, retired copies and the live sessions' staged copies fit
+    together: two models that fit are both kept; a live client's fresh weight pushes the
+    oldest retired copy out; a reuse pushes nothing."""
+    npu = BoundedNpu(capacity=8)
+    one = N * K * 2                                  # one weight's fp16 copy
+    rng = np.random.default_rng(7)
+    w = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(4)]
+    xv = rng.standard_normal((M, K)).astype(np.float32)
+    for st in serve(npu=npu, retired_budget=2 * one):
+        ws = st.state.weight_stats
+        run_client(st, w[0], xv)
+        run_client(st, w[1], xv)                     # fresh, but both fit in the budget
+        assert (ws.retired_now, ws.evicted_staging, ws.evicted_budget) == (2, 0, 0)
+        with st.client() as live:                    # a session that keeps w[2] staged
+            wh, wb = live.alloc_base(1 << 16)
+            ch, cb = live.alloc_base(1 << 16)
+            wt = T(ne=(K, N, 1, 1), buffer=wh, data=wb, type=F32, name="blk.0.ffn_up.weight")
+            live.set_tensor(wt, w[2].tobytes())
+            x = T(ne=(K, M, 1, 1), buffer=ch, data=cb, name="x")
+            out = T(ne=(N, M, 1, 1), buffer=ch, data=cb + 8192, op=int(GgmlOp.MUL_MAT), src=(wt.id, x.id), name="out")
+            live.set_array(x, xv)
+            live.graph_compute([out], [wt, x, out])
+            np.testing.assert_allclose(live.get_array(out), xv @ fp16(w[2]).T, rtol=2e-3, atol=2e-2)
+            assert (ws.retired_now, ws.evicted_staging) == (1, 1)        # w[0], the oldest, made room
+            assert st.state.live.npu_bytes == one
+            got = run_client(st, w[1], xv)            # reused from the retired copies: no room taken
+            np.testing.assert_allclose(got, xv @ fp16(w[1]).T, rtol=2e-3, atol=2e-2)
+            assert (ws.reused, ws.evicted_staging) == (1, 1)
+            run_client(st, w[3], xv)                  # fresh beside the live w[2]: w[1] goes
+            assert ws.evicted_staging == 2 and ws.retired_now == 1       # w[3] retired, within the budget
+        assert st.alive() and st.state.live.npu_bytes == 0              # the live session ended: w[2] retired
+        run_client(st, w[0], xv)                      # evicted: converted again
+        assert ws.uploads == 5

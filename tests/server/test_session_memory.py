@@ -4,8 +4,8 @@ and then ends cleanly, with a corrupted request, or in the middle of a message.
 
 What must hold: the retired copies stay within their budget, only sessions that ended with a
 goodbye at a message boundary retire their weights (a hostile client cannot fill the cache),
-and RSS after the last session is within 10% of RSS after the first tenth (the warm-up: the
-retired copies reach their budget there). No malloc_trim: the server does not do it either.
+and RSS after the last session is within 10% of RSS after the warm-up (the first tenth, at
+most the first thousand: the retired copies reach their budget there). No malloc_trim: the server does not do it either.
 The short version runs in CI (~35 s on the loaded 2-core x86 box); the long one (20 000 sessions,
 ``RKNPU_SESSIONS_SLOW``) is slow."""
 
@@ -26,8 +26,9 @@ from support.rpc_testkit import ServerClosed, T, graph_payload, serve
 
 MUL_MAT = int(GgmlOp.MUL_MAT)
 K, N, M = 64, 64, 2                          # a 16 KiB f32 weight per session
-BUDGET = 32 << 10                            # retired copies (8 KiB each): full within the first tenth
+BUDGET = 32 << 10                            # retired copies (8 KiB each): full within the warm-up
 ENDINGS = ("clean", "corrupt", "truncated")
+WARMUP_MAX = 1000                            # sessions before the reference RSS, at most
 
 
 def _rss() -> int:
@@ -77,41 +78,47 @@ def _session(st, rng: np.random.Generator, ending: str) -> None:
         c.close()
 
 
+def _warmup(n: int) -> int:
+    return min(n // 10, WARMUP_MAX)
+
+
 def _run(st, n: int) -> tuple[int, int]:
-    """RSS after the first tenth of ``n`` sessions and after the last (both synchronised by a
+    """RSS after the warm-up of ``n`` sessions and after the last (both synchronised by a
     fresh connection: the previous session has been torn down)."""
     rng = np.random.default_rng(7)
-    rss_tenth = 0
+    rss_warm = 0
     for i in range(n):
         _session(st, rng, ENDINGS[i % len(ENDINGS)])
-        if i + 1 == n // 10:
+        if i + 1 == _warmup(n):
             assert st.alive()
-            rss_tenth = _rss()
+            rss_warm = _rss()
+        if (i + 1) % WARMUP_MAX == 0:               # the curve, for the record (pytest -s)
+            print(f"session {i + 1}: RSS {_rss() / 2**20:.1f} MiB", flush=True)
     assert st.alive()
-    return rss_tenth, _rss()
+    return rss_warm, _rss()
 
 
-def _check(st, n: int, rss_tenth: int, rss_last: int) -> None:
+def _check(st, n: int, rss_warm: int, rss_last: int) -> None:
     w = st.state.weight_stats
-    assert 0 < w.retired_bytes <= BUDGET and w.evicted_budget > 0
+    assert 0 < w.retired_bytes <= BUDGET and w.evicted_budget + w.evicted_staging > 0
     assert n // 3 <= w.retired <= n - n // 3            # the truncated sessions retired nothing
     assert w.staged == 0 and st.state.memory.allocated == 0
-    print(f"RSS after {n // 10} sessions {rss_tenth / 2**20:.1f} MiB, after {n} {rss_last / 2**20:.1f} MiB")
-    assert rss_last <= rss_tenth * 1.10, f"RSS {rss_tenth >> 20} -> {rss_last >> 20} MiB over {n} sessions"
+    print(f"RSS after {_warmup(n)} sessions {rss_warm / 2**20:.1f} MiB, after {n} {rss_last / 2**20:.1f} MiB")
+    assert rss_last <= rss_warm * 1.10, f"RSS {rss_warm >> 20} -> {rss_last >> 20} MiB over {n} sessions"
 
 
 @pytest.mark.timeout(600)
 def test_short_mutated_sessions_keep_memory_flat(sim_server):
     n = int(os.environ.get("RKNPU_SESSIONS_SHORT", "300"))
-    rss_tenth, rss_last = _run(sim_server, n)
-    _check(sim_server, n, rss_tenth, rss_last)
+    rss_warm, rss_last = _run(sim_server, n)
+    _check(sim_server, n, rss_warm, rss_last)
     # tighter than the 10% rule for this short run: at most 1 MiB after the warm-up (a copy of
     # each session's weight kept, fp16 in the simulator's two views, would be ~3 MiB here)
-    assert rss_last - rss_tenth <= 1 << 20, f"RSS grew {(rss_last - rss_tenth) >> 10} KiB"
+    assert rss_last - rss_warm <= 1 << 20, f"RSS grew {(rss_last - rss_warm) >> 10} KiB"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(7200)
 def test_twenty_thousand_mutated_sessions_keep_memory_flat(sim_server):
     n = int(os.environ.get("RKNPU_SESSIONS_SLOW", "20000"))
     _check(sim_server, n, *_run(sim_server, n))

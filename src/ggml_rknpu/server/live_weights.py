@@ -6,7 +6,8 @@ instead of converting and uploading its own. The key is the reuse key of ``Retir
 (SHA-256 of the exact bytes, type, layout, format), so a weight with any different byte never
 matches. Invariants: an entry counts its users (slots of live sessions); the last user's release
 hands the copy back to its caller, which retires or frees it as before; a copy an NPU reset
-destroyed is forgotten by every session at once (``restage``). Used under the server's turn
+destroyed is forgotten by every session at once (``restage``); ``npu_bytes`` is the NPU size
+of the distinct copies (the retired copies make room beside it, ``RetiredWeights``). Used under the server's turn
 (``server.turns``) only, so it needs no lock of its own."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class LiveWeights:
         self._by_key: dict[tuple, list[Any]] = {}     # key -> [handle, users]
         self._stores: dict[int, Any] = {}             # id -> WeightStore of a live session
         self.shared = 0                               # stagings served from another session's copy
+        self.npu_bytes = 0                            # packed bytes of the distinct copies
 
     @property
     def copies(self) -> int:
@@ -44,6 +46,7 @@ class LiveWeights:
     def add(self, key: tuple, handle: EngineWeight) -> None:
         """``handle`` is staged now under ``key``, with one user."""
         self._by_key[key] = [handle, 1]
+        self.npu_bytes += handle.packed_bytes
 
     def release(self, key: tuple, handle: EngineWeight) -> bool:
         """One user fewer; True if that was the last (the caller retires or frees ``handle``)."""
@@ -54,6 +57,7 @@ class LiveWeights:
         if entry[1] > 0:
             return False
         del self._by_key[key]
+        self.npu_bytes -= handle.packed_bytes
         return True
 
     def attach(self, store: Any) -> None:
@@ -66,7 +70,9 @@ class LiveWeights:
         """An NPU reset destroyed the copies ``lost`` names: every session forgets them (each
         re-stages at its next use). Returns how many slots forgot one."""
         self._by_key = {k: e for k, e in self._by_key.items() if not lost(e[0])}
+        self.npu_bytes = sum(e[0].packed_bytes for e in self._by_key.values())
         return sum(store.restage_own(lost) for store in list(self._stores.values()))
 
     def as_dict(self) -> dict:
-        return {"copies": self.copies, "users": sum(e[1] for e in self._by_key.values()), "shared": self.shared}
+        return {"copies": self.copies, "users": sum(e[1] for e in self._by_key.values()), "shared": self.shared,
+                "npu_bytes": self.npu_bytes}

@@ -54,6 +54,7 @@ class ServerStats:
     host_repacked_bytes: int = 0      # ... their host bytes now (beside the GGUF bytes in the buffers)
     host_repack_refreshes: int = 0    # copies repacked again (their GGUF bytes rewritten)
     split_matmuls: int = 0            # MUL_MATs run split, NPU and host at once (--placement-split)
+    heap_trims: int = 0               # malloc_trim calls after freed buffers (host_budget.return_free_heap)
 
     def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:
         """``n`` NPU MUL_MATs of M = ``rows`` ran, and the engine's device time for them when its
@@ -166,7 +167,8 @@ class ServerStats:
                 lines.append(f"MoE experts: {weights.experts_staged} resident, {weights.experts_host} on the host")
             lines.append(
                 f"weight reuse across clients: {weights.reused} reused, {weights.retired} retired, "
-                f"{weights.evicted} evicted for NPU memory, {weights.evicted_budget} for the host cache budget; "
+                f"{weights.evicted} evicted for NPU memory, {weights.evicted_budget} for the host cache budget, "
+                f"{weights.evicted_staging} for live weights; "
                 f"{weights.retired_now} retired now "
                 f"({weights.retired_bytes / 2**20:.1f} MiB NPU), digests {weights.digest_seconds:.2f} s"
             )

@@ -6,7 +6,9 @@ SET/COPY/MEMSET of them, BUFFER_CLEAR, or a graph node's output overlapping them
 the staged copy, so a result never comes from stale weights; a slot invalidated more than
 ``VOLATILE_AFTER`` times goes to the host for good; staged weights outlive their connection
 in a server-wide LRU keyed by the exact bytes' SHA-256 and layout (``RetiredWeights``),
-so a weight with any different byte never matches. Why: docs/server.md "Weight residency"."""
+so a weight with any different byte never matches; within the host cache budget those
+copies keep only the room the live sessions' staged weights leave.
+Why: docs/server.md "Weight residency", docs/memory.md "What outlives connections"."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
+from ggml_rknpu.hw.limits import BYTES
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.enums import GgmlType
@@ -108,6 +111,7 @@ class WeightStats:
     retired: int = 0                 # staged copies kept after their buffer was freed
     evicted: int = 0                 # retired copies freed for NPU memory
     evicted_budget: int = 0          # retired copies freed (or not kept) to stay within the host cache budget
+    evicted_staging: int = 0         # retired copies freed to leave the budget to live staged weights
     retired_now: int = 0             # retired copies held now
     retired_bytes: int = 0           # NPU bytes of the retired copies held now
     host_now: int = 0                # weights of live buffers the engine refused or demoted: on the host
@@ -129,7 +133,12 @@ class RetiredWeights:
     Bounded twice: by ``budget_bytes`` (``rknpu serve --host-cache-budget``; on a board NPU
     memory is the host's DRAM, so what is kept for a client that may never come back must
     leave room for everything else), the oldest copies freed at retirement; and by NPU
-    memory, ``evict_one`` freeing the oldest copy when an upload runs out of it.
+    memory, ``evict_one`` freeing the oldest copy when an upload runs out of it. The copies
+    also give way to live ones (``make_room``): before a weight is staged fresh, the oldest
+    are freed until they, the live sessions' distinct staged copies and the new one fit in
+    the budget together, so a model being loaded is not resident beside a cache of copies
+    nobody holds (the page cache's rule: reclaimable memory yields to memory in use); two
+    models that fit in the budget together are both kept.
     ``npu_bytes`` is what GET_DEVICE_MEMORY adds back to the free figure (it can be
     reclaimed at any time)."""
 
@@ -167,6 +176,15 @@ class RetiredWeights:
         self.stats.retired_now -= 1
         self.stats.retired_bytes -= entry[1]
         return entry[0]
+
+    def make_room(self, in_use: int) -> None:
+        """Free the oldest copies until they fit in the budget beside ``in_use`` bytes of live
+        staged copies (or none is left)."""
+        if self.budget_bytes is None:
+            return
+        while self._lru and self.stats.retired_bytes + in_use > self.budget_bytes:
+            self._free_oldest()
+            self.stats.evicted_staging += 1
 
     def evict_one(self) -> bool:
         """Free the oldest copy for NPU memory; False when none is kept."""
@@ -328,7 +346,11 @@ class WeightStore:
                     self.live.add(slot.content_key, slot.handle)
                 return
         try:
-            slot.handle = self._upload(to_float_rows(raw, slot.type, slot.n, slot.k))
+            rows = to_float_rows(raw, slot.type, slot.n, slot.k)
+            if self.retired is not None:
+                live = self.live.npu_bytes if self.live is not None else 0
+                self.retired.make_room(live + rows.size * BYTES[self.fmt])
+            slot.handle = self._upload(rows)
         except Exception as exc:  # engine limits / NPU out of memory: this weight stays on the host
             self._to_host(slot, f"{type(exc).__name__}: {exc}")
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)

@@ -31,6 +31,7 @@ from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
+from ggml_rknpu.server.host_budget import TRIM_AFTER_FREED_BYTES, return_free_heap
 from ggml_rknpu.server.live_weights import LiveWeights
 from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
@@ -237,6 +238,7 @@ class Session:
         self.hung_up = False              # the server is stopping (RpcServer.stop)
         self.allocated = 0                # bytes of this connection's buffers (--session-memory)
         self.peak_allocated = 0
+        self.freed_untrimmed = 0          # bytes of buffers freed since the heap was last trimmed
         self._built_plans = False         # this connection planned a graph (its close collects cycles)
         self.clean_end = False            # a goodbye at a message boundary: its staged weights are retired
         self.commands_after_hello = 0
@@ -342,8 +344,18 @@ class Session:
         self.sock.close()
         with self.state.turns:
             self._free_all()
+        if self.freed_untrimmed:
+            self._trim_heap()
         if self.peak_allocated:
             log.debug("%s held at most %.1f MiB of buffers", self.peer, self.peak_allocated / 2**20)
+
+    def _trim_heap(self) -> None:
+        """What the freed buffers' weights and temporaries left in the C heap goes back to the
+        system (docs/memory.md "The C library's heap")."""
+        self.freed_untrimmed = 0
+        return_free_heap()
+        with self.state.counting:
+            self.state.stats.heap_trims += 1
 
     def _free_all(self) -> None:
         """Free the connection's plans, buffers and weights (under a turn: they reach shared state)."""
@@ -400,6 +412,7 @@ class Session:
 
     def _on_free(self, buf: DeviceBuffer) -> None:
         self.allocated -= buf.size
+        self.freed_untrimmed += buf.size
         self.weights.drop_buffer(buf)
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs
             g.clear()
@@ -472,6 +485,8 @@ class Session:
         (handle,) = wire.U64.unpack(self.reader.read(size))
         with self.state.turns:
             self.buffers.free(handle)
+        if self.freed_untrimmed >= TRIM_AFTER_FREED_BYTES:
+            self._trim_heap()
 
     def _buffer_clear(self, size: int) -> None:
         handle, value = wire.BUFFER_CLEAR_REQ.unpack(self.reader.read(size))
