@@ -10,6 +10,7 @@ import pytest
 
 from ggml_rknpu.devices import open_simulated
 from ggml_rknpu.engine.api import Npu
+from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
 from ggml_rknpu.kernel.trace import TimingSyscalls
 from ggml_rknpu.sim.kernel import SimKernel
 
@@ -62,3 +63,27 @@ def test_a_regcmd_rewritten_after_planning_is_cleaned_by_its_writer():
         npu.matmul(rng.standard_normal((1, 256)).astype(np.float32), big)   # grows the M=1 scratch
         assert npu.counters["scratch_grown"] >= 1
         np.testing.assert_array_equal(npu.matmul(a, small), first)
+
+
+REBUILDS = 50   # fusions built, run and closed, as a fault recovery drops and rebuilds one per fault
+
+
+def test_a_closed_fusion_leaves_no_packed_syncs_behind():
+    """The vendor driver packs each MEM_SYNC once per object; object addresses are never
+    reused, so the packed calls of a closed fusion's buffers must go with them, or a server
+    rebuilding a fusion after every NPU fault keeps a few more per fault."""
+    npu, _kernel = _engine("rknpu")
+    rng = np.random.default_rng(2)
+    with npu:
+        siblings = [npu.upload_weight(rng.standard_normal((n, 64)).astype(np.float32)) for n in (32, 16)]
+        a = rng.standard_normal((1, 64)).astype(np.float32)
+        driver = npu.device.driver
+        assert isinstance(driver, RknpuDriver)
+        kept = []
+        for _ in range(REBUILDS):
+            fusion = npu.fuse(siblings)
+            fusion.run(a)
+            assert driver.packed_syncs() > 0
+            fusion.close()
+            kept.append(driver.packed_syncs())
+        assert kept == [kept[0]] * REBUILDS, kept

@@ -32,7 +32,7 @@ def _nothing() -> None:
     """No sync needed."""
 
 
-MAX_PACKED_SYNCS = 4096   # packed MEM_SYNC arguments kept (a model's jobs name a few hundred ranges)
+MAX_PACKED_SYNCS = 4096   # packed MEM_SYNC arguments kept per object (a model's jobs name a few hundred ranges)
 _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GET_FREQ),
           ("npu_volt_uv", rk.Action.GET_VOLT), ("iommu_enabled", rk.Action.GET_IOMMU_EN),
           ("sram_total_bytes", rk.Action.GET_TOTAL_SRAM_SIZE), ("sram_free_bytes", rk.Action.GET_FREE_SRAM_SIZE))
@@ -59,8 +59,10 @@ class RknpuDriver:
         self.drm, self.version = self.ioctls.drm, self.ioctls.version
         self._live: dict[int, int] = {}  # handle -> capacity of every object we hold
         self._tables: set[RknpuSubmitTable] = set()   # live tables: each owns its task BO
-        # (obj_addr, offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed)
-        self._syncs: dict[tuple[int, int, int, int], Callable[[], Any]] = {}
+        # obj_addr -> (offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed);
+        # an object's entries go with it (``free``): object addresses are never reused, so
+        # entries kept for freed ones would pile up with every buffer a fault recovery rebuilds
+        self._syncs: dict[int, dict[tuple[int, int, int], Callable[[], Any]]] = {}
 
     # ------------------------------------------------------------------ memory
     def alloc(self, size: int, purpose: str) -> Allocation:
@@ -76,6 +78,7 @@ class RknpuDriver:
 
     def free(self, allocation: Allocation) -> None:
         self._live.pop(allocation.handle, None)
+        self._syncs.pop(allocation.obj_addr, None)
         self.ioctls.syscalls.munmap(allocation.view)
         self.ioctls.mem_destroy(allocation.handle, allocation.obj_addr)
 
@@ -86,14 +89,19 @@ class RknpuDriver:
         """The MEM_SYNC of one range, packed once (an uncached buffer or an empty range needs none)."""
         if not (allocation.cached and size):
             return _nothing
-        key = (allocation.obj_addr, offset, size, 1 if to_device else 2)
-        call = self._syncs.get(key)
+        syncs = self._syncs.setdefault(allocation.obj_addr, {})
+        key = (offset, size, 1 if to_device else 2)
+        call = syncs.get(key)
         if call is None:
-            if len(self._syncs) >= MAX_PACKED_SYNCS:
-                self._syncs.clear()
+            if len(syncs) >= MAX_PACKED_SYNCS:
+                syncs.clear()
             flag = rk.SyncFlag.TO_DEVICE if to_device else rk.SyncFlag.FROM_DEVICE
-            call = self._syncs[key] = self.ioctls.mem_sync_call(allocation.obj_addr, offset, size, flag)
+            call = syncs[key] = self.ioctls.mem_sync_call(allocation.obj_addr, offset, size, flag)
         return call
+
+    def packed_syncs(self) -> int:
+        """MEM_SYNC arguments kept packed, over every live object."""
+        return sum(len(syncs) for syncs in self._syncs.values())
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less the never-mapped page 0) minus our own objects; other
