@@ -158,8 +158,11 @@ def run(args, rig, console: Console) -> rp.Report | None:
     def pct(p: float) -> float:
         return latencies[min(len(latencies) - 1, int(p * len(latencies)))] if latencies else float("nan")
 
-    # RSS once the model is loaded and the first answer is out (before that it grows with the upload)
+    # RSS once the model is loaded and the first answer is out (before that it grows with the upload),
+    # until the last answer (after it the server frees the client's buffers as llama-server stops)
     first_done = min((r["start_s"] + r["latency_s_measured"] for r in results), default=0.0)
+    last_done = max((r["start_s"] + r["latency_s_measured"] for r in results), default=float("inf"))
+    samples = [(t, m) for t, m in samples if t <= last_done]
     warm = [m for t, m in samples if t >= first_done]
     growth = rss_growth_after_warmup(samples, first_done)
     row = {"requests": len(results), "failed": failed, "wrong": wrong,
