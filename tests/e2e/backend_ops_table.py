@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support.e2e_support import rknpu_server, run_backend_ops, run_tool  # noqa: E402
+from support.proc_status import status_bytes  # noqa: E402
 
 _REFUSAL = re.compile(r"closing \S+: (.*?)(?: \(the client will abort.*)?$", re.M)
 
@@ -38,11 +39,8 @@ def list_ops() -> list[str]:
 
 def peak_rss_mib(pid: int) -> float | None:
     """A live process's peak resident set (VmHWM), or None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
+    peak = status_bytes("VmHWM", pid)
+    return None if peak is None else peak / 2**20
 
 
 def run_op(op: str, tmp: Path, timeout: float) -> dict:

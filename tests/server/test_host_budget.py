@@ -17,6 +17,7 @@ from ggml_rknpu.server.host_budget import MIN_BYTES, HostBudget, default_budget,
 from ggml_rknpu.server.weight_store import RetiredWeights, WeightStats
 from ggml_rknpu.sim.kernel import SimKernel
 from ggml_rknpu.sim.npu import SimNpu
+from support.proc_status import status_bytes
 
 pytestmark = pytest.mark.timeout(300)
 GiB, MiB = 1 << 30, 1 << 20
@@ -170,8 +171,9 @@ def test_retired_weights_make_room_for_live_ones_oldest_first():
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    rss = status_bytes("VmRSS")
+    assert rss is not None
+    return rss
 
 
 @pytest.mark.skipif(ctypes.util.find_library("c") is None or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")),

@@ -22,6 +22,7 @@ import ggml_rknpu
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.wire import Cmd
+from support.proc_status import status_bytes
 from support.rpc_testkit import ServerClosed, T, graph_payload, serve
 
 MUL_MAT = int(GgmlOp.MUL_MAT)
@@ -32,8 +33,9 @@ WARMUP_MAX = 1000                            # sessions before the reference RSS
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    rss = status_bytes("VmRSS")
+    assert rss is not None
+    return rss
 
 
 @pytest.fixture
