@@ -3,10 +3,12 @@
 ``dst[:, s, t] = as[:, :, ids[s, t]] @ b[:, s % ne11, t]`` (ggml.c ``ggml_mul_mat_id``):
 ``as`` ``[K, N, n_expert]``, ``b`` ``[K, ne11, n_tokens]`` (``ne11`` 1 or ``n_used``), ``ids``
 ``[n_used, n_tokens]`` int32, dst ``[N, n_used, n_tokens]`` f32. Invariants: each expert's
-slice is its own ``WeightSlot`` (staged, invalidated by byte range and reused by content
-like a 2-D weight); ids are range-checked before use (a bad id fails the graph, the server
-keeps serving); each selected expert runs behind ``NpuRecovery.matmul``, and the rows of
-experts not resident or sent to the host run through ggml-cpu's own MUL_MAT_ID in one call."""
+slice is its own ``WeightSlot`` (invalidated by byte range, reused by content like a 2-D
+weight), staged when a run first routes to it, so experts no token uses cost no NPU memory
+(llama.cpp's warm-up routes every token to all experts: src/llama-graph.cpp); ids are
+range-checked before use (a bad id fails the graph, the server keeps serving); each selected
+expert runs behind ``NpuRecovery.matmul``; the rows of experts not resident or sent to the
+host run through ggml-cpu's own MUL_MAT_ID in one call."""
 
 from __future__ import annotations
 
@@ -127,6 +129,9 @@ class ExpertStep:
         order = np.argsort(flat, kind="stable")
         chosen = flat[order]
         cuts = np.flatnonzero(chosen[1:] != chosen[:-1]) + 1
+        fresh = [s for e in chosen[np.r_[0, cuts]] if (s := self.slots[int(e)]) is not None and s.handle is None]
+        if fresh:
+            recovery.weights.stage_all(fresh)
         host_groups: list[np.ndarray] = []
         t0 = time.perf_counter()
         ran = 0

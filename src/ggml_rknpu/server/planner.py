@@ -132,8 +132,8 @@ class GraphPlanner:
         except BaseException:
             host.close()
             raise
-        staged = [*slots.values(), *(s for e in experts.values() for s in e)]
-        self.weights.stage_all(s for s in staged if s is not None)   # timed in the weight stats
+        # experts are staged when a run first routes to them (ExpertStep.run), not here
+        self.weights.stage_all(s for s in slots.values() if s is not None)   # timed in the weight stats
         if self.placer is not None:
             self.placer.log_new_buckets()
         self.host_copies.log_made()
