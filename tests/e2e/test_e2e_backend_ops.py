@@ -18,6 +18,7 @@ import pytest
 
 from ggml_rknpu.toolchain.llamacpp import CLIENTS, PINNED
 from support.e2e_support import Server, cpp_server, parse_backend_ops, rknpu_server, run_backend_ops, tool_or_skip
+from support.proc_status import status_bytes
 
 pytestmark = [pytest.mark.llama]
 
@@ -115,6 +116,22 @@ def test_backend_ops_subset_other_clients(server: Server, client: str, op: str) 
 @pytest.mark.parametrize("op", sorted(FULL_OPS))
 def test_backend_ops_full(server: Server, op: str) -> None:
     _check(server, op, FULL_OPS[op], timeout=3500)
+
+
+PEAK_RSS_BYTES = 3 * 10**9   # the server's whole-table bound (docs/memory.md)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_mul_mat_id_list_peak_rss(tmp_path: Path) -> None:
+    """The whole MUL_MAT_ID list (its 128-expert q4_K cases are the table's largest) on a
+    fresh server, whose VmHWM stays within the bound: 2629 MiB measured on x86."""
+    tool_or_skip("test-backend-ops")
+    with rknpu_server(tmp_path, name="serve-moe-peak") as srv:
+        assert srv.proc is not None
+        _check(srv, "MUL_MAT_ID", None, timeout=3500)
+        peak = status_bytes("VmHWM", srv.proc.pid)
+    assert peak is not None and peak <= PEAK_RSS_BYTES, f"server VmHWM {peak} bytes"
 
 
 @pytest.mark.timeout(1200)
