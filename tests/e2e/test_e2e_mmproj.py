@@ -4,7 +4,7 @@ projector"), so an image prompt sends the projector's graph to our server as wel
 model's.
 
 The check, per projector type of tests/support/mmproj_models.py (LLaVA's MLP with a tiny llama,
-gemma3's with a tiny gemma3): two different images, a greedy answer with top-2 logprobs for
+gemma3's with a tiny gemma3, Qwen2-VL's merger with a tiny qwen2vl): two different images, a greedy answer with top-2 logprobs for
 each. The C++ ``ggml-rpc-server`` gives the CPU-only tokens (the precondition: a graph it
 computes); ``rknpu serve --device host`` gives them exactly, logprobs to the bit (the same
 ggml-cpu kernels); the simulated NPU (fp16 weights) agrees up to the near-tie rule of

@@ -1,7 +1,7 @@
 """Tiny random multimodal projectors (mmproj GGUFs) that the pinned mtmd (``libmtmd``) loads, and
 a tiny image for them, for the multimodal end-to-end check (tests/e2e/test_e2e_mmproj.py).
 
-Two projector types, each paired with the text architecture it serves (``PROJECTORS``):
+Three projector types, each paired with the text architecture it serves (``PROJECTORS``):
 
 * ``mlp`` (LLaVA-1.5; ``clip_graph_llava::build``, ``tools/mtmd/models/llava.cpp``): a CLIP ViT
   (conv patch embedding, class embedding, learned positions, pre-norm, layer-norm blocks) and a
@@ -15,6 +15,12 @@ Two projector types, each paired with the text architecture it serves (``PROJECT
   sliding window of 4 tokens cannot see the image past the ``<end_of_image>`` text mtmd puts
   after it (a dozen byte tokens in the tiny vocabulary), and its tied output head repeats the
   last token whatever came before, so the image would not change the answer.
+* ``qwen2vl_merger`` (Qwen2-VL; ``clip_graph_qwen2vl::build``, ``tools/mtmd/models/qwen2vl.cpp``):
+  two patch convolutions added (the still image as both frames of the temporal patch), a
+  permute-and-copy that groups each 2 x 2 block of patches, M-RoPE in vision mode over the
+  patches' (row, column) positions instead of learned ones, layer-norm blocks, a post norm, and a
+  GELU MLP over each merged 2 x 2 block (4 x the width in) into the text width; the architectures
+  check's qwen2vl answers, with M-RoPE positions over the image's grid.
 
 Keys and tensor names are those of ``clip-impl.h`` (``KEY_*``, ``TN_*``); shapes are ggml ``ne``.
 Weights are random but seeded. The image is a BMP (stb_image in mtmd decodes it; no image
@@ -37,6 +43,7 @@ IMAGE_SIZE, PATCH_SIZE = 32, 4            # 8 x 8 = 64 patches
 N_EMBD, N_HEAD, N_FF, N_LAYER = 32, 2, 64, 2
 N_PATCHES = (IMAGE_SIZE // PATCH_SIZE) ** 2
 GEMMA3_POOL = 2                           # pooled 2 x 2: 16 image tokens
+QWEN2VL_MERGE = 2                         # merged 2 x 2 (clip.cpp's default n_merge): 16 image tokens
 
 
 
@@ -59,6 +66,7 @@ class Projector:
 PROJECTORS = {p.name: p for p in (
     Projector("mlp", "llama", ("IM2COL", "CONCAT", "NORM"), class_token=True),
     Projector("gemma3", "gemma3", ("IM2COL", "POOL_2D", "NORM")),
+    Projector("qwen2vl_merger", "qwen2vl", ("IM2COL", "NORM")),
 )}
 
 
@@ -78,7 +86,7 @@ def write_mmproj_gguf(path: Path, projector: str, n_embd_text: int, *, seed: int
     ``mtmd_context``)."""
     if projector not in PROJECTORS:
         raise ValueError(f"no tiny projector of type {projector!r}; have {sorted(PROJECTORS)}")
-    llava = projector == "mlp"
+    llava, qwen2vl = projector == "mlp", projector == "qwen2vl_merger"
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), "clip")
     w.add_name("tiny random projector")
@@ -95,8 +103,10 @@ def write_mmproj_gguf(path: Path, projector: str, n_embd_text: int, *, seed: int
     w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    if not llava:
+    if projector == "gemma3":
         w.add_uint32("clip.vision.projector.scale_factor", GEMMA3_POOL)
+    if qwen2vl:
+        w.add_uint32("clip.vision.spatial_merge_size", QWEN2VL_MERGE)
     w.add_file_type(1)
 
     def mat(name: str, *ne: int, scale: float = 0.1) -> None:
@@ -108,9 +118,12 @@ def write_mmproj_gguf(path: Path, projector: str, n_embd_text: int, *, seed: int
     mat("v.patch_embd.weight", PATCH_SIZE, PATCH_SIZE, 3, N_EMBD)
     if llava:
         vec("v.class_embd", N_EMBD)
+    elif qwen2vl:    # the second frame's kernel; no bias, no learned positions (qwen2vl.cpp asserts)
+        mat("v.patch_embd.weight.1", PATCH_SIZE, PATCH_SIZE, 3, N_EMBD)
     else:
         vec("v.patch_embd.bias", N_EMBD)
-    vec("v.position_embd.weight", N_EMBD, N_PATCHES + llava)
+    if not qwen2vl:
+        vec("v.position_embd.weight", N_EMBD, N_PATCHES + llava)
     norm = "pre_ln" if llava else "post_ln"
     vec(f"v.{norm}.weight", N_EMBD, mean=1.0)
     vec(f"v.{norm}.bias", N_EMBD)
@@ -130,6 +143,12 @@ def write_mmproj_gguf(path: Path, projector: str, n_embd_text: int, *, seed: int
         mat("mm.0.weight", N_EMBD, n_embd_text, scale=0.3)
         vec("mm.0.bias", n_embd_text)
         mat("mm.2.weight", n_embd_text, n_embd_text, scale=0.3)
+        vec("mm.2.bias", n_embd_text)
+    elif qwen2vl:   # over each 2 x 2 block of patches, concatenated
+        merged = N_EMBD * QWEN2VL_MERGE ** 2
+        mat("mm.0.weight", merged, merged, scale=0.3)
+        vec("mm.0.bias", merged)
+        mat("mm.2.weight", merged, n_embd_text, scale=0.3)
         vec("mm.2.bias", n_embd_text)
     else:   # ne[0] is the text width (siglip.cpp transposes it); drawn large because gemma3
         # scales token embeddings by sqrt(n_embd) and image embeddings not (models/gemma3.cpp)
