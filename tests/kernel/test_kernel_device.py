@@ -310,14 +310,14 @@ def test_probe_exit_code_1_on_mismatch(monkeypatch, capsys):
     from ggml_rknpu.cli import probe
     from ggml_rknpu.kernel import device as device_module
 
-    real_sync = device_module.NpuDevice._sync
+    real_sync = device_module.NpuDevice.sync_buffer
 
     def lossy_sync(self, buf, offset, size, *, to_device):
         real_sync(self, buf, offset, size, to_device=to_device)
         if not to_device:
             buf.array()[:3] ^= 0xFF
 
-    monkeypatch.setattr(device_module.NpuDevice, "_sync", lossy_sync)
+    monkeypatch.setattr(device_module.NpuDevice, "sync_buffer", lossy_sync)
     args = type("A", (), {"device": "sim-rknpu", "json": True, "size": 4096})()
     assert probe.run(args) == probe.EXIT_MISMATCH
     out = json.loads(capsys.readouterr().out)

@@ -30,9 +30,13 @@ class Allocation:
 class BufferOwner(Protocol):
     """What a buffer asks of the device it came from."""
 
-    def _sync(self, buf: Buffer, offset: int, size: int, *, to_device: bool) -> None: ...
+    def sync_buffer(self, buf: Buffer, offset: int, size: int, *, to_device: bool) -> None:
+        """Make ``[offset, offset + size)`` of ``buf`` visible to the NPU (``to_device``) or to the CPU."""
+        ...
 
-    def _free(self, buf: Buffer) -> None: ...
+    def free_buffer(self, buf: Buffer) -> None:
+        """``buf`` was closed: release its GEM object."""
+        ...
 
 
 class Buffer:
@@ -54,7 +58,8 @@ class Buffer:
         dtype = np.dtype(dtype)
         return np.frombuffer(self._view, dtype=dtype, count=self.size // dtype.itemsize)
 
-    def _range(self, offset: int, size: int | None) -> tuple[int, int]:
+    def check_range(self, offset: int, size: int | None = None) -> tuple[int, int]:
+        """(offset, size) of a range inside the buffer (``size`` None: to its end); NpuError outside it."""
         size = self.size - offset if size is None else size
         if offset < 0 or size < 0 or offset + size > self.capacity:
             raise NpuError(f"range [{offset}, {offset + size}) is outside the {self.capacity}-byte buffer",
@@ -63,16 +68,16 @@ class Buffer:
 
     def sync_to_device(self, offset: int = 0, size: int | None = None) -> None:
         """Make CPU writes visible to the NPU (clean the CPU cache)."""
-        self.device._sync(self, *self._range(offset, size), to_device=True)
+        self.device.sync_buffer(self, *self.check_range(offset, size), to_device=True)
 
     def sync_from_device(self, offset: int = 0, size: int | None = None) -> None:
         """Make NPU writes visible to the CPU (invalidate; rocket: also waits for the writer)."""
-        self.device._sync(self, *self._range(offset, size), to_device=False)
+        self.device.sync_buffer(self, *self.check_range(offset, size), to_device=False)
 
     def close(self) -> None:
         if self._view is not None:
             self._view = None
-            self.device._free(self)
+            self.device.free_buffer(self)
 
     def __enter__(self) -> Buffer:
         return self

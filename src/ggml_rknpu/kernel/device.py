@@ -3,10 +3,11 @@
 The device knows nothing of boards or simulators: it is handed a ``Syscalls`` object and an
 open fd, asks the node's DRM name and drives it with that driver's class from ``DRIVERS``;
 choosing and opening a device by name is ``ggml_rknpu.devices``. Invariants: buffers are
-CPU-cached; ``submit`` cleans every input range before a submit and the ABI makes the
-output ranges CPU-visible after it; a job's submit table is built once and replayed, and
-its regcmd is cleaned when the table is built, so a regcmd (or weight) the CPU rewrites
-later needs ``Buffer.sync_to_device()`` [docs/npu-programming.md §4-§5]. One device per thread."""
+CPU-cached; the driver makes a job's input ranges visible to the NPU before it runs and its
+output ranges visible to the CPU after; a job's submit table and the driver's plan of it are
+built once and replayed, and its regcmd is cleaned when the table is built, so a regcmd (or
+weight) the CPU rewrites later needs ``Buffer.sync_to_device()`` [docs/npu-programming.md
+§4-§5]. One device per thread."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ggml_rknpu.kernel.syscalls import Syscalls
 __all__ = ["DRIVERS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
            "discover", "open_node"]
 
-DRIVERS: dict[str, Callable[[Syscalls, int], NpuDriver[Any]]] = {rk.DRIVER_NAME: RknpuDriver, ro.DRIVER_NAME: RocketDriver}
+DRIVERS: dict[str, Callable[[Syscalls, int], NpuDriver[Any, Any]]] = {rk.DRIVER_NAME: RknpuDriver, ro.DRIVER_NAME: RocketDriver}
 NODE_PATTERNS = (("/dev/dri", "renderD", rk.DRIVER_NAME), ("/dev/accel", "accel", ro.DRIVER_NAME))
 PURPOSES = ("data", "regcmd", "task")
 # distinct Job.cores kept as submit tables. A table also goes when its regcmd buffer is freed
@@ -101,13 +102,13 @@ def open_node(syscalls: Syscalls, path: str, *, simulated: bool = False) -> NpuD
 
 @dataclass(frozen=True, eq=False)
 class _Replay:
-    """A Job as its submits replay it: the ABI's table, every buffer it names (checked open
-    per submit), the cleans of its input ranges as packed ioctls."""
+    """A Job as its submits replay it: the ABI's table, the driver's plan of the job (what it
+    submits, how it makes the ranges visible), every buffer it names (checked open per submit)."""
 
     job: Job
     table: SubmitTable
+    planned: Any
     buffers: tuple[Buffer, ...]
-    cleans: tuple[Callable[[], Any], ...]
 
 
 class NpuDevice:
@@ -117,7 +118,7 @@ class NpuDevice:
         if abi is None:
             raise NpuError(f"{path} is driven by {name!r}, not {' or '.join(DRIVERS)}", errno.ENODEV)
         self.syscalls, self.fd, self.path, self.simulated = syscalls, fd, path, simulated
-        self.driver: NpuDriver[Any] = abi(syscalls, fd)
+        self.driver: NpuDriver[Any, Any] = abi(syscalls, fd)
         self.kind = self.driver.name
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}
@@ -158,12 +159,14 @@ class NpuDevice:
         self._buffers[buf.handle] = buf
         return buf
 
-    def _sync(self, buf: Buffer, offset: int, size: int, *, to_device: bool) -> None:
+    def sync_buffer(self, buf: Buffer, offset: int, size: int, *, to_device: bool) -> None:
+        """The driver makes ``[offset, offset + size)`` of ``buf`` visible to the NPU or to the CPU."""
         if buf.closed:
             raise NpuError("buffer is closed", errno.EBADF)
         self.driver.sync(buf.allocation, offset, size, to_device=to_device)
 
-    def _free(self, buf: Buffer) -> None:
+    def free_buffer(self, buf: Buffer) -> None:
+        """``buf`` was closed: the tables running it (a regcmd buffer) go, then its GEM object."""
         self._buffers.pop(buf.handle, None)
         if buf.purpose == "regcmd":   # the tables running it go with it (their task BOs too)
             for cores in [c for c, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
@@ -202,7 +205,7 @@ class NpuDevice:
 
     def _replay(self, job: Job) -> _Replay:
         """``job`` planned for replay: found by identity (no hashing of its tasks), else its
-        table, its ranges checked and the cleans of its inputs packed once."""
+        table, its ranges checked and the driver's plan of it made once."""
         replay = self._replays.get(id(job))
         if replay is not None and replay.job is job and replay.table in self._live_tables:
             return replay
@@ -210,10 +213,9 @@ class NpuDevice:
         for r in (*job.inputs, *job.outputs):
             if r.buffer.closed or r.buffer.device is not self:
                 raise NpuError(f"{r.buffer!r} is closed or belongs to another device", errno.EBADF)
-            r.buffer._range(r.offset, r.size)
-        cleans = tuple(self.driver.sync_call(r.buffer.allocation, r.offset, r.size, to_device=True)
-                       for r in job.inputs)
-        replay = _Replay(job, table, tuple(r.buffer for r in (*job.inputs, *job.outputs)), cleans)
+            r.buffer.check_range(r.offset, r.size)
+        replay = _Replay(job, table, self.driver.prepare(table, job.inputs, job.outputs),
+                         tuple(r.buffer for r in (*job.inputs, *job.outputs)))
         if len(self._replays) >= MAX_CACHED_TABLES:
             self._replays.pop(next(iter(self._replays)))
         self._replays[id(job)] = replay
@@ -239,9 +241,7 @@ class NpuDevice:
         for b in replay.buffers:
             if b.closed:
                 raise NpuError(f"{b!r} is closed", errno.EBADF)
-        for clean in replay.cleans:
-            clean()
-        done = self.driver.submit(replay.table, job.inputs, job.outputs, timeout_ms)
+        done = self.driver.submit(replay.planned, timeout_ms)
         return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
 
     # ------------------------------------------------------------------ power and reset

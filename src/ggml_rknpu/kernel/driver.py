@@ -7,9 +7,8 @@ that object. A third ABI is a third class plus one entry in ``device.DRIVERS``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from ggml_rknpu.kernel.buffer import Allocation, Buffer
 from ggml_rknpu.kernel.drm import DrmVersion
@@ -45,10 +44,16 @@ class SubmitTable(Protocol):
 
 
 TableT = TypeVar("TableT", bound=SubmitTable)
+JobT = TypeVar("JobT")
 
 
-class NpuDriver(Protocol[TableT]):
-    """One kernel driver ABI; ``TableT`` is its submit table type."""
+class NpuDriver(Protocol[TableT, JobT]):
+    """One kernel driver ABI; ``TableT`` is its submit table type, ``JobT`` its form of a job
+    planned for replay (the table and how its ranges are made visible, ``prepare``).
+
+    Cache maintenance is the driver's: ``sync`` makes one range visible to the NPU (after
+    the CPU wrote it) or to the CPU (after the NPU did), and ``submit`` does both around a
+    job, each ABI its own way (vendor: packed MEM_SYNCs; rocket: FINI_BO/PREP_BO)."""
 
     name: str  # the DRM driver name: "rknpu" | "rocket"
     drm: DrmVersion
@@ -58,10 +63,8 @@ class NpuDriver(Protocol[TableT]):
 
     def free(self, allocation: Allocation) -> None: ...
 
-    def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None: ...
-
-    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
-        """``sync`` of that range as a callable planned once (a replayed job's cleans)."""
+    def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
+        """Make the range visible to the NPU (``to_device``: the CPU wrote it) or to the CPU."""
         ...
 
     def iova_budget(self) -> tuple[int, int]:
@@ -78,9 +81,13 @@ class NpuDriver(Protocol[TableT]):
         """The device dropped ``table`` (evicted, or rebuilt after a regcmd buffer closed)."""
         ...
 
-    def submit(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
-               timeout_ms: int) -> Finished:
-        """Run ``table`` (inputs already clean), wait, and make ``outputs`` CPU-visible."""
+    def prepare(self, table: TableT, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...]) -> JobT:
+        """``table`` with the ranges it reads and writes, planned once for ``submit`` (ranges
+        checked open and inside their buffers by the device)."""
+        ...
+
+    def submit(self, job: JobT, timeout_ms: int) -> Finished:
+        """Make the job's inputs visible to the NPU, run it, wait, make its outputs visible to the CPU."""
         ...
 
     def reset(self) -> None: ...

@@ -3,8 +3,8 @@
 Invariants: one SUBMIT per job; each submit table owns its task BO (KERNEL_MAPPING, one page,
 up to 102 tasks), written and cleaned once when the table is built, so a replay costs the
 SUBMIT alone; buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
-MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; the
-SUBMIT and every MEM_SYNC are packed once (``drm.PreparedIoctl``) and replayed. The task
+MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; a
+job's SUBMIT and the MEM_SYNCs around it are packed once (``drm.PreparedIoctl``) and replayed. The task
 array, core_mask/subcore_task and flags, with sources: docs/decisions.md "kernel/rknpu/driver.py"."""
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ class RknpuSubmitTable:
     submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMIT
 
 
+@dataclass(frozen=True, eq=False)
+class RknpuJob:
+    """A job as the vendor driver replays it: its table, the packed MEM_SYNCs that clean its
+    inputs before the SUBMIT and invalidate its outputs after it."""
+
+    table: RknpuSubmitTable
+    cleans: tuple[Callable[[], Any], ...]
+    invalidates: tuple[Callable[[], Any], ...]
+
+
 class RknpuDriver:
     name = rk.DRIVER_NAME
 
@@ -83,9 +93,10 @@ class RknpuDriver:
         self.ioctls.mem_destroy(allocation.handle, allocation.obj_addr)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        self.sync_call(allocation, offset, size, to_device=to_device)()
+        """MEM_SYNC of the range: TO_DEVICE cleans, FROM_DEVICE invalidates."""
+        self._packed_sync(allocation, offset, size, to_device=to_device)()
 
-    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
+    def _packed_sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
         """The MEM_SYNC of one range, packed once (an uncached buffer or an empty range needs none)."""
         if not (allocation.cached and size):
             return _nothing
@@ -146,17 +157,27 @@ class RknpuDriver:
             self._tables.discard(table)
             self.free(table.task_bo)
 
-    def submit(self, table: RknpuSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
-               timeout_ms: int) -> Finished:
+    def prepare(self, table: RknpuSubmitTable, inputs: tuple[BufferRange, ...],
+                outputs: tuple[BufferRange, ...]) -> RknpuJob:
+        """The job's MEM_SYNCs packed once: a clean per input range, an invalidate per output range."""
+        return RknpuJob(table, tuple(self._packed_sync(r.buffer.allocation, r.offset, r.size, to_device=True)
+                                     for r in inputs),
+                        tuple(self._packed_sync(r.buffer.allocation, r.offset, r.size, to_device=False)
+                              for r in outputs))
+
+    def submit(self, job: RknpuJob, timeout_ms: int) -> Finished:
+        table = job.table
         submit = table.submits.get(timeout_ms)
         if submit is None:
             submit = table.submits[timeout_ms] = self.ioctls.submit_call(
                 task_obj_addr=table.task_bo.obj_addr, task_number=table.n_tasks,
                 flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=table.core_mask,
                 subcore_tasks=table.subcore)
-        result = submit()
-        for r in outputs:   # open and inside their buffers: the device checked them
-            self.sync_call(r.buffer.allocation, r.offset, r.size, to_device=False)()
+        for clean in job.cleans:
+            clean()
+        result = self.ioctls.submit_result(submit())
+        for invalidate in job.invalidates:
+            invalidate()
         # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
         # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
         return Finished(hw_elapsed_ns=result.hw_elapse_time or None, task_counter=result.task_counter)

@@ -98,7 +98,12 @@ class RknpuIoctls:
 
     def submit(self, **fields: int | tuple[tuple[int, int], ...]) -> SubmitResult:
         """One blocking SUBMIT; the arguments of ``submit_call``."""
-        return self.submit_call(**fields)()  # type: ignore[arg-type]
+        return self.submit_result(self.submit_call(**fields)())  # type: ignore[arg-type]
+
+    def submit_result(self, arg: bytearray) -> SubmitResult:
+        """What a SUBMIT's argument holds after the call (``submit_call``'s ioctl returns it)."""
+        out = self.submit_struct.from_buffer(arg)
+        return SubmitResult(task_counter=out.task_counter, hw_elapse_time=getattr(out, "hw_elapse_time", None))
 
     def submit_call(
         self,
@@ -112,10 +117,10 @@ class RknpuIoctls:
         subcore_tasks: tuple[tuple[int, int], ...] = (),
         task_base_addr: int = 0,
         priority: int = 0,
-    ) -> Callable[[], SubmitResult]:
-        """One blocking SUBMIT as a callable with its argument packed once (a job planned once
-        replays the same bytes every time). ``subcore_tasks`` fills ``subcore_task[0..]`` as
-        (start, number)."""
+    ) -> drm.PreparedIoctl:
+        """One blocking SUBMIT with its argument packed once (a job planned once replays the
+        same bytes every time); the call returns the argument as the kernel left it
+        (``submit_result`` reads it). ``subcore_tasks`` fills ``subcore_task[0..]`` as (start, number)."""
         s = self.submit_struct(
             flags=int(flags), timeout=timeout_ms, task_start=task_start, task_number=task_number,
             priority=priority, task_obj_addr=task_obj_addr, task_base_addr=task_base_addr,
@@ -125,13 +130,4 @@ class RknpuIoctls:
             raise ValueError(f"at most {uapi.N_SUBCORE_TASKS} subcore_task entries")
         for i, (start, number) in enumerate(subcore_tasks):
             s.subcore_task[i].task_start, s.subcore_task[i].task_number = start, number
-        ioctl = self._prepared("SUBMIT", uapi.DRM_IOCTL_RKNPU_SUBMIT, s)
-        struct = self.submit_struct
-        has_elapsed = hasattr(struct, "hw_elapse_time")
-
-        def submit() -> SubmitResult:
-            out = struct.from_buffer(ioctl())
-            return SubmitResult(task_counter=out.task_counter,
-                                hw_elapse_time=out.hw_elapse_time if has_elapsed else None)
-
-        return submit
+        return self._prepared("SUBMIT", uapi.DRM_IOCTL_RKNPU_SUBMIT, s)

@@ -3,7 +3,7 @@
 Submit: one ``drm_rocket_job`` per non-empty core, tasks ``{regcmd, body_words + 4}``
 (rocket counts the tail); the inputs and regcmd buffers are the job's in-BOs, the outputs
 its out-BOs; PREP_BO on each output waits for the job. Buffers are shmem (CPU-cached),
-synced whole: FINI_BO before the device reads, PREP_BO before the CPU does. No reset or
+synced whole: FINI_BO on each input before the device reads, PREP_BO before the CPU does. No reset or
 power ioctl: rocket resets a core after a job timeout and powers cores per job.
 """
 
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.limits import ADDRESS_WINDOW_BYTES, PAGE_BYTES
@@ -35,6 +32,17 @@ class RocketSubmitTable:
     regcmd_buffers: tuple[Buffer, ...]
     n_tasks: int
     jobs: tuple[tuple[tuple[int, int], ...], ...]  # per used core: (regcmd address, body + tail words)
+
+
+@dataclass(frozen=True, eq=False)
+class RocketJob:
+    """A job as rocket's SUBMIT takes it: one ``drm_rocket_job`` per used core, the BOs to
+    FINI before it (one per input range) and to PREP after it (one per output range)."""
+
+    table: RocketSubmitTable
+    specs: tuple[RocketJobSpec, ...]
+    cleans: tuple[int, ...]
+    outputs: tuple[int, ...]
 
 
 class RocketDriver:
@@ -65,11 +73,11 @@ class RocketDriver:
         self.ioctls.gem_close(allocation.handle)
 
     def sync(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> None:
-        self.sync_call(allocation, offset, size, to_device=to_device)()
-
-    def sync_call(self, allocation: Allocation, offset: int, size: int, *, to_device: bool) -> Callable[[], Any]:
         """FINI_BO (to the device) or PREP_BO (to the CPU) of the whole BO: rocket syncs whole BOs."""
-        return partial(self.ioctls.fini_bo if to_device else self.ioctls.prep_bo, allocation.handle)
+        if to_device:
+            self.ioctls.fini_bo(allocation.handle)
+        else:
+            self.ioctls.prep_bo(allocation.handle)
 
     def iova_budget(self) -> tuple[int, int]:
         """The 32-bit window (less page 0) minus our objects (rocket: one domain per open file)."""
@@ -88,15 +96,21 @@ class RocketDriver:
     def release_table(self, table: RocketSubmitTable) -> None:
         """Nothing to free: a rocket table is plain data."""
 
-    def submit(self, table: RocketSubmitTable, inputs: tuple[BufferRange, ...], outputs: tuple[BufferRange, ...],
-               timeout_ms: int) -> Finished:
+    def prepare(self, table: RocketSubmitTable, inputs: tuple[BufferRange, ...],
+                outputs: tuple[BufferRange, ...]) -> RocketJob:
         in_handles = tuple(b.handle for b in (*(r.buffer for r in inputs), *table.regcmd_buffers))
         out_handles = tuple(r.buffer.handle for r in outputs)
-        self.ioctls.submit([RocketJobSpec(tasks, in_handles, out_handles) for tasks in table.jobs])
+        return RocketJob(table, tuple(RocketJobSpec(tasks, in_handles, out_handles) for tasks in table.jobs),
+                         tuple(r.buffer.handle for r in inputs), out_handles)
+
+    def submit(self, job: RocketJob, timeout_ms: int) -> Finished:
+        for handle in job.cleans:
+            self.ioctls.fini_bo(handle)
+        self.ioctls.submit(list(job.specs))
         deadline = time.monotonic_ns() + timeout_ms * 1_000_000  # PREP_BO takes an absolute timeout
-        for handle in out_handles:
+        for handle in job.outputs:
             self.ioctls.prep_bo(handle, deadline)
-        return Finished(hw_elapsed_ns=None, task_counter=table.n_tasks)
+        return Finished(hw_elapsed_ns=None, task_counter=job.table.n_tasks)
 
     # ------------------------------------------------------------------ control
     def reset(self) -> None:
