@@ -16,7 +16,7 @@ from ggml_rknpu.compiler.chain import chain_image
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.cost.model import modeled_time, workload_from_program
 from ggml_rknpu.engine import FusedWeight, open_engine
-from ggml_rknpu.engine.fusion import FusedWeights, concat_rows, fusion_workload
+from ggml_rknpu.engine.fusion import concat_rows, fusion_workload
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.hw.regcmd import decode_word
 from ggml_rknpu.hw.registers import REGISTERS
@@ -141,32 +141,6 @@ def test_fusion_workload_prices_all_members_in_one_submit():
     assert modeled_time(work).total_s < separate       # two submits fewer
 
 
-def test_fused_copy_invalidated_by_any_sibling(npu):
-    rng = np.random.default_rng(2)
-    parts = _parts(rng, 64, (32, 16, 16))
-    cache = FusedWeights()
-    loads = []
-
-    def load():
-        loads.append(1)
-        return npu.upload_fused_weight(parts, dtype="fp16")
-
-    a = rng.standard_normal((1, 64)).astype(np.float32)
-    fused = cache.get(("q", "k", "v"), load)
-    assert cache.get(("q", "k", "v"), load) is fused and len(loads) == 1
-    old = npu.fuse([fused], m=1).run(a)[1].copy()
-    parts[1] = parts[1] * -2.0                  # a write to the K sibling's bytes ...
-    assert cache.invalidate("k") == 1           # ... invalidates the fused copy
-    assert fused.freed
-    fresh = cache.get(("q", "k", "v"), load)
-    assert len(loads) == 2 and fresh is not fused
-    new = npu.fuse([fresh], m=1).run(a)[1]
-    np.testing.assert_allclose(new, -2.0 * old, rtol=1e-2, atol=1e-3)
-    assert cache.invalidate("unrelated") == 0
-    cache.clear()
-    assert fresh.freed
-
-
 def test_freeing_a_member_closes_its_chained_fusion_and_frees_its_buffers(npu):
     rng = np.random.default_rng(3)
     ws = [npu.upload_weight(p) for p in _parts(rng, 64, (16, 16))]
@@ -177,7 +151,7 @@ def test_freeing_a_member_closes_its_chained_fusion_and_frees_its_buffers(npu):
     assert fusion.closed and all(b.closed for b in buffers)
     with pytest.raises(ValueError, match="closed"):
         fusion.run(np.ones((1, 64), np.float32))
-    assert fusion not in npu.parts.fusions
+    assert fusion not in ws[0].fusions
     ws[0].free()
 
 
@@ -238,10 +212,11 @@ def test_rehearse_is_the_host_side_of_run_without_a_submit(npu):
     a = rng.standard_normal((1, 128)).astype(np.float32)
     want = [x.copy() for x in fusion.run(a)]
     submits = npu.counters["submits"]
-    seconds = fusion.rehearse(a)        # C still holds the last run's output: same values back
+    got = [np.full_like(w, np.nan) for w in want]
+    seconds = fusion.rehearse(a, got)   # C still holds the last run's output: same values back
     assert seconds > 0 and npu.counters["submits"] == submits
-    for got, w in zip(fusion._views, want):
-        np.testing.assert_array_equal(got[:1], w)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
     fused.free()
 
 

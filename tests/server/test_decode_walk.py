@@ -1,6 +1,7 @@
-"""docs/decode-walk.md's call sequences are the code's: a tiny graph (two MUL_MATs of one
-activation, grouped, and one of another, single) replayed on the simulated rknpu device,
-with the Python frames recorded at each SUBMIT ioctl, from the GRAPH_COMPUTE handler down."""
+"""docs/decode-walk.md's call sequences are the code's, and no NPU step is more than
+``MAX_FRAMES`` deep: a tiny graph (two MUL_MATs of one activation, grouped, and one of
+another, single) replayed on the simulated rknpu device, with the Python frames recorded at
+each SUBMIT ioctl, from the GRAPH_COMPUTE handler down."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ WALK = Path(__file__).resolve().parents[2] / "docs" / "decode-walk.md"
 HANDLER = "Session._graph_compute"
 MUL_MAT = int(GgmlOp.MUL_MAT)
 K, N, M = 64, 32, 1
+MAX_FRAMES = 9          # from the handler to the ioctl, both counted (docs/decode-walk.md)
 
 
 def _documented() -> dict[str, list[tuple[str, str]]]:
@@ -91,4 +93,7 @@ def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch):
     for out, a, w in zip(got, (x, x, y), ws):
         np.testing.assert_allclose(out, a @ w.T, rtol=2e-2, atol=5e-2)
     assert stats["plan_cache_hits"] == 1 and stats["npu_grouped_runs"] == 2
+    assert len(recorded) == 2 and all(len(frames) <= MAX_FRAMES for frames in recorded), \
+        [len(frames) for frames in recorded]
     assert recorded == [documented["grouped"], documented["single"]]
+    assert f"`MAX_FRAMES` = {MAX_FRAMES} frames" in WALK.read_text()

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ggml_rknpu.engine.contract import OneMatmul
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.server.buffers import DeviceMemory
@@ -81,6 +82,9 @@ class FakeNpu:
     def memory_budget(self) -> tuple[int, int]:
         return self.budget
 
+    def reset(self) -> list | None:
+        return None        # no reset (``FaultyNpu`` has one)
+
     def close(self) -> None:
         pass
 
@@ -109,7 +113,8 @@ class FakeFusion:
 
 
 class FusingFakeNpu(FakeNpu):
-    """A FakeNpu that also plans fusions (``engine.contract.FusingEngine``)."""
+    """A FakeNpu that also plans fusions (``engine.contract.FusingEngine``); ``fusions_built``
+    counts those of several weights (one weight is its matmul)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -117,7 +122,9 @@ class FusingFakeNpu(FakeNpu):
         self.fail_fusion = False
         self.refuse_fusions = False
 
-    def fuse(self, weights: list[FakeWeight], m: int = 1, *, out: str | None = None) -> FakeFusion:
+    def fuse(self, weights: list[FakeWeight], m: int = 1, *, out: str | None = None) -> FakeFusion | OneMatmul:
+        if len(weights) == 1:
+            return OneMatmul(self, weights[0])  # type: ignore[arg-type]  # one weight: the fake's matmul
         if self.refuse_fusions:
             raise ValueError("too many tasks for one chain (injected)")
         self.fusions_built += 1

@@ -5,15 +5,14 @@
     c = npu.matmul(a, w)                          # a [M, K], any M -> c [M, N]
 
 Invariants: a weight is converted and packed once into a resident buffer; each (weight, M
-bucket) has one program bound to fixed buffers (``engine.programs``); every call goes
-through ``Submitter`` and checks its canaries, so an unfinished task raises ``StaleOutput``
-after a reset; programs stay inside ``envelope``. Why, and scratch, buckets, timing:
+bucket) has one program bound to fixed buffers (``engine.programs``); every call is a
+``Fusion.run`` (``matmul``: the weight's one-weight fusion), which checks its canaries, so
+an unfinished task raises ``StaleOutput`` after a reset; programs stay inside ``envelope``. Why, and scratch, buckets, timing:
 docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
 
 import errno
-import time
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -26,11 +25,10 @@ from ggml_rknpu.engine.fusion import Fusion, concat_rows
 from ggml_rknpu.engine.memory import NpuMemory
 from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
 from ggml_rknpu.engine.parts import EngineParts
-from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, ProgramCache, m_bucket
+from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, ProgramCache
 from ggml_rknpu.engine.scratch import ScratchPool
 from ggml_rknpu.engine.staging import check_matrix, stage_weight
-from ggml_rknpu.engine.submission import Submitter
-from ggml_rknpu.engine.timing import Timing, device_seconds
+from ggml_rknpu.engine.timing import Timing
 from ggml_rknpu.hw.envelope import Envelope, by_name
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError
@@ -63,7 +61,7 @@ class Npu:
         memory = NpuMemory(device)
         self.scratch = ScratchPool(memory, self.counters)
         programs = ProgramCache(device, memory, self.scratch, self.counters, self.cores, self.envelope, self.npu_mhz)
-        self.parts = EngineParts(memory, programs, Submitter(device, self.counters, self.reset), self.counters)
+        self.parts = EngineParts(device, memory, programs, self.reset, self.counters)
         self._weights: list[Weight] = []
         self._closed = False
 
@@ -77,8 +75,8 @@ class Npu:
 
     @property
     def last_canary_s(self) -> float:
-        """Host seconds arming and checking the last bound program's canaries."""
-        return self.parts.submitter.last_canary_s
+        """Host seconds arming and checking the last matmul's or fusion's canaries."""
+        return self.parts.last_canary_s
 
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
@@ -97,16 +95,14 @@ class Npu:
         return fused
 
     def fuse(self, weights: Sequence[EngineWeight], m: int = 1, *, out: str | None = None) -> Fusion:
-        """A fusion, one submit planned once: ``weights`` (one plain or fused weight, or several
-        sharing K and dtype, chained in one submit) applied to one activation of up to ``m``
-        rows. ``fusion.run(a)`` -> one array per output. See ``engine.fusion.Fusion``."""
+        """A fusion planned once: ``weights`` (one plain or fused weight, or several sharing K
+        and dtype, chained in one submit of up to ``m`` rows) applied to one activation.
+        ``fusion.run(a, outs)`` -> one array per output. See ``engine.fusion.Fusion``."""
         self._check_open()
         if not weights:
             raise ValueError("a fusion needs at least one weight")
         own = [self._check_weight(w) for w in weights]
-        fusion = Fusion(self.parts, own, m_bucket(m), self._out_dtype(own[0], out))
-        self.parts.fusions.add(fusion)
-        return fusion
+        return Fusion(self.parts, own, m, self._out_dtype(own[0], out))
 
     def _upload(self, b: np.ndarray, dtype: str, cls: type[W]) -> W:
         self._check_open()
@@ -130,9 +126,6 @@ class Npu:
         return weight
 
     def _forget(self, w: Weight) -> None:
-        for fusion in [f for f in self.parts.fusions if w in f.weights]:
-            fusion.close()
-            self.parts.fusions.discard(fusion)
         self.parts.programs.forget(w)
         self._weights.remove(w)
         self.parts.memory.drop_room(id(w))
@@ -144,9 +137,9 @@ class Npu:
         float16 with ``out="fp16"``); int8 weight and int8 ``a``: int32, exact; int8 weight
         and float ``a``: ``a`` quantised per row, float32 out.
 
-        Rows run through the bound program of their M bucket, A written and C read through
-        its views (``engine.hostpath``); more rows than the weight's largest program are
-        several calls of it."""
+        The weight's one-weight fusion (``engine.fusion.Fusion``, kept per output type) into
+        a fresh result: rows run through the bound program of their M bucket; more rows than
+        the weight's largest program are several runs of it."""
         self._check_open()
         w = self._check_weight(w)
         check_matrix(a, "a")
@@ -160,43 +153,17 @@ class Npu:
                             f"int8 or float, got {a.dtype}")
         if a.dtype == np.int8 and w.dtype == "fp16":
             a = a.astype(np.float32)            # exact: every int8 is an fp16
-        M = a.shape[0]
         if out == "fp16":
             dtype: type = np.float16
         elif w.dtype == "int8" and a.dtype == np.int8 and w.scales is None:
             dtype = np.int32
         else:
             dtype = np.float32
-        result: np.ndarray = np.empty((M, N), dtype)
-        programs, submitter = self.parts.programs, self.parts.submitter
-        pack_s = submit_s = unpack_s = 0.0
-        device_s: float | None = 0.0
-        labels = set()
-        submits = 0
-        m0 = 0
-        while m0 < M:
-            rows = min(w.max_program_m, M - m0)
-            bound = programs.bound_or_shrink(w, rows, out)
-            if bound is None:
-                continue
-            t0 = time.perf_counter()
-            a_port, c_port = programs.ports(bound, w, out)
-            act_scales = a_port.write(a[m0: m0 + rows])
-            t1 = time.perf_counter()
-            completion, hw_ns = submitter.run_bound(bound)
-            t2 = time.perf_counter()
-            c_port.read(result[m0: m0 + rows], rows, act_scales)
-            t3 = time.perf_counter()
-            dev, label = device_seconds(bound.modeled, completion, hw_ns)
-            pack_s, submit_s, unpack_s = pack_s + t1 - t0, submit_s + t2 - t1, unpack_s + t3 - t2
-            device_s = None if dev is None or device_s is None else device_s + dev
-            labels.add(label)
-            submits += len(bound.jobs)
-            m0 += rows
-        self.counters["matmuls"] += 1
-        self.parts.last_timing = Timing(pack_s, submit_s, unpack_s, device_s=device_s,
-                                        device_label=labels.pop() if len(labels) == 1 else "unknown",
-                                        submits=submits)
+        result: np.ndarray = np.empty((a.shape[0], N), dtype)
+        fusion = w.matmul_fusions.get(out)
+        if fusion is None:
+            fusion = w.matmul_fusions[out] = Fusion(self.parts, [w], None, out, siblings=False)
+        fusion.run(a, [result])
         return result
 
     def _check_weight(self, w: object) -> Weight:

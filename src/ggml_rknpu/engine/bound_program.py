@@ -52,6 +52,16 @@ class BoundProgram:
         if self.jobs:
             self.jobs = with_ranges(self.jobs, self.a_buf.range(), self.c_buf.range())
 
+    def canary_cells(self) -> CanaryCells:
+        """The canaries bound to the current C scratch buffer (re-bound when the shared buffer
+        was replaced by a larger one)."""
+        assert self.canaries is not None and self.c_buf is not None, "not bound yet"
+        cells = self.cells
+        if cells is None or self.cells_bound_to is not self.c_buf.scratch.buf:
+            cells = self.cells = self.canaries.over(self.c_buf.array(np.uint8))
+            self.cells_bound_to = self.c_buf.scratch.buf
+        return cells
+
     def close(self) -> None:
         for share in {id(s.scratch): s for s in (self.a_buf, self.c_buf) if s is not None}.values():
             share.scratch.leave(self)

@@ -4,7 +4,9 @@ and the test fakes implement it.
 
 Invariants: a weight handle is used only with the engine that returned it and until its
 ``free()``; NPU memory running out is ``OutOfMemory`` (the store frees and retries), every
-other failure of a matmul is an ordinary exception (that weight falls back to the host).
+other failure of a matmul is an ordinary exception (that weight falls back to the host);
+every engine runs a step's weights as an ``EngineFusion`` (``plan_fusion``: its own, or one
+matmul for an engine that cannot fuse).
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class MatmulEngine(Protocol):
         """(free, total) bytes of NPU memory as far as this engine can tell."""
         ...
 
+    def reset(self) -> Sequence[EngineWeight] | None:
+        """Reset the NPU after a faulted run: the weights whose NPU copy the reset destroyed
+        (re-stage them), or None when this engine has no reset (nothing was done)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -81,7 +88,7 @@ class EngineFusion(Protocol):
 
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """``a`` [M, K] (M up to the planned rows) -> one [M, N_i] result per weight, written
-        into ``outs`` (one float32 array per weight) when given. Sets the engine's
+        into ``outs`` (one float32 [M, N_i] array per weight) when given. Sets the engine's
         ``last_timing`` for the whole fusion, as ``matmul`` does for one call."""
         ...
 
@@ -98,3 +105,32 @@ class FusingEngine(MatmulEngine, Protocol):
 def fusing(engine: MatmulEngine | None) -> FusingEngine | None:
     """``engine`` if it can plan fusions, else None: the one capability check."""
     return engine if engine is not None and callable(getattr(engine, "fuse", None)) else None  # type: ignore[return-value]
+
+
+class OneMatmul:
+    """A one-weight ``EngineFusion`` over an engine that cannot fuse (the vendor runtime):
+    ``run`` is its ``matmul``, the result copied into ``outs``."""
+
+    def __init__(self, engine: MatmulEngine, weight: EngineWeight) -> None:
+        self.engine, self.weight, self.closed = engine, weight, False
+
+    def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        c = self.engine.matmul(a, self.weight)
+        if outs is None:
+            return [c]
+        np.copyto(outs[0][: c.shape[0]], c, casting="same_kind")
+        return [outs[0][: c.shape[0]]]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def plan_fusion(engine: MatmulEngine, weights: Sequence[EngineWeight], rows: int) -> EngineFusion:
+    """``weights`` applied to one activation of up to ``rows`` rows, as ``engine`` runs them:
+    its own fusion, or (one weight, an engine that cannot fuse) its ``matmul``."""
+    fuser = fusing(engine)
+    if fuser is not None:
+        return fuser.fuse(weights, rows)
+    if len(weights) != 1:
+        raise ValueError(f"{engine.describe()} plans no fusions")
+    return OneMatmul(engine, weights[0])

@@ -1,37 +1,44 @@
-"""Fused NPU jobs for the decode path: sibling weights as one resident weight, several
-programs in one submit, and ``Fusion``, a submit planned once and replayed.
+"""``Fusion``: the engine's one route from activations to results, planned once and replayed:
+one weight (plain, or siblings fused into one) or several chained in one submit.
 
-Invariants: a fused weight is exact (each output row is the same dot product; int8 scales
-are per row and concatenate too); chained programs read one A and write disjoint regions
-of one C; residency stays exact because the caller invalidates every fused copy built from
-a sibling it invalidates (``FusedWeights.invalidate``), and freeing a member closes the
-chained fusions using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
+Invariants: every NPU run of the engine is a ``Fusion.run`` (``Npu.matmul`` is a one-weight
+fusion): A written through views, canaries armed, the jobs submitted in order, canaries
+checked (output left unwritten resets the NPU and raises ``StaleOutput``), C read through
+views straight into the caller's arrays, the timing kept. A fused weight is exact (each
+output row is the same dot product; int8 scales are per row and concatenate too); chained
+programs read one A and write disjoint regions of one C; freeing a weight closes the
+fusions using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
-from ggml_rknpu.engine.canary import Canaries
+from ggml_rknpu.engine.canary import Canaries, CanaryCells, StaleOutput
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.engine.memory import c_base
+from ggml_rknpu.engine.programs import m_bucket
 from ggml_rknpu.engine.timing import Timing, device_seconds
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.kernel.buffer import Buffer
+from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 if TYPE_CHECKING:
     from ggml_rknpu.compiler.program import Program
-    from ggml_rknpu.engine.bound_program import BoundProgram
-    from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
+    from ggml_rknpu.cost.model import ModeledTime
+    from ggml_rknpu.engine.npu_weight import Weight
     from ggml_rknpu.engine.parts import EngineParts
+
+# one run of A through programs: (rows, A port, C ports, jobs, canaries, what a timeout names, modeled time)
+Piece = tuple[int, ActivationPort, Sequence[ResultPort], tuple[Job, ...], CanaryCells, str, "ModeledTime | None"]
 
 def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
     """Sibling weights [N_i, K] -> one [sum N_i, K] array and each sibling's row range."""
@@ -61,49 +68,23 @@ def fusion_workload(programs: Sequence[Program]) -> Workload:
     return Workload(tuple(t for p in programs for t in workload_from_program(p).tasks), submits=submits)
 
 
-class FusedWeights:
-    """Fused copies keyed by their siblings' caller keys; exact invalidation by any sibling."""
-
-    def __init__(self) -> None:
-        self._by_keys: dict[tuple[Hashable, ...], FusedWeight] = {}
-
-    def get(self, keys: Sequence[Hashable], load: Callable[[], FusedWeight]) -> FusedWeight:
-        """The fused weight of siblings ``keys``; ``load()`` uploads it when absent."""
-        keys = tuple(keys)
-        fused = self._by_keys.get(keys)
-        if fused is None or fused.freed:
-            fused = load()
-            self._by_keys[keys] = fused
-        return fused
-
-    def invalidate(self, key: Hashable) -> int:
-        """Free every fused copy one of whose siblings is ``key``; how many were freed."""
-        stale = [ks for ks in self._by_keys if key in ks]
-        for ks in stale:
-            self._by_keys.pop(ks).free()
-        return len(stale)
-
-    def clear(self) -> None:
-        for fused in self._by_keys.values():
-            fused.free()
-        self._by_keys.clear()
-
-    def __len__(self) -> int:
-        return len(self._by_keys)
-
-
 class Fusion:
-    """One submit of the decode path: one weight (plain or fused) or several chained,
-    all reading one activation [rows <= m, K]. Planned once; ``run`` writes A through
-    precomputed views, submits, and reads every output through precomputed views.
+    """One weight (plain or fused) or several chained, all reading one activation [rows, K]:
+    planned once, ``run`` replays it. A chain takes up to the ``rows`` it was planned for, in
+    one submit; a single weight any rows, through its bound programs of each M bucket (more
+    rows than its largest program are several runs of it).
 
-    ``run`` returns one array per output (a fused weight gives one per sibling), rows
-    ``[:rows]`` of arrays the fusion owns: they are overwritten by its next run (copy them to
-    keep them), or pass ``outs`` to receive the results in your own arrays."""
+    ``run`` writes one result per output (a fused weight gives one per sibling) into ``outs``
+    when given (straight from C when each is one weight's whole float result with C-contiguous
+    rows), else returns rows ``[:rows]`` of arrays the fusion owns: they are overwritten by its
+    next run (copy them to keep them)."""
 
-    def __init__(self, parts: EngineParts, weights: Sequence[Weight], m: int, out: str) -> None:
-        """``weights``: checked by the engine (``Npu.fuse``); ``m``: its M bucket for the rows this
-        fusion takes (``programs.m_bucket``); ``out``: the output type."""
+    def __init__(self, parts: EngineParts, weights: Sequence[Weight], rows: int | None, out: str, *,
+                 siblings: bool = True) -> None:
+        """``weights``: checked by the engine (``Npu.fuse``); ``rows``: the most a run takes
+        (a chain runs its M bucket, ``programs.m_bucket``; None: any, one weight only);
+        ``out``: the output type; ``siblings``: a fused weight gives one output per sibling
+        (False: one, the whole weight)."""
         ks = {(w.shape[1], w.dtype) for w in weights}
         if len(ks) != 1:
             raise ValueError(f"the weights of one fusion must share K and dtype; got {sorted(ks)}")
@@ -111,117 +92,187 @@ class Fusion:
         self.weights = tuple(weights)
         self.K = weights[0].shape[1]
         self.dtype = weights[0].dtype
-        self.m = m
+        self.rows = rows
         self.out = out
         self.closed = False
         scaled = self.dtype == "int8"
         self._result_dtype = np.float32 if scaled or self.out == "fp32" else (
             np.float16 if self.out == "fp16" else np.int32)
-        # results: one array per weight; a fused weight's siblings are column views of it
-        self._results = [np.empty((self.m, w.shape[0]), self._result_dtype) for w in self.weights]
+        # what C may be read straight into: the result type, or int32 sums (int8 activations, unscaled)
+        self._direct_dtypes = (np.dtype(self._result_dtype), *((np.dtype(np.int32),) if scaled else ()))
         self.outputs: list[tuple[int, int, int]] = []      # (weight index, n0, n1)
         for i, w in enumerate(self.weights):
-            for n0, n1 in getattr(w, "splits", ((0, w.shape[0]),)):
+            splits = getattr(w, "splits", ()) if siblings else ()
+            for n0, n1 in splits or ((0, w.shape[0]),):
                 self.outputs.append((i, n0, n1))
-        self._views = [self._results[i][:, n0:n1] for i, n0, n1 in self.outputs]
+        self._results: list[np.ndarray] = []   # own results, one per weight (grown to the rows of a run)
         self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, submit, unpack (measured)
         self.canary_s = 0.0   # of the submit: arming and checking the canaries (measured)
-        self._chain = _Chain(parts, self) if len(self.weights) > 1 else None
-        self._label = f"fusion {self!r}"   # what a timeout names (formatted once)
+        if rows is None and len(self.weights) > 1:
+            raise ValueError("a chained fusion is planned for a number of rows")
+        self._chain = _Chain(parts, self, m_bucket(rows)) if rows is not None and len(self.weights) > 1 else None
         self.modeled = self._chain.modeled if self._chain else None
+        for w in self.weights:
+            w.fusions.add(self)
 
-    # -- single weight: the engine's cached plan, re-fetched each run (it may be evicted)
-    def _single(self) -> tuple[ActivationPort, list[ResultPort], BoundProgram]:
+    def _piece(self, rows: int) -> Piece | None:
+        """What runs the next ``rows`` (at most): the chain, or the single weight's bound
+        program of their M bucket (re-fetched per run: it may be evicted); None after the
+        weight's largest bucket was lowered (``ProgramCache.bound_or_shrink``): ask again."""
+        if self._chain:
+            return self._chain.piece(rows)
         w = self.weights[0]
         programs = self.parts.programs
-        bound = programs.bound(w, self.m, self.out)
+        n = min(w.max_program_m, rows)
+        bound = programs.bound_or_shrink(w, n, self.out)
+        if bound is None:
+            return None
         a_port, c_port = programs.ports(bound, w, self.out)
         self.modeled = bound.modeled
-        return a_port, [c_port], bound
+        return n, a_port, (c_port,), bound.jobs, bound.canary_cells(), bound.label, bound.modeled
 
-    def rehearse(self, a: np.ndarray) -> float:
+    def rehearse(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> float:
         """The host side of ``run`` alone (A written, C read through the views, scales
-        applied) without submitting: seconds on this host. For benchmarks of the host path
-        apart from the device (a simulator's execution also evicts the CPU caches)."""
-        if self.closed:
-            raise ValueError("this fusion was closed (one of its weights was freed); plan it again")
+        applied) without submitting, the results into ``outs`` when given: seconds on this
+        host. For benchmarks of the host path apart from the device (a simulator's execution
+        also evicts the CPU caches)."""
+        self._check_open()
         t0 = time.perf_counter()
-        a_port, r_ports = self._chain.ports() if self._chain else self._single()[:2]
+        rows = a.shape[0]
+        piece = self._piece(rows)
+        if piece is None or piece[0] < rows:
+            raise ValueError(f"rehearse takes the rows of one program; {rows} need several")
+        _, a_port, r_ports, *_ = piece
         act_scales = a_port.write(a)
-        for port, result in zip(r_ports, self._results):
-            port.read(result, a.shape[0], act_scales)
-        return time.perf_counter() - t0
+        results = self._own_results(rows)
+        for port, result in zip(r_ports, results):
+            port.read(result, rows, act_scales)
+        seconds = time.perf_counter() - t0
+        for dst, (i, n0, n1) in zip(outs or (), self.outputs):
+            np.copyto(dst[:rows], results[i][:rows, n0:n1], casting="same_kind")
+        return seconds
 
     def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
-        if self.closed:
-            raise ValueError("this fusion was closed (one of its weights was freed); plan it again")
-        t0 = time.perf_counter()
-        submitter = self.parts.submitter
-        if self._chain:   # one chained job over private buffers, its members' canaries checked
-            a_port, r_ports = self._chain.ports()
-            act_scales = a_port.write(a)
-            t1 = time.perf_counter()
-            jobs: tuple[Job, ...] = (self._chain.job,)
-            completion, hw_ns = submitter.run(jobs, self._chain.canaries, self._label)
-        else:   # the engine's bound program: its chains in order, canaries checked
-            a_port, r_ports, bound = self._single()
-            act_scales = a_port.write(a)
-            t1 = time.perf_counter()
-            jobs = bound.jobs
-            completion, hw_ns = submitter.run_bound(bound)
-        self.canary_s = submitter.last_canary_s
-        submits = len(jobs)
-        t2 = time.perf_counter()
+        """``a`` [rows, K] -> one [rows, N_i] result per output (see the class docstring)."""
+        self._check_open()
         rows = a.shape[0]
-        if outs is not None and len(outs) != len(self._views):
-            raise ValueError(f"this fusion has {len(self._views)} outputs, got {len(outs)} arrays")
-        if outs is not None and self._direct(outs, rows):
-            # each output is one weight's whole result: read C straight into the caller's rows
-            for port, dst in zip(r_ports, outs):
-                port.read(dst, rows, act_scales)
+        if self.rows is not None and rows > self.rows:
+            raise ValueError(f"activation has shape {a.shape}; this fusion takes [1..{self.rows}, {self.K}]")
+        if outs is not None and len(outs) != len(self.outputs):
+            raise ValueError(f"this fusion has {len(self.outputs)} outputs, got {len(outs)} arrays")
+        direct = outs is not None and self._direct(outs, rows)
+        dsts = outs if direct and outs is not None else self._own_results(rows)
+        parts = self.parts
+        device = parts.device
+        pack_s = submit_s = unpack_s = canary_s = 0.0
+        device_s: float | None = 0.0
+        labels = set()
+        submits = 0
+        m0 = 0
+        while m0 < rows:
+            piece = self._piece(rows - m0)
+            if piece is None:
+                continue
+            n, a_port, r_ports, jobs, cells, what, modeled = piece
+            t0 = time.perf_counter()
+            act_scales = a_port.write(a if n == rows else a[m0: m0 + n])
+            t1 = time.perf_counter()
+            cells.arm()
+            t2 = time.perf_counter()
+            hw_ns: int | None = 0
+            try:
+                for job in jobs:
+                    done = device.submit(job)
+                    hw_ns = None if done.hw_elapsed_ns is None or hw_ns is None else hw_ns + done.hw_elapsed_ns
+            except NpuTimeout as exc:
+                raise NpuTimeout(f"{what} timed out on the NPU: {exc}", exc.errno) from exc
+            t3 = time.perf_counter()
+            parts.counters["submits"] += len(jobs)
+            unwritten = cells.unwritten()
+            t4 = time.perf_counter()
+            if unwritten:
+                self._stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
+                                   f"unwritten after {len(jobs)} submit(s): a task did not finish (rocket: job "
+                                   "killed at its 500 ms timeout?)")
+            for port, dst in zip(r_ports, dsts):
+                port.read(dst if n == rows else dst[m0: m0 + n], n, act_scales)
+            t5 = time.perf_counter()
+            dev, label = device_seconds(modeled, done, hw_ns)
+            pack_s, submit_s, unpack_s = pack_s + t1 - t0, submit_s + t4 - t1, unpack_s + t5 - t4
+            canary_s += t2 - t1 + t4 - t3
+            device_s = None if dev is None or device_s is None else device_s + dev
+            labels.add(label)
+            submits += len(jobs)
+            m0 += n
+        if direct and outs is not None:
             results = [o[:rows] for o in outs]
         else:
-            for port, result in zip(r_ports, self._results):
-                port.read(result, rows, act_scales)
+            t0 = time.perf_counter()
+            views = [self._results[i][:rows, n0:n1] for i, n0, n1 in self.outputs]
             if outs is None:
-                results = [v[:rows] for v in self._views]
+                results = views
             else:
-                for dst, v in zip(outs, self._views):
-                    np.copyto(dst[:rows], v[:rows], casting="same_kind")
+                for dst, v in zip(outs, views):
+                    np.copyto(dst[:rows], v, casting="same_kind")
                 results = [o[:rows] for o in outs]
-        t3 = time.perf_counter()
-        self.timing = (t1 - t0, t2 - t1, t3 - t2)
-        dev, label = device_seconds(self.modeled, completion, hw_ns)
-        self.parts.last_timing = Timing(*self.timing, device_s=dev, device_label=label, submits=submits)
-        c = self.parts.counters
+            unpack_s += time.perf_counter() - t0
+        self.timing, self.canary_s = (pack_s, submit_s, unpack_s), canary_s
+        parts.last_canary_s = canary_s
+        parts.last_timing = Timing(pack_s, submit_s, unpack_s, device_s=device_s,
+                                   device_label=labels.pop() if len(labels) == 1 else "unknown", submits=submits)
+        c = parts.counters
         c["matmuls"] += len(self.weights)
         c["fusion_runs"] += 1
         if self._chain:
             c["chained_submits"] += 1
         return results
 
+    def _stale_output(self, what: str) -> NoReturn:
+        """A submit left canaries unwritten: reset where the driver lets us (rocket resets a core
+        itself after a job timeout) and raise StaleOutput carrying what the reset destroyed, so
+        the caller computes on the host and does not reset a second time."""
+        self.parts.counters["npu_faults"] += 1
+        try:
+            lost: Sequence[Weight] | None = self.parts.reset()
+        except NpuError:
+            lost = None
+        raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None
+                                         else "resetting the NPU failed"), lost=lost)
+
+    def _own_results(self, rows: int) -> list[np.ndarray]:
+        """The fusion's own result arrays, one per weight, of at least ``rows`` rows."""
+        if not self._results or self._results[0].shape[0] < rows:
+            self._results = [np.empty((rows, w.shape[0]), self._result_dtype) for w in self.weights]
+        return self._results
+
     def _direct(self, outs: Sequence[np.ndarray], rows: int) -> bool:
         """Whether ``outs`` can take the results straight from C: one output per weight (no
-        fused siblings), each of the result's type and width with C-contiguous rows."""
+        fused siblings), each of the result's type (int32 too for an int8 weight) and width with
+        C-contiguous rows."""
         if len(outs) != len(self.weights):
             return False
         for dst, w in zip(outs, self.weights):
-            if (dst.dtype != self._result_dtype or dst.ndim != 2 or dst.shape[0] < rows
+            if (dst.dtype not in self._direct_dtypes or dst.ndim != 2 or dst.shape[0] < rows
                     or dst.shape[1] != w.shape[0] or not dst.flags.c_contiguous):
                 return False
         return True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this fusion was closed (one of its weights was freed); plan it again")
 
     def close(self) -> None:
         """Release the fusion (a chained fusion's private buffers); idempotent."""
         if not self.closed:
             self.closed = True
-            self.parts.fusions.discard(self)
+            for w in self.weights:
+                w.fusions.discard(self)
             if self._chain:
                 self._chain.close()
 
     def __repr__(self) -> str:
         shapes = "+".join(f"{w.shape[0]}" for w in self.weights)
-        return f"Fusion(M<={self.m}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
+        return f"Fusion(M<={self.rows}, K={self.K}, N={shapes}, {self.dtype}{', chained' if len(self.weights) > 1 else ''})"
 
 
 def _check_chainable(programs: Sequence[Program], parts: EngineParts) -> None:
@@ -246,10 +297,11 @@ class _Chain:
     C regions (one clean covers what the CPU wrote, one invalidate what the NPU wrote) and
     the chained regcmd image (cleaned once, here)."""
 
-    def __init__(self, parts: EngineParts, fusion: Fusion) -> None:
+    def __init__(self, parts: EngineParts, fusion: Fusion, m: int) -> None:
         self.parts = parts
+        self.m = m
         cache = parts.programs
-        programs = [cache.program_for(w, fusion.m, fusion.out) for w in fusion.weights]
+        programs = [cache.program_for(w, m, fusion.out) for w in fusion.weights]
         self.programs = programs
         _check_chainable(programs, parts)
         self.modeled = (None if cache.npu_mhz is None
@@ -305,6 +357,7 @@ class _Chain:
         # checked as one set over the shared buffer: one store before, one compare after
         self.canaries = Canaries.combined([Canaries.for_program(p).at(co) for p, co in zip(programs, c_offsets)]
                                           ).over(c_raw)
+        self.label = f"fusion {what}"
 
     def _alloc(self, size: int, purpose: str, what: str) -> Buffer:
         buf = self.parts.memory.alloc(align_up(max(size, 1), limits.REGCMD_TASK_ALIGN), purpose, what,
@@ -312,8 +365,10 @@ class _Chain:
         self.buffers.append(buf)
         return buf
 
-    def ports(self) -> tuple[ActivationPort, list[ResultPort]]:
-        return self._ports
+    def piece(self, rows: int) -> Piece:
+        """The chained job for ``rows`` (at most its M bucket)."""
+        a_port, r_ports = self._ports
+        return rows, a_port, r_ports, (self.job,), self.canaries, self.label, self.modeled
 
     def close(self) -> None:
         for buf in self.buffers:

@@ -1,23 +1,36 @@
 """``Weight`` and ``FusedWeight``: weights resident in NPU memory for one ``Npu``, with the
-programs bound for them.
+programs bound for them and the fusions that run them.
 
-Invariants: a weight's packed bytes are written once, at upload; ``free`` releases its
-programs, its buffer and the chained fusions using it, once. Why: docs/decisions.md
+Invariants: a weight's packed bytes are written once, at upload; ``free`` closes the fusions
+using it and releases its programs and its buffer, once. Why: docs/decisions.md
 "engine/api.py"."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ggml_rknpu.engine.memory import Headroom
 from ggml_rknpu.engine.staging import ResidentWeight, StagedWeight
 from ggml_rknpu.kernel.buffer import Buffer
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+
     from ggml_rknpu.engine.bound_program import BoundProgram
 
 MAX_PROGRAM_M = 2048
+
+
+class LiveFusion(Protocol):
+    """A fusion running a weight (``engine.fusion.Fusion``), closed when the weight is freed."""
+
+    def run(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]: ...
+
+    def close(self) -> None: ...
 
 
 class Weight(ResidentWeight):
@@ -34,12 +47,17 @@ class Weight(ResidentWeight):
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
         self.headroom = headroom      # what its programs need under the memory cap (None: no cap at upload)
+        self.fusions: weakref.WeakSet[LiveFusion] = weakref.WeakSet()   # the live fusions running it
+        self.matmul_fusions: dict[str, LiveFusion] = {}   # ``Npu.matmul``'s own, by output type
         self.freed = False
 
     def free(self) -> None:
         """Release the weight and every program compiled for it (idempotent)."""
         if self.freed:
             return
+        for fusion in list(self.fusions):
+            fusion.close()
+        self.matmul_fusions.clear()
         self._forget(self)
         for bound in self.programs.values():
             bound.close()

@@ -148,7 +148,7 @@ class ProgramCache:
         except BaseException:
             bound.close()
             raise
-        # The device cleans a job's inputs before every submit; the weight was cleaned once in
+        # The driver cleans a job's inputs before every submit; the weight was cleaned once in
         # upload_weight and the CPU never writes it again, so it is not an input (listing it cost
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [docs/npu-programming.md §5]; no job writes a weight, so none is needed.

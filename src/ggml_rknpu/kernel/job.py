@@ -2,8 +2,8 @@
 ranges a job reads and writes, and what comes back.
 
 Invariant: a ``Job`` names real buffers (``BufferRange``: a buffer, an offset, a size);
-the device cleans the input ranges before a submit and the driver ABI makes the output
-ranges CPU-visible after it.
+the driver ABI makes the input ranges visible to the NPU before a submit and the output
+ranges visible to the CPU after it.
 """
 
 from __future__ import annotations

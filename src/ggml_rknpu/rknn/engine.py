@@ -297,6 +297,10 @@ class RknnNpu:
         estimate: the runtime has no query, and other processes are not counted."""
         return IOVA_DOMAIN_BYTES - self._bytes, IOVA_DOMAIN_BYTES
 
+    def reset(self) -> None:
+        """None: this engine binds no reset (the runtime functions it uses: docs/rknn-toolkit.md), so a fault is retried as is."""
+        return None
+
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this engine is closed")

@@ -7,8 +7,9 @@ slice is its own ``WeightSlot`` (invalidated by byte range, reused by content li
 weight), staged when a run first routes to it, so experts no token uses cost no NPU memory
 (llama.cpp's warm-up routes every token to all experts: src/llama-graph.cpp); ids are
 range-checked before use (a bad id fails the graph, the server keeps serving); each selected
-expert runs behind ``NpuRecovery.matmul``; the rows of experts not resident or sent to the
-host run through ggml-cpu's own MUL_MAT_ID in one call."""
+expert's rows are one engine ``matmul`` (rows differ per replay) behind ``NpuRecovery.run``;
+the rows of experts not resident or sent to the host run through ggml-cpu's own MUL_MAT_ID
+in one call."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.compute import HostCompute, HostContext
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
@@ -108,12 +110,15 @@ class ExpertStep:
     tok: np.ndarray                        # pair p = t * n_used + s -> t
     use: np.ndarray                        # ... -> s
     brow: np.ndarray                       # ... -> s % ne11, the src1 row of the pair
+    engine: MatmulEngine
+    weights: WeightStore                   # the experts' engine handles
+    recovery: NpuRecovery                  # the fault policy each expert's matmul runs behind
     rounder: ActivationRounder | None = None   # ggml-cpu's activation rounding for the experts' type
 
     @classmethod
     def plan(cls, name: str, slots: tuple[WeightSlot | None, ...], ids: IndexCheck, b: CheckedTensor,
-             out: CheckedTensor, host: HostExperts, stats: ServerStats,
-             rounder: ActivationRounder | None = None) -> ExpertStep:
+             out: CheckedTensor, host: HostExperts, stats: ServerStats, engine: MatmulEngine,
+             weights: WeightStore, recovery: NpuRecovery, rounder: ActivationRounder | None = None) -> ExpertStep:
         b_view = b.ref().as_array()[0]
         out_view = out.ref().as_array()[0]
         n_tokens, n_used = out_view.shape[0], out_view.shape[1]
@@ -121,9 +126,10 @@ class ExpertStep:
         tok, use = np.divmod(pairs, n_used)
         return cls(name, slots, ids, b_view, b.rpc.type, out_view, host,
                    (b.end - b.start) + (out.end - out.start), stats.counter("MUL_MAT_ID", NPU),
-                   stats.counter("MUL_MAT_ID", HOST), tok, use, use % b_view.shape[1], rounder)
+                   stats.counter("MUL_MAT_ID", HOST), tok, use, use % b_view.shape[1], engine, weights,
+                   recovery, rounder)
 
-    def run(self, stats: ServerStats, recovery: NpuRecovery) -> None:
+    def run(self, stats: ServerStats) -> None:
         self.ids.check()
         flat = self.ids.values.reshape(-1)                  # pair order (t, s): a copy when strided
         order = np.argsort(flat, kind="stable")
@@ -134,20 +140,17 @@ class ExpertStep:
         fresh = [s for e in chosen[np.concatenate(((0,), cuts))].tolist()
                  if (s := self.slots[e]) is not None and s.handle is None]
         if fresh:
-            recovery.weights.stage_all(fresh)
+            self.weights.stage_all(fresh)
         host_groups: list[np.ndarray] = []
         t0 = time.perf_counter()
         ran = 0
-        npu = recovery.npu
         for pairs in np.split(order, cuts):
             slot = self.slots[int(flat[pairs[0]])]
-            c = None if slot is None else recovery.matmul(slot, self._npu_rows(pairs))
-            if c is None or npu is None:
+            if slot is None or not self.recovery.run(slot, self._attempt(slot, pairs)):
                 host_groups.append(pairs)
                 continue
-            self.out[self.tok[pairs], self.use[pairs]] = c
             ran += 1
-            stats.count_npu_matmuls(len(pairs), 1, npu.last_timing)
+            stats.count_npu_matmuls(len(pairs), 1, self.engine.last_timing)
         if ran:
             stats.expert_matmuls_npu += ran
             self.npu_counter.ops += 1
@@ -156,6 +159,17 @@ class ExpertStep:
         if host_groups:
             self._on_host(np.concatenate(host_groups), flat, stats)
             stats.expert_matmuls_host += len(host_groups)
+
+    def _attempt(self, slot: WeightSlot, pairs: np.ndarray) -> Callable[[], bool]:
+        """One NPU run of the pairs routed to ``slot``'s expert into their rows of dst (False:
+        the expert is not resident)."""
+        def attempt() -> bool:
+            handle = self.weights.weight(slot)
+            if handle is None:
+                return False
+            self.out[self.tok[pairs], self.use[pairs]] = self.engine.matmul(self._npu_rows(pairs)(), handle)
+            return True
+        return attempt
 
     def _gatherer(self, pairs: np.ndarray) -> Callable[[], np.ndarray]:
         return lambda: as_f32_rows(self.b[self.tok[pairs], self.brow[pairs]], self.b_type)

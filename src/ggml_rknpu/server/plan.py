@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from ggml_rknpu.libggml.compute import HostContext
 from ggml_rknpu.server.plan_steps import IndexCheck, NpuGroup, ReplayStep, add_counts
-from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.stats import OpCounter, ServerStats
 
 
@@ -26,21 +25,19 @@ class GraphPlan:
     digest: bytes
     steps: tuple[ReplayStep, ...]
     host: HostContext
-    recovery: NpuRecovery     # the engine and the weights, behind the fault policy
     n_nodes: int
     n_views: int
     checks: list[IndexCheck] = field(default_factory=list)   # indices no node of the plan writes
     counts: list[tuple[OpCounter, int, int]] = field(default_factory=list)   # its segments', per replay
-    groups: list[NpuGroup] = field(default_factory=list)   # the steps holding engine steps (released at close)
+    groups: list[NpuGroup] = field(default_factory=list)   # the steps holding chained fusions (released at close)
     runs: int = 0
 
     def execute(self, stats: ServerStats) -> None:
         start = time.perf_counter()
-        recovery = self.recovery
         for check in self.checks:
             check.check()
         for step in self.steps:
-            step.run(stats, recovery)
+            step.run(stats)
         add_counts(self.counts)
         self.runs += 1
         stats.execute_seconds += time.perf_counter() - start

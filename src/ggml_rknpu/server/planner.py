@@ -30,7 +30,7 @@ from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_stru
 from ggml_rknpu.server.placement import HOST, NPU, experts_host_reason, host_weight, matmul_host_reason
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.plan import GraphPlan
-from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep, SplitStep
+from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep, SplitStep, StepFusion
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -142,7 +142,7 @@ class GraphPlanner:
         views = sum(1 for nid in g.node_ids if g.tensors[nid].op in VIEW_OPS)
         groups = [s for s in planned if isinstance(s, NpuGroup)]
         self.stats.npu_groups_planned += len(groups)
-        return GraphPlan(g.dev, digest, tuple(planned), host, self.recovery, len(g.node_ids), views,
+        return GraphPlan(g.dev, digest, tuple(planned), host, len(g.node_ids), views,
                          checks=checks, counts=counts, groups=groups)
 
     @staticmethod
@@ -180,8 +180,14 @@ class GraphPlanner:
         return NpuStep(slot=slot, a=a, a_type=a_type,
                        out=checked[t.id].ref().as_array(), host=segment,
                        nbytes=self._span(t, checked) - slot.nbytes,
-                       npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id,
+                       npu_counter=self.stats.counter("MUL_MAT", NPU), fused=self._fused(slot, a),
+                       recovery=self.recovery, a_id=t.src[1], node=t.id,
                        rounder=self.activations.for_step(slot.type, a_type, a.size))
+
+    def _fused(self, slot: WeightSlot, a: np.ndarray) -> StepFusion:
+        """The engine fusion of an NPU step over ``slot``'s weight reading activations ``a``."""
+        assert self.npu is not None, "a weight slot means an engine"
+        return StepFusion(self.npu, self.weights, (slot,), a.size // slot.k)
 
     def _expert_step(self, t: RpcTensor, slots: tuple[WeightSlot | None, ...], checked: dict[int, CheckedTensor],
                      ptrs: dict[int, TensorP], host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> ExpertStep:
@@ -192,7 +198,9 @@ class GraphPlanner:
         w = checked[t.src[0]].rpc
         on_host = HostExperts.plan(host, ptrs[w.id], w.ne[0], w.ne[1], t.ne[1] * t.ne[2], t.name)
         rounder = self.activations.for_step(w.type, checked[t.src[1]].rpc.type, w.ne[0] * t.ne[1] * t.ne[2])
-        return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats, rounder)
+        assert self.npu is not None, "expert slots mean an engine"
+        return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats,
+                               self.npu, self.weights, self.recovery, rounder)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]],
@@ -301,7 +309,8 @@ class GraphPlanner:
         a_array = a.ref().as_array()
         npu_part = NpuStep(slot=slot, a=a_array, a_type=a.rpc.type, out=out, host=part(0, n_npu, False),
                            nbytes=(a.end - a.start) + n_npu * (d.end - d.start) // n,
-                           npu_counter=self.stats.counter("MUL_MAT", NPU), a_id=t.src[1], node=t.id,
+                           npu_counter=self.stats.counter("MUL_MAT", NPU), fused=self._fused(slot, a_array),
+                           recovery=self.recovery, a_id=t.src[1], node=t.id,
                            rounder=self.activations.for_step(slot.type, a.rpc.type, a_array.size))
         return SplitStep(npu_part, part(n_npu, host_rows, self.host_copies.enabled), host_rows)
 

@@ -1,7 +1,8 @@
-"""What an NPU matmul step does when the NPU faults: reset, retry once, else the host.
+"""What an NPU matmul step does when its NPU run fails: reset, retry once, else the host.
 
-Invariants: the graph's NPU step calls ``NpuRecovery.matmul(slot, rows)`` and nothing else,
-and this module holds the whole policy; a *fault* (timeout, DMA fault, or
+Invariants: a step's NPU run goes through ``NpuRecovery.run`` (or its inlined copy in
+``plan_steps.NpuStep.run``), which hands a failure to ``failed``, and this module holds the
+whole policy; a *fault* (timeout, DMA fault, or
 ``engine.canary.StaleOutput``, whose reset the engine has already done, so it is not done
 twice) resets the NPU and re-stages what the reset destroyed, retries once, and then
 computes the step on the host, so the graph completes with the right result; a weight is
@@ -15,8 +16,6 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
 
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.engine.contract import MatmulEngine
@@ -62,47 +61,61 @@ class RecoveryStats:
 
 
 class NpuRecovery:
-    """The fault policy for one connection's NPU matmul steps (stats shared server-wide)."""
+    """The fault policy for one connection's NPU matmul steps (stats shared server-wide):
+    ``engine`` is only reset here, ``weights`` re-staged or demoted."""
 
-    def __init__(self, npu: MatmulEngine | None, weights: WeightStore, stats: RecoveryStats) -> None:
-        self.npu = npu
-        self.weights = weights
+    def __init__(self, engine: MatmulEngine | None, weights: WeightStore, stats: RecoveryStats) -> None:
+        self._engine = engine
+        self._weights = weights
         self.stats = stats
         self._streak: weakref.WeakKeyDictionary[WeightSlot, int] = weakref.WeakKeyDictionary()
 
-    def matmul(self, slot: WeightSlot, rows: Callable[[], np.ndarray]) -> np.ndarray | None:
-        """``rows() @ W^T`` on the NPU, or None: the caller runs this step on the host."""
-        handle = self.weights.weight(slot)
-        if handle is None or self.npu is None:
-            return None
-        a = rows()
-        for attempt in range(2):
-            try:
-                c = self.npu.matmul(a, handle)
-            except Exception as exc:
-                kind = fault_kind(exc)
-                if kind is None:
-                    self.weights.matmul_failed(slot, exc)
-                    return None
-                if not self._recover(slot, kind, exc):
-                    return None
-                handle = self.weights.weight(slot)
-                if handle is None:
-                    return None
-                if attempt == 0:
-                    self.stats.retries += 1
-                continue
-            if self._streak:   # a fault streak to end (WeakKeyDictionary.pop costs ~0.6 us a step)
-                self._streak.pop(slot, None)
-            if attempt:
-                self.stats.retried_ok += 1
-            return c
-        self.stats.host_fallbacks += 1
-        return None
+    def run(self, slot: WeightSlot, attempt: Callable[[], bool]) -> bool:
+        """``attempt()`` (one NPU run of ``slot``'s weight: False when it is not resident, so
+        nothing ran) behind the policy: True once a run succeeded, False: the caller runs
+        the step on the host."""
+        try:
+            ran = attempt()
+        except Exception as exc:
+            return self.failed(slot, exc, attempt)
+        if ran:
+            self.succeeded(slot)
+        return ran
 
-    def step_failed(self, what: str, exc: BaseException) -> None:
+    def succeeded(self, slot: WeightSlot) -> None:
+        """An NPU run of ``slot`` succeeded: its fault streak ends."""
+        if self._streak:   # a fault streak to end (WeakKeyDictionary.pop costs ~0.6 us a step)
+            self._streak.pop(slot, None)
+
+    def failed(self, slot: WeightSlot, exc: BaseException, attempt: Callable[[], bool]) -> bool:
+        """An NPU run of ``slot`` raised ``exc``: a fault is counted, the NPU reset and what it
+        destroyed re-staged, and ``attempt`` retried once; anything else keeps
+        ``WeightStore.matmul_failed``'s policy. True when the retry succeeded, False: the
+        caller runs the step on the host."""
+        kind = fault_kind(exc)
+        if kind is None:
+            self._weights.matmul_failed(slot, exc)
+            return False
+        if not self._recover(slot, kind, exc) or self._weights.weight(slot) is None:
+            return False
+        self.stats.retries += 1
+        try:
+            ran = attempt()
+        except Exception as again:
+            kind = fault_kind(again)
+            if kind is None:
+                self._weights.matmul_failed(slot, again)
+            elif self._recover(slot, kind, again):
+                self.stats.host_fallbacks += 1
+            return False
+        if ran:
+            self.succeeded(slot)
+            self.stats.retried_ok += 1
+        return ran
+
+    def group_failed(self, what: str, exc: BaseException) -> None:
         """A grouped step (several matmuls in one submit, ``plan_steps.NpuGroup``) failed; its
-        members run one by one next, each behind ``matmul``. A fault is counted and the NPU
+        members run one by one next, each behind ``run``. A fault is counted and the NPU
         reset as for a matmul, so the members' attempts start fresh; anything else is logged."""
         kind = fault_kind(exc)
         if kind is None:
@@ -123,7 +136,7 @@ class NpuRecovery:
         if streak >= DEMOTE_AFTER:
             self._streak.pop(slot, None)
             self.stats.demoted += 1
-            self.weights.demote(slot, f"{streak} NPU faults in a row, a reset in between each (last: {kind}: {exc})")
+            self._weights.demote(slot, f"{streak} NPU faults in a row, a reset in between each (last: {kind}: {exc})")
             return False
         return True
 
@@ -131,15 +144,16 @@ class NpuRecovery:
         """The NPU reset after ``exc``: the engine's own (stale output) or one done here."""
         lost = exc.lost if isinstance(exc, StaleOutput) else None
         if lost is None:
-            reset = getattr(self.npu, "reset", None)
-            if reset is None:
+            if self._engine is None:
                 return
             try:
-                lost = reset()
+                lost = self._engine.reset()
             except Exception as err:   # the reset itself failed: the retry will tell whether the NPU is back
                 log.error("NPU reset failed: %s", err)
+                return
+            if lost is None:       # this engine has no reset
                 return
         self.stats.resets += 1
         lost_ids = {id(h) for h in lost or ()}
         if lost_ids:
-            self.stats.restaged += self.weights.restage(lambda handle: id(handle) in lost_ids)
+            self.stats.restaged += self._weights.restage(lambda handle: id(handle) in lost_ids)
