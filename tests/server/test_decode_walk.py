@@ -1,7 +1,7 @@
 """docs/decode-walk.md's call sequences are the code's, and no NPU step is more than
 ``MAX_FRAMES`` deep: a tiny graph (two MUL_MATs of one activation, grouped, and one of
-another, single) replayed on the simulated rknpu device, with the Python frames recorded at
-each SUBMIT ioctl, from the GRAPH_COMPUTE handler down."""
+another, single) replayed on each simulated driver, with the Python frames recorded at each
+SUBMIT ioctl, from the GRAPH_COMPUTE handler down (rocket: the same with its driver's frame)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 import ggml_rknpu
 from ggml_rknpu.kernel.rknpu import uapi
+from ggml_rknpu.kernel.rocket import uapi as rocket_uapi
 from ggml_rknpu.libggml.enums import GgmlOp
 from support.rpc_testkit import T, serve
 
@@ -24,6 +25,9 @@ HANDLER = "Session._graph_compute"
 MUL_MAT = int(GgmlOp.MUL_MAT)
 K, N, M = 64, 32, 1
 MAX_FRAMES = 9          # from the handler to the ioctl, both counted (docs/decode-walk.md)
+SUBMIT = {"sim-rknpu": uapi.DRM_IOCTL_RKNPU_SUBMIT, "sim-rocket": rocket_uapi.DRM_IOCTL_ROCKET_SUBMIT}
+DRIVER_FRAME = {"sim-rknpu": ("kernel/rknpu/driver.py", "RknpuDriver.submit"),
+                "sim-rocket": ("kernel/rocket/driver.py", "RocketDriver.submit")}
 
 
 def _documented() -> dict[str, list[tuple[str, str]]]:
@@ -47,17 +51,19 @@ def _frames(syscalls: object) -> list[tuple[str, str]]:
                                              f"{own.__qualname__}.ioctl")]
 
 
-def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch):
-    documented = _documented()
+@pytest.mark.parametrize("device", sorted(SUBMIT))
+def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch, device):
+    documented = {name: [DRIVER_FRAME[device] if f == DRIVER_FRAME["sim-rknpu"] else f for f in frames]
+                  for name, frames in _documented().items()}
     assert set(documented) == {"grouped", "single"}
-    npu = ggml_rknpu.open(device="sim-rknpu")
+    npu = ggml_rknpu.open(device=device)
     cls = type(npu.device.syscalls)
     real = cls.ioctl
     recorded: list[list[tuple[str, str]]] = []
     recording = [False]
 
     def traced(self, fd, request, arg):
-        if recording[0] and request == uapi.DRM_IOCTL_RKNPU_SUBMIT:
+        if recording[0] and request == SUBMIT[device]:
             recorded.append(_frames(self))
         return real(self, fd, request, arg)
 

@@ -21,7 +21,7 @@ from ggml_rknpu.kernel.driver import DriverFacts, Finished
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import BufferRange, Cores
 from ggml_rknpu.kernel.rocket import uapi as ro
-from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
+from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec, RocketSubmit
 from ggml_rknpu.kernel.syscalls import Syscalls
 
 
@@ -36,11 +36,12 @@ class RocketSubmitTable:
 
 @dataclass(frozen=True, eq=False)
 class RocketJob:
-    """A job as rocket's SUBMIT takes it: one ``drm_rocket_job`` per used core, the BOs to
-    FINI before it (one per input range) and to PREP after it (one per output range)."""
+    """A job as rocket replays it: its SUBMIT packed once (one ``drm_rocket_job`` per used
+    core), the BOs to FINI before it (one per input range) and to PREP after it (one per
+    output range)."""
 
     table: RocketSubmitTable
-    specs: tuple[RocketJobSpec, ...]
+    submit: RocketSubmit
     cleans: tuple[int, ...]
     outputs: tuple[int, ...]
 
@@ -100,13 +101,14 @@ class RocketDriver:
                 outputs: tuple[BufferRange, ...]) -> RocketJob:
         in_handles = tuple(b.handle for b in (*(r.buffer for r in inputs), *table.regcmd_buffers))
         out_handles = tuple(r.buffer.handle for r in outputs)
-        return RocketJob(table, tuple(RocketJobSpec(tasks, in_handles, out_handles) for tasks in table.jobs),
+        return RocketJob(table, self.ioctls.submit_call([RocketJobSpec(tasks, in_handles, out_handles)
+                                                         for tasks in table.jobs]),
                          tuple(r.buffer.handle for r in inputs), out_handles)
 
     def submit(self, job: RocketJob, timeout_ms: int) -> Finished:
         for handle in job.cleans:
             self.ioctls.fini_bo(handle)
-        self.ioctls.submit(list(job.specs))
+        job.submit.ioctl()
         deadline = time.monotonic_ns() + timeout_ms * 1_000_000  # PREP_BO takes an absolute timeout
         for handle in job.outputs:
             self.ioctls.prep_bo(handle, deadline)

@@ -1,8 +1,9 @@
 """``RocketIoctls``: the mainline rocket accel driver as typed callables, one per ioctl.
 
 Identical on a board and in tests; user pointers inside SUBMIT (the job array, each job's
-task array and BO handle arrays) point at ctypes arrays kept alive for the call, exactly
-what the kernel's copy_from_user reads [ROCKET rocket_job.c; docs/npu-programming.md §5].
+task array and BO handle arrays) point at ctypes arrays kept alive as long as the packed
+call (``RocketSubmit``), exactly what the kernel's copy_from_user reads [ROCKET
+rocket_job.c; docs/npu-programming.md §5].
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class RocketJobSpec:
     out_handles: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, eq=False)
+class RocketSubmit:
+    """A SUBMIT packed once (``ioctl``) and the user arrays its pointers name, alive with it."""
+
+    ioctl: drm.PreparedIoctl
+    arrays: tuple[ctypes.Array, ...]
+
+
 class RocketIoctls:
     def __init__(self, syscalls: Syscalls, fd: int) -> None:
         self.syscalls, self.fd = syscalls, fd
@@ -60,7 +69,12 @@ class RocketIoctls:
         return RocketBo(out.handle, size, out.dma_address, out.offset)
 
     def submit(self, jobs: list[RocketJobSpec]) -> None:
-        keep: list[ctypes.Array] = []  # user memory the kernel reads during the call
+        packed = self.submit_call(jobs)   # named: its arrays must outlive the call
+        packed.ioctl()
+
+    def submit_call(self, jobs: list[RocketJobSpec]) -> RocketSubmit:
+        """SUBMIT of ``jobs`` packed once: replayed by ``ioctl()`` as often as the job runs."""
+        keep: list[ctypes.Array] = []  # user memory the kernel reads during every call
 
         def u32_array(values: tuple[int, ...]) -> int:
             if not values:
@@ -78,10 +92,12 @@ class RocketIoctls:
             job.task_struct_size = ctypes.sizeof(uapi.drm_rocket_task)
             job.in_bo_handles, job.in_bo_handle_count = u32_array(spec.in_handles), len(spec.in_handles)
             job.out_bo_handles, job.out_bo_handle_count = u32_array(spec.out_handles), len(spec.out_handles)
+        keep.append(job_array)
         req = uapi.drm_rocket_submit(
             jobs=ctypes.addressof(job_array), job_count=len(jobs), job_struct_size=ctypes.sizeof(uapi.drm_rocket_job)
         )
-        self._call("SUBMIT", uapi.DRM_IOCTL_ROCKET_SUBMIT, req)  # keep and job_array live until we return
+        return RocketSubmit(drm.PreparedIoctl(self.syscalls, self.fd, uapi.DRM_IOCTL_ROCKET_SUBMIT, req,
+                                              "ROCKET SUBMIT", "SUBMIT", _HINTS), tuple(keep))
 
     def prep_bo(self, handle: int, timeout_ns: int = INT64_MAX) -> None:
         """Wait for the BO's write fences, then make it coherent for the CPU."""
