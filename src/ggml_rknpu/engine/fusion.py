@@ -96,10 +96,10 @@ class Fusion:
         self.out = out
         self.closed = False
         scaled = self.dtype == "int8"
-        self._result_dtype = np.float32 if scaled or self.out == "fp32" else (
+        self.result_dtype: type = np.float32 if scaled or self.out == "fp32" else (
             np.float16 if self.out == "fp16" else np.int32)
         # what C may be read straight into: the result type, or int32 sums (int8 activations, unscaled)
-        self._direct_dtypes = (np.dtype(self._result_dtype), *((np.dtype(np.int32),) if scaled else ()))
+        self._direct_dtypes = (np.dtype(self.result_dtype), *((np.dtype(np.int32),) if scaled else ()))
         self.outputs: list[tuple[int, int, int]] = []      # (weight index, n0, n1)
         for i, w in enumerate(self.weights):
             splits = getattr(w, "splits", ()) if siblings else ()
@@ -242,7 +242,7 @@ class Fusion:
     def _own_results(self, rows: int) -> list[np.ndarray]:
         """The fusion's own result arrays, one per weight, of at least ``rows`` rows."""
         if not self._results or self._results[0].shape[0] < rows:
-            self._results = [np.empty((rows, w.shape[0]), self._result_dtype) for w in self.weights]
+            self._results = [np.empty((rows, w.shape[0]), self.result_dtype) for w in self.weights]
         return self._results
 
     def _direct(self, outs: Sequence[np.ndarray], rows: int) -> bool:
@@ -347,7 +347,7 @@ class _Chain:
         c_raw = raw
         r_ports = []
         for p, w, co in zip(programs, fusion.weights, c_offsets):
-            port = ResultPort(p, w.scales, fusion._result_dtype)
+            port = ResultPort(p, w.scales, fusion.result_dtype)
             port.bind(c_raw[co: co + c_bytes(p.shape, p.k_splits)])
             r_ports.append(port)
         assert a_bytes(programs[0].shape) == programs[0].a_bytes
