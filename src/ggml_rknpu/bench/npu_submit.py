@@ -39,21 +39,16 @@ class LayerShape:
 
 
 class _ServerSubmit:
-    """One NPU submit as a ``server.plan_steps`` step issues it: several siblings as a chained
-    ``Npu.fuse(...).run(a, outs=...)``, a lone weight through ``Npu.matmul`` (the lean path
-    ``server.recovery`` calls). ``run`` -> (pack, submit, unpack, canaries) host seconds."""
+    """One NPU submit as a ``server.plan_steps`` step issues it: ``Npu.fuse(...).run(a,
+    outs=...)``, several siblings chained, a lone weight as a one-weight fusion, results
+    straight into the step's arrays. ``run`` -> (pack, submit, unpack, canaries) host seconds."""
 
     def __init__(self, npu, weights: list) -> None:
-        self.npu, self.weights = npu, weights
-        self.fusion = npu.fuse(weights) if len(weights) > 1 else None
+        self.fusion = npu.fuse(weights)
 
     def run(self, a: np.ndarray, outs: list[np.ndarray]) -> tuple[float, float, float, float]:
-        if self.fusion is not None:
-            self.fusion.run(a, outs=outs)
-            return (*self.fusion.timing, self.fusion.canary_s)
-        outs[0][...] = self.npu.matmul(a, self.weights[0])
-        t = self.npu.last_timing
-        return t.pack_s, t.submit_s, t.unpack_s, self.npu.last_canary_s
+        self.fusion.run(a, outs=outs)
+        return (*self.fusion.timing, self.fusion.canary_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

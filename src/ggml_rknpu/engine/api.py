@@ -73,11 +73,6 @@ class Npu:
         """The last matmul's or fusion's ``Timing``."""
         return self.parts.last_timing
 
-    @property
-    def last_canary_s(self) -> float:
-        """Host seconds arming and checking the last matmul's or fusion's canaries."""
-        return self.parts.last_canary_s
-
     # -- weights ---------------------------------------------------------------------
     def upload_weight(self, b: np.ndarray, dtype: str = "fp16") -> Weight:
         """Convert ``b`` [N, K] to ``dtype`` ("fp16" | "int8"), pack it into the native

@@ -217,7 +217,6 @@ class Fusion:
                 results = [o[:rows] for o in outs]
             unpack_s += time.perf_counter() - t0
         self.timing, self.canary_s = (pack_s, submit_s, unpack_s), canary_s
-        parts.last_canary_s = canary_s
         parts.last_timing = Timing(pack_s, submit_s, unpack_s, device_s=device_s,
                                    device_label=labels.pop() if len(labels) == 1 else "unknown", submits=submits)
         c = parts.counters

@@ -32,4 +32,3 @@ class EngineParts:
     reset: Callable[[], Sequence[Weight]]
     counters: dict[str, int]
     last_timing: Timing | None = None      # of the last fusion run (``Npu.matmul``'s too)
-    last_canary_s: float = 0.0             # of it: host seconds arming and checking the canaries
