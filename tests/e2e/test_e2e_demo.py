@@ -30,3 +30,19 @@ def test_demo_generates_text_with_the_real_model(tmp_path) -> None:
     # placement auto: the demo says where the prompt's and the decode's weight matmuls ran
     assert "demo: where the weight matmuls ran (placement auto" in proc.stderr, proc.stderr[-3000:]
     assert "demo:   decode: " in proc.stderr and "weight matmuls on the" in server_log, proc.stderr[-3000:]
+
+
+@pytest.mark.llama
+@pytest.mark.timeout(1800)
+def test_the_staging_bar_is_never_drawn_into_the_text() -> None:
+    """The first screen as a terminal shows it (stdout and stderr in one stream): the server's
+    staging bar and log on their own lines, the generated text on its own, whole."""
+    tool_or_skip("llama-completion")
+    proc = subprocess.run([sys.executable, "-m", "ggml_rknpu.cli.main", "demo", "--device", "sim-rknpu", "-n", "4"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1700, env=tool_env())
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.replace("\r", "\n").splitlines()
+    bars = [line for line in lines if "staging weights" in line]
+    assert bars and all(line.startswith("staging weights (fp16)") for line in bars), bars
+    text = [line for line in lines if "The capital of France is" in line]
+    assert text[-1].startswith("The capital of France is the capital of"), text
