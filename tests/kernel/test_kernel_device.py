@@ -278,13 +278,11 @@ def test_closed_device_refuses_work():
 # --------------------------------------------------------------------------- rknpu probe
 @pytest.mark.parametrize("abi", ["rknpu", "rocket"])
 def test_probe_command_on_the_simulator(abi):
-    exe = REPO / ".venv" / "bin" / "rknpu"
-    if not exe.exists():
-        pytest.skip("run scripts/bootstrap first")
-    text = subprocess.run([str(exe), "probe", "--device", f"sim-{abi}"], capture_output=True, text=True, timeout=60)
+    rknpu = [sys.executable, "-m", "ggml_rknpu.cli.main"]
+    text = subprocess.run([*rknpu, "probe", "--device", f"sim-{abi}"], capture_output=True, text=True, timeout=60)
     assert text.returncode == 0, text.stderr
     assert "simulated" in text.stdout and "match" in text.stdout and abi in text.stdout
-    res = subprocess.run([str(exe), "probe", "--device", f"sim-{abi}", "--json", "--size", "65536"],
+    res = subprocess.run([*rknpu, "probe", "--device", f"sim-{abi}", "--json", "--size", "65536"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

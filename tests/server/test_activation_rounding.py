@@ -15,6 +15,7 @@ from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.libggml import lib
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.server.activations import ActivationRounding
+from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import FakeNpu, FusingFakeNpu, T, serve
 
 F32 = int(GgmlType.F32)
@@ -139,7 +140,7 @@ def run_matmuls(npu, mode: str | None, types: tuple[str, ...]) -> tuple[list[np.
     by ggml). ``mode`` None: the reference server without an NPU (ggml-cpu for every op)."""
     rng = np.random.default_rng(5)
     x = activations(M, seed=6)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         if mode is not None:
             st.state.activations = ActivationRounding(st.state.host, mode)
         with st.client() as c:
@@ -162,7 +163,7 @@ def run_matmuls(npu, mode: str | None, types: tuple[str, ...]) -> tuple[list[np.
                               src=(wt.id, a.id), name=f"out{i}"))
             c.graph_compute(outs, [a, *weights, *outs])
             results = [c.get_array(o).reshape(M, N) for o in outs]
-        return results, st.state.stats_dict(), as_sent
+        return results, report.stats_dict(st.state), as_sent
     raise AssertionError("unreachable")
 
 
@@ -199,7 +200,7 @@ def run_experts(npu, mode: str | None) -> tuple[np.ndarray, dict, np.ndarray, np
     rng = np.random.default_rng(7)
     ids = np.array([[2, 0], [0, 3], [2, 3]], np.int32)
     b = activations(tok, seed=8)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         if mode is not None:
             st.state.activations = ActivationRounding(st.state.host, mode)
         g = st.state.host
@@ -219,7 +220,7 @@ def run_experts(npu, mode: str | None) -> tuple[np.ndarray, dict, np.ndarray, np
             c.set_array(it, ids)
             c.graph_compute([out], [w, bt, it, out])
             result = np.frombuffer(c.get_tensor(out), np.float32).reshape(tok, used, N)
-        return result, st.state.stats_dict(), experts, b, ids
+        return result, report.stats_dict(st.state), experts, b, ids
     raise AssertionError("unreachable")
 
 

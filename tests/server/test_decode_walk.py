@@ -17,6 +17,7 @@ import ggml_rknpu
 from ggml_rknpu.kernel.rknpu import uapi
 from ggml_rknpu.kernel.rocket import uapi as rocket_uapi
 from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import T, serve
 
 pytestmark = pytest.mark.timeout(180)
@@ -72,7 +73,7 @@ def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch, device):
     ws = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(3)]
     x, y = (rng.standard_normal((M, K)).astype(np.float32) for _ in range(2))
     try:
-        for st in serve(npu=npu):
+        with serve(npu=npu) as st:
             with st.client() as c:
                 wh, wb = c.alloc_base(3 * N * K * 4)
                 ch, cb = c.alloc_base(1 << 16)
@@ -93,7 +94,7 @@ def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch, device):
                 c.graph_compute([q, k, o], tensors)      # the decode token: the plan replayed
                 got = [c.get_array(t).reshape(M, N) for t in (q, k, o)]
                 recording[0] = False
-                stats = st.state.stats_dict()
+                stats = report.stats_dict(st.state)
     finally:
         npu.close()
     for out, a, w in zip(got, (x, x, y), ws):

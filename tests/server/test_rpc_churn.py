@@ -47,7 +47,7 @@ def sim_server():
     logger.setLevel(logging.ERROR)
     npu = ggml_rknpu.open(device="sim-rknpu")
     try:
-        for st in serve(npu=npu):
+        with serve(npu=npu) as st:
             yield st, npu
     finally:
         npu.close()

@@ -17,7 +17,9 @@ import pytest
 from ggml_rknpu.cli import serve
 from ggml_rknpu.server.buffers import DeviceMemory
 from ggml_rknpu.server.rpc import wire
-from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState, is_loopback
+from ggml_rknpu.server.rpc.config import ServerConfig
+from ggml_rknpu.server.rpc.listener import RpcServer, is_loopback
+from ggml_rknpu.server.rpc.state import ServerState
 from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import RpcClient, wait_for_line
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from ggml_rknpu.server.rpc import wire
+from ggml_rknpu.server.rpc import report, wire
 from ggml_rknpu.server.rpc.deadlines import KIB
 from ggml_rknpu.server.rpc.wire import Cmd
 from support.rpc_testkit import RpcClient, ServerClosed, T, serve
@@ -40,7 +40,7 @@ def test_a_trickler_is_dropped_at_its_deadline_while_another_client_is_served(ca
     payload = len(request) - header
     rate_kib_s = payload / KIB / 1.0            # the payload buys 1 s beyond the stall timeout
     deadline_s = stall_s + 1.0
-    for st in serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s):
+    with serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s) as st:
         trickler = RpcClient(st.port, hello=False)
         t0 = time.monotonic()
         trickler.sock.sendall(request[:header])
@@ -61,8 +61,8 @@ def test_a_trickler_is_dropped_at_its_deadline_while_another_client_is_served(ca
         assert st.server.wait_idle(timeout=5)
         c = st.state.sessions
         assert (c.too_slow, c.stalled, st.state.stats.rejected) == (1, 0, 1)
-        assert st.state.stats_dict()["sessions"]["too_slow"] == 1
-        assert "0 stalled, 1 too slow" in st.state.render_stats()
+        assert report.stats_dict(st.state)["sessions"]["too_slow"] == 1
+        assert "0 stalled, 1 too slow" in report.render_stats(st.state)
         assert (f"a HELLO message of {len(request)} bytes not complete within 2.0 s (--stall-timeout 1 s + "
                 f"{payload} bytes at --min-rate {rate_kib_s:g} KiB/s)") in caplog.text
 
@@ -91,7 +91,7 @@ def test_a_slow_upload_is_served_above_the_minimum_rate_and_dropped_below(caplog
     stall_s, chunks, pause_s = 0.5, 8, 0.15
     data = np.random.default_rng(0).integers(0, 256, 256 * KIB, dtype=np.uint8).tobytes()
     deadline_s = stall_s + (wire.SET_TENSOR_HEADER_SIZE + len(data)) / (rate_kib_s * KIB)
-    for st in serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s):
+    with serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s) as st:
         with st.client() as c:
             h, b = c.alloc_base(len(data))
             t = T(ne=(len(data) // 4, 1, 1, 1), buffer=h, data=b, name="slow")
@@ -115,7 +115,7 @@ def test_a_header_has_the_stall_timeout_from_its_first_byte(caplog):
     caplog.set_level(logging.WARNING, "ggml_rknpu.rpc")
     stall_s = 1.0
     header = wire.pack_request(Cmd.DEVICE_COUNT)
-    for st in serve(stall_timeout_s=stall_s):
+    with serve(stall_timeout_s=stall_s) as st:
         staller = RpcClient(st.port, hello=False)
         staller.sock.sendall(header[:3])
         t_staller = time.monotonic()
@@ -146,7 +146,7 @@ def test_a_reply_to_a_slow_reader_has_the_same_deadline(caplog, rate_kib_s, serv
     caplog.set_level(logging.WARNING, "ggml_rknpu.rpc")
     stall_s, n, piece, pause_s = 0.5, 16 * MIB, MIB, 0.15
     data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8).tobytes()
-    for st in serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s):
+    with serve(stall_timeout_s=stall_s, min_rate_kib_s=rate_kib_s) as st:
         with RpcClient(st.port, rcvbuf=64 * KIB) as c:
             h, b = c.alloc_base(n)
             t = T(ne=(n // 4, 1, 1, 1), buffer=h, data=b, name="big")

@@ -23,7 +23,7 @@ def run(npu, group: bool) -> tuple[list[dict[str, np.ndarray]], dict]:
     """a = x + x; q, v, k = W a (one group once gathered); r = q + q; v over q's bytes;
     s = a + a; k over s's bytes; o = W_o r. Gathered: [a] [q v k] [r, deliver v, s, deliver k] [o],
     the middle stretch one graph. Two runs, the second with new x."""
-    for st in serve(npu=npu, group_matmuls=group):
+    with serve(npu=npu, group_matmuls=group) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)

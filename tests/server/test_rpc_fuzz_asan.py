@@ -129,7 +129,10 @@ class AsanServer:
     def check(self, what: str) -> None:
         """The server is alive and ASan has said nothing (else: fail naming the graph)."""
         if self.proc.poll() is not None or any(self.log_dir.iterdir()):
-            time.sleep(0.5)
+            try:
+                self.proc.wait(timeout=10)     # abort_on_error: ASan's report is whole once the server is gone
+            except subprocess.TimeoutExpired:
+                pass
             pytest.fail(f"after {what}: server exit {self.proc.poll()}, sanitizer reports:\n"
                         f"{_reports(self.log_dir)[:6000]}\nserver log tail:\n{''.join(self.lines[-20:])}")
 

@@ -22,7 +22,7 @@ MUL_MAT, ADD, VIEW = int(GgmlOp.MUL_MAT), int(GgmlOp.ADD), int(GgmlOp.VIEW)
 @pytest.fixture
 def env():
     npu = FakeNpu()
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         yield st, npu
 
 
@@ -161,7 +161,7 @@ def test_quantized_weights_are_dequantized_once(qtype):
     else:
         wq = quantize(rng.standard_normal((N, k)).astype(np.float32), gq)
     w_deq = dequantize(wq, gq).astype(np.float32)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)
@@ -268,7 +268,7 @@ def test_int8_format_is_passed_to_the_engine():
             seen.append(dtype)
             return super().upload_weight(b, dtype)
 
-    for st in serve(npu=Int8Npu(), weight_format="int8"):
+    with serve(npu=Int8Npu(), weight_format="int8") as st:
         with st.client() as c:
             g = MatmulGraph(c, w_bytes=rng_w().tobytes())
             c.set_array(g.x, np.ones((M, K), np.float32))
@@ -294,7 +294,7 @@ def test_stats_render_reports_engines_and_weights(env):
 
 
 def test_host_only_server_runs_weight_matmuls_on_host():
-    for st in serve(npu=None):
+    with serve(npu=None) as st:
         with st.client() as c:
             g = MatmulGraph(c)
             w = rng_w()

@@ -82,7 +82,7 @@ def _embedding() -> np.ndarray:
 def test_unselected_branch_with_stale_indices_is_not_run() -> None:
     tokens = np.array([2, 9, 4, 4, 15, 0], dtype=np.int32)
     emb = _embedding()
-    for st in serve():
+    with serve() as st:
         with st.client() as c:
             g = EmbeddingSelect(c, selected=0)
             c.set_array(g.tok_embd, emb)
@@ -104,7 +104,7 @@ def test_selected_mixed_branch_runs_its_set_rows() -> None:
     vectors = np.random.default_rng(17).standard_normal((N_TOK, N_EMBD)).astype(np.float32)
     tok_ids = np.array([3, 11, 5], dtype=np.int32)
     slots = np.array([0, 2, 5], dtype=np.int64)
-    for st in serve():
+    with serve() as st:
         with st.client() as c:
             g = EmbeddingSelect(c, selected=2, n_mixed=len(slots))
             c.set_array(g.tok_embd, emb)

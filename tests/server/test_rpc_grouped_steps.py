@@ -74,7 +74,7 @@ class AttentionGraph:
 
 def run_graph(npu, group: bool, writes=(), llama_order: bool = False) -> tuple[list[dict[str, np.ndarray]], dict]:
     """Two graph runs (the second after ``writes``: (member, new weight)), results and stats."""
-    for st in serve(npu=npu, group_matmuls=group):
+    with serve(npu=npu, group_matmuls=group) as st:
         with st.client() as c:
             g = AttentionGraph(c, llama_order=llama_order)
             first = g.compute()

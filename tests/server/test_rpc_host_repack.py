@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from ggml_rknpu.libggml import lib, repack
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.rpc import report
 from support.host_matmul import ggml_cpu_matmul
 from support.rpc_testkit import FakeNpu, T, serve
 
@@ -54,7 +55,7 @@ def test_host_matmul_runs_the_repacked_kernel(M, caplog):
     a = rng.standard_normal((M, K)).astype(np.float32)
     outs = {}
     for repacked in (True, False):
-        for st in serve(npu=FakeNpu(), placement="host", host_repack=repacked):
+        with serve(npu=FakeNpu(), placement="host", host_repack=repacked) as st:
             with st.client() as c:
                 wh, wb = c.alloc_base(2 * N * Q4_ROW)
                 ch, cb = c.alloc_base(1 << 20)
@@ -68,7 +69,7 @@ def test_host_matmul_runs_the_repacked_kernel(M, caplog):
                 c.set_array(x, a)
                 c.graph_compute(dst, [*wt, x, *dst])
                 outs[repacked] = [c.get_array(d).reshape(M, N) for d in dst]
-                stats = st.state.stats_dict()
+                stats = report.stats_dict(st.state)
             assert stats["host_repacked"] == (2 if repacked else 0)
             said = [r.getMessage() for r in caplog.records if r.name == "ggml_rknpu.server.host_copies"]
             assert said == ([f"repacked host copies: 2 weights, {2 * N * Q4_ROW / 2**20:.1f} MiB in ggml-cpu's "
@@ -85,7 +86,7 @@ def test_rewritten_weight_is_repacked_before_its_next_use():
     rng = np.random.default_rng(7)
     old, new, fill = q4_0(rng), q4_0(rng), rng.standard_normal((N, K)).astype(np.float32)
     a = rng.standard_normal((4, K)).astype(np.float32)
-    for st in serve(npu=FakeNpu(), placement="host", host_repack=True):
+    with serve(npu=FakeNpu(), placement="host", host_repack=True) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(N * Q4_ROW)
             ch, cb = c.alloc_base(1 << 20)
@@ -108,7 +109,7 @@ def test_rewritten_weight_is_repacked_before_its_next_use():
             c.graph_compute([d], [w, x, d])                     # replayed again: reads the graph's bytes
             third = c.get_array(d).reshape(4, N)
             written = c.get_tensor(w)
-            stats = st.state.stats_dict()
+            stats = report.stats_dict(st.state)
     np.testing.assert_array_equal(first, ggml_cpu(old, a, repacked=True))
     np.testing.assert_array_equal(second, ggml_cpu(new, a, repacked=True))
     np.testing.assert_array_equal(third, ggml_cpu(written, a, repacked=True))

@@ -46,7 +46,7 @@ def test_input_indices_are_checked_once_per_replay_before_any_step(checks_run):
     segments read one uploaded index tensor, one check per replay, and an index out of range
     stops the replay before anything ran (the NPU matmul included)."""
     npu = FakeNpu()
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             h, base = c.alloc_base(1 << 12)
@@ -77,7 +77,7 @@ def test_input_indices_are_checked_once_per_replay_before_any_step(checks_run):
 def test_indices_overwritten_by_an_earlier_node_are_checked_after_it():
     """over = x + x written over idx's bytes, then GET_ROWS(table, idx): the check before the
     segment would pass; the one after ``over`` sees the float bits and refuses."""
-    for st in serve(npu=FakeNpu()):
+    with serve(npu=FakeNpu()) as st:
         c = st.client()
         h, base = c.alloc_base(1 << 12)
         table = f32(h, base, 8, 4, name="table")

@@ -75,7 +75,7 @@ def test_quantized_matmul_plus_add_with_real_ops(engines, device):
         q8 = GGMLQuantizationType.Q8_0
         return dequantize(quantize(x, q8), q8).astype(np.float32)
 
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             x, bias, out, nodes, tensors = _graph(c, wq, int(GgmlType.Q8_0), k)
             c.set_array(x, xv)
@@ -102,7 +102,7 @@ def test_sim_engine_weight_invalidation(engines, device):
     rng = np.random.default_rng(1)
     w1, w2 = (rng.standard_normal((N, K)).astype(np.float32) for _ in range(2))
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=sim_npu):
+    with serve(npu=sim_npu) as st:
         with st.client() as c:
             x, bias, out, nodes, tensors = _graph(c, w1, int(GgmlType.F32), K)
             c.set_array(x, xv)

@@ -9,6 +9,7 @@ import pytest
 
 import ggml_rknpu
 from ggml_rknpu.libggml.enums import GgmlOp
+from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import GIB, T, serve
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,7 +26,7 @@ def _run(cap_bytes):
     ws = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(N_WEIGHTS)]
     outs = []
     try:
-        for st in serve(npu=npu):
+        with serve(npu=npu) as st:
             with st.client() as c:
                 wh, wb = c.alloc_base(N_WEIGHTS * W_BYTES)
                 ch, cb = c.alloc_base(1 << 20)
@@ -47,7 +48,7 @@ def _run(cap_bytes):
                         np.testing.assert_allclose(got, a @ w.T, rtol=2e-2, atol=5e-2)
                         outs.append(got)
                 free, total = c.device_memory()
-                stats = st.state.stats_dict()
+                stats = report.stats_dict(st.state)
                 used = npu.memory_used()
         return outs, st.state, used, stats, (free, total)
     finally:

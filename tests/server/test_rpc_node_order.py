@@ -20,7 +20,8 @@ F16 = int(GgmlType.F16)
 
 @pytest.fixture
 def srv():
-    yield from serve(npu=FakeNpu())
+    with serve(npu=FakeNpu()) as st:
+        yield st
 
 
 def _refused(srv, c, caplog, reason: str) -> None:

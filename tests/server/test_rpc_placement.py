@@ -12,6 +12,7 @@ from ggml_rknpu.cost import placement as pl
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.placement import HOST, NPU
 from ggml_rknpu.server.placement_policy import HOST_REASON, Placer, matmul_kind
+from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import FakeNpu, T, serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +34,7 @@ def _run(placement: str, M: int):
     rng = np.random.default_rng(M)
     ws = [halves(rng, N, K) for _ in range(N_WEIGHTS)]      # fp16-exact: the NPU side rounds nothing
     a = halves(rng, M, K)
-    for st in serve(npu=npu, placement=placement):
+    with serve(npu=npu, placement=placement) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(N_WEIGHTS * W_BYTES)
             ch, cb = c.alloc_base(1 << 20)
@@ -47,8 +48,8 @@ def _run(placement: str, M: int):
             c.set_array(x, a)
             c.graph_compute(dst, [*wt, x, *dst])
             outs = [c.get_array(d).reshape(M, N) for d in dst]
-            stats = st.state.stats_dict()
-            stats["rendered"] = st.state.render_stats()
+            stats = report.stats_dict(st.state)
+            stats["rendered"] = report.render_stats(st.state)
     return outs, [a @ w.T for w in ws], npu, stats
 
 
@@ -97,7 +98,7 @@ def _experts(npu, placement: str):
     """One MUL_MAT_ID: as [64, 32, 4 experts] f16, 3 tokens x 2 used experts; (dst, server state)."""
     Ke, Ne, E, USED, TOK = 64, 32, 4, 2, 3
     rng = np.random.default_rng(0)
-    for st in serve(npu=npu, placement=placement):
+    with serve(npu=npu, placement=placement) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)
@@ -145,7 +146,7 @@ def test_host_weights_take_no_npu_memory():
             before = npu.memory_used()
             rng = np.random.default_rng(0)
             w, a = halves(rng, 256, 512), halves(rng, 1, 512)
-            for st in serve(npu=npu, placement=placement):
+            with serve(npu=npu, placement=placement) as st:
                 with st.client() as c:
                     wh, wb = c.alloc_base(w.nbytes)
                     ch, cb = c.alloc_base(1 << 16)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.rpc import proto8
 from ggml_rknpu.server.rpc.wire import Cmd
 from support.matmul_graph import f32
-from support.rpc_testkit import FakeNpu, RpcClient, serve
+from support.rpc_testkit import FakeNpu, RpcClient, serve, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 ADD = int(GgmlOp.ADD)
@@ -24,7 +23,8 @@ ADD = int(GgmlOp.ADD)
 
 @pytest.fixture
 def srv():
-    yield from serve(npu=FakeNpu(), protocol=8)
+    with serve(npu=FakeNpu(), protocol=8) as st:
+        yield st
 
 
 def expect_closed(srv, c: RpcClient) -> None:
@@ -191,7 +191,8 @@ def test_bad_comm_requests_close_the_connection(srv, request_):
 
 @pytest.fixture
 def auto_srv():
-    yield from serve(protocol=None)
+    with serve(protocol=None) as st:
+        yield st
 
 
 def test_auto_protocol_answers_each_major_on_its_own_port(auto_srv, caplog):
@@ -207,16 +208,8 @@ def test_auto_protocol_answers_each_major_on_its_own_port(auto_srv, caplog):
         assert np.array_equal(c.get_array(out).ravel(), 1 + np.arange(16))
     with RpcClient(p7, hello=False) as c:               # an 8.x client on the 7.0.0 port: HELLO, abort
         assert c.hello() == (7, 0, 0)
-    assert _wait(lambda: any("right after HELLO" in r.getMessage() for r in caplog.records))
+    assert wait_until(lambda: any("right after HELLO" in r.getMessage() for r in caplog.records))
     line = next(r.getMessage() for r in caplog.records if "right after HELLO" in r.getMessage())
     assert f"connect it to port {p8}" in line and "8.0.0" in line
     assert auto_srv.state.stats.rejected == 0
 
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False

@@ -24,7 +24,8 @@ CLIENT_PROTO = (8, 0, 0)   # llama.cpp master from b11458 [anchors.md: llama.cpp
 
 @pytest.fixture
 def srv():
-    yield from serve()
+    with serve() as st:
+        yield st
 
 
 def _server_warnings(caplog, timeout: float = 5.0) -> list[str]:
@@ -61,7 +62,7 @@ def test_a_served_client_is_not_mistaken_for_a_mismatch(srv, caplog):
     caplog.set_level(logging.WARNING, logger="ggml_rknpu.rpc")
     with srv.client() as c:
         assert c.device_count() == 1
-    time.sleep(0.2)
+    assert srv.server.wait_idle(timeout=5)          # the session has ended: it logged all it will
     assert [r for r in caplog.records if r.name == "ggml_rknpu.rpc" and r.levelno >= logging.WARNING] == []
 
 

@@ -29,7 +29,7 @@ def _ops(state, engine: str) -> int:
 
 def _run(npu, passes=1):
     """Compute the graph ``passes`` times with fresh activations; every result checked."""
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             g = MatmulGraph(c)
             w = rng_w()
@@ -83,7 +83,7 @@ def test_repeated_faults_demote_the_weight_for_good(caplog):
 
 def test_a_success_between_faults_resets_the_streak():
     npu = FaultyNpu()
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             g = MatmulGraph(c)
             w = rng_w()

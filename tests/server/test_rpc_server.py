@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def srv():
-    yield from serve(npu=FakeNpu())
+    with serve(npu=FakeNpu()) as st:
+        yield st
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_buffers_set_get_memset_clear_copy_roundtrip(srv):
 
 def test_device_memory_reflects_allocations():
     npu = FakeNpu(budget=(3 * GIB, 4 * GIB))
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             h, size = c.alloc(3 * GIB // 2)                 # lazily committed host memory
             assert h and size == 3 * GIB // 2
@@ -165,7 +166,7 @@ def test_truncated_payload(srv):
 
 
 def test_client_stalling_mid_message_is_dropped():
-    for st in serve(npu=FakeNpu(), stall_timeout_s=0.5):
+    with serve(npu=FakeNpu(), stall_timeout_s=0.5) as st:
         c = st.client()
         c.sock.sendall(struct.pack("<BQ", Cmd.ALLOC_BUFFER, 12) + bytes(5))   # ...and never the rest
         assert c.is_closed_by_server(timeout=10)
@@ -174,7 +175,7 @@ def test_client_stalling_mid_message_is_dropped():
 
 
 def test_idle_client_between_messages_is_kept():
-    for st in serve(npu=FakeNpu(), stall_timeout_s=0.3):
+    with serve(npu=FakeNpu(), stall_timeout_s=0.3) as st:
         with st.client() as c:
             assert not c.is_closed_by_server(timeout=1.0)   # silent for > stall timeout at a boundary
             assert c.device_count() == 1
@@ -360,7 +361,7 @@ def test_huge_graph_payload_refused_before_reading(srv):
 
 
 def test_set_tensor_hash_cache(tmp_path):
-    for st in serve(npu=FakeNpu(), cache_dir=tmp_path):
+    with serve(npu=FakeNpu(), cache_dir=tmp_path) as st:
         data = np.arange(256, dtype=np.float32).tobytes()
         with st.client() as c:
             h, base = c.alloc_base(4096)

@@ -18,7 +18,7 @@ K, N = 64, 32
 
 def test_alternating_batch_sizes_are_planned_once_and_counted_by_m():
     npu = FakeNpu()
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)
@@ -55,7 +55,7 @@ def test_partial_offload_splits_times_batch_sizes_fit_the_plan_cache():
     session sends each split at every batch size it alternates between (here 1..4 rows). The
     second round must replay every plan: no split may be re-planned."""
     splits, sizes = 90, (1, 2, 3, 4)
-    for st in serve(npu=FakeNpu()):
+    with serve(npu=FakeNpu()) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 20)

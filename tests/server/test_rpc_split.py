@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlOp, GgmlType
 from ggml_rknpu.server.placement_policy import Placer
+from ggml_rknpu.server.rpc import report
 from support.host_matmul import ggml_cpu_matmul
 from support.rpc_testkit import FakeNpu, T, serve
 
@@ -39,7 +40,7 @@ def _serve(quant: str, fail: bool = False):
     a = rng.standard_normal((M, K)).astype(np.float32)
     npu = FakeNpu()
     npu.fail_matmul = fail
-    for st in serve(npu=npu, placement="auto", placement_split=True, host_repack=True):
+    with serve(npu=npu, placement="auto", placement_split=True, host_repack=True) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(len(wq))
             ch, cb = c.alloc_base(1 << 20)
@@ -50,7 +51,7 @@ def _serve(quant: str, fail: bool = False):
             c.set_array(x, a)
             c.graph_compute([d], [wt, x, d])
             out = c.get_array(d).reshape(M, N)
-            stats = st.state.stats_dict()
+            stats = report.stats_dict(st.state)
     return type_, wq, a, out, npu, stats
 
 
@@ -94,7 +95,7 @@ def test_split_siblings_are_never_grouped():
     wq = [quants.quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q8_0).tobytes()
           for _ in range(2)]
     a = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=FusingFakeNpu(), placement="auto", placement_split=True, host_repack=True):
+    with serve(npu=FusingFakeNpu(), placement="auto", placement_split=True, host_repack=True) as st:
         with st.client() as c:
             wh, wb = c.alloc_base(2 * len(wq[0]))
             ch, cb = c.alloc_base(1 << 20)
@@ -108,7 +109,7 @@ def test_split_siblings_are_never_grouped():
             c.set_array(x, a)
             c.graph_compute(dst, [*wt, x, *dst])
             outs = [c.get_array(d).reshape(M, N) for d in dst]
-            stats = st.state.stats_dict()
+            stats = report.stats_dict(st.state)
     assert stats["split_matmuls"] == 2 and stats["npu_groups_planned"] == 0
     n_npu = N - Placer("auto", "fp16", 1, 4, host_repack=True, split=True).choice("Q8_0", M, K, N)[0].host_rows
     for out, w in zip(outs, wq):

@@ -51,7 +51,7 @@ def test_second_connection_reuses_the_staged_weight(sim_npu):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((N, K)).astype(np.float32)
     x1, x2 = (rng.standard_normal((M, K)).astype(np.float32) for _ in range(2))
-    for st in serve(npu=sim_npu):
+    with serve(npu=sim_npu) as st:
         uploaded = sim_npu.counters["weights_uploaded"]
         np.testing.assert_allclose(run_client(st, w, x1), x1 @ fp16(w).T, rtol=2e-3, atol=2e-2)
         ws = st.state.weight_stats
@@ -71,7 +71,7 @@ def test_one_different_byte_is_converted_again(sim_npu):
     w2.reshape(-1).view(np.uint8)[1234] ^= 0x40        # one byte (a high mantissa bit) differs
     assert not np.array_equal(fp16(w), fp16(w2))
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=sim_npu):
+    with serve(npu=sim_npu) as st:
         run_client(st, w, xv)
         got = run_client(st, w2, xv)
         np.testing.assert_allclose(got, xv @ fp16(w2).T, rtol=2e-3, atol=2e-2)
@@ -109,7 +109,7 @@ def test_retired_weights_are_evicted_lru_when_the_npu_is_full():
     rng = np.random.default_rng(2)
     ws_ = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(3)]
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         run_client(st, ws_[0], xv)
         run_client(st, ws_[1], xv)                     # two retired: the NPU is full
         ws = st.state.weight_stats
@@ -141,7 +141,7 @@ def test_matmul_out_of_memory_evicts_a_retired_weight_first():
     rng = np.random.default_rng(6)
     w0, w1 = (rng.standard_normal((N, K)).astype(np.float32) for _ in range(2))
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         run_client(st, w0, xv)
         npu.oom_matmuls = 1
         np.testing.assert_allclose(run_client(st, w1, xv), xv @ w1.T, rtol=1e-5, atol=1e-4)   # host fallback
@@ -154,7 +154,7 @@ def test_matmul_out_of_memory_evicts_a_retired_weight_first():
 def test_device_memory_counts_retired_weights_as_free():
     npu = BoundedNpu(capacity=4)
     w = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         run_client(st, w, np.ones((M, K), np.float32))
         assert st.state.weight_stats.retired_now == 1
         npu_free, total = npu.memory_budget()
@@ -167,7 +167,7 @@ def test_no_weight_reuse_frees_with_the_connection():
     npu = BoundedNpu(capacity=4)
     w = np.random.default_rng(4).standard_normal((N, K)).astype(np.float32)
     xv = np.ones((M, K), np.float32)
-    for st in serve(npu=npu, weight_reuse=False):
+    with serve(npu=npu, weight_reuse=False) as st:
         run_client(st, w, xv)
         assert npu.frees == 1
         np.testing.assert_allclose(run_client(st, w, xv), xv @ fp16(w).T, rtol=2e-3, atol=2e-2)
@@ -179,7 +179,7 @@ def test_no_weight_reuse_frees_with_the_connection():
 def test_server_close_frees_retired_weights():
     npu = BoundedNpu(capacity=4)
     w = np.random.default_rng(5).standard_normal((N, K)).astype(np.float32)
-    for st in serve(npu=npu):
+    with serve(npu=npu) as st:
         run_client(st, w, np.ones((M, K), np.float32))
         assert npu.frees == 0
     assert npu.frees == 1 and st.state.weight_stats.retired_now == 0
@@ -194,7 +194,7 @@ def test_retired_weights_keep_only_the_room_live_weights_leave():
     rng = np.random.default_rng(7)
     w = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(4)]
     xv = rng.standard_normal((M, K)).astype(np.float32)
-    for st in serve(npu=npu, retired_budget=2 * one):
+    with serve(npu=npu, retired_budget=2 * one) as st:
         ws = st.state.weight_stats
         run_client(st, w[0], xv)
         run_client(st, w[1], xv)                     # fresh, but both fit in the budget

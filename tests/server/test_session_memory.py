@@ -45,7 +45,8 @@ def sim_server():
     logger.setLevel(logging.CRITICAL)
     npu = ggml_rknpu.open(device="sim-rknpu")
     try:
-        yield from serve(npu=npu, retired_budget=BUDGET)
+        with serve(npu=npu, retired_budget=BUDGET) as st:
+            yield st
     finally:
         npu.close()
         logger.setLevel(level)

@@ -1,5 +1,5 @@
 """The simulator is an independent witness: it must never import ggml_rknpu.compiler
-(ARCHITECTURE.md rule 4). Checked statically (every import in sim/*.py) and at runtime
+(docs/architecture.md rule 4). Checked statically (every import in sim/*.py) and at runtime
 (importing the NPU model leaves the compiler unloaded)."""
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -25,7 +26,9 @@ from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.server.buffers import DeviceMemory
 from ggml_rknpu.server.rpc import wire
-from ggml_rknpu.server.rpc.server import RpcServer, ServerConfig, ServerState
+from ggml_rknpu.server.rpc.config import ServerConfig
+from ggml_rknpu.server.rpc.listener import RpcServer
+from ggml_rknpu.server.rpc.state import ServerState
 from ggml_rknpu.server.rpc.wire import Cmd
 
 F32 = int(GgmlType.F32)
@@ -419,12 +422,26 @@ class ServerThread:
         self.state.close()
 
 
+@contextmanager
 def serve(**kwargs) -> Iterator[ServerThread]:
+    """A server on a free loopback port for the ``with`` block; stopped when the block ends,
+    however it ends (a ``return`` inside it included)."""
     st = ServerThread(**kwargs)
     try:
         yield st
     finally:
         st.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout``, checked as often as it is cheap to: for
+    what another thread or process reports without an event to wait on (a counter, a log record)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def wait_for_line(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float = 60.0) -> re.Match:

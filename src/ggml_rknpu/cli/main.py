@@ -43,17 +43,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=module.__doc__)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(subcommand_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
+    if args.command is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    return int(args.subcommand_run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -231,7 +231,10 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ggml_rknpu.rpc")
 
     from ggml_rknpu.server.buffers import DeviceMemory
-    from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, MAX_CLIENTS, RpcServer, ServerConfig, ServerState
+    from ggml_rknpu.server.rpc import report
+    from ggml_rknpu.server.rpc.config import HOST_ONLY_BUDGET, MAX_CLIENTS, ServerConfig
+    from ggml_rknpu.server.rpc.listener import RpcServer
+    from ggml_rknpu.server.rpc.state import ServerState
 
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
@@ -316,9 +319,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     def print_stats(*_: object) -> None:
-        sys.stderr.write(state.render_stats())
+        sys.stderr.write(report.render_stats(state))
         sys.stderr.flush()
-        state.write_stats_json()
+        report.write_stats_json(state)
 
     signals: list[int] = []
 

@@ -9,7 +9,7 @@ buffer allocated once), so a replay is one ``ggml_graph_compute`` call. Closing 
 frees every tensor and graph of the plan; the context also holds a reference to every numpy
 buffer its pointers point into, so no pointer can outlive the memory it names.
 
-Only validated graphs may come here (``ggml.ops.rules``): ggml-cpu trusts its input.
+Only validated graphs may come here (``server.ops.rules``): ggml-cpu trusts its input.
 """
 
 from __future__ import annotations

@@ -171,12 +171,12 @@ class Ggml:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.base = ctypes.CDLL(str(base.resolve()), mode=ctypes.RTLD_GLOBAL)
         self.cpu = ctypes.CDLL(str(cpu.resolve()), mode=ctypes.RTLD_GLOBAL)
-        for lib, table in ((self.base, _BASE_FUNCS), (self.cpu, _CPU_FUNCS)):
+        for lib, path, table in ((self.base, base, _BASE_FUNCS), (self.cpu, cpu, _CPU_FUNCS)):
             for name, (restype, argtypes) in table.items():
                 try:
                     fn = getattr(lib, name)
                 except AttributeError as exc:
-                    raise GgmlAbiError(f"{lib._name} has no {name}: {_FIX}") from exc
+                    raise GgmlAbiError(f"{path.resolve()} has no {name}: {_FIX}") from exc
                 fn.restype, fn.argtypes = restype, argtypes
                 setattr(self, name, fn)
         # the replay's hot call (hundreds of segments per token): a prototype of plain pointers, called

@@ -80,7 +80,7 @@ class RknnWeight(ResidentWeight):
 
     def __init__(self, npu: RknnNpu, staged: StagedWeight, native_chunks: list[np.ndarray],
                  k_chunks: list[tuple[int, int]], n_padded: int) -> None:
-        self._npu = npu
+        self.engine = npu             # the engine it was uploaded to
         self.staged = staged
         self.native_chunks = native_chunks
         self.k_chunks = k_chunks
@@ -94,7 +94,7 @@ class RknnWeight(ResidentWeight):
 
     def free(self) -> None:
         if not self.freed:
-            self._npu._drop_weight(self)
+            self.engine.drop_weight(self)
             self.freed = True
 
 
@@ -163,7 +163,7 @@ class RknnNpu:
     # -- matmul ----------------------------------------------------------------------
     def matmul(self, a: np.ndarray, w: EngineWeight, *, out: str | None = None) -> np.ndarray:
         self._check_open()
-        if not isinstance(w, RknnWeight) or w._npu is not self:
+        if not isinstance(w, RknnWeight) or w.engine is not self:
             raise TypeError("w must be a weight returned by this engine's upload_weight")
         if w.freed:
             raise ValueError("this weight was freed; upload it again")
@@ -284,7 +284,8 @@ class RknnNpu:
     def _live_contexts(self) -> int:
         return sum(len(cs) for _w, cs in self._entries.values())
 
-    def _drop_weight(self, w: RknnWeight) -> None:
+    def drop_weight(self, w: RknnWeight) -> None:
+        """Destroy every context that uses ``w`` (its ``free``)."""
         for key in [k for k, (weight, _cs) in self._entries.items() if weight is w]:
             for c in self._entries.pop(key)[1]:
                 self._destroy_context(c)

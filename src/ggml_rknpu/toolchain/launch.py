@@ -89,15 +89,17 @@ def wait_for_port(proc: subprocess.Popen, port: int, timeout: float, what: str) 
 
 
 def start_rknpu_serve(port: int, *, device: str | None = None, weights: str | None = None,
-                      extra: tuple[str, ...] = (), log: IO | None = None,
-                      timeout: float = 120.0) -> subprocess.Popen:
-    """``rknpu serve`` of this installation on 127.0.0.1:port, ready for connections."""
+                      extra: tuple[str, ...] = (), log: IO | int | None = None,
+                      timeout: float = 120.0, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``rknpu serve`` of this installation on 127.0.0.1:port, ready for connections. ``log``: where
+    its output goes (a file, ``subprocess.PIPE``; None: this process's stderr); ``env``: added to
+    the environment."""
     argv = [sys.executable, "-m", "ggml_rknpu.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if device:
         argv += ["--device", device]
     if weights:
         argv += ["--weights", weights]
-    proc = subprocess.Popen([*argv, *extra], env=one_thread_env(), stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([*argv, *extra], env=one_thread_env(**(env or {})), stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT if log else None)
     try:
         wait_for_port(proc, port, timeout, "rknpu serve")

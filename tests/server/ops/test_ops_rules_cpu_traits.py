@@ -5,7 +5,9 @@ calls a NULL function pointer; the ASan fuzz found both with Q8_1)."""
 from __future__ import annotations
 
 from ggml_rknpu.libggml.enums import TYPE_TRAITS, GgmlType
-from ggml_rknpu.server.ops.rules import FLOAT, GET_ROWS_TYPES, MATMUL_WEIGHT_TYPES, OPERAND_ONLY
+from ggml_rknpu.server.ops.rulekit import FLOAT, OPERAND_ONLY
+from ggml_rknpu.server.ops.rules_matmul import MATMUL_WEIGHT_TYPES
+from ggml_rknpu.server.ops.rules_shapes import GET_ROWS_TYPES
 
 
 def test_matmul_weight_types_have_a_vec_dot(host_ggml):

@@ -105,6 +105,12 @@ def unit_stride(t: RpcTensor, what: str) -> None:
     need(t.nb[0] == geo.type_size(t), f"{what} nb0={t.nb[0]} must be the element size")
 
 
+def unit_strides(n: Node, what: str, *tensors: int) -> None:
+    """Sources (by index) or the dst (DST) whose nb0 the kernel GGML_ASSERTs to be the element size."""
+    for i in tensors:
+        unit_stride(n.dst if i == DST else n.s(i), f"{what} {'dst' if i == DST else f'src{i}'}")
+
+
 def finite(x: float, what: str) -> None:
     """For float op_params that size something (ARANGE); the others only change values."""
     need(x == x and abs(x) != float("inf"), f"{what} is not finite")

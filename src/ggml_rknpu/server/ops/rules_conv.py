@@ -14,7 +14,20 @@ import numpy as np
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.ops import geometry as geo
-from ggml_rknpu.server.ops.rulekit import ANY, BF16, F16, F32, Node, Rule, conv_out, dst_is, is_type, need, unit_stride
+from ggml_rknpu.server.ops.rulekit import (
+    ANY,
+    BF16,
+    F16,
+    F32,
+    Node,
+    Rule,
+    conv_out,
+    dst_is,
+    is_type,
+    need,
+    unit_stride,
+    unit_strides,
+)
 
 GGML_IM2COL_WORK_SIZE = 16 * 1024 * 1024      # ggml-cpu/ops.h: the cplan's work size for CONV_2D / CONV_3D
 PARAM_LIMIT = 1 << 20                          # |padding|, dilation, stride: far beyond any model, far from overflow
@@ -238,12 +251,33 @@ def pad_reflect_1d(n: Node) -> None:
     dst_is(n, F32, (a.ne[0] + p0 + p1, *a.ne[1:]))
 
 
+def im2col(n: Node) -> None:
+    a, b = n.s(0), n.s(1)                       # a: the kernel (shape only), b: the input
+    s0, s1, p0, p1, d0, d1, is_2d = (n.i32(k) for k in range(7))
+    need(is_2d in (0, 1), "im2col is_2D must be 0 or 1")
+    # strides divide (0 would be SIGFPE); padding and dilation only move reads the kernel bounds-checks
+    need(s0 >= 1 and (s1 >= 1 or not is_2d), "im2col strides must be >= 1")
+    need((n.dst.type, b.type) in {(F32, F32), (F16, F16), (F16, F32)}, "im2col types have no kernel")
+    unit_strides(n, "im2col", 1)                # ggml_compute_forward_im2col_f32/_f16 assert nb10
+    if is_2d:
+        need(a.ne[2] == b.ne[2], "im2col channels differ")
+        need(b.nb[1] == b.ne[0] * geo.type_size(b), "im2col reads each channel as one contiguous image")
+    else:
+        need(b.ne[1] == a.ne[1] and b.ne[3] == 1, "im2col 1-D shapes")
+    oh = conv_out(b.ne[1], a.ne[1], s1, p1, d1) if is_2d else 0
+    ow = conv_out(b.ne[0], a.ne[0], s0, p0, d0)
+    need(ow > 0 and (not is_2d or oh > 0), "im2col input too small for the kernel")
+    ne = (a.ne[2] * a.ne[1] * a.ne[0] if is_2d else a.ne[1] * a.ne[0], ow, oh if is_2d else b.ne[2],
+          b.ne[3] if is_2d else 1)
+    dst_is(n, n.dst.type, ne)
+
+
 _SRC0, _SRC1 = frozenset({0}), frozenset({1})
 RULES: dict[int, Rule] = {
     GgmlOp.CONV_2D: Rule(2, conv_2d, strided=_SRC1), GgmlOp.CONV_3D: Rule(2, conv_3d, strided=_SRC1),
     GgmlOp.CONV_2D_DW: Rule(2, conv_2d_dw, strided=ANY),
     GgmlOp.CONV_TRANSPOSE_1D: Rule(2, conv_transpose_1d), GgmlOp.CONV_TRANSPOSE_2D: Rule(2, conv_transpose_2d),
-    GgmlOp.IM2COL_3D: Rule(2, im2col_3d, strided=_SRC0), GgmlOp.COL2IM_1D: Rule(1, col2im_1d),
+    GgmlOp.IM2COL: Rule(2, im2col, strided=_SRC0), GgmlOp.IM2COL_3D: Rule(2, im2col_3d, strided=_SRC0), GgmlOp.COL2IM_1D: Rule(1, col2im_1d),
     GgmlOp.POOL_1D: Rule(1, pool_1d), GgmlOp.POOL_2D: Rule(1, pool_2d),
     GgmlOp.UPSCALE: Rule(1, upscale, strided=_SRC0), GgmlOp.PAD_REFLECT_1D: Rule(1, pad_reflect_1d),
 }

@@ -12,11 +12,9 @@ the payload if needed. COMM_* is ``comm.py``'s pairwise communicator (docs/serve
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,25 +24,11 @@ from ggml_rknpu.server.ops.geometry import contiguous_nb
 from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.comm import CommError, PeerLink
+from ggml_rknpu.server.rpc.connection import Connection
 from ggml_rknpu.server.rpc.wire import Cmd, ProtocolError
 from ggml_rknpu.server.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
-
-
-class Session(Protocol):
-    """What the 8.0.0 handlers use of their connection (``server.Session``)."""
-
-    reader: Any
-    sock: socket.socket
-    state: Any
-    peer: str
-
-    def _dev(self, dev: int, what: str) -> int: ...
-    def _target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]: ...
-    def _written(self, buf: DeviceBuffer, start: int, end: int) -> None: ...
-    def _send(self, payload: bytes) -> None: ...
-    def compute_graph(self, dev: int, payload: bytes, digest: bytes, replay: bool = False) -> None: ...
 
 
 GRAPH_HEAD = struct.Struct("<IQI")          # dev, uid, n_nodes; then as in 7.0.0
@@ -154,7 +138,7 @@ class Rows:
 class Proto8:
     """The 8.0.0 command handlers of one session (which keeps everything 7.0.0 has)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Connection) -> None:
         self.s = session
         self.uids = [UidGraphs() for _ in range(session.state.config.n_devices)]
         self.links: dict[int, PeerLink] = {}                # device -> its pairwise communicator
@@ -179,21 +163,21 @@ class Proto8:
     # --- graphs ---------------------------------------------------------------------------
     def graph_compute(self, size: int) -> None:
         dev, uid, payload = split_uid(self.s.reader.read(size))
-        self.s._dev(dev, "GRAPH_COMPUTE")
+        self.s.device(dev, "GRAPH_COMPUTE")
         digest = graph_digest(payload)
         self.s.compute_graph(dev, payload, digest)    # validated and run before it is stored
         self.uids[dev].store(uid, digest, payload)
 
     def graph_recompute(self, size: int) -> None:
         dev, uid = RECOMPUTE_REQ.unpack(self.s.reader.read(size))
-        stored = self.uids[self.s._dev(dev, "GRAPH_RECOMPUTE")].find(dev, uid)
+        stored = self.uids[self.s.device(dev, "GRAPH_RECOMPUTE")].find(dev, uid)
         assert stored.payload is not None
         self.s.state.stats.recomputes += 1
         self.s.compute_graph(dev, stored.payload, stored.digest, replay=True)
 
     # --- strided tensor I/O ---------------------------------------------------------------
     def _rows(self, payload: bytes, what: str) -> Rows:
-        t, buf = self.s._target(payload, 0, what)
+        t, buf = self.s.target(payload, 0, what)
         offset, row, n_copies, stride = TENSOR_2D_TAIL.unpack_from(payload, wire.RPC_TENSOR_SIZE)
         name = f"{what} '{t.rpc.name}'"
         if row == 0 or n_copies == 0:
@@ -220,22 +204,22 @@ class Proto8:
         else:
             for start in rows.starts():
                 self.s.reader.read_into(target[start:start + rows.size])
-        self.s._written(rows.buffer, rows.first, rows.end)
+        self.s.written(rows.buffer, rows.first, rows.end)
 
     def get_tensor_2d(self, size: int) -> None:
         rows = self._rows(self.s.reader.read(size), "GET_TENSOR_2D")
         data = rows.buffer.array
         if rows.stride == rows.size:
-            self.s._send(data[rows.first:rows.end].tobytes())
+            self.s.send(data[rows.first:rows.end].tobytes())
         else:
-            self.s._send(b"".join(data[start:start + rows.size].tobytes() for start in rows.starts()))
+            self.s.send(b"".join(data[start:start + rows.size].tobytes() for start in rows.starts()))
 
     # --- server-to-server all-reduce --------------------------------------------------------
     def comm_init(self, size: int) -> None:
         dev, rank, world, port, raw_host = COMM_INIT_REQ.unpack(self.s.reader.read(size))
-        self.s._dev(dev, "COMM_INIT")
+        self.s.device(dev, "COMM_INIT")
         if dev in self.links:                              # upstream: a device with a peer answers 1 at once
-            self.s._send(wire.U8.pack(1))
+            self.s.send(wire.U8.pack(1))
             return
         host = wire.tensor_name(raw_host)
         try:
@@ -243,17 +227,17 @@ class Proto8:
                                  self.s.state.config.stall_timeout_s)
         except CommError as exc:
             log.warning("%s: COMM_INIT refused (the client falls back to tensor copies): %s", self.s.peer, exc)
-            self.s._send(wire.U8.pack(0))
+            self.s.send(wire.U8.pack(0))
             return
         self.links[dev] = link
         log.info("%s: device %d joined a pairwise communicator as rank %d with %s", self.s.peer, dev, rank, link.peer)
-        self.s._send(wire.U8.pack(1))
+        self.s.send(wire.U8.pack(1))
 
     def comm_allreduce(self, size: int) -> None:
         payload = self.s.reader.read(size)
         (dev,) = wire.DEV_REQ.unpack_from(payload, 0)
-        self.s._dev(dev, "COMM_ALLREDUCE")
-        t, buf = self.s._target(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
+        self.s.device(dev, "COMM_ALLREDUCE")
+        t, buf = self.s.target(payload, wire.DEV_REQ.size, "COMM_ALLREDUCE")
         link = self.links.get(dev)
         if link is None:
             raise ProtocolError(f"COMM_ALLREDUCE on device {dev} without a communicator (no COMM_INIT answered 1)")
@@ -270,11 +254,11 @@ class Proto8:
             del self.links[dev]
             link.close()
             raise ProtocolError(f"COMM_ALLREDUCE '{r.name}': {exc}; the peer link is dropped") from exc
-        self.s._written(buf, t.start, t.end)
+        self.s.written(buf, t.start, t.end)
 
     def comm_free(self, size: int) -> None:
         (dev,) = wire.DEV_REQ.unpack(self.s.reader.read(size))
-        self.s._dev(dev, "COMM_FREE")
+        self.s.device(dev, "COMM_FREE")
         link = self.links.pop(dev, None)
         if link is not None:
             link.close()
