@@ -85,18 +85,19 @@ class Canaries:
         """These canaries bound to the bytes of one C buffer (views made once)."""
         return CanaryCells(self, c_bytes)
 
-    def _view(self, c_bytes: np.ndarray) -> np.ndarray:
+    def cells(self, c_bytes: np.ndarray) -> np.ndarray:
+        """The C buffer's bytes as atoms of the canary's precision, the canaries' index space."""
         flat = c_bytes.reshape(-1)
         width = self.pattern.itemsize
         return flat[: flat.size // width * width].view(self.pattern.dtype)
 
     def arm(self, c_bytes: np.ndarray) -> None:
         """Write the canaries into the (CPU view of the) C buffer before a submit."""
-        self._view(c_bytes)[self.elements] = self.pattern
+        self.cells(c_bytes)[self.elements] = self.pattern
 
     def unwritten(self, c_bytes: np.ndarray) -> int:
         """How many canary atoms the NPU left untouched (0: every task finished)."""
-        return int(np.count_nonzero(self._view(c_bytes)[self.elements] == self.pattern))
+        return int(np.count_nonzero(self.cells(c_bytes)[self.elements] == self.pattern))
 
 
 class CanaryCells:
@@ -107,7 +108,7 @@ class CanaryCells:
 
     def __init__(self, canaries: Canaries, c_bytes: np.ndarray) -> None:
         self.canaries = canaries
-        self._cells = canaries._view(c_bytes)
+        self._cells = canaries.cells(c_bytes)
         if canaries.elements.size and int(canaries.elements.max()) >= self._cells.size:
             raise ValueError("the canaries lie beyond the buffer they are bound to")
         self._elements, self._pattern = canaries.elements, canaries.pattern
