@@ -3,9 +3,9 @@ pass runs, the host time per NPU submit measured here, and the published figures
 
 Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
 bucket, per decode pass (fused by default: 4 submits per layer plus the head; unfused: one
-per matmul), each a submit (``OWN_DRIVER``); host ops are not priced; the host time is
-*measured* on this host, on the lean path (``engine.fusion.Fusion``), the submit itself
-excluded. Shapes come from a GGUF or the presets (each model's published config.json).
+per matmul), each a submit (``OWN_DRIVER``), host ops not in it (the plan rows price them,
+``bench.plans``); the host time is *measured* on this host, on the lean path
+(``engine.fusion.Fusion``), the submit itself excluded. Shapes: ``bench.shapes``.
 Why: docs/decisions.md "bench/decode.py";
 figures: docs/decode.md."""
 
@@ -297,7 +297,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
             "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host_meta}
     notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
              "the output head; unfused = one submit per matmul",
-             "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
+             "the forecast table prices the weight matmuls only; the plan rows price every host op too (cost.host_ops)",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
                      tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_submits": host_rows, "plans": plan_rows},
@@ -330,8 +330,9 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
                      note=f"cpu = every matmul in ggml-cpu on 4 A76 (cost.cpu, repacked where llama.cpp repacks); npu "
                           f"= every weight matmul on the NPU ({args.plan_weights}); auto = each weight where "
                           "cost.placement puts it, no split (rknpu serve --placement auto); auto-split = splits "
-                          "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops priced alike in every plan; "
-                          f"a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
+                          "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops (cost.host_ops, by rows "
+                          f"and the cache's fill: decode at {plans.DECODE_PAST} cached positions) priced alike in every "
+                          f"plan; a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
                           f"{plans.JOB_ANSWER} decode passes. docs/placement.md")
     plot = rp.Plot("plans_job_s.png", f"Whole job ({plans.JOB_PROMPT}+{plans.JOB_ANSWER} tokens) by plan",
                    "model, envelope", "seconds",
