@@ -45,7 +45,7 @@ def test_experts_and_short_conv_layers(tmp_path):
     assert (shape.experts, shape.experts_used, shape.expert_ff, shape.dense_layers) == (32, 4, 1792, 2)
     assert shape.conv_layers == (0, 1, 3, 4) and shape.head_dim == 64
     assert set(shape.matmuls_at(0)) == {"in_proj", "out_proj", "gate", "up", "down"}
-    assert shape.matmuls_at(5)["gate_exps"] == (2048, 1792, 32) and "q" in shape.matmuls_at(5)
+    assert shape.matmuls_at(5)["gate_exps"] == (2048, 1792, 32, 4) and "q" in shape.matmuls_at(5)
     weights = {w.name: w for w in plans.preset_weights(shape, "Q4_0")}
     assert weights["router"].type == "F32" and weights["up_exps"].count == 4
     rows, experts = weights["up_exps"].rows_and_experts(512)

@@ -35,7 +35,7 @@ class ModelShape(Protocol):
     @property
     def vocab(self) -> int: ...
 
-    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int]]: ...
+    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int, int]]: ...
 
     def host_layers(self) -> tuple[ho.LayerOps, ...]: ...
 
@@ -108,9 +108,8 @@ def preset_weights(model: ModelShape, ftype: str) -> list[Weight]:
     attention = [i for i, mm in enumerate(per_layer) if "v" in mm]
     counts: dict[tuple[str, int, int, str, int, int], int] = {}
     for i, matmuls in enumerate(per_layer):
-        for name, (K, N, experts) in matmuls.items():
+        for name, (K, N, experts, used) in matmuls.items():
             at, of = (attention.index(i), len(attention)) if name == "v" else (i, model.layers)
-            used = getattr(model, "experts_used", 1) if experts > 1 else 1
             key = (name, K, N, _quant_type(ftype, name, K, at, of), experts, used)
             counts[key] = counts.get(key, 0) + 1
     counts[("output", model.hidden, model.vocab, _quant_type(ftype, "output", model.hidden, 0, 1), 1, 1)] = 1

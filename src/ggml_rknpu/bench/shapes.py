@@ -2,7 +2,8 @@
 a GGUF file's tensors, or a Hugging Face ``config.json`` (hidden size, FFN size, layers,
 heads, KV heads, head dim, vocabulary, experts, short-conv and sliding-window layers).
 
-Invariants: the weight matmuls of layer i are ``matmuls_at(i)`` (name -> (K, N, experts));
+Invariants: the weight matmuls of layer i are ``matmuls_at(i)`` (name -> (K, N, experts,
+experts per token));
 its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``); ``layer_matmuls()`` is
 a plain attention + FFN layer's, what the NPU decode forecast fuses. Figures: docs/decode.md."""
 
@@ -45,18 +46,20 @@ class ModelShape:
         return {"q": (h, self.q_dim), "k": (h, self.kv_dim), "v": (h, self.kv_dim),
                 "o": (self.q_dim, h), "gate": (h, self.ff), "up": (h, self.ff), "down": (self.ff, h)}
 
-    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int]]:
-        """name -> (K, N, experts) of layer ``i``'s weight matmuls (experts 1: a MUL_MAT)."""
+    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int, int]]:
+        """name -> (K, N, experts, experts per token) of layer ``i``'s weight matmuls
+        (1, 1: a MUL_MAT)."""
         h = self.hidden
         if i in self.conv_layers:
-            out = {"in_proj": (h, 3 * h, 1), "out_proj": (h, h, 1)}
+            out = {"in_proj": (h, 3 * h, 1, 1), "out_proj": (h, h, 1, 1)}
         else:
-            out = {n: (*self.layer_matmuls()[n], 1) for n in ("q", "k", "v", "o")}
+            out = {n: (*self.layer_matmuls()[n], 1, 1) for n in ("q", "k", "v", "o")}
         if self.experts and i >= self.dense_layers:
-            e, f = self.experts, self.expert_ff
-            out.update({"router": (h, e, 1), "gate_exps": (h, f, e), "up_exps": (h, f, e), "down_exps": (f, h, e)})
+            e, f, k = self.experts, self.expert_ff, self.experts_used
+            out.update({"router": (h, e, 1, 1), "gate_exps": (h, f, e, k), "up_exps": (h, f, e, k),
+                        "down_exps": (f, h, e, k)})
         else:
-            out.update({n: (*self.layer_matmuls()[n], 1) for n in ("gate", "up", "down")})
+            out.update({n: (*self.layer_matmuls()[n], 1, 1) for n in ("gate", "up", "down")})
         return out
 
     def host_layers(self) -> tuple[LayerOps, ...]:
@@ -173,7 +176,8 @@ def load_config_shape(path: Path) -> ModelShape:
 
 def load_gguf_shape(path: Path) -> ModelShape:
     """The shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N]) and, for
-    the head dim, its metadata (``*.attention.key_length``, else ``*.rope.dimension_count``)."""
+    the head dim, its metadata (``*.attention.key_length``, else ``*.rope.dimension_count``,
+    else the q width over ``*.attention.head_count``)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -187,12 +191,12 @@ def load_gguf_shape(path: Path) -> ModelShape:
     if head is None:
         raise ValueError(f"{path}: no output.weight or token_embd.weight")
     hidden, q_dim = ne["blk.0.attn_q.weight"]
-    head_dim = 0
-    for key in ("attention.key_length", "rope.dimension_count"):
+    def meta(key: str) -> int:
         field = next((f for name, f in reader.fields.items() if name.endswith("." + key)), None)
-        if field is not None and field.data:
-            head_dim = int(field.parts[field.data[0]][0])
-            break
+        return int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+
+    heads = meta("attention.head_count")
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_dim // heads if heads else 0)
     return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
                       ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim)
 

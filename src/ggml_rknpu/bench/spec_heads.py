@@ -68,8 +68,8 @@ class HeadShape:
     host: tuple[LayerOps, ...]          # its one layer's host ops (``cost.host_ops``)
     layers: int = 1
 
-    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int]]:
-        return {name: (K, N, 1) for name, (K, N) in self.matmuls}
+    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int, int]]:
+        return {name: (K, N, 1, 1) for name, (K, N) in self.matmuls}
 
     def host_layers(self) -> tuple[LayerOps, ...]:
         return self.host
