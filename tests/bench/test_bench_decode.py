@@ -82,11 +82,12 @@ def test_goal_bounds_are_the_weights_at_the_ceiling_plus_the_submits(name, dtype
 
 
 def test_gguf_shape_and_cli_report(tmp_path):
+    from ggml_rknpu.bench.shapes import load_gguf_shape
     from ggml_rknpu.cli.main import main
     from support.gguf_models import TinyConfig, write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
-    shape = dec.load_gguf_shape(path)
+    shape = load_gguf_shape(path)
     c = TinyConfig()
     assert (shape.hidden, shape.ff, shape.layers) == (c.n_embd, c.n_ff, c.n_layer)
     assert (shape.q_dim, shape.kv_dim) == (c.n_head * c.head_dim, c.n_head_kv * c.head_dim)

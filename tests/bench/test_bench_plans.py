@@ -10,9 +10,11 @@ import json
 import pytest
 
 from ggml_rknpu.bench import plans
-from ggml_rknpu.bench.decode import PRESETS
+from ggml_rknpu.bench.shapes import PRESETS
 from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.cost.cpu_anchors import CPU_ANCHOR_TOLERANCE
 
 
 def test_quantizer_mix_follows_llama_cpp():
@@ -34,14 +36,15 @@ def test_auto_is_the_per_weight_minimum(name):
     weights = plans.preset_weights(model, plans.DEFAULT_QUANT[name])
     for m in (1, 16, 512):
         for cores in (1, 3):
-            t = {p: plans.pass_seconds(weights, model.layers, p, m, npu_dtype="int8", cores=cores) for p in plans.PLANS}
+            t = {p: plans.pass_seconds(weights, model.host_layers(), p, m, npu_dtype="int8", cores=cores)
+                 for p in plans.PLANS}
             assert t["auto"] <= t["npu"] and t["auto-split"] <= t["auto"] * (1 + 1e-12)
             placed = plans.place(weights, "auto", m, npu_dtype="int8", cores=cores)
             for p in placed:
                 c = pl.place_matmul(p.weight.type, m, p.weight.K, p.weight.N, threads=4, allow_split=False,
                                     repacked=True, npu_dtype="int8", cores=cores)   # the server's repacked host copies
                 assert p.seconds == min(c.npu_s, c.host_s) and p.where == c.where
-            host_ops = cpu.host_ops_seconds(model.layers)
+            host_ops = ho.host_ops_seconds(model.host_layers(), m, 0)
             assert t["cpu"] == pytest.approx(host_ops + sum(
                 cpu.cpu_matmul_seconds(w.type, m, w.K, w.N) * w.count for w in weights))
 
@@ -50,9 +53,11 @@ def test_job_is_a_prompt_then_the_answer():
     model = PRESETS["Llama-3.2-1B"]
     w = plans.preset_weights(model, "Q4_K_M")
     kw = dict(npu_dtype="int8", cores=3)
-    job = plans.job_seconds(w, model.layers, "auto", **kw)
-    assert job == pytest.approx(plans.JOB_PROMPT / plans.prefill_tok_s(w, model.layers, "auto", plans.JOB_PROMPT, **kw)
-                                + plans.JOB_ANSWER / plans.decode_tok_s(w, model.layers, "auto", 1, **kw))
+    host = model.host_layers()
+    job = plans.job_seconds(w, host, "auto", **kw)
+    assert job == pytest.approx(plans.JOB_PROMPT / plans.prefill_tok_s(w, host, "auto", plans.JOB_PROMPT, **kw)
+                                + plans.JOB_ANSWER / plans.decode_tok_s(w, host, "auto", 1, past=plans.DECODE_PAST,
+                                                                        **kw))
 
 
 def test_gguf_types_are_read_from_the_file(tmp_path):
@@ -79,7 +84,7 @@ def test_bench_decode_reports_the_plans(tmp_path):
                                                           for e in ("laddered, 3 core(s)", "proven, 1 core(s)")}
     cpu_row = next(r for r in rows if r["plan"] == "cpu")
     assert cpu_row["published"] == "pp512 164.7 / tg128 28.3" and cpu_row["quant"] == "Q4_0"
-    assert abs(cpu_row["decode_m1_tok_s_modeled"] / 28.3 - 1) <= cpu.CPU_ANCHOR_TOLERANCE
+    assert abs(cpu_row["decode_m1_tok_s_modeled"] / 28.3 - 1) <= CPU_ANCHOR_TOLERANCE
     assert all(r["decode_m1_vs_cpu_modeled"] > 0 for r in rows)
     md = (out / "decode.md").read_text()
     assert "Plans: llama.cpp's CPU alone" in md and "auto-split" in md

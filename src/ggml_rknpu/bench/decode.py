@@ -3,9 +3,9 @@ pass runs, the host time per NPU submit measured here, and the published figures
 
 Invariants: NPU time is *modeled* (``cost.model``) from the engine's own programs at its M
 bucket, per decode pass (fused by default: 4 submits per layer plus the head; unfused: one
-per matmul), each a submit (``OWN_DRIVER``); host ops are not priced; the host time is
-*measured* on this host, on the lean path (``engine.fusion.Fusion``), the submit itself
-excluded. Shapes come from a GGUF or the presets (each model's published config.json).
+per matmul), each a submit (``OWN_DRIVER``), host ops not in it (the plan rows price them,
+``bench.plans``); the host time is *measured* on this host, on the lean path
+(``engine.fusion.Fusion``), the submit itself excluded. Shapes: ``bench.shapes``.
 Why: docs/decisions.md "bench/decode.py";
 figures: docs/decode.md."""
 
@@ -21,46 +21,13 @@ from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.plans import QUANT_MIXES
+from ggml_rknpu.bench.shapes import BENCH_MODELS, PRESETS, ModelShape, is_config, resolve
 from ggml_rknpu.cost.model import OWN_DRIVER, dram_bandwidth, modeled_time
 
 MS = (1, 2, 4, 8, 16)
 HOST_ALONE_REPS = 100    # rehearsals are cheap (no submit): enough for a stable median
 NPU_MHZ, DRAM_MHZ = 1000, 2112      # vendor driver NPU clock, max DRAM clock [docs/engine.md, anchors]
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Decode-relevant shape of a llama/qwen-style model (one row per output, [N, K])."""
-
-    name: str
-    hidden: int
-    ff: int
-    layers: int
-    q_dim: int          # heads x head_dim
-    kv_dim: int         # kv heads x head_dim
-    vocab: int
-    source: str
-
-    def layer_matmuls(self) -> dict[str, tuple[int, int]]:
-        """name -> (K, N) of one layer's weight matmuls."""
-        h = self.hidden
-        return {"q": (h, self.q_dim), "k": (h, self.kv_dim), "v": (h, self.kv_dim),
-                "o": (self.q_dim, h), "gate": (h, self.ff), "up": (h, self.ff), "down": (self.ff, h)}
-
-
-def _hf(repo: str) -> str:
-    return f"huggingface.co/{repo} (its config)"
-
-
-# hidden_size, intermediate_size, num_hidden_layers, num_attention_heads x head_dim,
-# num_key_value_heads x head_dim, vocab_size, from each model's config.json.
-PRESETS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12 * 128, 2 * 128, 151936, _hf("Qwen/Qwen2.5-1.5B-Instruct")),
-    ModelShape("Qwen3-0.6B", 1024, 3072, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-0.6B")),
-    ModelShape("Qwen3-1.7B", 2048, 6144, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-1.7B")),
-    ModelShape("Llama-3.2-1B", 2048, 8192, 16, 32 * 64, 8 * 64, 128256, _hf("meta-llama/Llama-3.2-1B")),
-    ModelShape("Gemma3-1B", 1152, 6912, 26, 4 * 256, 1 * 256, 262144, _hf("google/gemma-3-1b-it")),
-)}
 
 # Published board figures, decode tokens/s on RK3588 (docs/decode.md cites them).
 SOURCES = {   # the public sources are listed in docs/anchors.md and docs/decode.md
@@ -197,29 +164,11 @@ def measure_host_submit(npu, sub: DecodeSubmit, m: int, dtype: str, reps: int,
             w.free()
 
 
-def load_gguf_shape(path: Path) -> ModelShape:
-    """The decode shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N])."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
-    layers = 1 + max((int(n.split(".")[1]) for n in ne if n.startswith("blk.")), default=-1)
-    need = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-    missing = [n for n in need if n not in ne]
-    if layers < 1 or missing:
-        raise ValueError(f"{path}: not a llama/qwen-style GGUF (missing {missing or 'blk.* tensors'})")
-    head = ne.get("output.weight", ne.get("token_embd.weight"))
-    if head is None:
-        raise ValueError(f"{path}: no output.weight or token_embd.weight")
-    hidden, q_dim = ne["blk.0.attn_q.weight"]
-    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
-                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}")
-
-
 def add_arguments(p: argparse.ArgumentParser, common) -> None:
     common(p, "bench-out/decode")
     p.add_argument("model", nargs="*", default=[],
-                   help=f"GGUF files and/or presets ({', '.join(PRESETS)}); default: every preset")
+                   help=f"presets ({', '.join(PRESETS)}), Hugging Face config.json files (or directories holding one) "
+                        f"and/or GGUF files; default: {', '.join(BENCH_MODELS)}")
     p.add_argument("--weights", default="int8,fp16", help="comma list of weight formats (default int8,fp16)")
     p.add_argument("--ms", default=",".join(map(str, MS)), help="rows per pass (default 1,2,4,8,16)")
     p.add_argument("--cores", type=int, default=3, choices=(1, 2, 3), help="NPU cores the programs use (default 3)")
@@ -235,16 +184,21 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
 
 
 def _models(names: list[str]) -> list[ModelShape]:
-    out = []
-    for name in names or list(PRESETS):
-        preset = {k.lower(): v for k, v in PRESETS.items()}.get(name.lower())
-        if preset is not None:
-            out.append(preset)
-        elif Path(name).is_file():
-            out.append(load_gguf_shape(Path(name)))
-        else:
-            raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a GGUF file")
-    return out
+    """The shapes the model arguments name: presets, Hugging Face configs, GGUF files (every
+    preset when none is named)."""
+    return [resolve(name) for name in names or BENCH_MODELS]
+
+
+def model_weights(arg: str, model: ModelShape, quant: str | None) -> tuple[str, list]:
+    """(quantization mix, weight matmuls) a plan prices ``model`` (named ``arg``) in: a GGUF's
+    types as stored, a preset's or a config's in ``quant`` (default: the goals' mix,
+    ``plans.DEFAULT_QUANT``, else Q4_K_M)."""
+    from ggml_rknpu.bench import plans
+
+    if Path(arg).is_file() and not is_config(arg):
+        return "as stored", plans.gguf_weights(Path(arg))
+    mix = quant or plans.DEFAULT_QUANT.get(model.name, "Q4_K_M")
+    return mix, plans.preset_weights(model, mix)
 
 
 def run(args, rig, console: Console) -> rp.Report | None:
@@ -343,7 +297,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
             "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host_meta}
     notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
              "the output head; unfused = one submit per matmul",
-             "attention, norms, RoPE and other host ops are not priced; the NPU figure is the weight matmuls",
+             "the forecast table prices the weight matmuls only; the plan rows price every host op too (cost.host_ops)",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
                      tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_submits": host_rows, "plans": plan_rows},
@@ -354,18 +308,14 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
     """The cpu / npu / auto / auto-split plan rows (bench.plans) of every model, in the
     laddered (3 cores) and proven (1 core) envelopes, all modeled on the board."""
     from ggml_rknpu.bench import plans
-    from ggml_rknpu.cost.cpu import CPU_ANCHORS
+    from ggml_rknpu.cost.cpu_anchors import CPU_ANCHORS
 
     rows: list[dict] = []
-    for arg, model in zip(args.model or list(PRESETS), models):
-        if Path(arg).is_file():
-            quant, weights = "as stored", plans.gguf_weights(Path(arg))
-        else:
-            quant = args.quant or plans.DEFAULT_QUANT.get(model.name, "Q4_K_M")
-            weights = plans.preset_weights(model, quant)
+    for arg, model in zip(args.model or BENCH_MODELS, models):
+        quant, weights = model_weights(arg, model, args.quant)
         published = {a.test: a.tok_s for a in CPU_ANCHORS if (a.model, a.quant) == (model.name, quant)}
         for envelope in ("laddered", "proven"):
-            rows += plans.plan_rows(model.name, quant, weights, model.layers, envelope,
+            rows += plans.plan_rows(model.name, quant, weights, model.host_layers(), envelope,
                                     _envelope(envelope).max_cores, args.plan_weights, published)
     columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan")] + [
         *(rp.Column(f"decode_m{m}_tok_s_modeled", f"decode M={m} tok/s", "{:.1f}", figure=True) for m in plans.PLAN_MS),
@@ -380,8 +330,9 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
                      note=f"cpu = every matmul in ggml-cpu on 4 A76 (cost.cpu, repacked where llama.cpp repacks); npu "
                           f"= every weight matmul on the NPU ({args.plan_weights}); auto = each weight where "
                           "cost.placement puts it, no split (rknpu serve --placement auto); auto-split = splits "
-                          "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops priced alike in every plan; "
-                          f"a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
+                          "allowed (rknpu serve --placement-split, opt-in; its gain modeled only). Host ops (cost.host_ops, by rows "
+                          f"and the cache's fill: decode at {plans.DECODE_PAST} cached positions) priced alike in every "
+                          f"plan; a prompt computes the head for its last row; job = {plans.JOB_PROMPT}-token prompt + "
                           f"{plans.JOB_ANSWER} decode passes. docs/placement.md")
     plot = rp.Plot("plans_job_s.png", f"Whole job ({plans.JOB_PROMPT}+{plans.JOB_ANSWER} tokens) by plan",
                    "model, envelope", "seconds",

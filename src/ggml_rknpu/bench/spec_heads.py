@@ -18,6 +18,7 @@ from ggml_rknpu.bench import plans
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.decode import ModelShape
 from ggml_rknpu.cost import cpu
+from ggml_rknpu.cost.host_ops import LayerOps
 
 EAGLE3_DRAFT_VOCAB = 32000    # SpecForge's EAGLE-3 configs for Qwen targets [docs/speculative.md]
 CPU_Q4_TOK_S = 28.3           # llama.cpp CPU-only, Gemma3-1B Q4_0, RK3588 4xA76 [docs/anchors.md A9]
@@ -64,10 +65,14 @@ class HeadShape:
     vocab: int
     matmuls: tuple[tuple[str, tuple[int, int]], ...]
     source: str
+    host: tuple[LayerOps, ...]          # its one layer's host ops (``cost.host_ops``)
     layers: int = 1
 
-    def layer_matmuls(self) -> dict[str, tuple[int, int]]:
-        return dict(self.matmuls)
+    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int, int]]:
+        return {name: (K, N, 1, 1) for name, (K, N) in self.matmuls}
+
+    def host_layers(self) -> tuple[LayerOps, ...]:
+        return self.host
 
 
 def eagle3_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int, *, draft_vocab: int,
@@ -80,7 +85,7 @@ def eagle3_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: i
         ("fc", (3 * n_embd, n_embd)), ("q", (2 * n_embd, q)), ("k", (2 * n_embd, kv)), ("v", (2 * n_embd, kv)),
         ("o", (q, n_embd)), ("gate", (n_embd, n_ff)), ("up", (n_embd, n_ff)), ("down", (n_ff, n_embd))),
         f"llama.cpp's eagle3 tensor shapes; n_ff as the target's and draft vocab {draft_vocab} as in "
-        "SpecForge's Qwen3 EAGLE-3 configs")
+        "SpecForge's Qwen3 EAGLE-3 configs", (LayerOps(n_embd, n_ff, q, kv, n_head, n_head_kv, head_dim),))
 
 
 def mtp_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int, *, vocab: int,
@@ -92,7 +97,8 @@ def mtp_head(n_embd: int, n_ff: int, n_head: int, n_head_kv: int, head_dim: int,
     return HeadShape(name, n_embd, vocab, (
         ("eh_proj", (2 * n_embd, n_embd)), ("q", (n_embd, q)), ("k", (n_embd, kv)), ("v", (n_embd, kv)),
         ("o", (q, n_embd)), ("gate", (n_embd, n_ff)), ("up", (n_embd, n_ff)), ("down", (n_ff, n_embd))),
-        "llama.cpp graph_mtp (eh_proj, one target-shaped layer, the shared output head)")
+        "llama.cpp graph_mtp (eh_proj, one target-shaped layer, the shared output head)",
+        (LayerOps(n_embd, n_ff, q, kv, n_head, n_head_kv, head_dim),))
 
 
 def heads_for(preset: dict, target: str) -> dict[str, HeadShape]:
@@ -103,20 +109,20 @@ def heads_for(preset: dict, target: str) -> dict[str, HeadShape]:
 
 def target_for(preset: dict, name: str, source: str) -> ModelShape:
     return ModelShape(name, preset["n_embd"], preset["n_ff"], preset["n_layer"], preset["n_head"] * preset["head_dim"],
-                      preset["n_head_kv"] * preset["head_dim"], preset["vocab"], source)
+                      preset["n_head_kv"] * preset["head_dim"], preset["vocab"], source, preset["head_dim"])
 
 
 @dataclass(frozen=True)
 class Priced:
-    """A model's weights in one quantization mix and its layer count (host ops are per layer)."""
+    """A model's weights in one quantization mix and its layers' host-op shapes."""
 
     name: str
     weights: tuple[plans.Weight, ...]
-    layers: int
+    host: tuple[LayerOps, ...]
 
 
 def priced(shape: ModelShape | HeadShape, quant: str) -> Priced:
-    return Priced(shape.name, tuple(plans.preset_weights(shape, quant)), shape.layers)
+    return Priced(shape.name, tuple(plans.preset_weights(shape, quant)), shape.host_layers())
 
 
 @dataclass(frozen=True)
@@ -129,9 +135,10 @@ class Board:
 
 
 def pass_s(model: Priced, plan: str, M: int, board: Board) -> float:
-    """Modeled seconds of one pass of ``M`` rows under ``plan`` (matmuls and host ops)."""
-    return plans.pass_seconds(list(model.weights), model.layers, plan, M, npu_dtype=board.npu_dtype,
-                              cores=board.cores, threads=board.threads)
+    """Modeled seconds of one pass of ``M`` rows under ``plan`` (matmuls and host ops), the
+    cache at the job's mean fill (``plans.DECODE_PAST``)."""
+    return plans.pass_seconds(list(model.weights), model.host, plan, M, npu_dtype=board.npu_dtype,
+                              cores=board.cores, threads=board.threads, past=plans.DECODE_PAST)
 
 
 def round_s(target: Priced, head: Priced, n: int, plan: str, board: Board) -> float:
@@ -284,12 +291,12 @@ def report_parts(dims: dict, name: str, source: str, *, quant: str, dtype: str, 
     tables = [
         _round_table(f"{where}: one round with a head drafting n tokens, by plan", rounds,
                     "round = verify at M = n + 1 + n head passes at M = 1 + one head pass over the verified rows; "
-                    "each pass = its weight matmuls under the plan + its host ops (cost.cpu.host_ops_seconds per "
-                    "layer, every plan); npu: every matmul on the NPU; cpu: llama.cpp alone (ggml-cpu, repacked); "
+                    "each pass = its weight matmuls under the plan + its host ops (cost.host_ops by rows, the cache at "
+                    f"{plans.DECODE_PAST} positions, every plan); npu: every matmul on the NPU; cpu: llama.cpp alone (ggml-cpu, repacked); "
                     "auto: each matmul at the argmin of cost.placement (rknpu serve --placement auto; its host "
                     "path runs repacked host copies); auto-split: splits allowed (--placement-split, opt-in, "
                     "its gain modeled only); RPC, "
-                    "pack/unpack, the KV cache's growth and the sampler not priced; "
+                    "pack/unpack and the sampler not priced; "
                     + "; ".join(f"{s.name}: {s.source}" for s in shapes.values())),
         rp.Table(f"{where}: decode at published acceptance lengths (chain model, best n)", [
             rp.Column("head", "head"), rp.Column("model", "published for"),

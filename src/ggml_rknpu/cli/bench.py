@@ -1,6 +1,6 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
-CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
+CPU-only vs through ``rknpu serve``), ``decode``, ``prefill``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
 ``npu-submit`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ggml_rknpu.bench import decode as decode_bench
     decode_bench.add_arguments(sub.add_parser(
         "decode", help="decode forecast per model: modeled NPU time per token, measured host time per NPU submit"),
+        _common)
+    from ggml_rknpu.bench import prefill as prefill_bench
+    prefill_bench.add_arguments(sub.add_parser(
+        "prefill", help="time to first token by prompt length (128-8192) per plan, every host op priced (modeled)"),
         _common)
     from ggml_rknpu.bench import rpc_overhead
     rpc_overhead.add_arguments(sub.add_parser(
@@ -398,8 +402,9 @@ def run(args: argparse.Namespace) -> int:
         )
         from ggml_rknpu.bench import decode as decode_bench
         from ggml_rknpu.bench import model as model_bench
+        from ggml_rknpu.bench import prefill as prefill_bench
 
-        bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
+        bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "prefill": prefill_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
                  "calibrate-placement": calibrate, "host-batches": host_batches,
                  "concurrent": concurrent}.get(args.bench, rpc_overhead)

@@ -1,0 +1,219 @@
+"""A model's shape as the benches price it: from a preset (each cites its published config),
+a GGUF file's tensors, or a Hugging Face ``config.json`` (hidden size, FFN size, layers,
+heads, KV heads, head dim, vocabulary, experts, short-conv and sliding-window layers).
+
+Invariants: the weight matmuls of layer i are ``matmuls_at(i)`` (name -> (K, N, experts,
+experts per token));
+its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``); ``layer_matmuls()`` is
+a plain attention + FFN layer's, what the NPU decode forecast fuses. Figures: docs/decode.md."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ggml_rknpu.cost.host_ops import LayerOps
+from ggml_rknpu.hw.alignment import align_up
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A llama/qwen-style model's shape (one row per output, [N, K]); the optional fields
+    describe experts (MUL_MAT_ID FFNs after ``dense_layers`` dense ones), short-conv layers
+    (LFM2: in_proj h -> 3h, out_proj h -> h instead of q/k/v/o) and sliding-window layers."""
+
+    name: str
+    hidden: int
+    ff: int
+    layers: int
+    q_dim: int          # heads x head_dim
+    kv_dim: int         # kv heads x head_dim
+    vocab: int
+    source: str
+    head_dim: int = 0   # 0: not known (a preset or config always gives it)
+    experts: int = 0
+    experts_used: int = 0
+    expert_ff: int = 0
+    dense_layers: int = 0
+    conv_layers: tuple[int, ...] = ()
+    window: int = 0                    # the sliding window of the layers in ``window_layers``
+    window_layers: tuple[int, ...] = ()
+
+    def layer_matmuls(self) -> dict[str, tuple[int, int]]:
+        """name -> (K, N) of a plain layer's weight matmuls."""
+        h = self.hidden
+        return {"q": (h, self.q_dim), "k": (h, self.kv_dim), "v": (h, self.kv_dim),
+                "o": (self.q_dim, h), "gate": (h, self.ff), "up": (h, self.ff), "down": (self.ff, h)}
+
+    def matmuls_at(self, i: int) -> dict[str, tuple[int, int, int, int]]:
+        """name -> (K, N, experts, experts per token) of layer ``i``'s weight matmuls
+        (1, 1: a MUL_MAT)."""
+        h = self.hidden
+        if i in self.conv_layers:
+            out = {"in_proj": (h, 3 * h, 1, 1), "out_proj": (h, h, 1, 1)}
+        else:
+            out = {n: (*self.layer_matmuls()[n], 1, 1) for n in ("q", "k", "v", "o")}
+        if self.experts and i >= self.dense_layers:
+            e, f, k = self.experts, self.expert_ff, self.experts_used
+            out.update({"router": (h, e, 1, 1), "gate_exps": (h, f, e, k), "up_exps": (h, f, e, k),
+                        "down_exps": (f, h, e, k)})
+        else:
+            out.update({n: (*self.layer_matmuls()[n], 1, 1) for n in ("gate", "up", "down")})
+        return out
+
+    def host_layers(self) -> tuple[LayerOps, ...]:
+        """Each layer's host-op shape (``cost.host_ops``)."""
+        if self.head_dim < 1:
+            raise ValueError(f"{self.name}: no head dim, so its attention cannot be priced")
+        heads, kv_heads = self.q_dim // self.head_dim, self.kv_dim // self.head_dim
+        out = []
+        for i in range(self.layers):
+            ff = self.experts_used * self.expert_ff if self.experts and i >= self.dense_layers else self.ff
+            if i in self.conv_layers:
+                out.append(LayerOps(self.hidden, ff, 3 * self.hidden, 0, 0, 0, self.head_dim, None))
+            else:
+                window = self.window if i in self.window_layers else 0
+                out.append(LayerOps(self.hidden, ff, self.q_dim, self.kv_dim, heads, kv_heads, self.head_dim, window))
+        return tuple(out)
+
+
+def _hf(repo: str) -> str:
+    return f"huggingface.co/{repo} (its config)"
+
+
+def _gemma3_windows(layers: int) -> tuple[int, ...]:
+    """Gemma 3: five sliding-window layers, then a global one (sliding_window_pattern 6)."""
+    return tuple(i for i in range(layers) if (i + 1) % 6)
+
+
+def _lfm2_convs(layers: int, attention: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(i for i in range(layers) if i not in attention)
+
+
+_LFM2_ATTN = (2, 5, 8, 10, 12, 14)     # full_attn_idxs of LFM2-350M/700M/1.2B
+# hidden_size, intermediate_size, num_hidden_layers, num_attention_heads x head_dim,
+# num_key_value_heads x head_dim, vocab_size, head_dim (and experts, conv and window
+# layers), from each model's config.json; docs/anchors.md §6 for the calibration models.
+PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("Qwen2.5-1.5B", 1536, 8960, 28, 12 * 128, 2 * 128, 151936, _hf("Qwen/Qwen2.5-1.5B-Instruct"), 128),
+    ModelShape("Qwen3-0.6B", 1024, 3072, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-0.6B"), 128),
+    ModelShape("Qwen3-1.7B", 2048, 6144, 28, 16 * 128, 8 * 128, 151936, _hf("Qwen/Qwen3-1.7B"), 128),
+    ModelShape("Llama-3.2-1B", 2048, 8192, 16, 32 * 64, 8 * 64, 128256, _hf("meta-llama/Llama-3.2-1B"), 64),
+    ModelShape("Gemma3-1B", 1152, 6912, 26, 4 * 256, 1 * 256, 262144, _hf("google/gemma-3-1b-it"), 256,
+               window=512, window_layers=_gemma3_windows(26)),
+    ModelShape("Granite-4.0-350M", 1024, 2048, 28, 16 * 64, 4 * 64, 100352,
+               "ibm-granite/granite-4.0-350m (its GGUF metadata, docs/anchors.md §6.1)", 64),
+    ModelShape("LFM2-350M", 1024, 4608, 16, 16 * 64, 8 * 64, 65536,
+               "LiquidAI/LFM2-350M (its config and GGUF metadata, docs/anchors.md §6.2)", 64,
+               conv_layers=_lfm2_convs(16, _LFM2_ATTN)),
+    ModelShape("LFM2-700M", 1536, 6912, 16, 24 * 64, 8 * 64, 65536,
+               "LiquidAI/LFM2-700M (its config and GGUF metadata, docs/anchors.md §6.2)", 64,
+               conv_layers=_lfm2_convs(16, _LFM2_ATTN)),
+    ModelShape("LFM2-8B-A1B", 2048, 7168, 24, 32 * 64, 8 * 64, 65536,
+               "LiquidAI/LFM2-8B-A1B (its config, docs/anchors.md §6.1)", 64, experts=32, experts_used=4,
+               expert_ff=1792, dense_layers=2, conv_layers=_lfm2_convs(24, (2, 6, 10, 14, 18, 21))),
+)}
+
+
+BENCH_MODELS = ("Qwen2.5-1.5B", "Qwen3-0.6B", "Qwen3-1.7B", "Llama-3.2-1B", "Gemma3-1B")
+# what the benches price when no model is named; the other presets are the CPU calibration's
+
+
+def _first(cfg: dict, *keys: str, default: int | None = None) -> int:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return int(cfg[k])
+    if default is None:
+        raise ValueError(f"config.json has none of {', '.join(keys)}")
+    return default
+
+
+def load_config_shape(path: Path) -> ModelShape:
+    """The shape in a Hugging Face ``config.json`` (a file or a directory holding one):
+    llama/qwen/gemma/granite-style decoders, their MoE forms and LFM2's short-conv layers
+    (a multimodal config's ``text_config`` is the language model)."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not a readable config.json ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: not a config.json object")
+    cfg = cfg.get("text_config") or cfg
+    hidden = _first(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head", "num_heads")
+    kv_heads = _first(cfg, "num_key_value_heads", "num_kv_heads", default=heads)
+    head_dim = _first(cfg, "head_dim", default=hidden // heads)
+    ff = _first(cfg, "intermediate_size", "block_ff_dim", "n_inner", "ffn_hidden_size")
+    if cfg.get("block_auto_adjust_ff_dim") and "block_ff_dim" in cfg and cfg.get("intermediate_size") is None:
+        multiple = int(cfg.get("block_multiple_of", 256))     # LFM2: 2/3 of block_ff_dim, rounded up
+        ff = align_up(int(2 * ff / 3 * float(cfg.get("block_ffn_dim_multiplier", 1.0))), multiple)
+    kinds = [str(t) for t in cfg.get("layer_types") or []]
+    if not kinds and cfg.get("full_attn_idxs") is not None:
+        kinds = ["full_attention" if i in cfg["full_attn_idxs"] else "conv" for i in range(layers)]
+    if not kinds and cfg.get("sliding_window_pattern"):
+        kinds = ["full_attention" if (i + 1) % int(cfg["sliding_window_pattern"]) == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if kinds and len(kinds) != layers:
+        raise ValueError(f"{file}: {len(kinds)} layer_types for {layers} layers")
+    known = {"conv", "full_attention", "sliding_attention", "attention"}
+    if set(kinds) - known:
+        raise ValueError(f"{file}: layer types {sorted(set(kinds) - known)} have no price (known: {sorted(known)})")
+    experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+    return ModelShape(
+        cfg.get("_name_or_path") or file.parent.name or file.stem, hidden, ff, layers, heads * head_dim,
+        kv_heads * head_dim, _first(cfg, "vocab_size"), f"config {file}", head_dim,
+        experts=experts, experts_used=_first(cfg, "num_experts_per_tok", "num_experts_per_token",
+                                             default=2 if experts else 0),
+        expert_ff=_first(cfg, "moe_intermediate_size", "expert_intermediate_size", default=ff) if experts else 0,
+        dense_layers=_first(cfg, "num_dense_layers", "first_k_dense_replace", default=0) if experts else 0,
+        conv_layers=tuple(i for i, k in enumerate(kinds) if k == "conv"),
+        window=_first(cfg, "sliding_window", default=0) if "sliding_attention" in kinds else 0,
+        window_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"))
+
+
+def load_gguf_shape(path: Path) -> ModelShape:
+    """The shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N]) and, for
+    the head dim, its metadata (``*.attention.key_length``, else ``*.rope.dimension_count``,
+    else the q width over ``*.attention.head_count``)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    layers = 1 + max((int(n.split(".")[1]) for n in ne if n.startswith("blk.")), default=-1)
+    need = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    missing = [n for n in need if n not in ne]
+    if layers < 1 or missing:
+        raise ValueError(f"{path}: not a llama/qwen-style GGUF (missing {missing or 'blk.* tensors'})")
+    head = ne.get("output.weight", ne.get("token_embd.weight"))
+    if head is None:
+        raise ValueError(f"{path}: no output.weight or token_embd.weight")
+    hidden, q_dim = ne["blk.0.attn_q.weight"]
+    def meta(key: str) -> int:
+        field = next((f for name, f in reader.fields.items() if name.endswith("." + key)), None)
+        return int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+
+    heads = meta("attention.head_count")
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_dim // heads if heads else 0)
+    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
+                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim)
+
+
+def is_config(arg: str) -> bool:
+    """Whether a model argument names a Hugging Face config (a .json file or a directory with one)."""
+    p = Path(arg)
+    return (p.is_file() and p.suffix == ".json") or (p.is_dir() and (p / "config.json").is_file())
+
+
+def resolve(name: str) -> ModelShape:
+    """A preset (case-insensitive), a Hugging Face config or a GGUF file."""
+    preset = {k.lower(): v for k, v in PRESETS.items()}.get(name.lower())
+    if preset is not None:
+        return preset
+    if is_config(name):
+        return load_config_shape(Path(name))
+    if Path(name).is_file():
+        return load_gguf_shape(Path(name))
+    raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a GGUF file")

@@ -1,0 +1,98 @@
+"""Model shapes from Hugging Face config.json files (written here, small): the same shape as
+the preset of the same model, experts, LFM2's short-conv layers and FFN rounding, Gemma 3's
+sliding-window layers inside a multimodal config, clear errors; and bench decode prices a
+config like a preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ggml_rknpu.bench import decode as dec
+from ggml_rknpu.bench import plans
+from ggml_rknpu.bench.shapes import PRESETS, load_config_shape, resolve
+
+
+def _write(tmp_path, name: str, cfg: dict):
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+QWEN3_17B = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "model_type": "qwen3"}
+
+
+def test_a_config_gives_the_presets_shape_and_its_price(tmp_path):
+    shape = resolve(str(_write(tmp_path, "Qwen3-1.7B", QWEN3_17B).parent))
+    preset = PRESETS["Qwen3-1.7B"]
+    assert dataclasses.replace(shape, source=preset.source) == preset
+    kw: dict = dict(npu_dtype="int8", cores=3)
+    priced = [plans.prefill_tok_s(plans.preset_weights(m, "Q4_K_M"), m.host_layers(), "auto", 512, **kw)
+              for m in (shape, preset)]
+    assert priced[0] == priced[1]
+
+
+def test_experts_and_short_conv_layers(tmp_path):
+    cfg = {"hidden_size": 2048, "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_hidden_layers": 6,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 65536, "num_experts": 32,
+           "num_experts_per_tok": 4, "num_dense_layers": 2,
+           "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]}
+    shape = load_config_shape(_write(tmp_path, "moe", cfg))
+    assert (shape.experts, shape.experts_used, shape.expert_ff, shape.dense_layers) == (32, 4, 1792, 2)
+    assert shape.conv_layers == (0, 1, 3, 4) and shape.head_dim == 64
+    assert set(shape.matmuls_at(0)) == {"in_proj", "out_proj", "gate", "up", "down"}
+    assert shape.matmuls_at(5)["gate_exps"] == (2048, 1792, 32, 4) and "q" in shape.matmuls_at(5)
+    weights = {w.name: w for w in plans.preset_weights(shape, "Q4_0")}
+    assert weights["router"].type == "F32" and weights["up_exps"].count == 4
+    rows, experts = weights["up_exps"].rows_and_experts(512)
+    assert rows == 512 * 4 and experts == 32                     # a prompt reads every expert
+    assert weights["up_exps"].rows_and_experts(1) == (4, 4)     # one token reads its four
+    host = shape.host_layers()
+    assert host[0].window is None and host[5].ff == 4 * 1792
+
+
+def test_lfm2_ffn_rounding_and_gemma3_windows_in_a_text_config(tmp_path):
+    lfm2 = {"hidden_size": 1536, "block_ff_dim": 10240, "block_auto_adjust_ff_dim": True, "block_multiple_of": 256,
+            "block_ffn_dim_multiplier": 1.0, "num_hidden_layers": 16, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "vocab_size": 65536, "full_attn_idxs": [2, 5, 8, 10, 12, 14]}
+    shape = load_config_shape(_write(tmp_path, "LFM2-700M", lfm2))
+    assert dataclasses.replace(shape, source="") == dataclasses.replace(PRESETS["LFM2-700M"], source="")
+    gemma = {"model_type": "gemma3", "text_config": {
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+        "sliding_window_pattern": 6}}
+    shape = load_config_shape(_write(tmp_path, "Gemma3-1B", gemma))
+    assert dataclasses.replace(shape, source="") == dataclasses.replace(PRESETS["Gemma3-1B"], source="")
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"hidden_size": 512}, "none of num_hidden_layers"),
+    ({**QWEN3_17B, "layer_types": ["mamba"] * 28}, "have no price"),
+    ({**QWEN3_17B, "layer_types": ["conv"]}, "1 layer_types for 28 layers"),
+    ([1, 2], "not a config.json object"),
+])
+def test_bad_configs_are_clear_errors(tmp_path, cfg, match):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        load_config_shape(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable config.json"):
+        load_config_shape(path)
+
+
+def test_bench_decode_prices_a_config_in_the_quant_mix(tmp_path):
+    from ggml_rknpu.cli.main import main
+
+    path = _write(tmp_path, "Qwen3-1.7B", QWEN3_17B)
+    assert [m.name for m in dec._models([str(path)])] == ["Qwen3-1.7B"]
+    out = tmp_path / "report"
+    rc = main(["bench", "decode", str(path), "--weights", "int8", "--ms", "1", "--host-reps", "0", "--quant",
+               "Q8_0", "--allow-throttled", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "decode.json").read_text())["raw"]["plans"]
+    assert {r["quant"] for r in rows} == {"Q8_0"} and {r["model"] for r in rows} == {"Qwen3-1.7B"}
