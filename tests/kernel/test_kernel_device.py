@@ -19,6 +19,7 @@ from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
 from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.driver import RknpuDriver, RknpuSubmitTable
 from ggml_rknpu.sim.kernel import SimKernel
+from ggml_rknpu.sim.kernel.rknpu import SimRknpuKernel
 from support.kernel_fake_npu import FakeNpu, attach, regcmd_words
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,7 +37,7 @@ def put_regcmd(buf, words: np.ndarray, offset: int = 0) -> None:
     buf.array()[offset : offset + words.nbytes] = words.view(np.uint8)
 
 
-class FakeBoard(SimKernel):
+class FakeBoard(SimRknpuKernel):
     """What HostSyscalls would show on an RK3588 running the vendor kernel: a display
     render node next to the NPU's. The simulated kernel answers the NPU node; opening the
     display node works but its DRM name is not rknpu."""
