@@ -229,7 +229,7 @@ def test_rocket_submit_one_job_per_core_with_tail_counted():
     assert done.task_counter == 3 and done.hw_elapsed_ns is None
     amounts = [v for _, o, v in npu.writes if o == 0x14]
     assert amounts == [ceil_div(10 + 4, 2) - 1] * 3  # regcmd_count = body + 4
-    assert sorted(npu.executed[c] for c in range(3)) == [0, 1, 2]  # two jobs, on two cores
+    assert [npu.executed[c] for c in range(3)] == [3, 0, 0]  # two jobs of one file: one core, in turn
 
 
 def test_rocket_hang_returns_stale_output_without_an_error_as_mainline_does():
@@ -257,8 +257,8 @@ def test_power_and_reset():
     dev, k, npu = sim_device("rknpu")
     dev.power_on()  # the driver's EINVAL for POWER_ON is expected and swallowed
     assert k.powered
-    dev.power_off()
-    assert not k.powered
+    dev.power_off()   # no case in 0.9.8's rknpu_action: EINVAL, runtime PM decides
+    assert k.powered
     dev.reset()
     assert npu.resets == [None]
     rdev, _, _ = sim_device("rocket")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from ggml_rknpu.hw.registers import REGISTERS
 from ggml_rknpu.kernel import drm
+from ggml_rknpu.sim.kernel import misuse
 from ggml_rknpu.sim.memory import (
     MMAP_OFFSET_BASE,
     PAGE,
@@ -104,6 +105,7 @@ class SimKernel:
     default_version: ClassVar[tuple[int, int, int]]
     default_iova_window: ClassVar[tuple[int, int]]
     shared_domain: ClassVar[bool]  # one domain for every file (vendor) or one per file (rocket)
+    page_aligned_nodes: ClassVar[bool]  # an IOVA node's size: page aligned, or the size asked for
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -288,6 +290,12 @@ class SimKernel:
     def _log(self, line: str) -> None:
         self.log_line(f"{self.abi.upper()}: {line}")
 
+    def _misuse(self, ioctl: str, what: str, on_a_board: str) -> None:
+        """Record a call the real driver lets pass but a board pays for (``misuse``)."""
+        record = misuse.Misuse(self.abi, ioctl, what, on_a_board)
+        misuse.record(record)
+        self._log(f"MISUSE {record.describe()}")
+
     def log_line(self, line: str) -> None:
         """Append to ``dmesg``, which keeps the last ``DMESG_LINES`` lines like the kernel's ring
         buffer (a server injecting faults for days must not keep every line)."""
@@ -304,7 +312,7 @@ class SimKernel:
                                       f"of {self.memory_limit} left; free buffers first")
         obj = GemObject(aligned, flags, self._next_obj_addr, cached and not self.coherent)
         domain = self._domain(f)
-        if not domain.map(obj):
+        if not domain.map(obj, aligned if self.page_aligned_nodes else size):
             it = domain.iova
             raise fail(errno.ENOMEM, f"NPU address space exhausted: no free IOVA range of {aligned} bytes "
                                       f"({it.free_bytes} bytes free in {it.n_free_ranges} pieces, largest "

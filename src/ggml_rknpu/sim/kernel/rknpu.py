@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-from typing import Any
 
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
@@ -51,7 +50,14 @@ _JOB_UNMODELED = int(rk.JobFlag.NONBLOCK | rk.JobFlag.FENCE_IN | rk.JobFlag.FENC
 # Values the ACTION ioctl reports. Sources per value; guesses say so.
 NPU_FREQ_HZ = 1_000_000_000  # guess: the RKNN runtime's default "take 1000MHz" [capture pw_c256_h14]
 NPU_VOLT_UV = 850_000  # placeholder, NOT a measured RK3588 value: the simulator has no regulator
-DRIVER_DATES = {(0, 9, 6): "20240322"}  # [VEND rknpu_drv.h]; other versions: unknown
+# DRIVER_DATE of rknpu_drv.h per version [VEND rknpu_drv.h]; other versions: unknown
+DRIVER_DATES = {(0, 9, 6): "20240322", (0, 9, 8): "20240828"}
+# the bandwidth-priority actions: RK3588 has no such block (rk3588_rknpu_config bw_priority_addr 0),
+# so rknpu_get/set_bw_priority return EINVAL [VEND rknpu_job.c; docs/npu-programming.md §4]
+_BW_ACTIONS = frozenset({rk.Action.GET_BW_PRIORITY, rk.Action.SET_BW_PRIORITY, rk.Action.GET_BW_EXPECT,
+                         rk.Action.SET_BW_EXPECT, rk.Action.GET_BW_TW, rk.Action.SET_BW_TW})
+# actions rknpu_action has no case for: EINVAL, nothing done [VEND 0.9.8 rknpu_drv.c rknpu_action]
+_NO_CASE = frozenset({rk.Action.POWER_ON, rk.Action.POWER_OFF, rk.Action.SET_FREQ, rk.Action.SET_VOLT})
 
 
 def fuzz_status(status: int) -> int:
@@ -71,11 +77,7 @@ class SimRknpuKernel(SimKernel):
     default_version = (0, 9, 8)  # [capture: "RKNN Driver Information, version: 0.9.8"]
     default_iova_window = (IOVA_BASE, IOVA_END)  # the IOMMU DMA window without page 0, top-down
     shared_domain = True
-
-    def __init__(self, abi: str = "rknpu", *args: Any, **options: Any) -> None:
-        super().__init__(abi, *args, **options)
-        self._power_refs = 0
-        self.freq_hz, self.volt_uv = NPU_FREQ_HZ, NPU_VOLT_UV
+    page_aligned_nodes = True
 
     def driver_ioctls(self) -> IoctlTable:
         return {
@@ -95,23 +97,19 @@ class SimRknpuKernel(SimKernel):
             action = rk.Action(a.flags)
         except ValueError:
             raise fail(errno.EINVAL, f"ACTION {a.flags} is not a known RKNPU action (see kernel.rknpu.uapi.Action)") from None
-        if action == rk.Action.POWER_ON:
-            self._power_refs += 1
-            self.powered = True
-            # The 0.9.8 driver powers on and still returns EINVAL: its second switch has no
-            # case for POWER_ON/OFF [capture pw_c256_h14: "ACTION flags=0x14 ret=-1"].
-            raise fail(errno.EINVAL, "POWER_ON done (driver 0.9.x reports EINVAL for POWER_ON/OFF)")
-        if action == rk.Action.POWER_OFF:
-            if self.powered and self._power_refs > 0:
-                self._power_refs -= 1
-                self.powered = self._power_refs > 0
-            raise fail(errno.EINVAL, "POWER_OFF done (driver 0.9.x reports EINVAL for POWER_ON/OFF)")
-        self.powered = True  # [VEND rknpu_action] every other action powers the NPU on first
+        self.powered = True  # [VEND rknpu_drv.c RKNPU_IOCTL] every ioctl powers the NPU for the call
+        if action in _NO_CASE:
+            # SET_FREQ/SET_VOLT break out with ret still -EINVAL; POWER_ON/OFF fall to default
+            raise fail(errno.EINVAL, f"ACTION {action.name}: rknpu 0.9.8's rknpu_action has no case for it "
+                                     "(EINVAL, nothing done)")
+        if action in _BW_ACTIONS:
+            raise fail(errno.EINVAL, f"ACTION {action.name}: RK3588 has no bandwidth-priority block "
+                                     "(rknpu_get/set_bw_priority: EINVAL)")
         getters = {
             rk.Action.GET_HW_VERSION: HW_VERSION,
             rk.Action.GET_DRV_VERSION: rk.encode_drv_version(*self.driver_version),
-            rk.Action.GET_FREQ: self.freq_hz,
-            rk.Action.GET_VOLT: self.volt_uv,
+            rk.Action.GET_FREQ: NPU_FREQ_HZ,
+            rk.Action.GET_VOLT: NPU_VOLT_UV,
             rk.Action.GET_IOMMU_EN: 1,  # inference: captured dma addresses are IOVAs (0xfff9f000...)
             rk.Action.GET_TOTAL_SRAM_SIZE: 0,  # guess: no SRAM reserved for the NPU on common RK3588 DTs
             rk.Action.GET_FREE_SRAM_SIZE: 0,
@@ -119,10 +117,6 @@ class SimRknpuKernel(SimKernel):
         }
         if action in getters:
             a.value = getters[action]
-        elif action == rk.Action.SET_FREQ:
-            self.freq_hz = a.value
-        elif action == rk.Action.SET_VOLT:
-            self.volt_uv = a.value
         elif action == rk.Action.ACT_RESET:
             if self._npu is not None:
                 self._npu.soft_reset(None)
@@ -130,11 +124,10 @@ class SimRknpuKernel(SimKernel):
         elif action == rk.Action.SET_IOMMU_DOMAIN_ID:
             if a.value != 0:
                 raise fail(errno.EINVAL, "the simulator models IOMMU domain 0 only")
-        elif action in (rk.Action.GET_BW_PRIORITY, rk.Action.GET_BW_EXPECT, rk.Action.GET_BW_TW,
-                        rk.Action.GET_DT_WR_AMOUNT, rk.Action.GET_DT_RD_AMOUNT, rk.Action.GET_WT_RD_AMOUNT,
+        elif action in (rk.Action.GET_DT_WR_AMOUNT, rk.Action.GET_DT_RD_AMOUNT, rk.Action.GET_WT_RD_AMOUNT,
                         rk.Action.GET_TOTAL_RW_AMOUNT):
-            a.value = 0  # bandwidth counters are not modelled
-        # SET_PROC_NICE, SET_BW_*, ACT_CLR_TOTAL_RW_AMOUNT: accepted, nothing to model
+            a.value = 0  # the traffic counters are not modelled
+        # SET_PROC_NICE, ACT_CLR_TOTAL_RW_AMOUNT: accepted, nothing to model
 
     def _rk_mem_create(self, f: DrmFile, m: ctypes.Structure) -> None:
         if getattr(m, "iommu_domain_id", 0) != 0:
@@ -143,19 +136,22 @@ class SimRknpuKernel(SimKernel):
         m.handle, m.size, m.obj_addr, m.dma_addr, m.sram_size = handle, obj.size, obj.obj_addr, obj.dma_addr, 0
 
     def _rk_mem_map(self, f: DrmFile, m: rk.rknpu_mem_map) -> None:
-        m.offset = self._mmap_offset(self._lookup_handle(f, m.handle, errno.EINVAL, "MEM_MAP"))
+        m.offset = self._mmap_offset(self._lookup_handle(f, m.handle, errno.ENOENT, "MEM_MAP"))
 
     def _rk_mem_destroy(self, f: DrmFile, m: rk.rknpu_mem_destroy) -> None:
-        obj = self._lookup_handle(f, m.handle, errno.EINVAL, "MEM_DESTROY")
-        if m.obj_addr != obj.obj_addr:
-            raise fail(errno.EINVAL, f"MEM_DESTROY: obj_addr {m.obj_addr:#x} is not handle {m.handle}'s "
-                                      f"({obj.obj_addr:#x}); destroy with the handle+obj_addr MEM_CREATE returned")
+        # rknpu_gem_destroy_ioctl looks the handle up and ignores obj_addr [VEND rknpu_gem.c]
+        self._lookup_handle(f, m.handle, errno.EINVAL, "MEM_DESTROY")
         self._drop_handle(f, m.handle)
 
     def _rk_object(self, obj_addr: int, what: str) -> GemObject:
+        if obj_addr == 0:
+            raise fail(errno.EINVAL, f"{what}: obj_addr is 0")   # the driver's NULL check
         obj = self._objects.get(obj_addr)
         if obj is None:
-            # The real driver casts obj_addr to a kernel pointer; a stale one is a use-after-free.
+            # the driver casts obj_addr to a kernel pointer: a stale one is a use-after-free, a
+            # kernel oops rather than an errno; the simulator refuses it and records the misuse
+            self._misuse(what, f"obj_addr {obj_addr:#x} is not a live buffer (destroyed, or not the obj_addr "
+                               "MEM_CREATE returned)", "the kernel dereferences it: use-after-free or oops")
             raise fail(errno.EFAULT, f"{what}: obj_addr {obj_addr:#x} is not a live buffer (destroyed, or not "
                                       "the obj_addr MEM_CREATE returned)")
         return obj
@@ -165,15 +161,16 @@ class SimRknpuKernel(SimKernel):
         if not obj.flags & _CACHEABLE:
             raise fail(errno.EINVAL, "MEM_SYNC on a buffer created without RKNPU_MEM_CACHEABLE: uncached buffers "
                                       "need no sync (the driver refuses it)")
-        if s.offset + s.size > obj.size:
-            raise fail(errno.EINVAL, f"MEM_SYNC range [{s.offset}, {s.offset + s.size}) is outside the "
-                                      f"{obj.size}-byte buffer")
-        if s.flags & ~(_TO_DEVICE | _FROM_DEVICE):
-            raise fail(errno.EINVAL, f"MEM_SYNC flags {s.flags:#x}: only TO_DEVICE(1) | FROM_DEVICE(2) exist")
+        # the range is never checked (the scatterlist walk stops at the buffer's end) and unknown
+        # flag bits are ignored [VEND rknpu_gem.c rknpu_gem_sync_ioctl]
+        offset, size = min(s.offset, obj.size), max(0, min(s.size, obj.size - s.offset))
+        if (offset, size) != (s.offset, s.size):
+            self._misuse("MEM_SYNC", f"range [{s.offset}, {s.offset + s.size}) runs past the {obj.size}-byte buffer",
+                         "accepted and clamped: the bytes meant past the end are never synced")
         if s.flags & _TO_DEVICE:
-            obj.sync_for_device(s.offset, s.size)
+            obj.sync_for_device(offset, size)
         if s.flags & _FROM_DEVICE:
-            obj.sync_for_cpu(s.offset, s.size)
+            obj.sync_for_cpu(offset, size)
 
     def _rk_core_ranges(self, s: ctypes.Structure) -> dict[int, tuple[int, int]]:
         """core -> (task_start, task_number) by the §4 core_mask/subcore_task rules."""
@@ -185,6 +182,13 @@ class SimRknpuKernel(SimKernel):
         if s.core_mask & ~((1 << self.n_cores) - 1):
             raise fail(errno.EINVAL, f"core_mask {s.core_mask:#x} selects cores this NPU does not have "
                                       f"({self.n_cores} cores: mask bits 0..{self.n_cores - 1})")
+        if mask and mask not in rk.COMMITTED_CORE_MASKS:
+            # rknpu_job_commit: "Unknown core mask", nothing committed; rknpu_job_wait times out,
+            # finds no last task and returns EINVAL [VEND rknpu_job.c]
+            self._log(f"Unknown core mask: {mask}")
+            raise fail(errno.EINVAL, f"SUBMIT: core_mask {mask:#x} is not one rknpu_job_commit commits "
+                                     f"({', '.join(hex(m) for m in rk.COMMITTED_CORE_MASKS)}): nothing ran, "
+                                     f"EINVAL after the {s.timeout} ms job timeout (simulated: no wait)")
         slot = 2 if len(cores) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
         return {c: (s.subcore_task[c + slot].task_start, s.subcore_task[c + slot].task_number) for c in cores}
 
@@ -245,7 +249,7 @@ class SimRknpuKernel(SimKernel):
             if number == 0:
                 raise fail(errno.EINVAL, f"SUBMIT: core {core} is selected but its subcore_task entry has "
                                           "task_number 0 (1-2 cores: subcore_task[i]; 3 cores: subcore_task[i+2])")
-            if number > rk.MAX_SUBMIT_TASKS and self.driver_version < rk.NEW_ABI_VERSION:
+            if number > rk.MAX_SUBMIT_TASKS and self.driver_version < rk.CHUNKED_SUBMIT_VERSION:
                 # the old commit ORs the count into TASK_CON, overflowing into the ping-pong bits
                 raise fail(errno.EINVAL, f"SUBMIT: {number} tasks on core {core}; driver "
                                           f"{'.'.join(map(str, self.driver_version))} puts at most "
@@ -267,7 +271,7 @@ class SimRknpuKernel(SimKernel):
         for core, (start, number) in ranges.items():
             if failures:
                 break
-            # 0.9.8 re-issues lists longer than max_submit_number in chunks from its IRQ path
+            # 0.9.5+ re-issues lists longer than max_submit_number in chunks from its IRQ path
             for chunk in range(start, start + number, rk.MAX_SUBMIT_TASKS):
                 count = min(rk.MAX_SUBMIT_TASKS, start + number - chunk)
                 if inject == "stale" and core == first_core and chunk + count == start + number:
@@ -279,10 +283,11 @@ class SimRknpuKernel(SimKernel):
                 if failure:
                     failures[core] = failure
                     break
-        start, number = ranges[first_core]
+        # rknpu_job_wait writes the wait core's status (the first core of the mask) into
+        # job->last_task: the last task of the core committed last [VEND rknpu_job.c]
+        start, number = ranges[max(ranges)]
         last_index = start + number - 1
-        status = int_status.get(first_core, 0)
-        tasks[last_index].int_status = status  # written through the kernel mapping (CPU side)
+        tasks[last_index].int_status = int_status.get(first_core, 0)  # through the kernel mapping
         task_obj.sync_for_device(last_index * ctypes.sizeof(rk.rknpu_task), ctypes.sizeof(rk.rknpu_task))
         if hasattr(s, "hw_elapse_time"):
             s.hw_elapse_time = 0  # no hardware clock in the simulator
@@ -298,9 +303,10 @@ class SimRknpuKernel(SimKernel):
             self._log(line)
         npu.soft_reset(None)  # rknpu_job_abort -> rknpu_soft_reset (whole NPU)
         self._log("soft reset after failed job")
-        dma = [c for c, why in failures.items() if why.startswith("NPU DMA fault")]
-        code = errno.EFAULT if dma else errno.ETIMEDOUT
-        head = ("SUBMIT: NPU DMA fault (a board reports this as an IOMMU page fault and a job timeout)" if dma else
-                f"SUBMIT: job timeout after {s.timeout} ms (simulated time: no wall-clock wait)")
-        raise fail(code, f"{head}; task_counter={s.task_counter}; " + "; ".join(lines) + "; the NPU was soft-reset")
+        # the driver knows only timeouts: a DMA fault is an IOMMU page fault in dmesg and ETIMEDOUT
+        dma = any(why.startswith("NPU DMA fault") for why in failures.values())
+        head = (f"SUBMIT: job timeout after {s.timeout} ms" + (" (the NPU DMA faulted: an IOMMU page fault on a board)"
+                                                               if dma else "") + " (simulated time: no wall-clock wait)")
+        raise fail(errno.ETIMEDOUT, f"{head}; task_counter={s.task_counter}; " + "; ".join(lines)
+                   + "; the NPU was soft-reset")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import time
 from typing import Any
 
 import numpy as np
@@ -48,21 +49,21 @@ TASK_CON_RESERVED_14, TASK_CON_COUNT_CLEAR, TASK_CON_PP_EN = 1 << 14, 1 << 13, 1
 
 
 class _BestFit(RangeAllocator):
-    """drm_mm DRM_MM_INSERT_BEST: the smallest free hole that fits, the node at its start
-    (rocket_gem.c rocket_ioctl_create_bo)."""
+    """drm_mm DRM_MM_INSERT_BEST: the smallest free hole that fits, the node at its first
+    page-aligned address, of exactly the length asked for (rocket_gem.c rocket_ioctl_create_bo:
+    ``drm_mm_insert_node_generic(mm, node, size, PAGE_SIZE, 0, 0)`` with the unaligned size)."""
 
     def alloc(self, length: int) -> int | None:
-        length = align_up(length, self.granule)
         if length <= 0:
             raise ValueError("allocation length must be positive")
-        fitting = [i for i, (s, e) in enumerate(self._free) if e - s >= length]
+        g = self.granule
+        fitting = [i for i, (s, e) in enumerate(self._free) if align_up(s, g) + length <= e]
         if not fitting:
             return None
         i = min(fitting, key=lambda j: (self._free[j][1] - self._free[j][0], self._free[j][0]))
-        start = self._free[i][0]
-        self._free[i][0] += length
-        if self._free[i][0] == self._free[i][1]:
-            del self._free[i]
+        s, e = self._free[i]
+        start = align_up(s, g)
+        self._free[i:i + 1] = [r for r in ([s, start], [start + length, e]) if r[1] > r[0]]
         self._used[start] = length
         return start
 
@@ -82,6 +83,7 @@ class SimRocketKernel(SimKernel):
     default_version = (0, 0, 0)  # [§5: "Initialized rocket 0.0.0 for rknn"]
     default_iova_window = (0, IOVA_END)  # the whole IOMMU aperture from 0
     shared_domain = False
+    page_aligned_nodes = False  # drm_mm nodes of the size asked for (rocket_ioctl_create_bo)
 
     def __init__(self, abi: str = "rocket", *args: Any, rocket_mhz: float = ROCKET_BOOT_MHZ,
                  rocket_errors: str = "mainline", **options: Any) -> None:
@@ -90,7 +92,6 @@ class SimRocketKernel(SimKernel):
         super().__init__(abi, *args, **options)
         self.rocket_mhz, self.rocket_errors = rocket_mhz, rocket_errors
         self._cpu_synced: dict[int, np.ndarray] = {}  # CPU bytes as of the last sync, per object
-        self._next_core = 0
 
     def driver_ioctls(self) -> IoctlTable:
         return {
@@ -131,7 +132,11 @@ class SimRocketKernel(SimKernel):
         if obj.cached:
             self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
         if failed and self.rocket_errors == "loud":
-            raise fail(errno.ETIMEDOUT, f"PREP_BO: the job writing this BO failed: {failed}")
+            # the failed job's fence as still pending: dma_resv_wait_timeout gives 0, and
+            # rocket_ioctl_prep_bo answers EBUSY for a deadline already passed (a zero timeout),
+            # ETIMEDOUT for one that ran out waiting [ROCKET rocket_gem.c]
+            code = errno.ETIMEDOUT if c.timeout_ns > time.monotonic_ns() else errno.EBUSY
+            raise fail(code, f"PREP_BO: the job writing this BO failed: {failed}")
 
     def _write_back_dirty_lines(self, obj: GemObject) -> None:
         """Copy to DRAM the 64-byte lines the CPU changed since the object's last sync."""
@@ -177,16 +182,33 @@ class SimRocketKernel(SimKernel):
             raise fail(errno.EINVAL, "SUBMIT: the reserved field of drm_rocket_submit must be 0")
         jobs = [ro.drm_rocket_job.from_buffer_copy(self._copy_from_user(
             s.jobs + i * s.job_struct_size, ctypes.sizeof(ro.drm_rocket_job), "SUBMIT jobs")) for i in range(s.job_count)]
-        parsed = [self._ro_parse_job(f, i, job) for i, job in enumerate(jobs)]
+        parsed = []
+        for i, job in enumerate(jobs):
+            try:
+                parsed.append(self._ro_parse_job(f, i, job))
+            except OSError as exc:
+                # rocket_ioctl_submit drops rocket_ioctl_submit_job's return value: the job is
+                # never queued and SUBMIT still returns 0 [ROCKET rocket_job.c]
+                if self.rocket_errors == "loud":
+                    raise
+                self._misuse("SUBMIT", f"job {i} dropped: {exc.strerror}",
+                             "the job never runs and SUBMIT returns 0; its outputs keep their old bytes")
         npu = self._npu_model()
         self.mmu.attach(self._domain(f))  # rocket_job_run: attach the file's domain to the core
         inject, self.inject = self.inject, None
+        # The file's one drm_sched_entity stays on the scheduler it is on while it has queued
+        # or unfinished jobs, so a SUBMIT's jobs run one after another on one core; an idle
+        # entity moves to the least loaded scheduler, and with every job finished before SUBMIT
+        # returns all cores are idle here: the first wins [drm_sched_entity_select_rq,
+        # drm_sched_pick_best; ROCKET rocket_job_open]
+        core = 0
         for tasks, outs in parsed:
-            if tasks:
-                self._ro_run_job(npu, tasks, outs, inject)
-                inject = None
+            self._ro_run_job(npu, core, tasks, outs, inject)
+            inject = None
 
     def _ro_parse_job(self, f: DrmFile, index: int, job: ro.drm_rocket_job) -> tuple[list[tuple[int, int]], list[GemObject]]:
+        if job.task_count == 0:
+            raise fail(errno.EINVAL, f"SUBMIT job {index}: task_count is 0")
         if job.task_struct_size < ctypes.sizeof(ro.drm_rocket_task):
             raise fail(errno.EINVAL, f"SUBMIT job {index}: task_struct_size {job.task_struct_size} < 8")
         tasks = []
@@ -208,9 +230,8 @@ class SimRocketKernel(SimKernel):
         outs = handles(job.out_bo_handles, job.out_bo_handle_count, "out_bo_handles")
         return tasks, outs
 
-    def _ro_run_job(self, npu: NpuModel, tasks: list[tuple[int, int]], outs: list[GemObject], inject: str | None = None) -> None:
-        core = self._next_core  # the scheduler's choice; round robin here
-        self._next_core = (self._next_core + 1) % self.n_cores
+    def _ro_run_job(self, npu: NpuModel, core: int, tasks: list[tuple[int, int]], outs: list[GemObject],
+                    inject: str | None = None) -> None:
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
         elapsed_s, timeout_s = 0.0, ROCKET_JOB_TIMEOUT_MS / 1e3
         if inject == "stale":
