@@ -65,6 +65,10 @@ class DrmFile:
     path: str
     handles: dict[int, GemObject] = field(default_factory=dict)
     domain: IommuDomain | None = None
+    # rocket: the file's drm_sched_entity: the core (scheduler) it is on and when, on the
+    # modeled timeline, its last job ends
+    entity_core: int = 0
+    entity_done_at: float = 0.0
 
 
 _S = TypeVar("_S", bound=ctypes.Structure)

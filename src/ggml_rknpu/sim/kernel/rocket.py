@@ -92,6 +92,11 @@ class SimRocketKernel(SimKernel):
         super().__init__(abi, *args, **options)
         self.rocket_mhz, self.rocket_errors = rocket_mhz, rocket_errors
         self._cpu_synced: dict[int, np.ndarray] = {}  # CPU bytes as of the last sync, per object
+        # The modeled timeline (seconds at rocket_mhz): where the CPU is (a PREP_BO waits for the
+        # BO's writer), when each core's queued jobs end, when each BO's last writer ends.
+        self.modeled_now = 0.0
+        self._core_ends: list[list[float]] = [[] for _ in range(self.n_cores)]
+        self._bo_done: dict[int, float] = {}
 
     def driver_ioctls(self) -> IoctlTable:
         return {
@@ -126,6 +131,7 @@ class SimRocketKernel(SimKernel):
         if c.reserved:
             raise fail(errno.EINVAL, "PREP_BO: reserved must be 0")
         obj = self._lookup_handle(f, c.handle, errno.ENOENT, "PREP_BO")
+        self.modeled_now = max(self.modeled_now, self._bo_done.pop(obj.obj_addr, 0.0))   # waits for the writer
         failed, obj.failed_job = obj.failed_job, None
         self._write_back_dirty_lines(obj)  # dma_sync_sgtable_for_cpu: dirty lines survive,
         obj.sync_for_cpu(0, obj.size)      # then the CPU sees what DRAM holds
@@ -150,7 +156,7 @@ class SimRocketKernel(SimKernel):
             obj.write_back(np.repeat(changed, CACHE_LINE))
         self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
 
-    def _modeled_task_s(self, regcmd: int, count: int) -> float:
+    def modeled_task_seconds(self, regcmd: int, count: int) -> float:
         """Modeled seconds of one task at ``rocket_mhz``, read from its words (0 if they do
         not describe a matmul/conv the cost model prices)."""
         from ggml_rknpu.cost.model import MACS_PER_CYCLE_PER_CORE, TaskWork, task_seconds
@@ -196,15 +202,28 @@ class SimRocketKernel(SimKernel):
         npu = self._npu_model()
         self.mmu.attach(self._domain(f))  # rocket_job_run: attach the file's domain to the core
         inject, self.inject = self.inject, None
-        # The file's one drm_sched_entity stays on the scheduler it is on while it has queued
-        # or unfinished jobs, so a SUBMIT's jobs run one after another on one core; an idle
-        # entity moves to the least loaded scheduler, and with every job finished before SUBMIT
-        # returns all cores are idle here: the first wins [drm_sched_entity_select_rq,
-        # drm_sched_pick_best; ROCKET rocket_job_open]
-        core = 0
+        core = self._place(f)
         for tasks, outs in parsed:
-            self._ro_run_job(npu, core, tasks, outs, inject)
+            start = max([self.modeled_now, *self._core_ends[core]])
+            end = start + self._ro_run_job(npu, core, tasks, outs, inject)
             inject = None
+            self._core_ends[core].append(end)
+            f.entity_done_at = end
+            for obj in outs:
+                self._bo_done[obj.obj_addr] = end
+
+    def _place(self, f: DrmFile) -> int:
+        """The core a file's next jobs run on. Its one drm_sched_entity stays on its scheduler
+        while it has queued or unfinished jobs (one core, one job after another); an idle one
+        moves to the least loaded scheduler, the first on a tie [ROCKET rocket_job_open;
+        drm_sched_entity_select_rq, drm_sched_pick_best]. Loads are the jobs not yet ended at
+        ``modeled_now``; the jobs themselves run when submitted (the model is synchronous)."""
+        now = self.modeled_now
+        self._core_ends = [[end for end in ends if end > now] for ends in self._core_ends]
+        if f.entity_done_at <= now:
+            loads = [len(ends) for ends in self._core_ends]
+            f.entity_core = loads.index(min(loads))
+        return f.entity_core
 
     def _ro_parse_job(self, f: DrmFile, index: int, job: ro.drm_rocket_job) -> tuple[list[tuple[int, int]], list[GemObject]]:
         if job.task_count == 0:
@@ -231,20 +250,21 @@ class SimRocketKernel(SimKernel):
         return tasks, outs
 
     def _ro_run_job(self, npu: NpuModel, core: int, tasks: list[tuple[int, int]], outs: list[GemObject],
-                    inject: str | None = None) -> None:
+                    inject: str | None = None) -> float:
+        """Run one job on ``core``; its modeled seconds (up to the job timeout)."""
         pointer = S_POINTER_PP + S_POINTER_CORE_BIT * core
         elapsed_s, timeout_s = 0.0, ROCKET_JOB_TIMEOUT_MS / 1e3
         if inject == "stale":
             tasks = tasks[:-1]       # the job's last task silently dropped (fault hook)
         for i, (regcmd, count) in enumerate(tasks):  # rocket_job_hw_submit, one task per hardware run
-            elapsed_s += timeout_s if inject == "timeout" else self._modeled_task_s(regcmd, count)
+            elapsed_s += timeout_s if inject == "timeout" else self.modeled_task_seconds(regcmd, count)
             if elapsed_s > timeout_s:  # rocket_job_timedout: the task in flight never finishes
                 self._log(f"core {core}: NPU job timed out (task {i} of {len(tasks)}, {elapsed_s * 1e3:.0f} ms "
                           f"modeled at {self.rocket_mhz:g} MHz > JOB_TIMEOUT_MS {ROCKET_JOB_TIMEOUT_MS}); core reset")
                 npu.soft_reset(core)
                 for obj in outs:
                     obj.failed_job = f"job timed out after task {i - 1} ({elapsed_s * 1e3:.0f} ms modeled)"
-                return
+                return timeout_s
             fault = self._run(npu, core, [
                 (PC_BASE_ADDRESS, 1),
                 (CNA_S_POINTER, pointer),
@@ -273,6 +293,7 @@ class SimRocketKernel(SimKernel):
                 message = "; ".join(details)
                 for obj in outs:
                     obj.failed_job = message
-                return
+                return timeout_s   # no completion: the job ends at drm_sched's timeout
             npu.mmio_write(core, PC_OPERATION_ENABLE, 0)  # the IRQ thread
             npu.mmio_write(core, PC_INTERRUPT_CLEAR, INT_CLEAR_ALL)
+        return elapsed_s
