@@ -333,7 +333,6 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-
 def feature_span(task: ConvTask) -> int:
     """Bytes from FEATURE_DATA_ADDR to the end of the task's rows in the last C1 plane."""
     return (task.channels // limits.c2(task.precision) - 1) * task.feature_plane_bytes \

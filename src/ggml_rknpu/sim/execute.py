@@ -38,7 +38,6 @@ def execute_conv(memory: DeviceMemory, task: ConvTask, cache: OperandCache,
     note_device_write(memory, task.dst_addr, span)
 
 
-
 # accumulator-overflow NotModeled; fp16 tasks cannot fail once their addresses are mapped.
 INT8_NO_OVERFLOW_K = 1 << 17
 

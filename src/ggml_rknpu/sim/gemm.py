@@ -108,5 +108,4 @@ class Gemm:
             self._pool = None
 
 
-
 GemmFn = Callable[[GemmTask, np.ndarray, np.ndarray], np.ndarray]

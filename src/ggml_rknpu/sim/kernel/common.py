@@ -99,7 +99,6 @@ class NpuModel(Protocol):
     def diagnostics(self, core: int) -> list[str]: ...
 
 
-
 class SimKernel:
     """Implements ``Syscalls`` for one simulated NPU kernel driver. ``SimKernel(abi, ...)``
     makes that ABI's kernel; the subclasses add their driver's ioctls (``driver_ioctls``)."""
