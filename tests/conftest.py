@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ggml_rknpu.engine.envelope_record import FILE_ENV, OVERRIDE_ENV
+from ggml_rknpu.sim.kernel import misuse
 from ggml_rknpu.toolchain import llamacpp
 
 _SESSION_HOME: Path | None = None
@@ -87,3 +88,18 @@ def host_ggml():
         return lib.load()
     except lib.GgmlLibraryMissing as exc:
         pytest.skip(str(exc))
+
+
+def assert_no_misuse() -> None:
+    """Fail on any kernel misuse recorded since the last drain (and empty the record)."""
+    left = misuse.drain()
+    assert not left, "kernel misuse a board would pay for:\n" + "\n".join(m.describe() for m in left)
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_misuse():
+    """A call the real kernel lets pass but a board pays for (sim.kernel.misuse) fails the test
+    that made it; tests that make one on purpose take it with ``misuse.drain()``."""
+    misuse.drain()
+    yield
+    assert_no_misuse()

@@ -78,7 +78,19 @@ def test_mainline_rocket_board_warns_about_modeled_device_time_and_clocks():
     assert names["npu driver"].status == rig.WARN and "rocket" in names["npu driver"].value
     assert "no hw_elapse_time" in names["npu driver"].reason
     assert names["dram"].status == rig.WARN and "no DMC devfreq" in names["dram"].reason
-    assert names["npu clock"].status == rig.WARN and "200 MHz" in names["npu clock"].reason
+    clock = names["npu clock"]   # no devfreq on mainline: read from the clock framework
+    assert clock.status == rig.WARN and "200 MHz" in clock.reason and "boot clock" in clock.reason
+    assert clock.value.startswith("clk_scmi_npu 200 MHz") and clock.fix == rig.ROCKET_CLOCK_FIX
+
+
+def test_mainline_rocket_with_the_clock_patch_reports_600_mhz(tmp_path):
+    root = tmp_path / "rig"
+    shutil.copytree(RIGS / "mainline_rocket", root)
+    summary = root / "sys/kernel/debug/clk/clk_summary"
+    summary.write_text(summary.read_text().replace("200000000", "600000000"))
+    clock = by_name(rig.check_rig(root))["npu clock"]
+    assert clock.status == rig.WARN and clock.value.startswith("clk_scmi_npu 600 MHz")
+    assert "below the vendor driver's 1000 MHz" in clock.reason and clock.fix != rig.ROCKET_CLOCK_FIX
 
 
 def test_non_rk3588_machine_is_skipped_and_modeled():

@@ -64,6 +64,10 @@ def test_selftest_passes_on_the_simulator_and_writes_an_archive(tmp_path, monkey
     assert data["meta"]["result"] == "PASS" and data["raw"]["probe"]["simulated"] is True
     assert data["meta"]["device"] == device
     assert data["raw"]["probe"]["buffer_round_trip"] is True
+    behaviour = data["raw"]["probe"]["kernel_behaviour"]   # the harmless rows of kernel/behaviour.py
+    assert behaviour["rows"] >= 6 and behaviour["disagreements"] == []
+    assert f"kernel behaviour table: {behaviour['rows']} harmless rows, 0 disagreement(s)" in \
+        (out / "selftest.md").read_text()
     cases = data["raw"]["cases"]
     assert len(cases) == len(SMALL) * 2 * 2 and all(c["ok"] for c in cases)
     assert {c["dtype"] for c in cases} == {"fp16", "int8"} and {c["cores"] for c in cases} == {1, 3}

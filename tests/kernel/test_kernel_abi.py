@@ -18,7 +18,7 @@ def offsets(struct: type[ctypes.Structure]) -> dict[str, int]:
 
 # npu-programming.md §4 "rknpu_mem_create" table
 MEM_CREATE_48 = {"handle": 0, "flags": 4, "size": 8, "obj_addr": 16, "dma_addr": 24, "sram_size": 32,
-                 "iommu_domain_id": 40, "reserved": 44}
+                 "iommu_domain_id": 40, "core_mask": 44}
 # §4 "rknpu_task, packed, 40 B"
 TASK = {"flags": 0, "op_idx": 4, "enable_mask": 8, "int_mask": 12, "int_clear": 16, "int_status": 20,
         "regcfg_amount": 24, "regcfg_offset": 28, "regcmd_addr": 32}

@@ -18,7 +18,7 @@ from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rknpu.ioctls import RknpuIoctls
 from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
-from ggml_rknpu.sim.kernel import SimKernel, fuzz_status
+from ggml_rknpu.sim.kernel import SimKernel, fuzz_status, misuse
 from support.kernel_fake_npu import attach, regcmd_words
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,18 +145,6 @@ def test_actions_report_documented_values():
     assert d.action(rk.Action.GET_HW_VERSION) == 0x46495245
     assert d.action(rk.Action.GET_FREQ) == 1_000_000_000
     assert d.action(rk.Action.GET_IOMMU_EN) == 1
-    d.action(rk.Action.SET_FREQ, 800_000_000)
-    assert d.action(rk.Action.GET_FREQ) == 800_000_000
-
-
-def test_power_actions_take_effect_and_return_einval_like_driver_098():
-    k, d = vendor()
-    with expect(errno.EINVAL, "POWER_ON"):
-        d.action(rk.Action.POWER_ON)
-    assert k.powered
-    with expect(errno.EINVAL, "POWER_OFF"):
-        d.action(rk.Action.POWER_OFF)
-    assert not k.powered
 
 
 def test_unknown_action_is_einval():
@@ -179,31 +167,19 @@ def test_mem_sync_requires_cacheable():
         d.mem_sync(m.obj_addr, 0, 4096, rk.SyncFlag.TO_DEVICE)
 
 
-def test_mem_sync_outside_buffer_is_einval():
-    k, d = vendor()
-    m = d.mem_create(4096, rk.DATA_BO_FLAGS)
-    with expect(errno.EINVAL, "outside"):
-        d.mem_sync(m.obj_addr, 4000, 200, rk.SyncFlag.TO_DEVICE)
-
-
 def test_mem_sync_of_destroyed_buffer_is_efault():
     k, d = vendor()
     m = d.mem_create(4096, rk.DATA_BO_FLAGS)
     d.mem_destroy(m.handle, m.obj_addr)
     with expect(errno.EFAULT, "not a live buffer"):
         d.mem_sync(m.obj_addr, 0, 4096, rk.SyncFlag.TO_DEVICE)
+    # a board dereferences the stale pointer: the simulator refuses it and records the misuse
+    assert [m.ioctl for m in misuse.drain()] == ["MEM_SYNC"]
 
 
-def test_mem_destroy_needs_the_matching_obj_addr():
+def test_unknown_handle_is_enoent_for_mem_map_and_fini_bo():
     k, d = vendor()
-    m = d.mem_create(4096, rk.DATA_BO_FLAGS)
-    with expect(errno.EINVAL, "handle+obj_addr"):
-        d.mem_destroy(m.handle, m.dma_addr)
-
-
-def test_unknown_handle_is_einval_for_vendor_and_enoent_for_rocket():
-    k, d = vendor()
-    with expect(errno.EINVAL, "handle 7 is not open"):
+    with expect(errno.ENOENT, "handle 7 is not open"):  # drm_gem_dumb_map_offset
         d.mem_map(7)
     k, r = rocket()
     with expect(errno.ENOENT, "handle 7 is not open"):
@@ -306,8 +282,8 @@ def test_core_mask_beyond_the_cores_is_einval():
         d.submit(task_obj_addr=t.obj_addr, task_number=1, core_mask=0b1001, subcore_tasks=((0, 1),))
 
 
-def test_more_than_4095_tasks_per_core_is_einval_before_098():
-    k, d = vendor((0, 9, 6))
+def test_more_than_4095_tasks_per_core_is_einval_before_095():
+    k, d = vendor((0, 9, 4))
     t, _ = task_bo(d, [one_task(0x1000)] * 4096)
     with expect(errno.EINVAL, "4095", "split"):
         d.submit(task_obj_addr=t.obj_addr, task_number=4096, core_mask=1, subcore_tasks=((0, 4096),))
@@ -359,8 +335,10 @@ def test_vendor_pc_sequence_for_three_cores_uses_subcore_task_i_plus_2():
             (0x30, (0x7 << 12) | 1), (0x34, 0), (0x08, 1), (0x08, 0),
         ]
         assert npu.executed_tasks(core) == 1
-    # int_status of the last task of the first core, written through the kernel mapping
-    assert rk.rknpu_task.from_buffer_copy(tview[0:40]).int_status == 0x100
+    # the first core's int_status, written into the last task committed (core 2's), through
+    # the kernel mapping
+    assert rk.rknpu_task.from_buffer_copy(tview[80:120]).int_status == 0x100
+    assert rk.rknpu_task.from_buffer_copy(tview[0:40]).int_status == 0
 
 
 def test_auto_core_mask_takes_subcore_task_0_on_core_0():
@@ -403,11 +381,12 @@ def test_hang_times_out_at_once_resets_and_reports_task_counter():
     assert npu.resets == [None] and any("soft reset" in line for line in k.dmesg)
 
 
-def test_npu_dma_outside_buffers_is_efault():
+def test_npu_dma_outside_buffers_is_a_timeout_naming_the_fault():
+    """The vendor driver knows only timeouts: an IOMMU page fault ends as ETIMEDOUT."""
     k, d = vendor()
     attach(k)
     t, _ = task_bo(d, [one_task(0x10000)])
-    with expect(errno.EFAULT, "DMA fault", "0x10000"):
+    with expect(errno.ETIMEDOUT, "DMA fault", "0x10000"):
         d.submit(task_obj_addr=t.obj_addr, task_number=1, core_mask=1, subcore_tasks=((0, 1),))
     assert isinstance(NpuError.from_oserror("x", OSError(errno.EFAULT, "f")), NpuFault)
 
@@ -449,14 +428,14 @@ def test_rocket_null_jobs_pointer_is_efault():
     assert e.value.errno == errno.EFAULT
 
 
-def test_rocket_regcmd_count_zero_is_einval():
-    k, r = rocket()
+def test_rocket_regcmd_count_zero_is_einval_when_loud():
+    k, r = rocket(rocket_errors="loud")
     with expect(errno.EINVAL, "regcmd_count"):
         r.submit([RocketJobSpec(tasks=((0x1000, 0),))])
 
 
-def test_rocket_unknown_bo_handle_is_enoent():
-    k, r = rocket()
+def test_rocket_unknown_bo_handle_is_enoent_when_loud():
+    k, r = rocket(rocket_errors="loud")
     attach(k)
     with expect(errno.ENOENT, "out_bo_handles"):
         r.submit([RocketJobSpec(tasks=((0x1000, 14),), out_handles=(42,))])
@@ -481,7 +460,7 @@ def test_rocket_per_task_sequence_and_dpu_only_completion():
     npu.raise_bits = 0x100
     r.submit([RocketJobSpec(tasks=((rc.dma_address, 14),) * 2, out_handles=(out.handle,))])
     r.prep_bo(out.handle)  # completed
-    assert npu.executed_tasks(1) == 2  # the next job went to the next core
+    assert npu.executed_tasks(0) == 3 and npu.executed_tasks(1) == 0  # the file's entity: one core
 
 
 def test_rocket_files_have_separate_address_spaces():

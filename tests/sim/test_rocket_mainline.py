@@ -1,4 +1,4 @@
-"""Mainline rocket as it really behaves, in the simulator (sim/kernel.py module doc, citing
+"""Mainline rocket as it really behaves, in the simulator (sim/kernel/rocket.py module doc, citing
 drivers/accel/rocket/*.c): a job over the 500 ms timeout returns stale output with no
 error, which the engine's canaries catch (the call fails over, the next call works); the
 envelope's job-split rule makes the same matmul complete; IOVA 0 for a file's first

@@ -1,12 +1,12 @@
 """The simulator's fast paths against its reference path.
 
-* Bulk execution (``conv.BulkConv``: a run's M tiles over one weight block as one GEMM)
+* Bulk execution (``sim.execute.BulkConv``: a run's M tiles over one weight block as one GEMM)
   gives what executing every task on its own gives (``SimNpu.bulk = False``): the same
   integers for int8; for fp16 the same exact products summed in another fp32 order, since a
   BLAS picks its kernel (and its own thread split) per shape, so within the summation bound
   of the per-task result, on a sweep of shapes, dtypes and output types, through the public
   API on both ABIs.
-* Split GEMMs (``conv.Gemm``: a one-row fp16 GEMM over large weights in blocks on several
+* Split GEMMs (``sim.gemm.Gemm``: a one-row fp16 GEMM over large weights in blocks on several
   host threads) give the same bytes whatever the thread count (the blocks follow from the
   shape alone), and stay within the summation bound of one BLAS call.
 * Decode once, execute many: a replayed program gives the same result and a refused one
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import ggml_rknpu
 from ggml_rknpu.hw.regcmd import task_tail, write_word
 from ggml_rknpu.hw.registers import REGISTERS
-from ggml_rknpu.sim import conv
+from ggml_rknpu.sim import gemm as sim_gemm
 from ggml_rknpu.sim.npu import SimNpu
 from support.sim_support import REGCMD_ADDR, FakeMemory, pack_feature, pack_weights, unpack_output, vendor_submit
 
@@ -38,7 +38,7 @@ ABIS = ("sim-rknpu", "sim-rocket")
 
 @dataclass(frozen=True)
 class _Fp16Task:
-    """All a GEMM reads of its task (``conv.GemmTask``)."""
+    """All a GEMM reads of its task (``sim.gemm.GemmTask``)."""
 
     precision: str = "fp16"
 
@@ -193,32 +193,32 @@ def test_split_gemm_does_not_depend_on_the_thread_count(k32, n, threads, seed):
     results = []
     with pytest.MonkeyPatch.context() as mp:
         # split every GEMM of the sweep (the threshold is for speed, not for correctness)
-        mp.setattr(conv, "SPLIT_MIN_WEIGHT_BYTES", 0)
-        for gemm in (conv.Gemm(threads), conv.Gemm(1)):
+        mp.setattr(sim_gemm, "SPLIT_MIN_WEIGHT_BYTES", 0)
+        for gemm in (sim_gemm.Gemm(threads), sim_gemm.Gemm(1)):
             try:
                 results.append(gemm(task, a, b))
             finally:
                 gemm.close()
             assert gemm.split_calls == 1
     assert _same_bits(*results)
-    assert _same_up_to_summation_order(results[0], conv.multiply(task, a, b), a, b, "fp16")
+    assert _same_up_to_summation_order(results[0], sim_gemm.multiply(task, a, b), a, b, "fp16")
 
 
 def test_decode_shape_splits_through_the_public_api_and_matches(engine):
     """Two of gemma3-270m's output projection tiles (K=640, N=16384: 42 MB of decoded
-    weights, over ``conv.SPLIT_MIN_WEIGHT_BYTES`` once the tiles merge on the vendor ABI;
+    weights, over ``sim_gemm.SPLIT_MIN_WEIGHT_BYTES`` once the tiles merge on the vendor ABI;
     rocket runs one tile per PC run, so nothing merges or splits there): the same bytes on
     two host threads as on one, within the summation bound of the per-task path."""
     rng = np.random.default_rng(5)
     a, b = _fp16_valued(rng, (1, 640)), _fp16_valued(rng, (16384, 640))
     sim = _model(engine)
     w = engine.upload_weight(b)
-    default, two = sim.gemm, conv.Gemm(2)
+    default, two = sim.gemm, sim_gemm.Gemm(2)
     try:
         sim.gemm = two
         split = engine.matmul(a, w)
         assert (two.split_calls > 0) == (engine.device.kind == "rknpu")
-        sim.gemm = conv.Gemm(1)
+        sim.gemm = sim_gemm.Gemm(1)
         assert _same_bits(split, engine.matmul(a, w))
         sim.gemm = two
         bulk, reference, _ = _both_paths(engine, a, b, "fp16", None)   # bulk=False: one call

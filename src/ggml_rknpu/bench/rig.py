@@ -45,6 +45,11 @@ WARN_MARGIN_C = 10.0                # guess: within 10 degC of throttling, a sus
 DMC_FIX = "echo performance > /sys/class/devfreq/dmc/governor"
 CPU_FIX = "echo performance | tee /sys/devices/system/cpu/cpufreq/policy*/scaling_governor"
 NPU_FIX = "echo performance > /sys/class/devfreq/fdab0000.npu/governor"
+# Mainline rocket has no devfreq: the clock framework's debugfs summary (root) shows the NPU's
+# clocks; its columns are name, enable, prepare, protect counts, then the rate in Hz [Linux clk.c]
+CLK_SUMMARY = "/sys/kernel/debug/clk/clk_summary"
+ROCKET_CLOCK_FIX = ("apply the out-of-tree patch that raises the NPU clock to 600 MHz (docs/anchors.md A8), "
+                    "or use a vendor kernel (rknpu, 1 GHz)")
 
 
 @dataclass(frozen=True)
@@ -295,11 +300,37 @@ def _fmt_cpus(cpus: list[int]) -> str:
         ",".join(map(str, cpus)) or "?"
 
 
+def read_npu_clocks(fs: Sysfs) -> list[tuple[str, float]]:
+    """(name, MHz) of every clock named like the NPU's in the clock summary, fastest first."""
+    clocks = []
+    for line in (fs.read(CLK_SUMMARY) or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and "npu" in parts[0].lower() and parts[4].isdigit():
+            clocks.append((parts[0], int(parts[4]) / 1e6))
+    return sorted(clocks, key=lambda c: -c[1])
+
+
+def _check_npu_clk(clocks: list[tuple[str, float]], rocket: bool, src: str) -> Check:
+    """The NPU clock from the clock framework (mainline: no devfreq node)."""
+    top = clocks[0][1]
+    value = ", ".join(f"{name} {mhz:.0f} MHz" for name, mhz in clocks[:3]) + " (clk_summary)"
+    if rocket and top <= NPU_ROCKET_BOOT_MHZ * 1.02:
+        return Check("npu clock", WARN, value,
+                     f"NPU at mainline rocket's boot clock, {NPU_ROCKET_BOOT_MHZ} MHz: device time is "
+                     f"{NPU_VENDOR_MHZ / NPU_ROCKET_BOOT_MHZ:.0f}x the vendor driver's", ROCKET_CLOCK_FIX, src)
+    if top < NPU_VENDOR_MHZ * 0.98:
+        return Check("npu clock", WARN, value, f"NPU at {top:.0f} MHz, below the vendor driver's {NPU_VENDOR_MHZ} MHz",
+                     "compare only with figures taken at the same NPU clock", src)
+    return Check("npu clock", PASS, value, "NPU at 1 GHz", "", src)
+
+
 def check_npu_clock(fs: Sysfs, rocket: bool) -> Check:
     src = "seed log 'Target interface' (1 GHz); docs/anchors.md §3.1 (vendor 1 GHz, rocket boots at 200 MHz)"
     npu = read_devfreq(fs, NPU_DEVFREQ_DIR)
+    if npu is None and (clocks := read_npu_clocks(fs)):
+        return _check_npu_clk(clocks, rocket, src)
     if npu is None:
-        reason = "NPU clock cannot be read (no fdab0000.npu devfreq)"
+        reason = "NPU clock cannot be read (no fdab0000.npu devfreq, no NPU clock in the debugfs clk_summary)"
         if rocket:
             reason += f"; mainline rocket boots the NPU at {NPU_ROCKET_BOOT_MHZ} MHz unless patched"
         return Check("npu clock", WARN, "no devfreq node", reason,

@@ -24,6 +24,7 @@ from ggml_rknpu.bench import matmul as mm
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.rig import RigReport, check_rig
 from ggml_rknpu.bench.verdict import FP16_ATOL, FP16_RTOL, compare, corrupt_one  # noqa: F401 (st.compare)
+from ggml_rknpu.kernel.behaviour import run_table
 
 CORRUPT_ENV = "RKNPU_SELFTEST_CORRUPT"
 
@@ -81,6 +82,8 @@ def probe(device: str | None) -> dict:
     pattern = (np.arange(4096, dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
     with open_device(device) as dev:
         info = _plain(dev.info())
+        # the harmless rows of the kernel-behaviour table: where this kernel answers otherwise
+        n_rows, disagreements = run_table(dev.syscalls, dev.fd, dev.kind, dev.driver.version, harmless_only=True)
         with dev.alloc(4096) as buf:
             buf.array(np.uint8)[:] = pattern
             buf.sync_to_device()
@@ -88,7 +91,8 @@ def probe(device: str | None) -> dict:
             round_trip = bool(np.array_equal(buf.array(np.uint8)[:4096], pattern))
             dma = buf.dma_addr
         return {"kind": dev.kind, "simulated": bool(dev.simulated), "n_cores": dev.n_cores, "info": info,
-                "buffer_round_trip": round_trip, "dma_addr": hex(dma), "iova_budget": list(dev.iova_budget())}
+                "buffer_round_trip": round_trip, "dma_addr": hex(dma), "iova_budget": list(dev.iova_budget()),
+                "kernel_behaviour": {"rows": n_rows, "disagreements": [d.describe() for d in disagreements]}}
 
 
 def correctness_sweep(device: str | None, shapes, dtypes, cores_list, *, corrupt: bool,
@@ -184,6 +188,10 @@ def build_report(result: SelftestResult) -> rp.Report:
 
     notes = [f"ran on the {where}", f"correctness: int8 exact; fp16 within {FP16_RTOL} x (|A|@|B|^T) + {FP16_ATOL}",
              f"envelope recorded for this board and driver: {result.envelope} (in {result.envelope_record})"]
+    behaviour = result.probe["kernel_behaviour"]
+    notes.append(f"kernel behaviour table: {behaviour['rows']} harmless rows, "
+                 f"{len(behaviour['disagreements'])} disagreement(s) (kernel/behaviour.py)")
+    notes += [f"the kernel disagrees with the behaviour table: {d}" for d in behaviour["disagreements"]]
     if result.corrupted:
         notes.append(f"{CORRUPT_ENV} hook active: one output element was flipped after the NPU returned")
     notes += [f"FAIL: {f}" for f in result.failures]

@@ -3,7 +3,7 @@
 ``rknpu serve --sim-faults SPEC`` (and tests) decide per SUBMIT whether a job runs or fails
 the way a board's NPU fails: ``timeout``, ``dma``, ``stale`` or ``core``, at a seeded rate
 (``timeout:0.02``) or on a schedule (``dma@3``), ``seed=N``. Invariants: it sits at the
-kernel boundary, so everything above runs the code it runs on a board and ``sim/kernel.py``
+kernel boundary, so everything above runs the code it runs on a board and ``sim/kernel/``
 is untouched; at most one fault a submit; a faulted job never runs, so its outputs are not
 written; ``counts`` and ``resets`` say what was injected and seen. Each kind's symptom per
 ABI: docs/faults.md "Injecting faults"."""

@@ -290,9 +290,10 @@ class IommuDomain:
         self._starts: list[int] = []  # sorted IOVAs of mapped objects
         self._objects: dict[int, GemObject] = {}
 
-    def map(self, obj: GemObject) -> bool:
-        """Give ``obj`` an IOVA; False when the address space has no hole big enough."""
-        start = self.iova.alloc(obj.size)
+    def map(self, obj: GemObject, node_bytes: int | None = None) -> bool:
+        """Give ``obj`` an IOVA (a node of ``node_bytes``, by default its size); False when the
+        address space has no hole big enough."""
+        start = self.iova.alloc(obj.size if node_bytes is None else node_bytes)
         if start is None:
             return False
         obj.dma_addr, obj.domain = start, self

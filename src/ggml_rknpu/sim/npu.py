@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.registers import REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import Gemm, OperandCache, multiply
+from ggml_rknpu.sim.gemm import Gemm, multiply
 from ggml_rknpu.sim.memory import DeviceMemory
+from ggml_rknpu.sim.operands import OperandCache
 from ggml_rknpu.sim.pc import DecodeCache, ProgramCounter, RunState, TaskRecord
 from ggml_rknpu.sim.regfile import S_POINTER_OFFSET, RegisterFile
 

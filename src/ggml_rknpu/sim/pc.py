@@ -21,18 +21,11 @@ import numpy as np
 from ggml_rknpu.hw.describe import describe_word
 from ggml_rknpu.hw.regcmd import BLOCK_OF_TARGET, OP_ENABLE_OFFSET, OpEnable, Target, decode_word, words_for_amount
 from ggml_rknpu.hw.registers import BY_OFFSET, REGISTERS, Block, block_of_offset
-from ggml_rknpu.sim.conv import (
-    BulkConv,
-    ConvTask,
-    DmaRead,
-    DmaWrite,
-    GemmFn,
-    OperandCache,
-    decode_conv,
-    execute_conv,
-    multiply,
-)
+from ggml_rknpu.sim.conv import ConvTask, DmaRead, DmaWrite, decode_conv
+from ggml_rknpu.sim.execute import BulkConv, execute_conv
+from ggml_rknpu.sim.gemm import GemmFn, multiply
 from ggml_rknpu.sim.memory import DeviceMemory, DmaFault, note_device_write
+from ggml_rknpu.sim.operands import OperandCache
 from ggml_rknpu.sim.ppu import PoolTask, decode_ppu, execute_ppu
 from ggml_rknpu.sim.regfile import PP_BLOCKS, S_POINTER_OFFSET, RegisterFile
 from ggml_rknpu.sim.validate import (

@@ -1,6 +1,7 @@
 """``RknpuDriver``: the vendor ``rknpu`` DRM driver as a ``NpuDriver`` [docs/npu-programming.md §3-§4].
 
-Invariants: one SUBMIT per job; each submit table owns its task BO (KERNEL_MAPPING, one page,
+Invariants: one SUBMIT per job (one per core where the cores make a mask the driver does not
+commit, ``core_groups``); each submit table owns its task BO (KERNEL_MAPPING, one page,
 up to 102 tasks), written and cleaned once when the table is built, so a replay costs the
 SUBMIT alone; buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
 MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; a
@@ -38,17 +39,34 @@ _FACTS = (("hw_version", rk.Action.GET_HW_VERSION), ("npu_freq_hz", rk.Action.GE
           ("sram_total_bytes", rk.Action.GET_TOTAL_SRAM_SIZE), ("sram_free_bytes", rk.Action.GET_FREE_SRAM_SIZE))
 
 
+def core_groups(cores: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The SUBMITs that run task lists on ``cores``: one for a mask rknpu_job_commit commits,
+    otherwise one per core (cores 0+2 or 1+2, e.g. after core 0 failed: the driver would log
+    "Unknown core mask" and run nothing) [docs/npu-programming.md §4]."""
+    if sum(1 << c for c in cores) in rk.COMMITTED_CORE_MASKS:
+        return (cores,)
+    return tuple((c,) for c in cores)
+
+
+@dataclass(frozen=True)
+class CoreSubmit:
+    """One SUBMIT of a table: its core mask and subcore_task[0..4]."""
+
+    core_mask: int
+    subcore: tuple[tuple[int, int], ...]
+    n_tasks: int
+
+
 @dataclass(frozen=True, eq=False)
 class RknpuSubmitTable:
-    """A ``Job.cores`` as the vendor SUBMIT takes it."""
+    """A ``Job.cores`` as the vendor SUBMIT takes it: one SUBMIT, or one per core (``core_groups``)."""
 
     regcmd_buffers: tuple[Buffer, ...]
     n_tasks: int
     task_array: bytes  # the rknpu_task array, core-major
-    core_mask: int
-    subcore: tuple[tuple[int, int], ...]  # subcore_task[0..4]
+    groups: tuple[CoreSubmit, ...]
     task_bo: Allocation   # this table's own task BO, holding task_array (cleaned once)
-    submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMIT
+    submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMITs, in order
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,11 +141,10 @@ class RknpuDriver:
     # ------------------------------------------------------------------ submit
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RknpuSubmitTable:
         used = [(i, tasks) for i, tasks in enumerate(cores) if tasks]
-        slot = 2 if len(used) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
-        subcore = [(0, 0)] * rk.N_SUBCORE_TASKS
+        starts: dict[int, tuple[int, int]] = {}
         records: list[rk.rknpu_task] = []
         for core, tasks in used:
-            subcore[core + slot] = (len(records), len(tasks))
+            starts[core] = (len(records), len(tasks))
             records.extend(rk.rknpu_task(
                 flags=0, op_idx=1, enable_mask=t.enable_mask, int_mask=t.int_mask, int_clear=INT_CLEAR_ALL,
                 int_status=0, regcfg_amount=t.body_words, regcfg_offset=0, regcmd_addr=t.regcmd_addr,
@@ -141,8 +158,15 @@ class RknpuDriver:
         except BaseException:
             self.free(bo)
             raise
+        groups = []
+        for group in core_groups(tuple(starts)):
+            slot = 2 if len(group) == 3 else 0  # 3 cores: subcore_task[i+2]; 1-2 cores: subcore_task[i]
+            subcore = [(0, 0)] * rk.N_SUBCORE_TASKS
+            for core in group:
+                subcore[core + slot] = starts[core]
+            groups.append(CoreSubmit(sum(1 << c for c in group), tuple(subcore), sum(starts[c][1] for c in group)))
         table = RknpuSubmitTable(regcmd_buffers=regcmd_buffers, n_tasks=len(records), task_array=task_array,
-                                 core_mask=sum(1 << core for core, _ in used), subcore=tuple(subcore), task_bo=bo)
+                                 groups=tuple(groups), task_bo=bo)
         self._tables.add(table)
         return table
 
@@ -167,20 +191,24 @@ class RknpuDriver:
 
     def submit(self, job: RknpuJob, timeout_ms: int) -> Finished:
         table = job.table
-        submit = table.submits.get(timeout_ms)
-        if submit is None:
-            submit = table.submits[timeout_ms] = self.ioctls.submit_call(
-                task_obj_addr=table.task_bo.obj_addr, task_number=table.n_tasks,
-                flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=table.core_mask,
-                subcore_tasks=table.subcore)
+        submits = table.submits.get(timeout_ms)
+        if submits is None:
+            submits = table.submits[timeout_ms] = [self.ioctls.submit_call(
+                task_obj_addr=table.task_bo.obj_addr, task_number=g.n_tasks,
+                flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=g.core_mask,
+                subcore_tasks=g.subcore) for g in table.groups]
         for clean in job.cleans:
             clean()
-        result = self.ioctls.submit_result(submit())
+        results = []
+        for submit in submits:   # a loop, not a comprehension: no extra frame on the way to the ioctl
+            results.append(self.ioctls.submit_result(submit()))
         for invalidate in job.invalidates:
             invalidate()
         # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
         # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
-        return Finished(hw_elapsed_ns=result.hw_elapse_time or None, task_counter=result.task_counter)
+        elapsed = [r.hw_elapse_time or 0 for r in results]
+        return Finished(hw_elapsed_ns=sum(elapsed) if all(elapsed) else None,
+                        task_counter=sum(r.task_counter for r in results))
 
     # ------------------------------------------------------------------ control
     def reset(self) -> None:

@@ -7,9 +7,9 @@ Two ABI generations exist:
 - ``rknpu_submit`` 0.9.6: ``u64 regcfg_obj_addr`` at 32 and ``u64 user_data`` at 48;
   0.9.8: ``u32 iommu_domain_id; u32 reserved`` at 32 and ``s64 hw_elapse_time`` at 48
   [VEND 0.9.6 vs 0.9.8 headers]. Both are 104 bytes, so the request number is the same.
-- ``rknpu_mem_create`` 40 bytes (no iommu_domain_id) or 48 bytes (``s32 iommu_domain_id;
-  u32 reserved`` appended). Different request numbers; DRM zero-fills/truncates the size
-  difference [docs/npu-programming.md §4].
+- ``rknpu_mem_create`` 40 bytes or 48 (``s32 iommu_domain_id; u32 core_mask`` appended).
+  Different request numbers; DRM zero-fills/truncates the size difference
+  [docs/npu-programming.md §4, "What the drivers really do"].
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ PC_TASK_NUMBER_MASK = 0xFFF
 PC_DATA_AMOUNT_SCALE = 2
 PC_DATA_EXTRA_AMOUNT = 4  # RKNPU_PC_DATA_EXTRA_AMOUNT: the 4-word tail the kernel adds
 CORE_MASK_ALL = 0x7
+# the masks rknpu_job_commit commits; any other logs "Unknown core mask" and the job never
+# runs (rknpu_job_wait: EINVAL after the timeout) [VEND rknpu_job.c rknpu_job_commit]
+COMMITTED_CORE_MASKS = (0b001, 0b010, 0b100, 0b011, 0b111)
 N_SUBCORE_TASKS = 5
 
 
@@ -150,7 +153,7 @@ class rknpu_mem_create_v48(ctypes.Structure):
 
     _fields_ = [
         ("handle", u32), ("flags", u32), ("size", u64), ("obj_addr", u64),
-        ("dma_addr", u64), ("sram_size", u64), ("iommu_domain_id", s32), ("reserved", u32),
+        ("dma_addr", u64), ("sram_size", u64), ("iommu_domain_id", s32), ("core_mask", u32),
     ]
 
 
@@ -210,6 +213,11 @@ def decode_drv_version(value: int) -> tuple[int, int, int]:
 # 0.9.8 headers; where exactly between them it changed (0.9.7?) is not known - a guess
 # that only matters for a 0.9.7 kernel, which we have never seen.
 NEW_ABI_VERSION = (0, 9, 8)
+# From this version the driver re-issues a core's task list longer than max_submit_number
+# (4095) in chunks from its IRQ path (rknpu_job_subcore_commit_pc's submit_index); earlier
+# ones OR the count into TASK_CON [docs/npu-programming.md §4: the version is the review's
+# reading of the tarballs, the chunking itself is in 0.9.8's rknpu_job.c]
+CHUNKED_SUBMIT_VERSION = (0, 9, 5)
 
 
 def submit_struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:

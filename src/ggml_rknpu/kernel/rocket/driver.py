@@ -101,9 +101,9 @@ class RocketDriver:
                 outputs: tuple[BufferRange, ...]) -> RocketJob:
         in_handles = tuple(b.handle for b in (*(r.buffer for r in inputs), *table.regcmd_buffers))
         out_handles = tuple(r.buffer.handle for r in outputs)
-        return RocketJob(table, self.ioctls.submit_call([RocketJobSpec(tasks, in_handles, out_handles)
-                                                         for tasks in table.jobs]),
-                         tuple(r.buffer.handle for r in inputs), out_handles)
+        jobs = [RocketJobSpec(tasks, in_handles, out_handles) for tasks in table.jobs]
+        self.check_jobs(jobs)
+        return RocketJob(table, self.ioctls.submit_call(jobs), tuple(r.buffer.handle for r in inputs), out_handles)
 
     def submit(self, job: RocketJob, timeout_ms: int) -> Finished:
         for handle in job.cleans:
@@ -113,6 +113,22 @@ class RocketDriver:
         for handle in job.outputs:
             self.ioctls.prep_bo(handle, deadline)
         return Finished(hw_elapsed_ns=None, task_counter=job.table.n_tasks)
+
+    def check_jobs(self, jobs: list[RocketJobSpec]) -> None:
+        """Everything rocket_ioctl_submit_job would refuse, refused here: mainline drops such a
+        job and SUBMIT still returns 0 [docs/npu-programming.md §5], so nothing after the
+        ioctl could tell. (A job that never completes leaves the outputs' canaries in place:
+        the device reports it as stale output.)"""
+        for i, job in enumerate(jobs):
+            if not job.tasks:
+                raise NpuError(f"rocket job {i} has no tasks (mainline would drop it silently)", errno.EINVAL)
+            if any(count <= 0 or not 0 <= regcmd < ADDRESS_WINDOW_BYTES for regcmd, count in job.tasks):
+                raise NpuError(f"rocket job {i} has a task with regcmd_count 0 or an address outside the "
+                               "32-bit window (mainline would drop the job silently)", errno.EINVAL)
+            unknown = [h for h in (*job.in_handles, *job.out_handles) if h not in self._live]
+            if unknown:
+                raise NpuError(f"rocket job {i} names BO handles {unknown} this driver does not hold "
+                               "(mainline would drop the job silently)", errno.ENOENT)
 
     # ------------------------------------------------------------------ control
     def reset(self) -> None:

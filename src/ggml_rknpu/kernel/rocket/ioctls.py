@@ -23,7 +23,6 @@ INT64_MAX = (1 << 63) - 1
 _HINTS: dict[tuple[str, int], str] = {
     ("PREP_BO", errno.ETIMEDOUT): "the job writing this BO did not finish; rocket completes only on a "
     "DPU interrupt (int_mask 0x300), check the regcmd tail and dmesg",
-    ("SUBMIT", errno.ENOENT): "a BO handle in in/out_bo_handles is not open on this fd",
     ("CREATE_BO", errno.ENOMEM): "NPU memory or IOVA space is exhausted; free buffers first",
 }
 
