@@ -27,8 +27,11 @@ MUL_MAT = int(GgmlOp.MUL_MAT)
 K, N, M = 64, 32, 1
 MAX_FRAMES = 9          # from the handler to the ioctl, both counted (docs/decode-walk.md)
 SUBMIT = {"sim-rknpu": uapi.DRM_IOCTL_RKNPU_SUBMIT, "sim-rocket": rocket_uapi.DRM_IOCTL_ROCKET_SUBMIT}
-DRIVER_FRAME = {"sim-rknpu": ("kernel/rknpu/driver.py", "RknpuDriver.submit"),
-                "sim-rocket": ("kernel/rocket/driver.py", "RocketDriver.submit")}
+# the frames that differ by driver: its NpuDriver and its simulated kernel (the page shows rknpu's)
+DRIVER_FRAMES = {"sim-rknpu": (("kernel/rknpu/driver.py", "RknpuDriver.submit"),
+                               ("sim/kernel/rknpu.py", "SimRknpuKernel.ioctl")),
+                 "sim-rocket": (("kernel/rocket/driver.py", "RocketDriver.submit"),
+                                ("sim/kernel/rocket.py", "SimRocketKernel.ioctl"))}
 
 
 def _documented() -> dict[str, list[tuple[str, str]]]:
@@ -54,8 +57,8 @@ def _frames(syscalls: object) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("device", sorted(SUBMIT))
 def test_the_documented_decode_walk_is_the_call_sequence(monkeypatch, device):
-    documented = {name: [DRIVER_FRAME[device] if f == DRIVER_FRAME["sim-rknpu"] else f for f in frames]
-                  for name, frames in _documented().items()}
+    swap = dict(zip(DRIVER_FRAMES["sim-rknpu"], DRIVER_FRAMES[device], strict=True))
+    documented = {name: [swap.get(f, f) for f in frames] for name, frames in _documented().items()}
     assert set(documented) == {"grouped", "single"}
     npu = ggml_rknpu.open(device=device)
     cls = type(npu.device.syscalls)
