@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from ggml_rknpu import devices
 from ggml_rknpu.toolchain import launch, llamacpp, models
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -41,13 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _simulated(device: str | None) -> bool:
     """Whether the server's NPU is the simulator (auto picks it when no NPU node is found)."""
-    device = device or os.environ.get("RKNPU_DEVICE")
-    if device:
-        return device.startswith("sim")
-    from ggml_rknpu.kernel.device import discover
-    from ggml_rknpu.kernel.syscalls import HostSyscalls
-
-    return not discover(HostSyscalls())
+    return devices.resolve(device).simulated
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         if log:
             log.close()
         _print_placement(stats)
+        _print_device(args.device)
 
 
 def _print_placement(stats: Path) -> None:
@@ -121,3 +116,11 @@ def _print_placement(stats: Path) -> None:
         what = "decode" if bucket == "1" else f"M {bucket}"
         print(f"demo:   {what}: " + "; ".join(f"{where}: {' '.join(sorted(kinds))}"
                                               for where, kinds in sorted(sides.items())), file=sys.stderr)
+
+
+def _print_device(device: str | None) -> None:
+    """The demo's last line: whether the server ran on an NPU or on the simulator, and why
+    (the rule the server applied: devices.resolve)."""
+    choice = devices.resolve(device)
+    where = "the NPU simulator on this CPU" if choice.simulated else f"the NPU, {choice.path}"
+    print(f"demo: ran on {where}: {choice.why}", file=sys.stderr)
