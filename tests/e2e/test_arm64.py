@@ -13,6 +13,7 @@ board owner types runs. The marker ``arm64`` also selects other modules' tests (
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_rknpu.toolchain import llamacpp
+from ggml_rknpu.toolchain import llamacpp, llamacpp_wheel
 from support.e2e_support import Server, completion, rknpu_server, run_backend_ops, tool_env, tool_or_skip
 from support.gguf_models import write_tiny_gguf
 
@@ -157,3 +158,15 @@ def test_demo_with_a_tiny_model(tmp_path: Path) -> None:
     text = proc.stdout.strip()   # the tiny vocabulary's SPM pieces start with a space
     assert text.startswith(PROMPT) and len(text) > len(PROMPT), proc.stdout
     assert "uploads" in log.read_text(), log.read_text()[-3000:]
+    # the demo's last line: where the server ran, and why
+    assert proc.stderr.splitlines()[-1] == "demo: ran on the NPU simulator on this CPU: sim-rknpu asked for", \
+        proc.stderr[-3000:]
+
+
+def test_the_protocol8_client_is_left_out_naming_why() -> None:
+    """llama-cpp-py-sync has no aarch64 wheel: set-up left it out (pyproject.toml's marker), and the
+    protocol-8 tests skip on the reason ``client()`` gives."""
+    assert importlib.util.find_spec(llamacpp_wheel.PACKAGE) is None
+    with pytest.raises(llamacpp_wheel.WheelUnavailable, match=r"has no wheel for this machine \(aarch64\): "
+                       "pyproject.toml installs it only where .*platform_machine == \"x86_64\""):
+        llamacpp_wheel.client()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_rknpu.devices import open_device
+from ggml_rknpu.devices import Choice, open_device, resolve
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.kernel.device import HwTask, Job, NpuDevice, discover
 from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
@@ -109,6 +109,28 @@ def test_env_overrides_auto(monkeypatch):
         assert (dev.kind, dev.simulated) == ("rocket", True)
     with open_device("sim-rknpu") as dev:  # an explicit choice beats the env
         assert dev.kind == "rknpu"
+
+
+def test_resolve_says_which_device_and_why(monkeypatch):
+    """What rknpu demo's last line reports: the device open_device picks here, and the reason."""
+    monkeypatch.delenv("RKNPU_DEVICE", raising=False)
+    assert resolve(None, syscalls=FakeBoard()) == Choice("rknpu", "/dev/dri/renderD129",
+                                                         "/dev/dri/renderD129 is driven by rknpu (found by auto)")
+    empty = SimKernel("rknpu")
+    empty.nodes = {}
+    none = resolve(None, syscalls=empty)
+    assert none.simulated and none.why == ("no /dev/dri/renderD* named rknpu and no /dev/accel/accel* named rocket "
+                                           "on this machine")
+    locked = FakeBoard()
+    locked.nodes = {"/dev/dri": ["renderD128"]}
+    denied = resolve("auto", syscalls=locked)
+    assert denied.simulated and denied.unopenable == ("/dev/dri/renderD128: Permission denied",)
+    assert "join the render/video group" in denied.why
+    assert resolve("sim-rocket") == Choice("rocket", None, "sim-rocket asked for")
+    monkeypatch.setenv("RKNPU_DEVICE", "sim-rocket")
+    assert resolve() == Choice("rocket", None, "RKNPU_DEVICE=sim-rocket")
+    with pytest.raises(NpuError, match="sim-rocket"):
+        resolve("rocket", syscalls=FakeBoard())
 
 
 def test_unknown_device_name():

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from ggml_rknpu import devices
 from ggml_rknpu.toolchain import launch, llamacpp, models
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -42,17 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve this model instead of gemma3-270m (a tiny one where time is short: arm64 emulation)")
     parser.add_argument("--server-log", default=None, metavar="FILE",
                         help="write the server's output here instead of the terminal")
-
-
-def _simulated(device: str | None) -> bool:
-    """Whether the server's NPU is the simulator (auto picks it when no NPU node is found)."""
-    device = device or os.environ.get("RKNPU_DEVICE")
-    if device:
-        return device.startswith("sim")
-    from ggml_rknpu.kernel.device import discover
-    from ggml_rknpu.kernel.syscalls import HostSyscalls
-
-    return not discover(HostSyscalls())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         for line in client_log.read_text(errors="replace").splitlines():
             if "prompt eval time" in line or " eval time" in line:
                 term.say("demo: " + line.split("common_perf_print:", 1)[-1].strip())
-        if _simulated(args.device):
+        if devices.resolve(args.device).simulated:
             term.say("demo: without a board the NPU is simulated on this CPU: these rates are the simulator's, "
                      "not the NPU's")
         return 0 if client.returncode == 0 else 1
@@ -115,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if log:
             log.close()
         _print_placement(stats, term)
+        _print_device(args.device, term)
 
 
 class SharedTerminal:
@@ -188,3 +179,11 @@ def _print_placement(stats: Path, term: SharedTerminal) -> None:
         what = "decode" if bucket == "1" else f"M {bucket}"
         term.say(f"demo:   {what}: " + "; ".join(f"{where}: {' '.join(sorted(kinds))}"
                                                  for where, kinds in sorted(sides.items())))
+
+
+def _print_device(device: str | None, term: SharedTerminal) -> None:
+    """The demo's last line: whether the server ran on an NPU or on the simulator, and why
+    (the rule the server applied: devices.resolve)."""
+    choice = devices.resolve(device)
+    where = "the NPU simulator on this CPU" if choice.simulated else f"the NPU, {choice.path}"
+    term.say(f"demo: ran on {where}: {choice.why}")

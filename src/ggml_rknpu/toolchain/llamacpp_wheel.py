@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ggml_rknpu.toolchain import launch
+from ggml_rknpu.toolchain import launch, platform_wheels
 from ggml_rknpu.toolchain.llamacpp import cache_dir
 
-WHEEL = "llama-cpp-py-sync==0.11739"
+DISTRIBUTION = "llama-cpp-py-sync"
+WHEEL = f"{DISTRIBUTION}==0.11739"
 PACKAGE = "llama_cpp_py_sync"
 C23_SYMBOLS = (b"__isoc23_strtol", b"__isoc23_strtoul", b"__isoc23_strtoull", b"__isoc23_sscanf")
 GLIBC_C23 = b"GLIBC_2.38"
@@ -140,6 +141,10 @@ def client() -> Client:
     """The b11739 wheel, loadable here; WheelUnavailable names what is missing."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or spec.origin is None:
+        for left_out in platform_wheels.left_out_here():
+            if left_out.requirement.name == DISTRIBUTION:
+                raise WheelUnavailable(f"{WHEEL} has no wheel for this machine ({platform.machine()}): "
+                                       f"pyproject.toml installs it only where {left_out.requirement.marker}")
         raise WheelUnavailable(f"{WHEEL} is not installed: pip install -e '.[client8]' (scripts/bootstrap does)")
     installed = Path(spec.origin).parent
     if _glibc_has_c23():
