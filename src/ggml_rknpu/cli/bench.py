@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_arguments(sub.add_parser(
         "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
                                     "on a board, rknpu serve --placement auto then decides by these times"), _common)
+    from ggml_rknpu.bench import memory
+    memory.add_arguments(sub.add_parser(
+        "memory", help="anonymous memory of one llama-server completion through rknpu serve (the server's growth "
+                       "+ the client) vs llama-server alone, one weight type"), _common)
     from ggml_rknpu.bench import soak
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
@@ -391,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
             concurrent,
             host_batches,
             host_placement,
+            memory,
             rpc8_decode,
             rpc_overhead,
             soak,
@@ -402,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
                  "calibrate-placement": calibrate, "host-batches": host_batches,
-                 "concurrent": concurrent}.get(args.bench, rpc_overhead)
+                 "concurrent": concurrent, "memory": memory}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it; "
                         "a quarter on the simulator), bound programs (a quarter); default from the machine's "
                         "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
+    p.add_argument("--weight-pages", type=Path, default=None, metavar="DIR",
+                   help="where the GGUF bytes of weights with a repacked or NPU copy are paged (an unlinked file on "
+                        "disk per buffer, which the kernel may drop and read again; default "
+                        "~/.cache/ggml-rknpu/weight-pages; never tmpfs); docs/memory.md")
+    p.add_argument("--no-weight-pages", action="store_true",
+                   help="keep every uploaded byte in anonymous memory (two host copies of a repacked weight)")
     p.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
                    help="where weight matmuls run: auto (default: each weight and M bucket where the board's cost "
                         "models say it is faster), npu (every eligible weight on the NPU), host (every weight matmul "
@@ -232,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ggml_rknpu.server.buffers import DeviceMemory
     from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, MAX_CLIENTS, RpcServer, ServerConfig, ServerState
+    from ggml_rknpu.server.weight_pages import WeightPages, default_directory
 
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
@@ -276,6 +283,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     engine += f", {host_budget.describe()}"
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
+    try:
+        pages = None if args.no_weight_pages else WeightPages(args.weight_pages or default_directory())
+    except (OSError, ValueError) as exc:
+        log.error("--weight-pages: %s", exc)
+        if npu is not None:
+            npu.close()
+        return 2
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, min_rate_kib_s=args.min_rate,
@@ -299,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _ensure_host_libraries()
-        state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config, faults=injector)
+        state = ServerState(npu=npu, memory=DeviceMemory(budget, pages), config=config, faults=injector)
     except (GgmlAbiError, GgmlLibraryMissing) as exc:
         log.error("cannot start the host backend (ggml-cpu): %s", exc)
         if npu is not None:
@@ -337,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("rknpu serve: %s, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)", _listening_text(server, args.host), engine, args.weights,
              _activations_text(args), free / 2**20, total / 2**20, state.threads.n if state.threads else 0)
+    log.info("%s; %s", state.board.now(state).render(), pages.describe() if pages else "no weight pages")
     if state.placer is not None:
         log.info("%s", state.placer.describe())
     try:

@@ -341,7 +341,7 @@ class WeightStore:
             slot.handle = shared if shared is not None else self.retired.take(slot.content_key)
             if slot.handle is not None:
                 self.stats.reused += shared is None
-                self._count_staged(slot)
+                self._staged(slot)
                 if shared is None and self.live is not None:
                     self.live.add(slot.content_key, slot.handle)
                 return
@@ -356,7 +356,7 @@ class WeightStore:
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
             return
         self.stats.uploads += 1
-        self._count_staged(slot)
+        self._staged(slot)
         if self.live is not None and slot.content_key is not None:
             self.live.add(slot.content_key, slot.handle)
         self.stats.upload_seconds += time.perf_counter() - t0
@@ -371,7 +371,10 @@ class WeightStore:
                 if self.retired is None or not self.retired.evict_one():
                     raise
 
-    def _count_staged(self, slot: WeightSlot) -> None:
+    def _staged(self, slot: WeightSlot) -> None:
+        """Count a slot just staged; its GGUF bytes, needed now only to read back or stage
+        again, go to the buffer's weight pages (``weight_pages``)."""
+        slot.buffer.keep_in_file(slot.start, slot.end)
         self.stats.staged += 1
         self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
         self.stats.staged_bytes += slot.nbytes

@@ -30,6 +30,7 @@ from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
+from ggml_rknpu.server.board_memory import BoardMemory
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.server.host_budget import TRIM_AFTER_FREED_BYTES, return_free_heap
 from ggml_rknpu.server.live_weights import LiveWeights
@@ -110,6 +111,7 @@ class ServerState:
     weight_stats: WeightStats = field(default_factory=WeightStats)
     retired: RetiredWeights | None = None
     host: libggml.Ggml = field(default_factory=libggml.load)   # loaded and ABI-checked at start
+    board: BoardMemory = field(default_factory=BoardMemory)     # board accounting (after ggml is loaded)
     threads: Threads | None = None
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
@@ -153,6 +155,7 @@ class ServerState:
         out["sessions"] = asdict(self.sessions)
         out["turns"] = self.turns.as_dict()
         out["shared_weights"] = self.live.as_dict()
+        out["board_memory"] = self.board.now(self).as_dict()
         if self.activations is not None:
             out["activations"] = self.activations.as_dict()
         if self.placer is not None:
@@ -183,6 +186,7 @@ class ServerState:
         w = self.weight_stats
         lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
                      f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
+        lines.append(self.board.now(self).render())
         npu: Any = self.npu
         if hasattr(npu, "memory_used"):
             cap = npu.memory_cap
