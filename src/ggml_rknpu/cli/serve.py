@@ -94,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it; "
                         "a quarter on the simulator), bound programs (a quarter); default from the machine's "
                         "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="MIB",
+                   help="board memory the server may hold (its buffers, copies, NPU memory, itself); weights whose "
+                        "NPU copy would not fit run in ggml-cpu instead, never a refused model (default: MemAvailable "
+                        "at start-up less a reserve of MemTotal / 8, at least 512 MiB); docs/memory.md")
     p.add_argument("--weight-pages", type=Path, default=None, metavar="DIR",
                    help="where the GGUF bytes of weights with a repacked or NPU copy are paged (an unlinked file on "
                         "disk per buffer, which the kernel may drop and read again; default "
@@ -237,9 +241,13 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ggml_rknpu.rpc")
 
     from ggml_rknpu.server.buffers import DeviceMemory
+    from ggml_rknpu.server.memory_budget import for_server
     from ggml_rknpu.server.rpc.server import HOST_ONLY_BUDGET, MAX_CLIENTS, RpcServer, ServerConfig, ServerState
     from ggml_rknpu.server.weight_pages import WeightPages, default_directory
 
+    if args.memory_budget is not None and args.memory_budget < 1:
+        log.error("--memory-budget must be a positive MiB figure, got %d", args.memory_budget)
+        return 2
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
         return 2
@@ -351,7 +359,9 @@ def run(args: argparse.Namespace) -> int:
     log.info("rknpu serve: %s, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)", _listening_text(server, args.host), engine, args.weights,
              _activations_text(args), free / 2**20, total / 2**20, state.threads.n if state.threads else 0)
-    log.info("%s; %s", state.board.now(state).render(), pages.describe() if pages else "no weight pages")
+    state.budget, budget_text = for_server(state, args.memory_budget)
+    log.info("%s; %s; %s", state.board.now(state).render(), budget_text,
+             pages.describe() if pages else "no weight pages")
     if state.placer is not None:
         log.info("%s", state.placer.describe())
     try:

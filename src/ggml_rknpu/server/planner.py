@@ -24,6 +24,7 @@ from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
 from ggml_rknpu.server.host_copies import HostCopies, HostCopy
+from ggml_rknpu.server.memory_budget import OVER_BUDGET
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
@@ -265,6 +266,8 @@ class GraphPlanner:
         slot = self.weights.slot_for(_rows(c0, 0, w.ne[1] - host_rows)) if reason is None else None
         if reason is None and slot is None:
             reason = "weight type or engine refused it"
+        elif slot is not None and not self.weights.admit(slot):
+            slot, reason, host_rows = None, OVER_BUDGET, 0
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         elif host_rows:

@@ -29,6 +29,7 @@ from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.server.buffers import DeviceBuffer
 from ggml_rknpu.server.live_weights import LiveWeights
+from ggml_rknpu.server.memory_budget import OVER_BUDGET, MemoryBudget
 from ggml_rknpu.server.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -219,6 +220,7 @@ class WeightStore:
     # buffers freed from then on are freed, not retired, so no client fills the retired copies
     # with bytes nobody will ask for again
     retire_on_free: bool = True
+    budget: MemoryBudget | None = None      # the server's memory budget (None: NPU memory bounds staging)
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
     types: frozenset[int] = field(default_factory=_weight_types)
@@ -306,8 +308,23 @@ class WeightStore:
                     n += 1
         return n
 
+    def admit(self, slot: WeightSlot) -> bool:
+        """Whether ``slot`` may be staged under the memory budget: a staged slot may; one the
+        budget refuses stays on the host for good (``_to_host``; the budget names it)."""
+        if self.budget is None or slot.handle is not None or self.budget.admits(slot.name, slot.n * slot.k * BYTES[self.fmt]):
+            return True
+        self._to_host(slot, OVER_BUDGET)
+        return False
+
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
+        try:
+            self._stage_all(slots)
+        finally:
+            if self.budget is not None:
+                self.budget.settle()
+
+    def _stage_all(self, slots: Iterable[WeightSlot]) -> None:
         todo = [s for s in dict.fromkeys(slots) if s.handle is None and s.on_npu]
         if not todo:
             return

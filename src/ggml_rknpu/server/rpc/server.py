@@ -34,6 +34,7 @@ from ggml_rknpu.server.board_memory import BoardMemory
 from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, BufferTable, DeviceBuffer, DeviceMemory
 from ggml_rknpu.server.host_budget import TRIM_AFTER_FREED_BYTES, return_free_heap
 from ggml_rknpu.server.live_weights import LiveWeights
+from ggml_rknpu.server.memory_budget import MemoryBudget
 from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
@@ -112,6 +113,7 @@ class ServerState:
     retired: RetiredWeights | None = None
     host: libggml.Ggml = field(default_factory=libggml.load)   # loaded and ABI-checked at start
     board: BoardMemory = field(default_factory=BoardMemory)     # board accounting (after ggml is loaded)
+    budget: MemoryBudget | None = None   # --memory-budget: NPU copies within the board bytes (None: unbounded)
     threads: Threads | None = None
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)
@@ -156,6 +158,7 @@ class ServerState:
         out["turns"] = self.turns.as_dict()
         out["shared_weights"] = self.live.as_dict()
         out["board_memory"] = self.board.now(self).as_dict()
+        out["memory_budget"] = self.budget.as_dict() if self.budget is not None else None
         if self.activations is not None:
             out["activations"] = self.activations.as_dict()
         if self.placer is not None:
@@ -186,7 +189,7 @@ class ServerState:
         w = self.weight_stats
         lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
                      f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
-        lines.append(self.board.now(self).render())
+        lines.append(self.board.now(self).render() + (f"; {self.budget.render()}" if self.budget else ""))
         npu: Any = self.npu
         if hasattr(npu, "memory_used"):
             cap = npu.memory_cap
@@ -230,7 +233,7 @@ class Session:
         self.deadlines = Deadlines(sock, state.config.stall_timeout_s, state.config.min_rate_kib_s)
         self.reader = Reader(self.deadlines)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
-                                   state.retired, state.live)
+                                   state.retired, state.live, budget=state.budget)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         assert state.threads is not None, "ServerState.__post_init__ makes the threadpool"
