@@ -1,6 +1,6 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
-CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
+CPU-only vs through ``rknpu serve``), ``decode``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``, ``memory``, ``fit``,
 ``npu-submit`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_arguments(sub.add_parser(
         "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
                                     "on a board, rknpu serve --placement auto then decides by these times"), _common)
+    from ggml_rknpu.bench import fit
+    fit.add_arguments(sub.add_parser(
+        "fit", help="which placements of a model fit a board's RAM (4, 8, 16, 32 GB): llama.cpp alone, RKLLM, "
+                    "rknpu serve host only / NPU only / both / the fastest mix that fits (modeled)"), _common)
     from ggml_rknpu.bench import memory
     memory.add_arguments(sub.add_parser(
         "memory", help="anonymous memory of one llama-server completion through rknpu serve (the server's growth "
@@ -393,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
         from ggml_rknpu.bench import (
             calibrate,
             concurrent,
+            fit,
             host_batches,
             host_placement,
             memory,
@@ -407,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
                  "calibrate-placement": calibrate, "host-batches": host_batches,
-                 "concurrent": concurrent, "memory": memory}.get(args.bench, rpc_overhead)
+                 "concurrent": concurrent, "memory": memory, "fit": fit}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
