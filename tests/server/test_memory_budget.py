@@ -19,33 +19,38 @@ K, N, M = 64, 32, 2
 FP16_BYTES = N * K * 2          # one weight's NPU copy (fp16)
 
 
-def _two_weights(budget_left: int) -> tuple[list[np.ndarray], list[np.ndarray], dict, FakeNpu]:
-    """Two weights read by one graph, the budget ``budget_left`` bytes above what the board holds
-    when the graph is planned: (outs, weights, stats, engine)."""
+def _two_weights(budget_left: int, ns: tuple[int, int] = (N, N),
+                 saved=None) -> tuple[list[np.ndarray], list[np.ndarray], dict, FakeNpu]:
+    """Two weights of ``ns`` rows read by one graph, the budget ``budget_left`` bytes above what
+    the board holds when the graph is planned; ``saved``: the placer's seconds saved on the NPU
+    by (K, N) in place of its models: (outs, weights, stats, engine)."""
     npu = FakeNpu()
     rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(2)]
+    ws = [rng.standard_normal((n, K)).astype(np.float32) for n in ns]
     x = rng.standard_normal((M, K)).astype(np.float32)
     for st in serve(npu=npu):
         state = st.state
         state.budget, said = for_server(state, 1)
         assert state.budget is not None and said == "memory budget 1 MiB of board memory (--memory-budget)"
+        if saved is not None:
+            assert state.placer is not None
+            state.placer.saved_s = lambda type_, m, k, n: saved(k, n)   # type: ignore[method-assign, assignment]
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)
-            wt = [T(ne=(K, N, 1, 1), buffer=wh, data=wb + i * N * K * 4, name=f"blk.{i}.ffn_up.weight")
+            wt = [T(ne=(K, ns[i], 1, 1), buffer=wh, data=wb + i * N * K * 4 * 2, name=f"blk.{i}.ffn_up.weight")
                   for i in range(2)]
             xt = T(ne=(K, M, 1, 1), buffer=ch, data=cb, name="x")
-            dst = [T(ne=(N, M, 1, 1), buffer=ch, data=cb + 4096 + i * N * M * 4, op=MUL_MAT, src=(wt[i].id, xt.id),
-                     name=f"out{i}") for i in range(2)]
+            dst = [T(ne=(ns[i], M, 1, 1), buffer=ch, data=cb + 4096 + i * N * M * 4 * 2, op=MUL_MAT,
+                     src=(wt[i].id, xt.id), name=f"out{i}") for i in range(2)]
             for t, w in zip(wt, ws):
                 c.set_array(t, w)
             c.set_array(xt, x)
             state.budget.bytes = state.board.now(state).total + budget_left
             c.graph_compute(dst, [*wt, xt, *dst])
-            outs = [c.get_array(d).reshape(M, N) for d in dst]
+            outs = [c.get_array(d).reshape(M, n) for d, n in zip(dst, ns)]
             c.graph_compute(dst, [*wt, xt, *dst])          # a second plan keeps the choice
-            again = [c.get_array(d).reshape(M, N) for d in dst]
+            again = [c.get_array(d).reshape(M, n) for d, n in zip(dst, ns)]
             stats = state.stats_dict()
         for a, b in zip(outs, again):
             np.testing.assert_array_equal(a, b)
@@ -60,6 +65,16 @@ def test_a_budget_for_one_npu_copy_keeps_the_other_weight_on_the_host():
     assert stats["host_matmul_reasons"][OVER_BUDGET] == 1
     np.testing.assert_allclose(outs[0], refs[0], rtol=2e-2, atol=2e-2)       # the NPU's fp16 weight
     np.testing.assert_allclose(outs[1], refs[1], rtol=1e-5, atol=1e-5)       # ggml-cpu, f32
+
+
+def test_the_copy_saving_the_most_time_per_byte_is_admitted_first():
+    """Room for the larger weight's copy alone: it saves more modeled time per byte, so it goes
+    first, though the graph reads the other one first."""
+    ns = (N, N + 16)
+    outs, refs, stats, npu = _two_weights((N + 16) * K * 2, ns, saved=lambda k, n: float(n * n))
+    assert npu.uploads == 1 and stats["memory_budget"]["host_only"] == {"blk.0.ffn_up.weight": N * K * 2}
+    np.testing.assert_allclose(outs[0], refs[0], rtol=1e-5, atol=1e-5)       # ggml-cpu, f32
+    np.testing.assert_allclose(outs[1], refs[1], rtol=2e-2, atol=2e-2)       # the NPU's fp16 weight
 
 
 def test_no_room_runs_every_weight_on_the_host_and_room_stages_both():

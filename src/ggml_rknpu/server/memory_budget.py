@@ -4,8 +4,8 @@ server may hold, and which weights' NPU copies it gave up to stay within them.
 Only NPU copies are optional: a client's buffers are what llama.cpp alone would hold, so they
 are never refused for the budget (a model llama.cpp alone loads always loads, toward
 host-only). A weight the placement puts on the NPU is staged only when the board bytes now,
-those promised to weights planned but not yet staged, and its NPU copy fit; else its matmuls
-run in ggml-cpu (from a repacked copy where ggml repacks it) for good, and the stats name it.
+those promised to weights planned but not yet staged, and its NPU copy fit (a plan offers its
+copies most time saved per byte first); else it runs in ggml-cpu for good, named in the stats.
 The default is the machine's ``MemAvailable`` at start-up less ``RESERVE_RULE``, plus what
 the server already holds. Why: docs/memory.md "The memory budget"."""
 

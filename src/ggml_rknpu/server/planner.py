@@ -81,6 +81,7 @@ class GraphPlanner:
         self._splits = {}
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
+        self._within_budget(slots, g)
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
         unsplit = {nid: s for nid, s in slots.items() if nid not in self._splits}   # a split is never grouped
@@ -266,13 +267,36 @@ class GraphPlanner:
         slot = self.weights.slot_for(_rows(c0, 0, w.ne[1] - host_rows)) if reason is None else None
         if reason is None and slot is None:
             reason = "weight type or engine refused it"
-        elif slot is not None and not self.weights.admit(slot):
-            slot, reason, host_rows = None, OVER_BUDGET, 0
         if reason is not None:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         elif host_rows:
             self._splits[t.id] = host_rows
         return slot
+
+    def _within_budget(self, slots: dict[int, WeightSlot | None], g: ParsedGraph) -> None:
+        """Admit the NPU copies this plan would stage under the memory budget, the most modeled
+        time saved per NPU byte first (``Placer.saved_s`` at the node's M); a weight refused
+        runs on the host (``slots[nid]`` None, from a repacked copy where ggml repacks it)."""
+        if self.weights.budget is None:
+            return
+
+        def saved_per_element(nid: int) -> float:
+            slot, t = slots[nid], g.tensors[nid]
+            assert slot is not None
+            saved = 1.0 if self.placer is None else self.placer.saved_s(slot.type, t.ne[1] * t.ne[2] * t.ne[3],
+                                                                        slot.k, slot.n)
+            return saved / (slot.n * slot.k)
+
+        waiting = [nid for nid, s in slots.items() if s is not None and s.handle is None]
+        verdict: dict[int, bool] = {}                  # id(slot) -> admitted (a weight read by two nodes)
+        for nid in sorted(waiting, key=saved_per_element, reverse=True):
+            slot = slots[nid]
+            assert slot is not None
+            if verdict.setdefault(id(slot), self.weights.admit(slot)):
+                continue
+            slots[nid] = None
+            self._splits.pop(nid, None)
+            self.stats.host_matmul_reasons[OVER_BUDGET] = self.stats.host_matmul_reasons.get(OVER_BUDGET, 0) + 1
 
     def _split_step(self, t: RpcTensor, slot: WeightSlot, host_rows: int, checked: dict[int, CheckedTensor],
                     ptrs: dict[int, TensorP], host: HostContext) -> SplitStep:

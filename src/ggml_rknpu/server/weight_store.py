@@ -311,7 +311,8 @@ class WeightStore:
     def admit(self, slot: WeightSlot) -> bool:
         """Whether ``slot`` may be staged under the memory budget: a staged slot may; one the
         budget refuses stays on the host for good (``_to_host``; the budget names it)."""
-        if self.budget is None or slot.handle is not None or self.budget.admits(slot.name, slot.n * slot.k * BYTES[self.fmt]):
+        if (self.budget is None or slot.handle is not None
+                or self.budget.admits(slot.name, slot.n * slot.k * BYTES[self.fmt])):
             return True
         self._to_host(slot, OVER_BUDGET)
         return False
