@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, quants
 from ggml_rknpu.bench.memory import anon_bytes, stats_now
 from ggml_rknpu.kernel.errors import NpuFault
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
-from ggml_rknpu.server.weight_pages import PAGE, WeightPages, filesystem_type
+from ggml_rknpu.server.weight_pages import PAGE, BufferPages, WeightPages, anonymous_buffer, filesystem_type
 from ggml_rknpu.toolchain import launch
 from support.matmul_graph import M, MatmulGraph, fp16_ref, rng_w
 from support.rpc_testkit import FaultyNpu, RpcClient, T, serve
@@ -84,6 +84,29 @@ def test_tmpfs_is_refused(tmp_path: Path):
     mountinfo.write_text(f"1 0 8:1 / / rw - ext4 /dev/vda rw\n2 1 0:5 / {tmp_path} rw - tmpfs tmpfs rw\n")
     assert filesystem_type(tmp_path / "x", mountinfo) == "tmpfs"
     assert filesystem_type(Path("/usr"), mountinfo) == "ext4"
+
+
+def test_pages_keep_the_bytes_and_a_failing_store_leaves_them_anonymous(pages: WeightPages, caplog):
+    size = 16 * PAGE
+    buf = np.frombuffer(anonymous_buffer(size), dtype=np.uint8)
+    buf[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    before = buf.copy()
+    kept = BufferPages(pages, buf.ctypes.data, size)
+    assert kept.keep(100, 8 * PAGE + 5) == 7 * PAGE                 # the whole pages inside only
+    assert kept.keep(PAGE, 2 * PAGE) == 0                            # moved already
+    buf[PAGE + 7] ^= 0xFF                                            # a write reaches the file
+    before[PAGE + 7] ^= 0xFF
+    np.testing.assert_array_equal(buf, before)
+    assert pages.bytes == 7 * PAGE
+    kept.close()
+    assert pages.bytes == 0
+    pages.directory.rmdir()                                          # the store is gone
+    failing = BufferPages(pages, buf.ctypes.data, size)
+    assert failing.keep(9 * PAGE, 12 * PAGE) == 0 and failing.failed and pages.bytes == 0
+    assert failing.keep(12 * PAGE, 14 * PAGE) == 0
+    np.testing.assert_array_equal(buf, before)
+    assert [r.getMessage().startswith("weight pages: the buffer's weights stay in anonymous memory")
+            for r in caplog.records] == [True]
 
 
 def _repacked_run(n: int, **serve_kw) -> tuple[np.ndarray, np.ndarray, bytes, dict, list[bytes]]:

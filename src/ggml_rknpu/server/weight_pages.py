@@ -16,12 +16,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ggml_rknpu.hw.alignment import align_up
+
+log = logging.getLogger("ggml_rknpu.rpc")
 
 PAGE = mmap.PAGESIZE
 _FIXED = 0x10                 # MAP_FIXED (Linux mman-common.h)
@@ -89,13 +92,29 @@ class BufferPages:
     _file: int = -1
     _moved: list[tuple[int, int]] = field(default_factory=list)   # page-aligned [start, end) now file-backed
     moved_bytes: int = 0
+    failed: bool = False           # the store failed once: nothing more moves
 
     def keep(self, start: int, end: int) -> int:
-        """Move the whole pages inside bytes [start, end) of the buffer to the file; the bytes moved."""
+        """Move the whole pages inside bytes [start, end) of the buffer to the file; the bytes
+        moved (0: none whole, moved already, or the store failed: then the buffer's bytes stay
+        anonymous from here on, said once, e.g. on a full disk)."""
         lo = align_up(self.address + start, PAGE) - self.address
         hi = (self.address + end) // PAGE * PAGE - self.address
-        if hi <= lo or any(s < hi and lo < e for s, e in self._moved):
+        if self.failed or hi <= lo or any(s < hi and lo < e for s, e in self._moved):
             return 0
+        try:
+            self._move(lo, hi)
+        except OSError as exc:
+            self.failed = True
+            log.warning("weight pages: the buffer's weights stay in anonymous memory: %s", exc)
+            return 0
+        self._moved.append((lo, hi))
+        self.moved_bytes += hi - lo
+        self.store.bytes += hi - lo
+        return hi - lo
+
+    def _move(self, lo: int, hi: int) -> None:
+        """Write the buffer's bytes [lo, hi) to the file and map the file over them."""
         if self._file < 0:
             self._file = os.open(self.store.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
             os.ftruncate(self._file, self.size)
@@ -106,10 +125,6 @@ class BufferPages:
                            mmap.MAP_SHARED | _FIXED, self._file, lo)
         if got == _MAP_FAILED or got != self.address + lo:
             raise OSError(ctypes.get_errno(), f"cannot map weight pages over the buffer: {os.strerror(ctypes.get_errno())}")
-        self._moved.append((lo, hi))
-        self.moved_bytes += hi - lo
-        self.store.bytes += hi - lo
-        return hi - lo
 
     def close(self) -> None:
         """The buffer was freed: its file goes when its mapping does (the file is unlinked)."""
