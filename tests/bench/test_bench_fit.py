@@ -89,3 +89,16 @@ def test_byte_model_arithmetic():
     shape = fit_bytes.SHAPES["Qwen3-4B"]
     assert Footprint(shape, 4096, 0).kv == 2 * 36 * 1024 * 4096 * 2
     assert usable(8) == int(8 * 2**30 * 0.96) - int(8 * 2**30 * 0.96) // 8
+
+
+def test_a_gguf_is_priced_in_its_stored_types(tmp_path):
+    from ggml_rknpu.cli.main import main
+    from support.gguf_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    assert main(["bench", "fit", str(path), "--ram", "4", "--allow-throttled", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "fit.json").read_text())["raw"]["rows"]
+    assert {r["quant"] for r in rows} == {"as stored"} and {r["model"] for r in rows} == {"tiny"}
+    assert all(r["fits"] == "yes" for r in rows)
+    with pytest.raises(ValueError, match="neither a preset"):
+        fit.resolve("no-such-model")

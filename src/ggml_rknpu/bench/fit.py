@@ -171,7 +171,9 @@ def model_rows(name: str, shape, quant: str, weights: list[plans.Weight], rams: 
     return rows
 
 
-def _resolve(name: str):
+def resolve(name: str):
+    """(the shape, the GGUF path or None): bench fit's own shapes, else what bench decode
+    resolves the name to (its presets, a GGUF)."""
     shape = SHAPES.get(name) or decode._models([name])[0]
     if name in SHAPES or name in decode.PRESETS:
         return shape, None
@@ -184,7 +186,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         raise ValueError(f"--ram takes GB sizes >= 1 and --context tokens >= 1, got {args.ram!r}, {args.context}")
     rows: list[dict] = []
     for name in args.model:
-        shape, path = _resolve(name)
+        shape, path = resolve(name)
         if path is not None:
             quant, weights = "as stored", plans.gguf_weights(Path(path))
         else:
