@@ -100,5 +100,6 @@ def test_a_gguf_is_priced_in_its_stored_types(tmp_path):
     rows = json.loads((tmp_path / "out" / "fit.json").read_text())["raw"]["rows"]
     assert {r["quant"] for r in rows} == {"as stored"} and {r["model"] for r in rows} == {"tiny"}
     assert all(r["fits"] == "yes" for r in rows)
+    assert fit.resolve("qwen3-0.6b")[1] is None                     # a preset in any case, as bench decode
     with pytest.raises(ValueError, match="neither a preset"):
         fit.resolve("no-such-model")

@@ -175,9 +175,7 @@ def resolve(name: str):
     """(the shape, the GGUF path or None): bench fit's own shapes, else what bench decode
     resolves the name to (its presets, a GGUF)."""
     shape = SHAPES.get(name) or decode._models([name])[0]
-    if name in SHAPES or name in decode.PRESETS:
-        return shape, None
-    return shape, name
+    return shape, (name if name not in SHAPES and Path(name).is_file() else None)
 
 
 def run(args, rig, console: Console) -> rp.Report | None:
