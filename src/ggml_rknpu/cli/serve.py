@@ -355,11 +355,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
+    state.budget, budget_text = for_server(state, args.memory_budget)
+    state.memory.host_bytes = state.budget.bytes if state.budget is not None else None
     free, total = state.memory.report()
     log.info("rknpu serve: %s, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)", _listening_text(server, args.host), engine, args.weights,
              _activations_text(args), free / 2**20, total / 2**20, state.threads.n if state.threads else 0)
-    state.budget, budget_text = for_server(state, args.memory_budget)
     log.info("%s; %s; %s", state.board.now(state).render(), budget_text,
              pages.describe() if pages else "no weight pages")
     if state.placer is not None:

@@ -92,16 +92,22 @@ class DeviceMemory:
     reported is the smaller of the two constraints. ``reclaimable`` is NPU memory held
     by retired weights (kept for reuse by a later client, freed on demand), so it
     counts as free: llama.cpp's ``-fit`` must not shrink its offload because of them.
+    ``host_bytes`` (the server's memory budget, when it has one) lifts the bound on buffers
+    above the NPU's address space: a model larger than the NPU window still loads, its weights
+    beyond it on the host (NPU out of memory: ``weight_store``), as llama.cpp alone would.
     """
 
     def __init__(self, npu_budget: Callable[[], tuple[int, int]], pages: WeightPages | None = None) -> None:
         self._npu_budget = npu_budget
         self.pages = pages            # where weight pages go (None: buffers stay anonymous)
+        self.host_bytes: int | None = None   # buffers may take this much (None: the NPU's total)
         self.allocated = 0
         self.reclaimable: Callable[[], int] = lambda: 0
 
     def report(self) -> tuple[int, int]:
         npu_free, total = self._npu_budget()
+        if self.host_bytes is not None and self.host_bytes > total:
+            return max(0, self.host_bytes - self.allocated), self.host_bytes
         npu_free = min(total, npu_free + self.reclaimable())
         return max(0, min(npu_free, total - self.allocated)), total
 
@@ -110,7 +116,7 @@ class DeviceMemory:
 
     def reserve(self, size: int) -> bool:
         _, total = self._npu_budget()
-        if self.allocated + size > total:
+        if self.allocated + size > max(total, self.host_bytes or 0):
             return False
         self.allocated += size
         return True
