@@ -39,11 +39,13 @@ class MemoryBudget:
     bytes: int
     board_now: Callable[[], int]
     promised: int = 0                 # NPU bytes of weights admitted, not yet staged
+    board_at_admission: int = 0       # the board bytes the last copy was weighed against (stats)
     gave_up: dict[str, int] = field(default_factory=dict)   # weight -> the NPU bytes it did not get
 
     def admits(self, name: str, npu_bytes: int) -> bool:
         """Whether an NPU copy of ``npu_bytes`` fits beside what is held and promised (then promised)."""
-        if self.board_now() + self.promised + npu_bytes <= self.bytes:
+        self.board_at_admission = self.board_now()
+        if self.board_at_admission + self.promised + npu_bytes <= self.bytes:
             self.promised += npu_bytes
             return True
         self.gave_up[name] = npu_bytes
@@ -57,7 +59,7 @@ class MemoryBudget:
         return f"memory budget {self.bytes / 2**20:.0f} MiB of board memory"
 
     def as_dict(self) -> dict:
-        return {"bytes": self.bytes, "host_only": dict(self.gave_up),
+        return {"bytes": self.bytes, "board_at_admission": self.board_at_admission, "host_only": dict(self.gave_up),
                 "host_only_npu_bytes": sum(self.gave_up.values())}
 
     def render(self) -> str:
