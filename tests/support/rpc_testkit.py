@@ -384,9 +384,10 @@ class ServerThread:
                  cache_dir=None, stall_timeout_s: float = 120.0, weight_reuse: bool = True,
                  group_matmuls: bool = True, protocol: int | None = 7, placement: str = "npu",
                  host_threads: int | None = None, host_repack: bool = False, placement_split: bool = False,
-                 retired_budget: int | None = None, **config) -> None:
+                 retired_budget: int | None = None, pages=None, **config) -> None:
+        """``pages``: a ``server.weight_pages.WeightPages`` (None: every buffer anonymous)."""
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
-        self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn),
+        self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn, pages),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls,

@@ -30,10 +30,14 @@ def chat_body(question: str, max_tokens: int) -> dict:
             "temperature": 0, "seed": 1}
 
 
-def start(model: Path, rpc_port: int, slots: int, log: IO[Any]) -> tuple[subprocess.Popen, int]:
+def start(model: Path, rpc_port: int | None, slots: int, log: IO[Any],
+          context: int = 256) -> tuple[subprocess.Popen, int]:
+    """llama-server ready for requests: ``context`` tokens per slot, through ``--rpc`` to
+    ``rpc_port`` (None: llama.cpp alone, on its CPU)."""
     port = launch.free_port()
+    rpc = ["--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99"] if rpc_port is not None else []
     argv = [str(llamacpp.tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", "1", "-c", str(256 * slots), "-np", str(slots), "--rpc", f"127.0.0.1:{rpc_port}", "-ngl", "99"]
+            "-t", "1", "-c", str(context * slots), "-np", str(slots), *rpc]
     proc = subprocess.Popen(argv, env=launch.tool_env("llama-server"), stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900

@@ -1,6 +1,7 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
 CPU-only vs through ``rknpu serve``), ``decode``, ``prefill``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
+``memory``, ``fit``,
 ``npu-submit`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
@@ -118,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_arguments(sub.add_parser(
         "calibrate-placement", help="time each weight shape of a GGUF on the NPU and in ggml-cpu per M bucket; "
                                     "on a board, rknpu serve --placement auto then decides by these times"), _common)
+    from ggml_rknpu.bench import fit
+    fit.add_arguments(sub.add_parser(
+        "fit", help="which placements of a model fit a board's RAM (4, 8, 16, 32 GB): llama.cpp alone, RKLLM, "
+                    "rknpu serve host only / NPU only / both / the fastest mix that fits (modeled)"), _common)
+    from ggml_rknpu.bench import memory
+    memory.add_arguments(sub.add_parser(
+        "memory", help="anonymous memory of one llama-server completion through rknpu serve (the server's growth "
+                       "+ the client) vs llama-server alone, one weight type"), _common)
     from ggml_rknpu.bench import soak
     soak.add_arguments(sub.add_parser(
         "soak", help="llama-server --rpc -np 4 under concurrent chat requests with injected NPU faults (simulator)"),
@@ -393,8 +402,10 @@ def run(args: argparse.Namespace) -> int:
         from ggml_rknpu.bench import (
             calibrate,
             concurrent,
+            fit,
             host_batches,
             host_placement,
+            memory,
             rpc8_decode,
             rpc_overhead,
             soak,
@@ -407,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         bench = {"model": model_bench, "spec": spec, "decode": decode_bench, "prefill": prefill_bench, "soak": soak,
                  "rpc8-decode": rpc8_decode, "host-placement": host_placement,
                  "calibrate-placement": calibrate, "host-batches": host_batches,
-                 "concurrent": concurrent}.get(args.bench, rpc_overhead)
+                 "concurrent": concurrent, "memory": memory, "fit": fit}.get(args.bench, rpc_overhead)
         try:
             report = bench.run(args, rig, console)
         except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:

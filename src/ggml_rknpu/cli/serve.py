@@ -94,6 +94,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory kept for reuse that no client holds: staged weights of freed buffers (all of it; "
                         "a quarter on the simulator), bound programs (a quarter); default from the machine's "
                         "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="MIB",
+                   help="board memory the server may hold (its buffers, copies, NPU memory, itself); weights whose "
+                        "NPU copy would not fit run in ggml-cpu instead, never a refused model (default: MemAvailable "
+                        "at start-up less a reserve of MemTotal / 8, at least 512 MiB); docs/memory.md")
+    p.add_argument("--weight-pages", type=Path, default=None, metavar="DIR",
+                   help="where the GGUF bytes of weights with a repacked or NPU copy are paged (an unlinked file on "
+                        "disk per buffer, which the kernel may drop and read again; default "
+                        "~/.cache/ggml-rknpu/weight-pages; never tmpfs); docs/memory.md")
+    p.add_argument("--no-weight-pages", action="store_true",
+                   help="keep every uploaded byte in anonymous memory (two host copies of a repacked weight)")
     p.add_argument("--placement", default="auto", choices=("auto", "npu", "host"),
                    help="where weight matmuls run: auto (default: each weight and M bucket where the board's cost "
                         "models say it is faster), npu (every eligible weight on the NPU), host (every weight matmul "
@@ -231,11 +241,16 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("ggml_rknpu.rpc")
 
     from ggml_rknpu.server.buffers import DeviceMemory
+    from ggml_rknpu.server.memory_budget import for_server
     from ggml_rknpu.server.rpc import report
     from ggml_rknpu.server.rpc.config import HOST_ONLY_BUDGET, MAX_CLIENTS, ServerConfig
     from ggml_rknpu.server.rpc.listener import RpcServer
     from ggml_rknpu.server.rpc.state import ServerState
+    from ggml_rknpu.server.weight_pages import WeightPages, default_directory
 
+    if args.memory_budget is not None and args.memory_budget < 1:
+        log.error("--memory-budget must be a positive MiB figure, got %d", args.memory_budget)
+        return 2
     if args.rknn_contexts < 1:
         log.error("--rknn-contexts must be at least 1, got %d", args.rknn_contexts)
         return 2
@@ -279,6 +294,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     engine += f", {host_budget.describe()}"
     budget = npu.memory_budget if npu is not None else (lambda: (HOST_ONLY_BUDGET, HOST_ONLY_BUDGET))
+    try:
+        pages = None if args.no_weight_pages else WeightPages(args.weight_pages or default_directory())
+    except (OSError, ValueError) as exc:
+        log.error("--weight-pages: %s", exc)
+        if npu is not None:
+            npu.close()
+        return 2
     config = ServerConfig(weight_format=args.weights, cache_dir=args.cache, progress=not args.no_progress,
                           stats_each_client=args.stats, stats_json=args.stats_json,
                           stall_timeout_s=args.stall_timeout, min_rate_kib_s=args.min_rate,
@@ -302,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _ensure_host_libraries()
-        state = ServerState(npu=npu, memory=DeviceMemory(budget), config=config, faults=injector)
+        state = ServerState(npu=npu, memory=DeviceMemory(budget, pages), config=config, faults=injector)
     except (GgmlAbiError, GgmlLibraryMissing) as exc:
         log.error("cannot start the host backend (ggml-cpu): %s", exc)
         if npu is not None:
@@ -336,10 +358,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, print_stats)
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
+    state.budget, budget_text = for_server(state, args.memory_budget)
+    state.memory.host_bytes = state.budget.bytes if state.budget is not None else None
     free, total = state.memory.report()
     log.info("rknpu serve: %s, %s, weights %s, activations %s, device memory %.0f/%.0f MiB "
              "free, host ops on ggml-cpu with %d thread(s)", _listening_text(server, args.host), engine, args.weights,
              _activations_text(args), free / 2**20, total / 2**20, state.threads.n if state.threads else 0)
+    log.info("%s; %s; %s", state.board.now(state).render(), budget_text,
+             pages.describe() if pages else "no weight pages")
     if state.placer is not None:
         log.info("%s", state.placer.describe())
     try:

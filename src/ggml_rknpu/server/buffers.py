@@ -3,9 +3,10 @@
 Invariants: llama.cpp never dereferences a device address, it computes ``base + offset``
 and sends it back [docs/ggml-rpc.md §3.4]; so each buffer gets its own range in a 64-bit
 fake address space that is never reused, with an unmapped guard gap between buffers, and
-every access goes through ``DeviceBuffer.span``, the one bounds check. Memory is
-``np.zeros`` (pages committed on first touch, so llama.cpp's large compute buffer costs
-only what a graph writes), bounded by ``DeviceMemory``, which GET_DEVICE_MEMORY reports."""
+every access goes through ``DeviceBuffer.span``, the one bounds check. Memory is zeroed
+pages committed on first touch (so llama.cpp's large compute buffer costs only what a graph
+writes), a mapping of its own where weight pages may move to a file (``weight_pages``),
+bounded by ``DeviceMemory``, which GET_DEVICE_MEMORY reports."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.server.rpc.wire import ProtocolError
+from ggml_rknpu.server.weight_pages import PAGE, BufferPages, WeightPages, anonymous_buffer
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
@@ -63,6 +65,12 @@ class DeviceBuffer:
     size: int
     array: np.ndarray                                      # uint8[size]
     graph_written: IntervalSet = field(default_factory=IntervalSet)  # offsets written by graph nodes
+    pages: BufferPages | None = None                       # its weight pages on disk (None: all anonymous)
+
+    def keep_in_file(self, start: int, end: int) -> int:
+        """Bytes [start, end) are a weight no host kernel reads: their whole pages become
+        file-backed (``weight_pages``); the bytes moved (0 where this buffer cannot)."""
+        return self.pages.keep(start, end) if self.pages is not None else 0
 
     def span(self, addr: int, nbytes: int, what: str) -> tuple[int, int]:
         """(start, end) offsets of [addr, addr+nbytes) inside this buffer, or ProtocolError."""
@@ -84,15 +92,22 @@ class DeviceMemory:
     reported is the smaller of the two constraints. ``reclaimable`` is NPU memory held
     by retired weights (kept for reuse by a later client, freed on demand), so it
     counts as free: llama.cpp's ``-fit`` must not shrink its offload because of them.
+    ``host_bytes`` (the server's memory budget, when it has one) lifts the bound on buffers
+    above the NPU's address space: a model larger than the NPU window still loads, its weights
+    beyond it on the host (NPU out of memory: ``weight_store``), as llama.cpp alone would.
     """
 
-    def __init__(self, npu_budget: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, npu_budget: Callable[[], tuple[int, int]], pages: WeightPages | None = None) -> None:
         self._npu_budget = npu_budget
+        self.pages = pages            # where weight pages go (None: buffers stay anonymous)
+        self.host_bytes: int | None = None   # buffers may take this much (None: the NPU's total)
         self.allocated = 0
         self.reclaimable: Callable[[], int] = lambda: 0
 
     def report(self) -> tuple[int, int]:
         npu_free, total = self._npu_budget()
+        if self.host_bytes is not None and self.host_bytes > total:
+            return max(0, self.host_bytes - self.allocated), self.host_bytes
         npu_free = min(total, npu_free + self.reclaimable())
         return max(0, min(npu_free, total - self.allocated)), total
 
@@ -101,7 +116,7 @@ class DeviceMemory:
 
     def reserve(self, size: int) -> bool:
         _, total = self._npu_budget()
-        if self.allocated + size > total:
+        if self.allocated + size > max(total, self.host_bytes or 0):
             return False
         self.allocated += size
         return True
@@ -126,9 +141,13 @@ class BufferTable:
             log.warning("ALLOC_BUFFER of %d bytes refused: device budget exhausted (%d allocated)",
                         size, self._memory.allocated)
             return None
+        store = self._memory.pages
         try:
-            array = np.zeros(size, dtype=np.uint8)
-        except MemoryError:
+            if store is not None and size >= PAGE:
+                array = np.frombuffer(anonymous_buffer(size), dtype=np.uint8)
+            else:
+                array = np.zeros(size, dtype=np.uint8)
+        except (MemoryError, OSError):
             self._memory.release(size)
             log.warning("ALLOC_BUFFER of %d bytes refused: host out of memory", size)
             return None
@@ -138,6 +157,8 @@ class BufferTable:
         granules = ceil_div(max(size, 1), _BASE_GRANULE) + 1
         self._next_base += granules * _BASE_GRANULE
         buf = DeviceBuffer(handle=handle, base=base, size=size, array=array)
+        if store is not None and size >= PAGE:
+            buf.pages = BufferPages(store, array.ctypes.data, size)
         self._by_handle[handle] = buf
         return buf
 
@@ -154,6 +175,8 @@ class BufferTable:
         buf = self.get(handle, "FREE_BUFFER")
         del self._by_handle[handle]
         self._memory.release(buf.size)
+        if buf.pages is not None:
+            buf.pages.close()
         if self._on_free is not None:
             self._on_free(buf)
 

@@ -71,15 +71,20 @@ def return_free_heap() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
-def mem_total_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The machine's MemTotal, or None where /proc/meminfo does not say."""
+def meminfo_bytes(name: str, meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """A /proc/meminfo figure (MemTotal, MemAvailable, ...) in bytes, or None where it does not say."""
     try:
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def mem_total_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The machine's MemTotal, or None where /proc/meminfo does not say."""
+    return meminfo_bytes("MemTotal", meminfo)
 
 
 def default_budget(mem_total: int | None) -> int:

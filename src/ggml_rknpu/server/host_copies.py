@@ -2,8 +2,8 @@
 one connection's, kept coherent with the GGUF bytes under them.
 
 A host-placed MUL_MAT reads its weight from the copy, so ggml-cpu runs the kernel llama.cpp
-alone would; types and shapes ggml does not repack keep the plain path. The GGUF bytes stay
-in the server's buffer, so a copy costs its size again in host memory (counted in the stats).
+alone would; types and shapes ggml does not repack keep the plain path. The GGUF bytes move
+to the buffer's weight pages (file-backed, ``weight_pages``): the copy is the one anonymous copy.
 
 Invariants: a copy is keyed like a staged weight (buffer, start, end, type, K, N); a command
 writing its bytes marks it stale, repacked before the next segment reading it; bytes a graph
@@ -69,6 +69,7 @@ class HostCopies:
             self._copies[key] = None
             return None
         copy = self._copies[key] = HostCopy(made, t.start, t.end, r.name, self.stats)
+        t.buffer.keep_in_file(t.start, t.end)
         self._by_buffer.setdefault(t.buffer.handle, []).append(copy)
         self.stats.host_repacked += 1
         self.stats.host_repacked_bytes += made.nbytes

@@ -103,6 +103,15 @@ class Placer:
         rec.weight_bytes += nbytes
         return where in (pl.NPU, pl.SPLIT)
 
+    def saved_s(self, weight_type: int, M: int, K: int, N: int) -> float:
+        """Seconds a matmul of ``M`` rows saves on the NPU over the host (the times it is decided
+        by; 0 for a type the CPU model cannot price): what the memory budget ranks copies by."""
+        try:
+            c, _ = self.choice(weight_type, M, K, N)
+        except ValueError:
+            return 0.0
+        return max(0.0, c.host_s - c.npu_s)
+
     def host_rows(self, weight_type: int, M: int, K: int, N: int) -> int:
         """The rows of this weight's MUL_MAT the host runs beside the NPU (0: not split)."""
         try:

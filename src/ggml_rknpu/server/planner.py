@@ -24,6 +24,7 @@ from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
 from ggml_rknpu.server.host_copies import HostCopies, HostCopy
+from ggml_rknpu.server.memory_budget import OVER_BUDGET
 from ggml_rknpu.server.ops.rules import check_node, signature
 from ggml_rknpu.server.ops.vocabulary import VIEW_OPS, UnsupportedOp, op_name
 from ggml_rknpu.server.parsed_graph import ParsedGraph, check_backed, check_structure, computes, parse_graph
@@ -80,6 +81,7 @@ class GraphPlanner:
         self._splits = {}
         slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
                  for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
+        self._within_budget(slots, g)
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
         unsplit = {nid: s for nid, s in slots.items() if nid not in self._splits}   # a split is never grouped
@@ -278,6 +280,31 @@ class GraphPlanner:
         elif host_rows:
             self._splits[t.id] = host_rows
         return slot
+
+    def _within_budget(self, slots: dict[int, WeightSlot | None], g: ParsedGraph) -> None:
+        """Admit the NPU copies this plan would stage under the memory budget, the most modeled
+        time saved per NPU byte first (``Placer.saved_s`` at the node's M); a weight refused
+        runs on the host (``slots[nid]`` None, from a repacked copy where ggml repacks it)."""
+        if self.weights.budget is None:
+            return
+
+        def saved_per_element(nid: int) -> float:
+            slot, t = slots[nid], g.tensors[nid]
+            assert slot is not None
+            saved = 1.0 if self.placer is None else self.placer.saved_s(slot.type, t.ne[1] * t.ne[2] * t.ne[3],
+                                                                        slot.k, slot.n)
+            return saved / (slot.n * slot.k)
+
+        waiting = [nid for nid, s in slots.items() if s is not None and s.handle is None]
+        verdict: dict[int, bool] = {}                  # id(slot) -> admitted (a weight read by two nodes)
+        for nid in sorted(waiting, key=saved_per_element, reverse=True):
+            slot = slots[nid]
+            assert slot is not None
+            if verdict.setdefault(id(slot), self.weights.admit(slot)):
+                continue
+            slots[nid] = None
+            self._splits.pop(nid, None)
+            self.stats.host_matmul_reasons[OVER_BUDGET] = self.stats.host_matmul_reasons.get(OVER_BUDGET, 0) + 1
 
     def _split_step(self, t: RpcTensor, slot: WeightSlot, host_rows: int, checked: dict[int, CheckedTensor],
                     ptrs: dict[int, TensorP], host: HostContext) -> SplitStep:

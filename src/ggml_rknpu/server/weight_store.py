@@ -29,6 +29,7 @@ from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.enums import GgmlType
 from ggml_rknpu.server.buffers import DeviceBuffer
 from ggml_rknpu.server.live_weights import LiveWeights
+from ggml_rknpu.server.memory_budget import OVER_BUDGET, MemoryBudget
 from ggml_rknpu.server.tensor import CheckedTensor
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -219,6 +220,7 @@ class WeightStore:
     # buffers freed from then on are freed, not retired, so no client fills the retired copies
     # with bytes nobody will ask for again
     retire_on_free: bool = True
+    budget: MemoryBudget | None = None      # the server's memory budget (None: NPU memory bounds staging)
     _slots: dict[tuple, WeightSlot] = field(default_factory=dict)
     _by_buffer: dict[int, list[WeightSlot]] = field(default_factory=dict)
     types: frozenset[int] = field(default_factory=_weight_types)
@@ -306,8 +308,24 @@ class WeightStore:
                     n += 1
         return n
 
+    def admit(self, slot: WeightSlot) -> bool:
+        """Whether ``slot`` may be staged under the memory budget: a staged slot may; one the
+        budget refuses stays on the host for good (``_to_host``; the budget names it)."""
+        if (self.budget is None or slot.handle is not None
+                or self.budget.admits(slot.name, slot.n * slot.k * BYTES[self.fmt])):
+            return True
+        self._to_host(slot, OVER_BUDGET)
+        return False
+
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
+        try:
+            self._stage_all(slots)
+        finally:
+            if self.budget is not None:
+                self.budget.settle()
+
+    def _stage_all(self, slots: Iterable[WeightSlot]) -> None:
         todo = [s for s in dict.fromkeys(slots) if s.handle is None and s.on_npu]
         if not todo:
             return
@@ -341,7 +359,7 @@ class WeightStore:
             slot.handle = shared if shared is not None else self.retired.take(slot.content_key)
             if slot.handle is not None:
                 self.stats.reused += shared is None
-                self._count_staged(slot)
+                self._staged(slot)
                 if shared is None and self.live is not None:
                     self.live.add(slot.content_key, slot.handle)
                 return
@@ -356,7 +374,7 @@ class WeightStore:
             log.warning("weight '%s' [%d x %d] stays on the host: %s", slot.name, slot.n, slot.k, slot.failed)
             return
         self.stats.uploads += 1
-        self._count_staged(slot)
+        self._staged(slot)
         if self.live is not None and slot.content_key is not None:
             self.live.add(slot.content_key, slot.handle)
         self.stats.upload_seconds += time.perf_counter() - t0
@@ -371,7 +389,10 @@ class WeightStore:
                 if self.retired is None or not self.retired.evict_one():
                     raise
 
-    def _count_staged(self, slot: WeightSlot) -> None:
+    def _staged(self, slot: WeightSlot) -> None:
+        """Count a slot just staged; its GGUF bytes, needed now only to read back or stage
+        again, go to the buffer's weight pages (``weight_pages``)."""
+        slot.buffer.keep_in_file(slot.start, slot.end)
         self.stats.staged += 1
         self.stats.peak_staged = max(self.stats.peak_staged, self.stats.staged)
         self.stats.staged_bytes += slot.nbytes

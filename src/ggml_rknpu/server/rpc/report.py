@@ -22,6 +22,8 @@ def stats_dict(state: ServerState) -> dict:
         out["sessions"] = asdict(state.sessions)
         out["turns"] = state.turns.as_dict()
         out["shared_weights"] = state.live.as_dict()
+        out["board_memory"] = state.board.now(state).as_dict()
+        out["memory_budget"] = state.budget.as_dict() if state.budget is not None else None
         if state.activations is not None:
             out["activations"] = state.activations.as_dict()
         if state.placer is not None:
@@ -52,6 +54,7 @@ def render_stats(state: ServerState) -> str:
         w = state.weight_stats
         lines.append(f"weights resident on the NPU: {w.staged} ({w.staged_bytes / 2**20:.1f} MiB ggml data); on the "
                      f"host: {w.host_now} ({w.host_bytes_now / 2**20:.1f} MiB)")
+        lines.append(state.board.now(state).render() + (f"; {state.budget.render()}" if state.budget else ""))
         npu: Any = state.npu
         if hasattr(npu, "memory_used"):
             cap = npu.memory_cap

@@ -57,7 +57,7 @@ class Session:
         self.deadlines = Deadlines(sock, state.config.stall_timeout_s, state.config.min_rate_kib_s)
         self.reader = Reader(self.deadlines)
         self.weights = WeightStore(state.npu, state.config.weight_format, state.config.progress, state.weight_stats,
-                                   state.retired, state.live)
+                                   state.retired, state.live, budget=state.budget)
         self.buffers = BufferTable(state.memory, on_free=self._on_free)
         self.graphs = [DeviceGraphs() for _ in range(state.config.n_devices)]
         assert state.threads is not None, "ServerState.__post_init__ makes the threadpool"

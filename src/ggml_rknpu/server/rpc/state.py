@@ -12,8 +12,10 @@ from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
+from ggml_rknpu.server.board_memory import BoardMemory
 from ggml_rknpu.server.buffers import DeviceMemory
 from ggml_rknpu.server.live_weights import LiveWeights
+from ggml_rknpu.server.memory_budget import MemoryBudget
 from ggml_rknpu.server.placement_policy import Placer, placer_for
 from ggml_rknpu.server.recovery import RecoveryStats
 from ggml_rknpu.server.rpc.config import ServerConfig
@@ -46,6 +48,8 @@ class ServerState:
     weight_stats: WeightStats = field(default_factory=WeightStats)
     retired: RetiredWeights | None = None
     host: libggml.Ggml = field(default_factory=libggml.load)   # loaded and ABI-checked at start
+    board: BoardMemory = field(default_factory=BoardMemory)     # board accounting (after ggml is loaded)
+    budget: MemoryBudget | None = None   # --memory-budget: NPU copies within the board bytes (None: unbounded)
     threads: Threads | None = None
     recovery: RecoveryStats = field(default_factory=RecoveryStats)
     faults: Any = None                # sim.faults.FaultInjector under --sim-faults (its counts are reported)

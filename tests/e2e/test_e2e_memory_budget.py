@@ -1,0 +1,89 @@
+"""``rknpu serve --memory-budget`` with unmodified llama.cpp (``-ngl 99``): a budget smaller than
+the model's NPU copies still loads the model, every weight stays host-only (the stats name
+them), and the greedy text equals the CPU-only run's; a budget with room stages them all and
+gives nothing up; gemma3 with room for about half its copies follows llama.cpp alone (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ggml_rknpu.toolchain import models
+from support.e2e_support import completion, llama_server, rknpu_server, tool_or_skip
+from support.gguf_models import write_tiny_gguf
+from support.greedy import Choice, agree, choices
+
+pytestmark = [pytest.mark.llama]
+PROMPT = "The capital of France is"
+N_PREDICT = 12
+TINY_MATMUL_WEIGHTS = 2 * 7 + 1    # 2 layers x 7 matmul weights + the output head (tests/support/gguf_models.py)
+
+
+@pytest.mark.timeout(900)
+def test_a_budget_below_the_npu_copies_loads_host_only_with_cpu_text(tmp_path: Path) -> None:
+    tool_or_skip("llama-completion")
+    model = write_tiny_gguf(tmp_path / "tiny-llama-f16.gguf", "llama", "f16")
+    cpu_text, cpu = completion(model, PROMPT, n_predict=N_PREDICT)
+    assert cpu.returncode == 0 and cpu_text.strip(), cpu.stderr[-3000:]
+    texts, stats = {}, {}
+    for name, budget in (("tight", "1"), ("room", "65536")):
+        with rknpu_server(tmp_path, extra=("--weights", "fp16", "--memory-budget", budget), name=name) as server:
+            text, proc = completion(model, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=800)
+            assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+            assert server.wait_log(f"memory budget {budget} MiB of board memory (--memory-budget)"), server.log()
+            texts[name], stats[name] = text, server.first_stats()
+    tight, room = stats["tight"], stats["room"]
+    assert tight["weights"]["uploads"] == 0 and len(tight["memory_budget"]["host_only"]) >= TINY_MATMUL_WEIGHTS
+    assert "blk.0.ffn_up.weight" in tight["memory_budget"]["host_only"]
+    assert tight["host_matmul_reasons"]["NPU copy over the memory budget"] >= TINY_MATMUL_WEIGHTS
+    assert room["weights"]["uploads"] >= TINY_MATMUL_WEIGHTS and room["memory_budget"]["host_only"] == {}
+    assert tight["board_memory"]["npu"] == 0 < room["board_memory"]["npu_retired"]   # read after the client left
+    assert texts["tight"] == cpu_text, f"budgeted {texts['tight']!r} != CPU {cpu_text!r}"
+    assert texts["room"] == cpu_text, f"NPU {texts['room']!r} != CPU {cpu_text!r}"
+
+
+# gemma3: a CPU top-2 gap below this is a coin toss between correct devices, and fp16 NPU
+# activations move the chosen token's logprob by up to this (tests/e2e/test_e2e_client8.py)
+GEMMA_TIE, GEMMA_CLOSE_NPU = 0.2, 0.3
+GEMMA_TOKENS = 16
+
+
+def _greedy(server) -> list[Choice]:
+    reply = server.post("/completion", {"prompt": PROMPT, "temperature": 0.0, "n_predict": GEMMA_TOKENS, "seed": 1,
+                                        "n_probs": 2, "cache_prompt": False})
+    return choices(reply["completion_probabilities"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_gemma3_with_room_for_half_its_npu_copies_agrees_with_the_cpu(tmp_path: Path) -> None:
+    """gemma-3-270m through llama-server on the simulated NPU: first with no room (every weight
+    host-only; the board bytes its copies were weighed against are read from the stats), then
+    with room for about half its layers' fp16 NPU copies: some weights staged, the rest named host-only,
+    both answers following llama-server alone's by the near-tie rule."""
+    tool_or_skip("llama-server")
+    try:
+        model = models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    with llama_server(tmp_path, model, rpc=None) as alone:
+        cpu = _greedy(alone)
+    answers, stats = {}, {}
+    budget = "1"
+    for name in ("none", "half"):
+        with rknpu_server(tmp_path, extra=("--weights", "fp16", "--memory-budget", budget), name=name) as server:
+            with llama_server(tmp_path, model, rpc=server.endpoint) as client:
+                answers[name] = _greedy(client)
+            stats[name] = server.first_stats()
+        mb = stats[name]["memory_budget"]
+        layers = sorted(mb["host_only"].values())[:-1]          # the largest (the tied head) alone fills half
+        budget = str((mb["board_at_admission"] + sum(layers) // 2) >> 20)
+    none, half = stats["none"], stats["half"]
+    assert none["weights"]["uploads"] == 0 and len(none["memory_budget"]["host_only"]) > 100
+    staged, kept = half["weights"]["uploads"], len(half["memory_budget"]["host_only"])
+    print(f"\nhalf the room: {staged} weights staged, {kept} host-only")
+    assert staged > 10 and kept > 10, half["memory_budget"]
+    for name, tie_close in (("none", GEMMA_TIE), ("half", GEMMA_CLOSE_NPU)):
+        agreement = agree(answers[name], cpu, tie=GEMMA_TIE, close=tie_close, what=f"gemma3, budget {name}")
+        assert agreement.compared >= 8, agreement
