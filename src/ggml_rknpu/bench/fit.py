@@ -4,7 +4,7 @@ placement (host only, NPU only, both as ``auto`` places them, and the fastest pe
 mix that fits), with each one's modeled prefill and decode, for 4, 8, 16 and 32 GB.
 
 Invariants: shapes and weight types come from the functions ``bench decode`` prices with
-(``bench.plans``); times are ``cost.placement``'s, host ops ``cost.cpu``'s; a plan fits
+(``bench.plans``); times are ``cost.placement``'s, host ops ``cost.host_ops``'; a plan fits
 when its bytes stay within RAM less the server's memory-budget reserve; NPU copies beyond
 one IOMMU domain's 4 GiB window are priced as they would be and marked as needing
 multi-domain residency, which is not built. The byte model: docs/memory.md "Fitting a board"."""

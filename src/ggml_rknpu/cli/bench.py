@@ -1,8 +1,7 @@
 """Benchmarks: ``matmul`` (burst, or ``--modeled`` beside the prototype's board figures),
 ``sustained`` (per-second windows with clocks and temperatures), ``model`` (llama-bench
 CPU-only vs through ``rknpu serve``), ``decode``, ``prefill``, ``rpc-overhead``, ``soak``, ``concurrent``, ``spec``,
-``memory``, ``fit``,
-``npu-submit`` and ``sim`` (each module's docstring says what it measures).
+``memory``, ``fit``, ``npu-submit`` and ``sim`` (each module's docstring says what it measures).
 
 Every benchmark runs ``check-rig`` first and stamps its verdict into the report; a FAIL
 (throttled DRAM, powersave CPU, hot board, no driver) refuses to benchmark unless

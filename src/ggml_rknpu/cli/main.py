@@ -20,8 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ggml_rknpu.cli.serve", "run the ggml RPC server llama.cpp connects to with --rpc"),
     "demo": ("ggml_rknpu.cli.demo", "build what is needed, serve on the NPU (or simulator), generate text"),
     "check-rig": ("ggml_rknpu.cli.check_rig", "check DRAM/CPU/NPU clocks, governors, thermals before benchmarking"),
-    "bench": ("ggml_rknpu.cli.bench", "benchmarks: matmul, sustained, model, decode, prefill, rpc-overhead, rpc8-decode, host-placement, host-batches, memory, fit, "
-                                       "calibrate-placement, soak, concurrent, spec, npu-submit, sim"),
+    "bench": ("ggml_rknpu.cli.bench", "benchmarks: matmul, sustained, model, decode, prefill, rpc-overhead, rpc8-decode, host-placement, host-batches, "
+                                       "calibrate-placement, fit, memory, soak, concurrent, spec, npu-submit, sim"),
     "selftest": ("ggml_rknpu.cli.selftest", "validate this project on the board (or simulator) and write an archive"),
 }
 
