@@ -3,8 +3,8 @@
 machine without one a software device such as Mesa's lavapipe ("llvmpipe"), labelled software.
 
 Why the device is chosen here: ggml-vulkan takes GPUs only and skips CPU-type devices unless
-``GGML_VK_VISIBLE_DEVICES`` names one, and with no device it runs ``-ngl 99`` on ggml-cpu
-without a word, which would pass the CPU's rates off as the GPU's."""
+``GGML_VK_VISIBLE_DEVICES`` names one, and with no device ``-ngl 99`` runs on ggml-cpu and
+llama-bench still succeeds, which would pass the CPU's rates off as the GPU's."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class VulkanDevice:
 
     @property
     def label(self) -> str:
-        return f"{self.description}" + (" - software Vulkan on this host's CPU, not a GPU" if self.software else "")
+        return self.description + (" - software Vulkan on this host's CPU, not a GPU" if self.software else "")
 
 
 def _run(tool: Path, client: str, argv: list[str], env: dict[str, str], prefix: list[str], timeout: float
