@@ -1,5 +1,6 @@
-"""rknpu bench model: real llama-bench on a tiny GGUF, CPU-only and through rknpu serve on the
-simulator, both rows from llama-bench's own JSON, the quant note and the CPU-vs-NPU plot."""
+"""rknpu bench model: real llama-bench on a tiny GGUF, CPU-only, through rknpu serve on the
+simulator and (when built) on Mesa's software Vulkan device, every row from llama-bench's own
+JSON, the quant note, the Vulkan side's device and greedy text, and the plot."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from PIL import Image
 
 from ggml_rknpu.bench import model as mb
+from ggml_rknpu.bench import vulkan
 from ggml_rknpu.cli import bench as cli
+from ggml_rknpu.toolchain import llamacpp
 from support.gguf_models import TinyConfig, write_tiny_gguf
 
 RIGS = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
@@ -57,7 +60,7 @@ def test_bench_model_cpu_and_npu_rows_from_real_llama_bench(tmp_path):
     model = write_tiny_gguf(tmp_path / "tiny-llama-f16.gguf", "llama", "f16", config=TinyConfig(n_layer=1))
     out = tmp_path / "model"
     assert run_cli("model", str(model), "-p", "8", "-n", "2", "-r", "1", "--device", "sim-rknpu",
-                   "--kl-divergence", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
+                   "--kl-divergence", "--no-vulkan", "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
     data = json.loads((out / "model.json").read_text())
     rows = data["raw"]["rows"]
     assert [(r["side"], r["test"]) for r in rows] == [("CPU", "pp8"), ("CPU", "tg2"),
@@ -73,9 +76,68 @@ def test_bench_model_cpu_and_npu_rows_from_real_llama_bench(tmp_path):
     assert data["meta"]["matmul_nodes"]["npu"] > 0 and data["meta"]["matmul_nodes"]["host"] == 0
     md = (out / "model.md").read_text()
     assert "t/s (measured)" in md and "same precision on both sides" in md and "simulator" in md
+    assert "Vulkan side absent: left out (--no-vulkan)" in md and data["raw"]["vulkan"] is None
     plot = data["plots"][0]
     assert [s["label"] for s in plot["series"]] == ["CPU (measured)", f"{mb.SIDES[1]} (measured, simulator)"]
     assert plot["series"][0]["x"] == ["pp8", "tg2"] and all(y > 0 for s in plot["series"] for y in s["y"])
     with Image.open(out / "cpu_vs_npu.png") as img:
         assert img.format == "PNG" and img.size == (750, 450)
     assert (out / "rknpu-serve.log").is_file()
+
+
+def test_no_vulkan_build_is_a_clear_reason(tmp_path, monkeypatch):
+    """With no Vulkan build in the cache the Vulkan side is absent, and says what to run."""
+    monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))
+    reason = vulkan.find_device(threads=1, timeout=60)
+    assert isinstance(reason, str)
+    assert reason.startswith("no Vulkan build") and "scripts/build-llama-cpp --vulkan" in reason
+
+
+def _lavapipe_only(monkeypatch) -> None:
+    """Only Mesa's software Vulkan driver visible to the loader, whatever GPUs this machine has."""
+    from support.e2e_support import tool_or_skip
+
+    tool_or_skip("llama-bench", llamacpp.VULKAN)
+    icds = sorted(Path("/usr/share/vulkan/icd.d").glob("lvp_icd.*.json"))
+    if not icds:
+        pytest.skip("Mesa's lavapipe is not installed (Debian: mesa-vulkan-drivers)")
+    monkeypatch.setenv("VK_ICD_FILENAMES", str(icds[0]))
+
+
+@pytest.mark.llama
+@pytest.mark.timeout(600)
+def test_no_vulkan_device_is_a_clear_reason(tmp_path, monkeypatch):
+    from support.e2e_support import tool_or_skip
+
+    tool_or_skip("llama-bench", llamacpp.VULKAN)
+    monkeypatch.setenv("VK_ICD_FILENAMES", str(tmp_path / "no-driver.json"))
+    reason = vulkan.find_device(threads=1, timeout=120)
+    assert isinstance(reason, str) and reason.startswith("no Vulkan device")
+
+
+@pytest.mark.llama
+@pytest.mark.timeout(900)
+def test_bench_model_vulkan_side_on_lavapipe(tmp_path, monkeypatch):
+    """The Vulkan side on Mesa's lavapipe: llama-bench rows from the Vulkan build on the llvmpipe
+    device, labelled software, and the same greedy text as the CPU build."""
+    _lavapipe_only(monkeypatch)
+    model = write_tiny_gguf(tmp_path / "tiny-llama-f16.gguf", "llama", "f16", config=TinyConfig(n_layer=1))
+    out = tmp_path / "model"
+    assert run_cli("model", str(model), "-p", "8", "-n", "8", "-r", "1", "--device", "sim-rknpu",
+                   "--out", str(out), "--rig-root", str(RIGS / "not_rk3588")) == 0
+    data = json.loads((out / "model.json").read_text())
+    rows = [r for r in data["raw"]["rows"] if r["side"] == vulkan.SIDE]
+    assert [r["test"] for r in rows] == ["pp8", "tg8"]
+    assert all(r["tok_s_measured"] > 0 and r["n_gpu_layers"] == 99 and "Vulkan" in r["backends"] for r in rows)
+    vk = data["raw"]["vulkan"]
+    assert vk["device"] == "Vulkan0" and vk["description"].startswith("llvmpipe") and vk["software"]
+    assert vk["env"] == {vulkan.VISIBLE_ENV: "0", vulkan.SOFTWARE_THREADS_ENV: "1"}
+    assert all(r["device"].startswith("llvmpipe") and "software Vulkan" in r["device"] for r in rows)
+    # lavapipe is deterministic and the tiny model's argmax margins are wide: the CPU's greedy text
+    assert vk["decode_runs"] > 0 and vk["text"] and vk["text"] == vk["cpu_text"] and vk["text_matches_cpu"]
+    md = (out / "model.md").read_text()
+    assert "Vulkan device" in md and "software Vulkan device" in md and "is the CPU's" in md
+    plot = data["plots"][0]
+    assert plot["series"][2]["label"].startswith(f"{vulkan.SIDE}: llvmpipe") and "(measured, software)" in \
+        plot["series"][2]["label"]
+    assert all(y > 0 for y in plot["series"][2]["y"])

@@ -57,6 +57,28 @@ def test_clients_match_the_build_script_table(tmp_path: Path, monkeypatch: pytes
         llamacpp.tools_dir("nosuch")
 
 
+def test_vulkan_build_matches_the_build_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pinned tree built with ggml-vulkan: its own build dir and tools, as scripts/build-llama-cpp
+    --vulkan makes them; missing, it says to run that; the script builds it only for the pinned client."""
+    monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build-llama-cpp"
+    tools = llamacpp.BUILD_TOOLS[llamacpp.VULKAN]
+    text = script.read_text()
+    assert "build_name=llama.cpp-build-vulkan\n" in text and f"targets=({' '.join(tools)})\n" in text
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="scripts/build-llama-cpp --vulkan"):
+        llamacpp.tool("llama-bench", llamacpp.VULKAN)
+    bin_dir = tmp_path / "llama.cpp-build-vulkan" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in tools:
+        (bin_dir / name).touch()
+    assert llamacpp.tools_dir(llamacpp.VULKAN) == bin_dir
+    assert llamacpp.tool("llama-completion", llamacpp.VULKAN) == bin_dir / "llama-completion"
+    with pytest.raises(llamacpp.LlamaCppNotBuilt, match="logger drain.*--vulkan"):
+        llamacpp.tool_preload("llama-bench", llamacpp.VULKAN)
+    refused = subprocess.run([str(script), "--vulkan", "b11434"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--vulkan builds only the pinned client" in refused.stderr
+
+
 def test_logger_drain_is_preloaded_only_into_tools_that_log_through_common(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RKNPU_CACHE", str(tmp_path))

@@ -1,7 +1,9 @@
-"""Real-model benchmark: ``llama-bench`` on one GGUF, CPU-only and through ``rknpu serve``.
+"""Real-model benchmark: ``llama-bench`` on one GGUF, CPU-only, through ``rknpu serve`` and,
+when built, on a Vulkan device (bench/vulkan.py: the board's Mali, or a software device here).
 
-Invariants: both sides run the same pinned binary, GGUF and arguments, the NPU side only
-adding ``-ngl 99 --rpc``; tokens/s are ``llama-bench``'s wall-clock rates (``*_measured``),
+Invariants: every side runs the same GGUF and arguments, the CPU and NPU sides one pinned
+binary, the NPU side only adding ``-ngl 99 --rpc``, the Vulkan side the pinned tree built with
+ggml-vulkan and ``-ngl 99``; tokens/s are ``llama-bench``'s wall-clock rates (``*_measured``),
 and off a board the NPU side ran on the simulator, which the report says. Why (the seed's
 fair-fight rules): docs/decisions.md "bench/model.py"."""
 
@@ -20,8 +22,9 @@ from pathlib import Path
 from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
+from ggml_rknpu.bench import vulkan
 from ggml_rknpu.bench.rig import RigReport
-from ggml_rknpu.toolchain import launch
+from ggml_rknpu.toolchain import launch, llamacpp
 
 BIG_CORES = "4-7"        # RK3588 A76 cluster [docs/history.md §16; docs/anchors.md §3.4]
 BIG_CORE_THREADS = 4
@@ -48,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     p.add_argument("--kl-text", type=Path, default=None, help="text for --kl-divergence (default: a built-in snippet)")
     p.add_argument("--ctx", type=int, default=128, help="context for llama-perplexity chunks")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per llama.cpp tool run")
+    p.add_argument("--no-vulkan", action="store_true",
+                   help="leave out the Vulkan side (run by default when scripts/build-llama-cpp --vulkan was built)")
+    p.add_argument("--text-prompt", default="The capital of France is",
+                   help="prompt whose greedy text (-n tokens) the Vulkan side must reproduce from the CPU's")
 
 
 def quant_summary(model: Path) -> dict:
@@ -126,9 +133,10 @@ def bench_args(model: Path, args, threads: int) -> list[str]:
             "-t", str(threads), "-o", "json"]
 
 
-def run_llama_bench(tool: Path, argv: list[str], prefix: list[str], timeout: float) -> list[dict]:
+def run_llama_bench(tool: Path, argv: list[str], prefix: list[str], timeout: float,
+                    client: str = llamacpp.PINNED, env: dict[str, str] | None = None) -> list[dict]:
     proc = subprocess.run([*prefix, str(tool), *argv], capture_output=True, text=True, timeout=timeout,
-                          env=launch.tool_env(tool.name))
+                          env=launch.tool_env(tool.name, client, **(env or {})))
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-3000:]}")
     try:
@@ -186,9 +194,37 @@ def _run_perplexity(argv: list[str], timeout: float) -> str:
     return proc.stdout + proc.stderr
 
 
-def run(args, rig: RigReport, console: Console) -> rp.Report | None:
-    from ggml_rknpu.toolchain import llamacpp
+def vulkan_side(device: vulkan.VulkanDevice, args, common: list[str], threads: int,
+                prefix: list[str]) -> tuple[list[dict], dict]:
+    """The Vulkan side's llama-bench rows and its greedy text beside the CPU build's."""
+    tool = llamacpp.tool("llama-bench", llamacpp.VULKAN)
+    rows = rows_from_llama_bench(vulkan.SIDE, run_llama_bench(tool, [*common, "-ngl", "99"], prefix, args.timeout,
+                                                              llamacpp.VULKAN, device.env))
+    for row in rows:
+        row["device"] = device.label
+    texts = {client: vulkan.greedy_text(client, args.model, args.text_prompt, args.n_gen, threads, ["-ngl", ngl],
+                                        env, prefix, args.timeout)
+             for client, ngl, env in ((llamacpp.PINNED, "0", {}), (llamacpp.VULKAN, "99", device.env))}
+    text, runs = texts[llamacpp.VULKAN]
+    return rows, {"device": device.name, "description": device.description, "software": device.software,
+                  "env": device.env, "prompt": args.text_prompt, "text": text, "decode_runs": runs,
+                  "cpu_text": texts[llamacpp.PINNED][0], "text_matches_cpu": text == texts[llamacpp.PINNED][0]}
 
+
+def _vulkan_notes(vk: dict | None, absent: str) -> list[str]:
+    if vk is None:
+        return [f"Vulkan side absent: {absent}"]
+    notes = [f"Vulkan side: {vk['device']} = {vk['description']}, the pinned llama.cpp built with ggml-vulkan "
+             "(scripts/build-llama-cpp --vulkan), same llama-bench arguments with -ngl 99"]
+    if vk["software"]:
+        notes.append(f"Vulkan side ran on a software Vulkan device ({' '.join(f'{k}={v}' for k, v in vk['env'].items())}):"
+                     " its tok/s measure this host's CPU running the shaders, not a GPU")
+    notes.append(f"greedy text for {vk['prompt']!r} ({vk['decode_runs']} decode passes) on the Vulkan side is "
+                 + ("the CPU's" if vk["text_matches_cpu"] else f"NOT the CPU's: {vk['text']!r} vs {vk['cpu_text']!r}"))
+    return notes
+
+
+def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     if not args.model.is_file():
         console.print(f"[red]bench model: GGUF not found: {args.model}[/]")
         return None
@@ -208,7 +244,9 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     common = bench_args(args.model, args, threads)
     rows: list[dict] = []
     kld = None
-    with rp.progress(console, "llama-bench", 2) as advance:
+    found = "left out (--no-vulkan)" if args.no_vulkan else vulkan.find_device(threads, args.timeout)
+    vk: dict | None = None
+    with rp.progress(console, "llama-bench", 3 if isinstance(found, vulkan.VulkanDevice) else 2) as advance:
         rows += rows_from_llama_bench(SIDES[0], run_llama_bench(bench_tool, [*common, "-ngl", "0"], prefix,
                                                                 args.timeout))
         advance(1)
@@ -222,6 +260,10 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
                     text.write_text(KL_TEXT)
                 kld = kl_divergence(perplexity, args.model, text, out / "kl_base.bin", server.endpoint, threads,
                                     prefix, args.ctx, args.timeout)
+        if isinstance(found, vulkan.VulkanDevice):
+            vk_rows, vk = vulkan_side(found, args, common, threads, prefix)
+            rows += vk_rows
+            advance(1)
     placement = matmul_placement(server.log_tail(200_000))
     if kld is not None:
         for row in rows:
@@ -247,22 +289,30 @@ def run(args, rig: RigReport, console: Console) -> rp.Report | None:
     if simulated:
         notes.append(f"NPU side ran on the simulator ({device}) on this host: its tok/s measures the simulator, "
                      "not the NPU")
+    notes += _vulkan_notes(vk, "" if isinstance(found, vulkan.VulkanDevice) else found)
     columns = [rp.Column("side", "side"), rp.Column("test", "test"),
                rp.Column("tok_s_measured", "t/s", "{:.2f}", figure=True),
                rp.Column("stddev_tok_s_measured", "+-", "{:.2f}", figure=True),
                rp.Column("backends", "backends"), rp.Column("n_threads", "threads")]
     if kld is not None:
         columns.append(rp.Column("kl_divergence_measured", "KL divergence vs CPU", "{:.3g}", figure=True))
+    if vk is not None:
+        columns.append(rp.Column("device", "Vulkan device"))
     tests = list(dict.fromkeys(r["test"] for r in rows))
-    series = [rp.Series(f"{side} (measured{', simulator' if simulated and side != SIDES[0] else ''})", tests,
+    labels = {SIDES[0]: f"{SIDES[0]} (measured)",
+              SIDES[1]: f"{SIDES[1]} (measured{', simulator' if simulated else ''})"}
+    if vk is not None:
+        labels[vulkan.SIDE] = f"{vulkan.SIDE}: {vk['description']} (measured{', software' if vk['software'] else ''})"
+    series = [rp.Series(label, tests,
                         [next((r["tok_s_measured"] for r in rows if r["side"] == side and r["test"] == t), 0.0)
-                         for t in tests]) for side in SIDES]
-    plot = rp.Plot("cpu_vs_npu.png", f"llama-bench {args.model.name}: CPU vs NPU", "test", "tokens/s", series,
-                   kind="bar")
+                         for t in tests]) for side, label in labels.items()]
+    plot = rp.Plot("cpu_vs_npu.png", f"llama-bench {args.model.name}: CPU vs NPU" + (" vs Vulkan" if vk else ""),
+                   "test", "tokens/s", series, kind="bar")
     meta = {"model": str(args.model), "threads": threads, "server_weights": args.server_weights,
             "matmul_nodes": placement, "pinned": bool(prefix), "server_device": device,
             "llama_cpp": f"{llamacpp.LLAMA_CPP_COMMIT} (llama-cpp-python {llamacpp.LLAMA_CPP_PYTHON_VERSION})",
-            **quants}
-    return rp.Report("model", f"llama-bench: {args.model.name}, CPU vs rknpu serve", rig.to_dict(), meta=meta,
+            "vulkan": vk or {"absent": found}, **quants}
+    title = f"llama-bench: {args.model.name}, CPU vs rknpu serve" + (" vs Vulkan" if vk else "")
+    return rp.Report("model", title, rig.to_dict(), meta=meta,
                      tables=[rp.Table("llama-bench", columns, rows)], plots=[plot],
-                     raw={"rows": rows, "kl_divergence": kld}, notes=notes)
+                     raw={"rows": rows, "kl_divergence": kld, "vulkan": vk}, notes=notes)

