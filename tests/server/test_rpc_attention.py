@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ggml_rknpu.engine.api import open_engine
 from ggml_rknpu.kernel.errors import NpuTimeout
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.attention_plan import AttentionPolicy
@@ -158,3 +159,15 @@ def test_auto_prices_prefill_on_the_npu_and_decode_on_the_host():
     assert not policy.matmul_wins(4, 256, 4096) and policy.matmul_wins(2048, 256, 2048)
     with pytest.raises(ValueError, match="npu-attention"):
         AttentionPolicy("always")
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_simulated_engine_within_the_fp16_bound(flash):
+    """The engine itself (simulated NPU): the staged cache and the stacked rows through its
+    packing, programs and submits give ggml-cpu's result within the fp16 bound."""
+    want, _ = run_graph(None, "off", rows=40, n_kv=56, flash=flash)
+    with open_engine("sim-rknpu") as npu:
+        got, seen = run_graph(npu, "on", rows=40, n_kv=56, flash=flash)
+        assert npu.counters["weights_freed"] == npu.counters["weights_uploaded"] == 2 * HKV
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    assert seen.by_m == {40 * H // HKV: 2 * HKV} and seen.host_runs == 0
