@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support.e2e_support import Server, completion, rknpu_server, run_backend_ops, tool_or_skip
+from support.e2e_support import RknpuServer, completion, rknpu_server, run_backend_ops, tool_or_skip
 from support.gguf_models import ARCHES, write_tiny_gguf
 
 pytestmark = [pytest.mark.llama]
@@ -27,7 +27,7 @@ CASES = {
 }
 
 
-def _attention_rows(server: Server) -> dict[int, int]:
+def _attention_rows(server: RknpuServer) -> dict[int, int]:
     return {int(m): n for m, n in server.stats()["attention_npu_by_m"].items()}
 
 
