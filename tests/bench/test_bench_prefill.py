@@ -1,5 +1,5 @@
 """rknpu bench prefill: TTFT by prompt length per plan, every host op priced, attention on
-the NPU labelled as not built, published figures beside (never fitted), Markdown, JSON and
+the NPU as its own plan (the server's --npu-attention auto), published figures beside (never fitted), Markdown, JSON and
 a PNG; shapes from a Hugging Face config.json. All figures *modeled*."""
 
 from __future__ import annotations
@@ -76,6 +76,6 @@ def test_bench_prefill_report_from_a_config(tmp_path):
     published = {r["prompt"]: r["published"] for r in rows if r["model"] == "Qwen3-0.6B" and r["plan"] == "npu"}
     assert published[128].startswith("199 ms") and published[1024].startswith("4247 ms")
     md = (out / "prefill.md").read_text()
-    assert "(modeled)" in md and "not built" in md and "Goals" in md
+    assert "(modeled)" in md and "--npu-attention auto" in md and "Goals" in md
     assert (out / "prefill_ttft_s.png").stat().st_size > 0
     assert main(["bench", "prefill", "qwen3-0.6b", "--prompts", "0", "--allow-throttled", "--out", str(out)]) == 1

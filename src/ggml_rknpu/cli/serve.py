@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="opt-in: with --placement auto, a weight matmul the board models price fastest split runs "
                         "its first rows on the NPU and the rest in ggml-cpu at once (modeled gain only; "
                         "docs/placement.md)")
+    p.add_argument("--npu-attention", default="auto", choices=("auto", "on", "off"),
+                   help="attention's matmuls (QK^T, PV) on the NPU: where the board's models say it is faster "
+                        "(auto: prefill, long verifies), for every f16 KV-cache pass (on), or never (off)")
     p.add_argument("--sim-faults", default=None, metavar="SPEC",
                    help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
                         "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")
@@ -308,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
                           threads=args.threads, group_matmuls=not args.no_fuse,
                           activations=args.activations, placement=placement,
                           host_threads=args.host_threads, host_repack=not args.no_host_repack,
-                          placement_split=args.placement_split, idle_timeout_s=args.idle_timeout,
+                          placement_split=args.placement_split, npu_attention=args.npu_attention,
+                          idle_timeout_s=args.idle_timeout,
                           max_clients=args.max_clients or MAX_CLIENTS,
                           session_memory=None if args.session_memory is None else args.session_memory << 20,
                           retired_budget=host_budget.share("retired_weights"))

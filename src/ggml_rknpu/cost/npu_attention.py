@@ -1,8 +1,8 @@
-"""Attention's two matmuls on the NPU, priced as they would run if built: per KV head,
+"""Attention's two matmuls on the NPU, priced as ``rknpu serve --npu-attention`` runs them: per KV head,
 S = Q.K^T with the group's query heads stacked as rows (M = rows x heads per KV head,
 K = head dim, N = the key span) and O = P.V (K = the span, N = head dim), fp16, each its own
-submit; the mask and softmax stay in ggml-cpu. A *modeled* figure of a path the server does
-not have (``rknpu bench prefill`` labels it so).
+submit; the mask and softmax stay in ggml-cpu. A *modeled* figure (staging K and V per pass
+is not priced); the server's ``auto`` decides by it (``server/attention_plan.py``).
 
 Invariants: the NPU computes the whole rectangle of rows by key span (no causal skipping);
 the softmax moves rows x heads x span f32 scores three times (read, mask, write) at the host's

@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 
 from ggml_rknpu.libggml.compute import HostContext
+from ggml_rknpu.server.attention_step import FlashAttentionStep, KvMatmulStep
 from ggml_rknpu.server.expert_step import ExpertStep
 from ggml_rknpu.server.plan_steps import DeliveredRun, Delivery, HostSegment, NpuGroup, NpuStep, SplitStep
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node
 
-PlannedStep = HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep | SplitStep
+PlannedStep = (HostSegment | NpuStep | NpuGroup | Delivery | DeliveredRun | ExpertStep | SplitStep
+               | KvMatmulStep | FlashAttentionStep)
 
 GROUP_MAX_ROWS = 16
 # grouped steps are the decode path (M = 1..16: one token, speculative drafts, a few

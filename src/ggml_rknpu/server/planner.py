@@ -20,6 +20,7 @@ from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import Ggml, TensorP
 from ggml_rknpu.server.activations import ActivationRounding
+from ggml_rknpu.server.attention_plan import SOFTMAX_TENSORS, AttentionPolicy, AttentionStep, attention_step, plan_nodes
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
@@ -45,7 +46,7 @@ class GraphPlanner:
     def __init__(self, buffers: BufferTable, weights: WeightStore, npu: MatmulEngine | None, stats: ServerStats,
                  host: Ggml, threads: Threads, recovery: NpuRecovery | None = None, group: bool = True,
                  activations: ActivationRounding | None = None, placer: Placer | None = None,
-                 host_repack: bool = False) -> None:
+                 host_repack: bool = False, npu_attention: str = "off") -> None:
         self.buffers = buffers
         self.host_copies = HostCopies(host, stats, host_repack)   # repacked weights of host matmuls
         self._splits: dict[int, int] = {}                         # the plan being built: split node -> host rows
@@ -58,6 +59,7 @@ class GraphPlanner:
         self.threads = threads
         self.recovery = recovery or NpuRecovery(npu, weights, RecoveryStats())
         self.activations = activations or ActivationRounding(host)
+        self.attention = AttentionPolicy(npu_attention, *((placer.cores, placer.threads) if placer else ()))
 
     def build(self, payload: bytes | memoryview, digest: bytes) -> GraphPlan:
         t0 = time.perf_counter()
@@ -84,6 +86,7 @@ class GraphPlanner:
         self._within_budget(slots, g)
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
+        attention = plan_nodes(self.attention, g.tensors, computing, position, self.npu is not None)
         unsplit = {nid: s for nid, s in slots.items() if nid not in self._splits}   # a split is never grouped
         order: list[Node] = gather_siblings(computing, g, unsplit, checked) if self.group else list(computing)
 
@@ -94,7 +97,8 @@ class GraphPlanner:
         current: list[Node] = []
         written: list[CheckedTensor] = []
         for entry in order:
-            if isinstance(entry, DeliveryMark) or slots.get(entry) is not None or entry in experts:   # its own step
+            if isinstance(entry, DeliveryMark) or slots.get(entry) is not None or entry in experts \
+                    or entry in attention:   # its own step
                 runs += [current, [entry]] if current else [[entry]]
                 current, written = [], []
                 continue
@@ -107,12 +111,14 @@ class GraphPlanner:
         if current:
             runs.append(current)
 
-        npu_steps = {nid for nid in computing if slots.get(nid) is not None or nid in experts}
+        npu_steps = {nid for nid in computing if slots.get(nid) is not None or nid in experts or nid in attention}
+        flash = sum(1 for nid in attention if g.tensors[nid].op == GgmlOp.FLASH_ATTN_EXT)
         merges = delivery_runs(runs, npu_steps) if self.group else []
         n_markers = sum(1 for nid in order if isinstance(nid, DeliveryMark))
         host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts)
-                           + 4 * len(self._splits),
-                           tuple(len(r) for r in runs) + tuple(merges) + (1,) * (len(experts) + 2 * len(self._splits)))
+                           + 4 * len(self._splits) + SOFTMAX_TENSORS * flash,
+                           tuple(len(r) for r in runs) + tuple(merges)
+                           + (1,) * (len(experts) + 2 * len(self._splits) + flash))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}
@@ -122,9 +128,11 @@ class GraphPlanner:
                     raise UnsupportedOp(signature(t, tuple(g.tensors[s] if s else None for s in t.src)),
                                         "ggml-cpu does not support this combination")
             copies = self._repacked(g, position, checked, ptrs, slots, computing)
-            steps: list[PlannedStep] = [self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
-                     if run[0] in experts else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok, copies)
-                     for run in runs]
+            steps: list[PlannedStep] = [
+                self._expert_step(g.tensors[run[0]], experts[run[0]], checked, ptrs, host, indices)
+                if run[0] in experts else self._attention_step(g.tensors[node_id(run[0])], g, checked, ptrs, host, indices)
+                if run[0] in attention else self._step(run, g, checked, ptrs, host, indices, slots, cpu_ok, copies)
+                for run in runs]
             checks = hoist_checks(steps, runs, checked)
             planned: list[PlannedStep] = group_npu_steps(steps) if self.group else steps
             counts = take_counts(planned)
@@ -203,6 +211,13 @@ class GraphPlanner:
         assert self.npu is not None, "expert slots mean an engine"
         return ExpertStep.plan(t.name, slots, check, checked[t.src[1]], checked[t.id], on_host, self.stats,
                                self.npu, self.weights, self.recovery, rounder)
+
+    def _attention_step(self, t: RpcTensor, g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP],
+                        host: HostContext, indices: dict[int, list[tuple[int, int]]]) -> AttentionStep:
+        """An attention node whose matmuls run on the NPU (``server/attention_plan.py``)."""
+        assert self.npu is not None, "plan_nodes chooses attention nodes only with an engine"
+        return attention_step(t, checked, ptrs, host, self.npu, self.recovery,
+                              self._segment([t.id], g, checked, ptrs, host, indices), self.stats)
 
     def _segment(self, run: list[int], g: ParsedGraph, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP],
                  host: HostContext, indices: dict[int, list[tuple[int, int]]],

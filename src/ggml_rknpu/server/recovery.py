@@ -117,14 +117,20 @@ class NpuRecovery:
         """A grouped step (several matmuls in one submit, ``plan_steps.NpuGroup``) failed; its
         members run one by one next, each behind ``run``. A fault is counted and the NPU
         reset as for a matmul, so the members' attempts start fresh; anything else is logged."""
-        kind = fault_kind(exc)
-        if kind is None:
+        if not self.pass_failed(f"the grouped step {what} (its matmuls run one by one this time)", exc):
             log.warning("grouped NPU step %s failed (%s: %s); its matmuls run one by one this time",
                         what, type(exc).__name__, exc)
-            return
+
+    def pass_failed(self, what: str, exc: BaseException) -> bool:
+        """An NPU run of ``what`` failed: True for a fault (counted, the NPU reset, so a retry
+        starts fresh), False for anything else (nothing done: the caller's policy)."""
+        kind = fault_kind(exc)
+        if kind is None:
+            return False
         self.stats.faults[kind] += 1
-        log.warning("NPU %s in the grouped step %s: %s; its matmuls run one by one this time", kind, what, exc)
+        log.warning("NPU %s in %s: %s", kind, what, exc)
         self._reset(exc)
+        return True
 
     def _recover(self, slot: WeightSlot, kind: str, exc: BaseException) -> bool:
         """Count, reset, re-stage; False once the weight is demoted for good."""

@@ -54,6 +54,8 @@ class ServerStats:
     host_repacked_bytes: int = 0      # ... their host bytes now (beside the GGUF bytes in the buffers)
     host_repack_refreshes: int = 0    # copies repacked again (their GGUF bytes rewritten)
     split_matmuls: int = 0            # MUL_MATs run split, NPU and host at once (--placement-split)
+    attention_npu_by_m: dict[int, int] = field(default_factory=dict)   # attention matmuls on the NPU by rows M
+    attention_host_runs: int = 0      # attention nodes planned for the NPU that ran in ggml-cpu (faults, refusals)
     heap_trims: int = 0               # malloc_trim calls after freed buffers (host_budget.return_free_heap)
 
     def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:
@@ -150,6 +152,10 @@ class ServerStats:
         if self.npu_matmuls_by_m:
             lines.append("NPU matmuls by rows M: " + ", ".join(
                 f"M={m} {n}" for m, n in sorted(self.npu_matmuls_by_m.items())))
+        if self.attention_npu_by_m or self.attention_host_runs:
+            lines.append("attention matmuls on the NPU by rows M: " + ", ".join(
+                f"M={m} {n}" for m, n in sorted(self.attention_npu_by_m.items()))
+                + f"; {self.attention_host_runs} attention nodes fell back to ggml-cpu")
         if self.expert_matmuls_npu or self.expert_matmuls_host:
             lines.append(f"MUL_MAT_ID expert matmuls: {self.expert_matmuls_npu} on the NPU, "
                          f"{self.expert_matmuls_host} on the host")

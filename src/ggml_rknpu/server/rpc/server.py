@@ -64,7 +64,8 @@ class Session:
         self.planner = GraphPlanner(self.buffers, self.weights, state.npu, state.stats, state.host, state.threads,
                                     NpuRecovery(state.npu, self.weights, state.recovery),
                                     group=state.config.group_matmuls, activations=state.activations,
-                                    placer=state.placer, host_repack=state.config.host_repack)
+                                    placer=state.placer, host_repack=state.config.host_repack,
+                                    npu_attention=state.config.npu_attention)
         self.hello = False
         self.hung_up = False              # the server is stopping (RpcServer.stop)
         self._built_plans = False         # this connection planned a graph (its close collects cycles)

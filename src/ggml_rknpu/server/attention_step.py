@@ -1,0 +1,161 @@
+"""Attention's matmuls on the NPU, per KV head with the query heads that share it stacked as
+rows: the KV cache's f16 K (or V) of the pass staged as an engine weight, the rows run through
+``MatmulEngine.matmul``, the staged copy freed after the pass.
+
+``KvMatmulStep``: a MUL_MAT whose src0 is a KV-cache view (llama.cpp's KQ and KQV without
+flash attention), ggml's broadcast (``i02 = i12 / r2``, ``i03 = i13 / r3``). ``FlashAttentionStep``:
+FLASH_ATTN_EXT as S = Q.K^T on the NPU, the scale, softcap, mask, ALiBi and sinks and the
+softmax in ggml-cpu (one SOFT_MAX_EXT node), O = P.V on the NPU. Invariants: an NPU fault
+resets the NPU through ``NpuRecovery.pass_failed`` and the pass runs once more, then the node
+runs in ggml-cpu (its own one-node graph), as does any other engine failure (and the node
+stays there); the destination is written whole by whichever side ran last."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.libggml.compute import HostCompute
+from ggml_rknpu.server.plan_steps import HostSegment
+from ggml_rknpu.server.recovery import NpuRecovery
+from ggml_rknpu.server.stats import OpCounter, ServerStats
+
+log = logging.getLogger("ggml_rknpu.rpc")
+
+
+def _stacked(npu: MatmulEngine, stats: ServerStats, weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``rows`` [..., K] (the heads sharing ``weight`` first) @ ``weight`` [N, K]^T on the NPU:
+    [..., N]. The weight is staged for this call and freed after it."""
+    handle = npu.upload_weight(np.asarray(weight, np.float32), "fp16")   # exact: the cache is f16
+    try:
+        a = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, rows.shape[-1])
+        c = npu.matmul(a, handle)
+    finally:
+        handle.free()
+    stats.count_npu_matmuls(a.shape[0], 1, npu.last_timing)
+    stats.attention_npu_by_m[a.shape[0]] = stats.attention_npu_by_m.get(a.shape[0], 0) + 1
+    return c.reshape(*rows.shape[:-1], c.shape[1])
+
+
+@dataclass(eq=False)
+class NpuPass:
+    """The fault policy of one attention node: its NPU pass, at most twice, else its host graph."""
+
+    name: str
+    engine: MatmulEngine
+    recovery: NpuRecovery
+    host: HostSegment          # the node as a one-node ggml graph
+    counter: OpCounter         # (op, "npu")
+    nbytes: int
+    refused: bool = False      # the engine failed other than by a fault: the host from now on
+
+    def run_with(self, stats: ServerStats, compute: Callable[[MatmulEngine], None]) -> None:
+        recovery = self.recovery
+        if not self.refused:
+            t0 = time.perf_counter()
+            for attempt in range(2):
+                try:
+                    compute(self.engine)
+                except Exception as exc:
+                    if not recovery.pass_failed(f"attention '{self.name}'", exc):
+                        log.warning("attention '%s' stays on the host: the engine refused it (%s: %s)",
+                                    self.name, type(exc).__name__, exc)
+                        self.refused = True
+                        break
+                    if attempt == 0:
+                        recovery.stats.retries += 1
+                    continue
+                if attempt:
+                    recovery.stats.retried_ok += 1
+                self.counter.ops += 1
+                self.counter.bytes += self.nbytes
+                self.counter.seconds += time.perf_counter() - t0
+                return
+            else:
+                recovery.stats.host_fallbacks += 1
+        stats.attention_host_runs += 1
+        self.host.run(stats)
+
+
+@dataclass(eq=False)
+class KvMatmulStep:
+    """dst = src1 @ src0^T with src0 a KV-cache view; numpy views (ne reversed) of its tensors."""
+
+    npu_pass: NpuPass
+    w: np.ndarray              # src0 (ne3, ne2, N, K) f16
+    a: np.ndarray              # src1 (ne13, ne12, M, K) f32
+    out: np.ndarray            # dst (ne13, ne12, M, N) f32
+
+    def run(self, stats: ServerStats) -> None:
+        self.npu_pass.run_with(stats, lambda npu: self._compute(npu, stats))
+
+    def _compute(self, npu: MatmulEngine, stats: ServerStats) -> None:
+        r3, r2 = self.a.shape[0] // self.w.shape[0], self.a.shape[1] // self.w.shape[1]
+        result = np.empty(self.out.shape, np.float32)
+        for i3 in range(self.w.shape[0]):
+            for i2 in range(self.w.shape[1]):
+                heads = slice(i2 * r2, (i2 + 1) * r2)
+                result[i3 * r3:(i3 + 1) * r3, heads] = _stacked(
+                    npu, stats, self.w[i3, i2], self.a[i3 * r3:(i3 + 1) * r3, heads])
+        self.out[...] = result
+
+
+@dataclass(eq=False)
+class Softmax:
+    """A split FLASH_ATTN_EXT's softmax: ``probs`` = SOFT_MAX_EXT(``scores``, mask, scale,
+    max_bias, sinks) in ggml-cpu; ``softcap`` (0: none) applied to the scores first."""
+
+    compute: HostCompute
+    scores: np.ndarray         # (ne3, heads, rows, n_kv) f32, the graph's src0
+    probs: np.ndarray          # ... its dst
+    scale: float               # applied before the softcap (1: the softmax node scales)
+    softcap: float
+
+    def run(self, stats: ServerStats) -> np.ndarray:
+        t0 = time.perf_counter()
+        if self.softcap:
+            np.multiply(self.scores, self.scale / self.softcap, out=self.scores)
+            np.tanh(self.scores, out=self.scores)
+            np.multiply(self.scores, self.softcap, out=self.scores)
+        self.compute.run()
+        # a row masked whole has no softmax (0/0); flash attention's output for it is 0
+        np.nan_to_num(self.probs, copy=False, nan=0.0)
+        stats.host_seconds += time.perf_counter() - t0
+        stats.host_segments += 1
+        return self.probs
+
+
+@dataclass(eq=False)
+class FlashAttentionStep:
+    """FLASH_ATTN_EXT split: S and O on the NPU per KV head, the softmax in ggml-cpu."""
+
+    npu_pass: NpuPass
+    q: np.ndarray              # (ne3, heads, rows, D) f32
+    k: np.ndarray              # (ne3, kv_heads, n_kv, D) f16
+    v: np.ndarray              # (ne3, kv_heads, n_kv, DV) f16
+    out: np.ndarray            # dst (ne3, rows, heads, DV) f32
+    softmax: Softmax
+
+    def run(self, stats: ServerStats) -> None:
+        self.npu_pass.run_with(stats, lambda npu: self._compute(npu, stats))
+
+    def _compute(self, npu: MatmulEngine, stats: ServerStats) -> None:
+        r3, g = self.q.shape[0] // self.k.shape[0], self.q.shape[1] // self.k.shape[1]
+        scores = self.softmax.scores
+        for i3 in range(self.q.shape[0]):
+            for h in range(self.k.shape[1]):
+                heads = slice(h * g, (h + 1) * g)
+                scores[i3, heads] = _stacked(npu, stats, self.k[i3 // r3, h], self.q[i3, heads])
+        probs = self.softmax.run(stats)
+        result = np.empty(self.out.shape, np.float32)
+        for i3 in range(self.q.shape[0]):
+            for h in range(self.k.shape[1]):
+                heads = slice(h * g, (h + 1) * g)
+                o = _stacked(npu, stats, self.v[i3 // r3, h].T, probs[i3, heads])   # (g, rows, DV)
+                result[i3, :, heads] = o.transpose(1, 0, 2)
+        self.out[...] = result

@@ -1,0 +1,55 @@
+"""gemma-3-270m Q4_K_M with a 2048-token context through ``rknpu serve`` (simulated NPU, every
+weight matmul on it, attention by its default ``--npu-attention auto``): llama-perplexity's 2048-token chunk runs as four passes of
+512 rows, whose attention matmuls the board's models put on the NPU; its mean KL divergence
+against CPU-only stays within the bound, and the server's counters show the attention
+matmuls ran there at M > 1 with no fallback. Slow (minutes on this box): ``-m slow``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ggml_rknpu.toolchain import models
+from support.e2e_support import rknpu_server, run_tool, tool_or_skip
+
+pytestmark = [pytest.mark.llama, pytest.mark.slow]
+DOCS = Path(__file__).parents[2] / "docs"
+CTX = 2048
+KLD_LIMIT = 0.01    # fp16 weights and attention on the NPU against ggml-cpu's q8 activations
+_MEAN_KLD = re.compile(r"Mean\s+KLD:\s*([0-9.eE+-]+)")
+
+
+def _perplexity(model: Path, text: Path, extra: list[str]) -> str:
+    args = ["-m", str(model), "-f", str(text), "-c", str(CTX), "-b", str(CTX), "--chunks", "1", "-t", "1",
+            "--no-warmup", *extra]
+    proc = run_tool("llama-perplexity", args, timeout=3000)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(3600)
+def test_long_prompt_attention_on_npu_within_the_kld_bound(tmp_path: Path) -> None:
+    tool_or_skip("llama-perplexity")
+    try:
+        gemma = models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    text = tmp_path / "docs.txt"        # English prose well over 2 x CTX tokens (perplexity needs that)
+    text.write_text("\n".join(p.read_text() for p in sorted(DOCS.glob("*.md"))))
+    base = tmp_path / "cpu.kld"
+    _perplexity(gemma, text, ["--kl-divergence-base", str(base)])
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
+        out = _perplexity(gemma, text, ["--rpc", server.endpoint, "-ngl", "99", "--kl-divergence-base", str(base),
+                                        "--kl-divergence"])
+    found = _MEAN_KLD.search(out)
+    assert found is not None, out[-3000:]
+    kld = float(found.group(1))
+    stats = server.stats()
+    rows = {int(m): n for m, n in stats["attention_npu_by_m"].items()}
+    print(f"\ngemma-3-270m, {CTX}-token chunk, attention on the simulated NPU: mean KLD {kld:.6f}, "
+          f"attention matmuls by M {rows}, host {stats['host_seconds']:.1f} s")
+    assert 0.0 <= kld <= KLD_LIMIT
+    assert sum(n for m, n in rows.items() if m > 1) >= 2 * 4 * 18, rows   # 2 per KV head, 4 passes, 18 layers
+    assert stats["attention_host_runs"] == 0
