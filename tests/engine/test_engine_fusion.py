@@ -1,7 +1,7 @@
 """Fused NPU jobs and the lean decode host path (engine/fusion.py, engine/hostpath.py,
 compiler/chain.py), on the simulator through the real submit path.
 
-Exactness: a fusion running the same program as ``Npu.matmul`` gives bit-identical results
+Exactness: a fusion running the same program as ``NpuEngine.matmul`` gives bit-identical results
 (same A bytes, same C bytes, same arithmetic on the host). Fused vs unfused: int8 is exact
 (integer sums); fp16 can differ in the last fp32 bit, because the simulator's float sum over
 K is a BLAS call whose rounding depends on the task's shape (a fused weight splits N over the
@@ -87,7 +87,7 @@ def test_chained_fusion_is_one_submit_and_counted(npu):
 
 
 def test_fusion_run_reports_its_modeled_device_time_like_a_matmul(npu):
-    """A fusion sets the engine's ``last_timing`` as ``Npu.matmul`` does (the server counts it
+    """A fusion sets the engine's ``last_timing`` as ``NpuEngine.matmul`` does (the server counts it
     into npu_device_seconds): the cost model's figure for exactly the programs it submitted."""
     rng = np.random.default_rng(4)
     parts = _parts(rng, 256, (64, 32, 32))
@@ -246,7 +246,7 @@ def test_multirow_int8_reads_match_matmul(npu, a_int8, K, N, rows):
 
 @pytest.mark.parametrize("K,N,rows", [(100, 48, 1), (256, 160, 3), (9000, 40, 2), (64, 1000, 16)])
 def test_lean_matmul_equals_the_general_path(npu, K, N, rows):
-    """``Npu.matmul`` takes the lean path for float activations; int8 activations against an
+    """``NpuEngine.matmul`` takes the lean path for float activations; int8 activations against an
     fp16 weight still take the general one (stage_activation, pack_a, unpack_c). The same
     values both ways give the same bits."""
     rng = np.random.default_rng(K * N)

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.devices import open_simulated
-from ggml_rknpu.engine.api import Npu
+from ggml_rknpu.engine.api import NpuEngine
 from ggml_rknpu.kernel.rknpu.driver import RknpuDriver
 from ggml_rknpu.kernel.trace import TimingSyscalls
 from ggml_rknpu.sim.kernel import SimKernel
 
 
-def _engine(kind: str) -> tuple[Npu, TimingSyscalls]:
+def _engine(kind: str) -> tuple[NpuEngine, TimingSyscalls]:
     kernel = TimingSyscalls(SimKernel(kind))
-    return Npu(open_simulated(kind, kernel=kernel)), kernel
+    return NpuEngine(open_simulated(kind, kernel=kernel)), kernel
 
 
 @pytest.mark.parametrize("kind, chained_calls, single_calls", [

@@ -1,4 +1,4 @@
-"""The engine end to end through the real submit path: Npu -> compiler -> NpuDevice.submit
+"""The engine end to end through the real submit path: NpuEngine -> compiler -> NpuDevice.submit
 -> SimKernel -> SimNpu, on both ABIs.
 
 Numerics checked:
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.engine import Npu, m_bucket, open_engine
+from ggml_rknpu.engine import NpuEngine, m_bucket, open_engine
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,7 +41,7 @@ def _sample(n: int, rng, limit: int = 256) -> np.ndarray:
     return np.arange(n) if n <= limit else np.sort(rng.choice(n, limit, replace=False))
 
 
-def check_matmul(npu: Npu, M: int, K: int, N: int, dtype: str, seed: int = 0) -> None:
+def check_matmul(npu: NpuEngine, M: int, K: int, N: int, dtype: str, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     if dtype == "int8":
         a = rng.integers(-128, 128, (M, K), dtype=np.int8)
@@ -258,7 +258,7 @@ def test_out_of_npu_memory_is_clear_and_loses_nothing():
 
     sim = SimKernel("rknpu", memory_limit=4 << 20)
     path = sim._device_paths()[-1]
-    npu = Npu(NpuDevice(sim, sim.open(path), path, simulated=True))
+    npu = NpuEngine(NpuDevice(sim, sim.open(path), path, simulated=True))
     w1 = npu.upload_weight(np.ones((512, 1024), np.float32))           # 1 MiB
     np.testing.assert_array_equal(npu.matmul(np.ones((256, 1024), np.float32), w1), 1024)
     w2 = npu.upload_weight(np.ones((1024, 1024), np.float32))          # 2 MiB: evicts w1's program

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.engine import Npu, bound_program, open_engine
+from ggml_rknpu.engine import NpuEngine, bound_program, open_engine
 from ggml_rknpu.engine.programs import RESERVE_ROWS
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 
@@ -20,17 +20,17 @@ def _ints(rng, shape) -> np.ndarray:
     return rng.integers(-128, 128, shape, dtype=np.int8)
 
 
-def _exact(npu: Npu, a: np.ndarray, w, b: np.ndarray) -> None:
+def _exact(npu: NpuEngine, a: np.ndarray, w, b: np.ndarray) -> None:
     np.testing.assert_array_equal(npu.matmul(a, w), a.astype(np.int32) @ b.astype(np.int32).T)
 
 
-def _small_engine(limit: int) -> Npu:
+def _small_engine(limit: int) -> NpuEngine:
     from ggml_rknpu.kernel.device import NpuDevice
     from ggml_rknpu.sim.kernel import SimKernel
 
     sim = SimKernel("rknpu", memory_limit=limit)
     path = sim._device_paths()[-1]
-    return Npu(NpuDevice(sim, sim.open(path), path, simulated=True))
+    return NpuEngine(NpuDevice(sim, sim.open(path), path, simulated=True))
 
 
 @pytest.mark.parametrize("device", ("sim-rknpu", "sim-rocket"))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ggml_rknpu.compiler import layout
 from ggml_rknpu.rknn import binding as rb
-from ggml_rknpu.rknn.engine import RknnNpu, RknnUnsupportedType, check_type
+from ggml_rknpu.rknn.engine import RknnEngine, RknnUnsupportedType, check_type
 from support.rknn_support import build_so as _gcc
 from support.rknn_support import standin_path  # noqa: F401  (fixture)
 
@@ -166,7 +166,7 @@ def test_mem_array_is_bounded(lib):
 # --- engine -------------------------------------------------------------------------------
 @pytest.fixture
 def npu(lib):
-    engine = RknnNpu(lib, max_contexts=4)
+    engine = RknnEngine(lib, max_contexts=4)
     yield engine
     engine.close()
 
@@ -216,7 +216,7 @@ def test_context_cache_and_b_staged_once(npu):
 
 def test_lru_bounds_live_contexts(lib):
     base = _live(lib)
-    with RknnNpu(lib, max_contexts=2) as npu:
+    with RknnEngine(lib, max_contexts=2) as npu:
         weights = [npu.upload_weight(np.full((16, 32), i + 1, np.float32)) for i in range(3)]
         for _ in range(2):
             for i, w in enumerate(weights):
@@ -231,20 +231,20 @@ def test_runtime_context_limit_is_reported(lib, monkeypatch):
     """The seed's runtime failed past ~150 contexts; a user LRU limit above the runtime's
     real limit surfaces as a clear RknnError, not a wrong result."""
     monkeypatch.setenv("RKNN_STANDIN_MAX_CONTEXTS", str(_live(lib)[0] + 2))
-    with RknnNpu(lib, max_contexts=5) as npu:
+    with RknnEngine(lib, max_contexts=5) as npu:
         ws = [npu.upload_weight(np.ones((16, 32), np.float32)) for _ in range(3)]
         npu.matmul(np.ones((1, 32), np.float32), ws[0])
         npu.matmul(np.ones((1, 32), np.float32), ws[1])
         with pytest.raises(rb.RknnError, match=r"rknn_matmul_run returned -1 \(execute failed\)"):
             npu.matmul(np.ones((1, 32), np.float32), ws[2])
-    with RknnNpu(lib, max_contexts=2) as npu:
+    with RknnEngine(lib, max_contexts=2) as npu:
         ws = [npu.upload_weight(np.ones((16, 32), np.float32)) for _ in range(3)]
         assert all((npu.matmul(np.ones((1, 32), np.float32), w) == 32).all() for w in ws)
 
 
 def test_free_destroys_contexts_and_memory(lib):
     base = _live(lib)
-    npu = RknnNpu(lib)
+    npu = RknnEngine(lib)
     w = npu.upload_weight(np.ones((16, 9000), np.float32))          # two K chunks
     npu.matmul(np.ones((2, 9000), np.float32), w)
     assert _live(lib) == (base[0] + 2, base[1] + 6)
@@ -280,7 +280,7 @@ def test_engine_errors(npu):
     with pytest.raises(ValueError, match="does not match"):
         npu.upload_weight(np.ones((2, 2), np.float32), "int8", matmul_type=1)
     with pytest.raises(ValueError, match="max_contexts"):
-        RknnNpu(npu.lib, max_contexts=0)
+        RknnEngine(npu.lib, max_contexts=0)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -288,7 +288,7 @@ def test_engine_errors(npu):
        dtype=st.sampled_from(("fp16", "int8")), seed=st.integers(0, 2**16))
 def test_engine_random_shapes(lib, M, K, N, dtype, seed):
     rng = np.random.default_rng(seed)
-    with RknnNpu(lib, max_contexts=4) as npu:
+    with RknnEngine(lib, max_contexts=4) as npu:
         if dtype == "int8":
             a = rng.integers(-128, 128, (M, K), dtype=np.int8)
             b = rng.integers(-128, 128, (N, K), dtype=np.int8)
@@ -307,7 +307,7 @@ def test_modeled_device_time_follows_the_core_mask(lib):
     """auto prices one core (cost/anchors.py); a 3-core mask prices three: a wide GEMV gets faster."""
     times: dict[str, float] = {}
     for mask in ("auto", "core0", "core0_1_2"):
-        with RknnNpu(lib, core_mask=mask) as npu:
+        with RknnEngine(lib, core_mask=mask) as npu:
             npu.matmul(np.ones((1, 2048), np.float32), npu.upload_weight(np.ones((2048, 2048), np.float32)))
             timing = npu.last_timing
             assert timing is not None and timing.device_s is not None

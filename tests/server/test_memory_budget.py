@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.libggml.enums import GgmlOp
-from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.memory_budget import MIN_RESERVE, OVER_BUDGET, default_budget, for_server
 from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import FakeNpu, T, serve
@@ -100,7 +100,7 @@ def test_the_default_is_mem_available_less_the_reserve(tmp_path: Path):
 def test_the_budget_lifts_the_buffer_bound_above_the_npu_window():
     """A model larger than the NPU's address space loads under a budget that holds it (its
     weights beyond the window run on the host); without a budget the window bounds buffers."""
-    memory = DeviceMemory(lambda: (1 << 20, 4 << 20))            # an NPU window of 4 MiB, 1 MiB free
+    memory = DeviceBudget(lambda: (1 << 20, 4 << 20))            # an NPU window of 4 MiB, 1 MiB free
     assert not memory.reserve(6 << 20) and memory.report() == (1 << 20, 4 << 20)
     memory.host_bytes = 16 << 20
     assert memory.reserve(6 << 20) and memory.report() == (10 << 20, 16 << 20)

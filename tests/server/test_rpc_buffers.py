@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggml_rknpu.server.buffers import ADDRESS_SPACE_START, BufferTable, DeviceMemory, IntervalSet
+from ggml_rknpu.server.buffers import ADDRESS_SPACE_START, BufferTable, DeviceBudget, IntervalSet
 from ggml_rknpu.server.rpc.wire import ProtocolError
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=25)
@@ -28,7 +28,7 @@ def test_interval_set_matches_a_set_of_bytes(adds, probes):
 
 
 def test_address_space_is_never_reused_and_spans_are_checked():
-    memory = DeviceMemory(lambda: (1 << 30, 1 << 30))
+    memory = DeviceBudget(lambda: (1 << 30, 1 << 30))
     table = BufferTable(memory)
     a = table.alloc(100)
     assert a is not None

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from ggml_rknpu.cli import serve
-from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.config import ServerConfig
 from ggml_rknpu.server.rpc.listener import RpcServer, is_loopback
@@ -100,7 +100,7 @@ def test_serve_refuses_a_rate_or_stall_timeout_of_zero(flag, caplog):
 def test_non_loopback_bind_warns(caplog):
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.20")
-    state = ServerState(npu=None, memory=DeviceMemory(lambda: (1, 1)), config=ServerConfig())
+    state = ServerState(npu=None, memory=DeviceBudget(lambda: (1, 1)), config=ServerConfig())
     with caplog.at_level(logging.WARNING, logger="ggml_rknpu.rpc"):
         server = RpcServer(state, "0.0.0.0", 0)
     for listener in server.listeners:

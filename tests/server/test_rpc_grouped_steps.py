@@ -136,7 +136,7 @@ def test_a_write_to_one_member_rebuilds_the_fusion():
 
 @pytest.mark.parametrize("trouble", ["fault", "refused", "not_resident"])
 def test_a_group_that_cannot_run_falls_back_to_its_members(trouble):
-    class Npu(FusingFakeNpu):
+    class NpuEngine(FusingFakeNpu):
         refused_k = False
 
         def upload_weight(self, b, dtype="fp16"):
@@ -145,7 +145,7 @@ def test_a_group_that_cannot_run_falls_back_to_its_members(trouble):
                 raise RuntimeError("injected: the engine refuses this weight")
             return super().upload_weight(b, dtype)
 
-    npu = Npu()
+    npu = NpuEngine()
     npu.fail_fusion = trouble == "fault"
     npu.refuse_fusions = trouble == "refused"
     results, stats = run_graph(npu, group=True)

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from ggml_rknpu.engine.api import Npu
+from ggml_rknpu.engine.api import NpuEngine
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.placement import HOST, NPU
 from support.rpc_testkit import T, serve
@@ -22,7 +22,7 @@ def engines():
     """open(device) once per module."""
     import ggml_rknpu
 
-    opened: dict[str, Npu] = {}
+    opened: dict[str, NpuEngine] = {}
 
     def get(device: str):
         if device not in opened:

@@ -26,7 +26,7 @@ def srv():
 
 @pytest.fixture
 def alloc_log(monkeypatch):
-    """Every DeviceBuffer the server allocates, kept alive so tests can inspect its bytes."""
+    """Every RpcBuffer the server allocates, kept alive so tests can inspect its bytes."""
     made = []
     original = buffers_mod.BufferTable.alloc
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_rknpu.engine import Npu
+from ggml_rknpu.engine import NpuEngine
 from ggml_rknpu.hw.envelope import PROVEN
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuFault
@@ -37,7 +37,7 @@ def test_a_job_over_the_timeout_is_caught_by_the_canaries_and_the_split_rule_com
     dev, k = rocket_device(rocket_mhz=SLOW_CLOCK_MHZ)
     a, b, ref = operands()
     one_job = PROVEN.widen("no-split", max_job_ms=1e9, job_model_mhz=SLOW_CLOCK_MHZ)
-    npu = Npu(dev, envelope=one_job)
+    npu = NpuEngine(dev, envelope=one_job)
     w = npu.upload_weight(b)
     with pytest.raises(NpuFault, match="canar"):
         npu.matmul(a, w)                                       # stale output, no driver error
@@ -52,7 +52,7 @@ def test_a_job_over_the_timeout_is_caught_by_the_canaries_and_the_split_rule_com
 
     dev, k = rocket_device(rocket_mhz=SLOW_CLOCK_MHZ)
     split = PROVEN.widen("split", job_model_mhz=SLOW_CLOCK_MHZ)       # jobs <= 250 ms at 20 MHz
-    npu = Npu(dev, envelope=split)
+    npu = NpuEngine(dev, envelope=split)
     w = npu.upload_weight(b)
     np.testing.assert_array_equal(npu.matmul(a, w), ref)
     assert next(iter(w.programs.values())).program.n_submits >= 3
@@ -70,7 +70,7 @@ def test_the_first_buffer_of_a_rocket_file_is_at_iova_0_and_the_device_uses_it()
     dev.close()
     # the engine's first buffer (a weight) lands at 0 too, and every program still runs
     dev, _ = rocket_device()
-    npu = Npu(dev)
+    npu = NpuEngine(dev)
     w = npu.upload_weight(np.eye(64, dtype=np.float32))
     assert w.buffer.dma_addr == 0
     a = np.arange(3 * 64, dtype=np.float32).reshape(3, 64) / 64
@@ -110,7 +110,7 @@ def test_prep_bo_keeps_cpu_writes_and_fini_bo_keeps_npu_writes():
 def test_loud_mode_still_names_the_failure_at_prep_bo():
     dev, k = rocket_device(rocket_mhz=SLOW_CLOCK_MHZ, rocket_errors="loud")
     a, b, _ = operands()
-    npu = Npu(dev, envelope=PROVEN.widen("no-split", max_job_ms=1e9, job_model_mhz=SLOW_CLOCK_MHZ))
+    npu = NpuEngine(dev, envelope=PROVEN.widen("no-split", max_job_ms=1e9, job_model_mhz=SLOW_CLOCK_MHZ))
     w = npu.upload_weight(b)
     with pytest.raises(Exception, match="timed out"):
         npu.matmul(a, w)

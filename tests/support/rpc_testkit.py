@@ -24,7 +24,7 @@ import numpy as np
 from ggml_rknpu.engine.contract import OneMatmul
 from ggml_rknpu.libggml.abi import GGML_TENSOR_FLAG_COMPUTE
 from ggml_rknpu.libggml.enums import GgmlType
-from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.config import ServerConfig
 from ggml_rknpu.server.rpc.listener import RpcServer
@@ -387,7 +387,7 @@ class ServerThread:
                  retired_budget: int | None = None, pages=None, **config) -> None:
         """``pages``: a ``server.weight_pages.WeightPages`` (None: every buffer anonymous)."""
         budget_fn = npu.memory_budget if npu is not None else (lambda: budget)
-        self.state = ServerState(npu=npu, memory=DeviceMemory(budget_fn, pages),
+        self.state = ServerState(npu=npu, memory=DeviceBudget(budget_fn, pages),
                                  config=ServerConfig(weight_format=weight_format, cache_dir=cache_dir,
                                                      progress=False, stall_timeout_s=stall_timeout_s,
                                                      weight_reuse=weight_reuse, group_matmuls=group_matmuls,

@@ -39,7 +39,7 @@ class LayerShape:
 
 
 class _ServerSubmit:
-    """One NPU submit as a ``server.plan_steps`` step issues it: ``Npu.fuse(...).run(a,
+    """One NPU submit as a ``server.plan_steps`` step issues it: ``NpuEngine.fuse(...).run(a,
     outs=...)``, several siblings chained, a lone weight as a one-weight fusion, results
     straight into the step's arrays. ``run`` -> (pack, submit, unpack, canaries) host seconds."""
 
@@ -74,12 +74,12 @@ def measure(device: str, dtype: str, shape: LayerShape, layers: int, tokens: int
     """Per submit kind: per-phase µs (median and min over tokens), ioctls per submit, and the
     simulator's µs per submit (NPU model; simulated driver)."""
     from ggml_rknpu.devices import open_simulated
-    from ggml_rknpu.engine.api import Npu
+    from ggml_rknpu.engine.api import NpuEngine
     from ggml_rknpu.kernel.trace import TimingSyscalls
     from ggml_rknpu.sim.kernel import SimKernel
 
     kernel = TimingSyscalls(SimKernel(device.removeprefix("sim-")))  # type: ignore[arg-type]
-    npu = Npu(open_simulated(device.removeprefix("sim-"), kernel=kernel))
+    npu = NpuEngine(open_simulated(device.removeprefix("sim-"), kernel=kernel))
     try:
         plan = []
         for _ in range(layers):

@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     log = logging.getLogger("ggml_rknpu.rpc")
 
-    from ggml_rknpu.server.buffers import DeviceMemory
+    from ggml_rknpu.server.buffers import DeviceBudget
     from ggml_rknpu.server.memory_budget import for_server
     from ggml_rknpu.server.rpc import report
     from ggml_rknpu.server.rpc.config import HOST_ONLY_BUDGET, MAX_CLIENTS, ServerConfig
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _ensure_host_libraries()
-        state = ServerState(npu=npu, memory=DeviceMemory(budget, pages), config=config, faults=injector)
+        state = ServerState(npu=npu, memory=DeviceBudget(budget, pages), config=config, faults=injector)
     except (GgmlAbiError, GgmlLibraryMissing) as exc:
         log.error("cannot start the host backend (ggml-cpu): %s", exc)
         if npu is not None:

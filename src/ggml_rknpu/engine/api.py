@@ -41,7 +41,7 @@ COUNTERS = ("weights_uploaded", "weight_bytes_uploaded", "weights_freed", "progr
 W = TypeVar("W", bound=Weight)
 
 
-class Npu:
+class NpuEngine:
     """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
     def __init__(self, device: NpuDevice, cores: int | None = None, envelope: Envelope | str | None = None) -> None:
@@ -164,7 +164,7 @@ class Npu:
     def _check_weight(self, w: object) -> Weight:
         """``w`` as this engine's own live ``Weight`` (the contract's handles are any engine's)."""
         if not isinstance(w, Weight) or w.owner is not self:
-            raise TypeError("w must be a Weight returned by this Npu's upload_weight")
+            raise TypeError("w must be a Weight returned by this NpuEngine's upload_weight")
         if w.freed:
             raise ValueError(f"{w!r} was freed; upload it again")
         return w
@@ -239,7 +239,7 @@ class Npu:
     # -- lifecycle -------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this Npu is closed")
+            raise ValueError("this NpuEngine is closed")
 
     def close(self) -> None:
         """Free every weight and program and close the device (idempotent)."""
@@ -250,7 +250,7 @@ class Npu:
         self.device.close()
         self._closed = True
 
-    def __enter__(self) -> Npu:
+    def __enter__(self) -> NpuEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -267,7 +267,7 @@ def _npu_mhz(device: NpuDevice) -> float | None:
     return 1000.0 if device.simulated else None
 
 
-def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> Npu:
+def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> NpuEngine:
     """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
     (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``. ``cores`` None: as many
     as the envelope allows; ``envelope`` None: the recorded one (module doc)."""
@@ -276,8 +276,8 @@ def open_engine(device: str | NpuDevice | None = None, cores: int | None = None,
 
         dev = open_device(device)
         try:
-            return Npu(dev, cores, envelope)
+            return NpuEngine(dev, cores, envelope)
         except BaseException:
             dev.close()
             raise
-    return Npu(device, cores, envelope)
+    return NpuEngine(device, cores, envelope)

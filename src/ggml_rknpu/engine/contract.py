@@ -1,5 +1,5 @@
 """``MatmulEngine``: what the server, the weight store and the graph planner may ask of an
-engine. ``engine.Npu`` (our compiler and driver), ``rknn.RknnNpu`` (the vendor runtime)
+engine. ``engine.NpuEngine`` (our compiler and driver), ``rknn.RknnEngine`` (the vendor runtime)
 and the test fakes implement it.
 
 Invariants: a weight handle is used only with the engine that returned it and until its
@@ -96,7 +96,7 @@ class EngineFusion(Protocol):
 
 
 class FusingEngine(MatmulEngine, Protocol):
-    """An engine that can run sibling matmuls as one submit (``engine.Npu``; the vendor
+    """An engine that can run sibling matmuls as one submit (``engine.NpuEngine``; the vendor
     runtime cannot)."""
 
     def fuse(self, weights: Sequence[EngineWeight], m: int = 1, *, out: str | None = None) -> EngineFusion: ...

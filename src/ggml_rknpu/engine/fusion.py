@@ -1,7 +1,7 @@
 """``Fusion``: the engine's one route from activations to results, planned once and replayed:
 one weight (plain, or siblings fused into one) or several chained in one submit.
 
-Invariants: every NPU run of the engine is a ``Fusion.run`` (``Npu.matmul`` is a one-weight
+Invariants: every NPU run of the engine is a ``Fusion.run`` (``NpuEngine.matmul`` is a one-weight
 fusion): A written through views, canaries armed, the jobs submitted in order, canaries
 checked (output left unwritten resets the NPU and raises ``StaleOutput``), C read through
 views straight into the caller's arrays, the timing kept. A fused weight is exact (each
@@ -81,7 +81,7 @@ class Fusion:
 
     def __init__(self, parts: EngineParts, weights: Sequence[Weight], rows: int | None, out: str, *,
                  siblings: bool = True) -> None:
-        """``weights``: checked by the engine (``Npu.fuse``); ``rows``: the most a run takes
+        """``weights``: checked by the engine (``NpuEngine.fuse``); ``rows``: the most a run takes
         (a chain runs its M bucket, ``programs.m_bucket``; None: any, one weight only);
         ``out``: the output type; ``siblings``: a fused weight gives one output per sibling
         (False: one, the whole weight)."""

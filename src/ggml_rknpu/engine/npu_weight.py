@@ -1,4 +1,4 @@
-"""``Weight`` and ``FusedWeight``: weights resident in NPU memory for one ``Npu``, with the
+"""``Weight`` and ``FusedWeight``: weights resident in NPU memory for one ``NpuEngine``, with the
 programs bound for them and the fusions that run them.
 
 Invariants: a weight's packed bytes are written once, at upload; ``free`` closes the fusions
@@ -48,7 +48,7 @@ class Weight(ResidentWeight):
         self.compile_errors: list[str] = []
         self.headroom = headroom      # what its programs need under the memory cap (None: no cap at upload)
         self.fusions: weakref.WeakSet[LiveFusion] = weakref.WeakSet()   # the live fusions running it
-        self.matmul_fusions: dict[str, LiveFusion] = {}   # ``Npu.matmul``'s own, by output type
+        self.matmul_fusions: dict[str, LiveFusion] = {}   # ``NpuEngine.matmul``'s own, by output type
         self.freed = False
 
     def free(self) -> None:
@@ -71,7 +71,7 @@ class Weight(ResidentWeight):
 
 
 class FusedWeight(Weight):
-    """Sibling weights concatenated by rows into one resident weight (``Npu.upload_fused_weight``);
+    """Sibling weights concatenated by rows into one resident weight (``NpuEngine.upload_fused_weight``);
     ``splits[i]`` = (n0, n1), sibling i's output columns."""
 
     splits: tuple[tuple[int, int], ...] = ()

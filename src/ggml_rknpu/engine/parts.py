@@ -1,4 +1,4 @@
-"""``EngineParts``: what one ``Npu`` is made of, and all that a fusion
+"""``EngineParts``: what one ``NpuEngine`` is made of, and all that a fusion
 (``engine.fusion.Fusion``) may use of it: the device, memory, bound programs, the reset,
 counters, the last run's timing.
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class EngineParts:
-    """The device, the memory, the program cache, the reset and the counters of one ``Npu``.
+    """The device, the memory, the program cache, the reset and the counters of one ``NpuEngine``.
 
     ``reset`` resets the NPU after a fault and returns the weights it destroyed."""
 
@@ -31,4 +31,4 @@ class EngineParts:
     programs: ProgramCache
     reset: Callable[[], Sequence[Weight]]
     counters: dict[str, int]
-    last_timing: Timing | None = None      # of the last fusion run (``Npu.matmul``'s too)
+    last_timing: Timing | None = None      # of the last fusion run (``NpuEngine.matmul``'s too)

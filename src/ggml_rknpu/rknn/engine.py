@@ -1,5 +1,5 @@
 """A second matmul engine over Rockchip's closed ``rknn_matmul_api`` (the seed's route 1),
-a ``MatmulEngine`` like ``engine.Npu``.
+a ``MatmulEngine`` like ``engine.NpuEngine``.
 
 Invariants: each (weight, M bucket) gets a persistent context whose A, B and C are bound
 once and B filled once, bounded by an LRU of ``max_contexts`` (default 32); only fp16 x
@@ -78,7 +78,7 @@ class RknnWeight(ResidentWeight):
     """A weight staged on the host (converted, padded, in native layout per K chunk) and,
     per M bucket, resident in the contexts that use it."""
 
-    def __init__(self, npu: RknnNpu, staged: StagedWeight, native_chunks: list[np.ndarray],
+    def __init__(self, npu: RknnEngine, staged: StagedWeight, native_chunks: list[np.ndarray],
                  k_chunks: list[tuple[int, int]], n_padded: int) -> None:
         self.engine = npu             # the engine it was uploaded to
         self.staged = staged
@@ -98,7 +98,7 @@ class RknnWeight(ResidentWeight):
             self.freed = True
 
 
-class RknnNpu:
+class RknnEngine:
     """See the module docstring. ``library``: an ``RknnLibrary`` or a path to librknnrt.so
     (default: ``$LIBRKNNRT_PATH`` or the usual directories)."""
 
@@ -313,7 +313,7 @@ class RknnNpu:
             w.free()
         self._closed = True
 
-    def __enter__(self) -> RknnNpu:
+    def __enter__(self) -> RknnEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

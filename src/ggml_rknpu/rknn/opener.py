@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ggml_rknpu.rknn import binding as rb
-from ggml_rknpu.rknn.engine import RknnNpu
+from ggml_rknpu.rknn.engine import RknnEngine
 
 CORE_MASK_FOR_CORES = {1: "core0", 2: "core0_1", 3: "core0_1_2"}   # rknn_core_mask [docs/rknn-toolkit.md §4.2]
 
@@ -80,11 +80,11 @@ def load(device: str = "auto") -> tuple[rb.RknnLibrary, RknnSetup]:
 
 
 def open_rknn(device: str = "auto", *, max_contexts: int = 32, cores: int | None = None,
-              loaded: tuple[rb.RknnLibrary, RknnSetup] | None = None) -> tuple[RknnNpu, RknnSetup]:
+              loaded: tuple[rb.RknnLibrary, RknnSetup] | None = None) -> tuple[RknnEngine, RknnSetup]:
     """``load`` (unless ``loaded`` is given), then an engine; ``cores`` 1-3 pins that many cores
     (None: the runtime's automatic choice)."""
     lib, setup = loaded or load(device)
     if cores is not None and cores not in CORE_MASK_FOR_CORES:
         raise ValueError(f"cores must be one of {sorted(CORE_MASK_FOR_CORES)}, got {cores}")
     mask = "auto" if cores is None else CORE_MASK_FOR_CORES[cores]
-    return RknnNpu(lib, max_contexts=max_contexts, core_mask=mask), setup
+    return RknnEngine(lib, max_contexts=max_contexts, core_mask=mask), setup

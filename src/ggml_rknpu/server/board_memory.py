@@ -61,7 +61,7 @@ class BoardMemory:
         self.server_at_start = resident_bytes()
 
     def now(self, state: Any) -> BoardBytes:
-        """A reading of a ``ServerState``: its device budget (``buffers.DeviceMemory``), repacked
+        """A reading of a ``ServerState``: its device budget (``buffers.DeviceBudget``), repacked
         copies, engine (None: no NPU) and retired weights."""
         memory, npu = state.memory, state.npu
         paged = memory.pages.bytes if memory.pages is not None else 0

@@ -3,10 +3,10 @@
 Invariants: llama.cpp never dereferences a device address, it computes ``base + offset``
 and sends it back [docs/ggml-rpc.md §3.4]; so each buffer gets its own range in a 64-bit
 fake address space that is never reused, with an unmapped guard gap between buffers, and
-every access goes through ``DeviceBuffer.span``, the one bounds check. Memory is zeroed
+every access goes through ``RpcBuffer.span``, the one bounds check. Memory is zeroed
 pages committed on first touch (so llama.cpp's large compute buffer costs only what a graph
 writes), a mapping of its own where weight pages may move to a file (``weight_pages``),
-bounded by ``DeviceMemory``, which GET_DEVICE_MEMORY reports."""
+bounded by ``DeviceBudget``, which GET_DEVICE_MEMORY reports."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class IntervalSet:
 
 
 @dataclass(eq=False)
-class DeviceBuffer:
+class RpcBuffer:
     """One ALLOC_BUFFER: handle, fake base address, host bytes."""
 
     handle: int
@@ -83,7 +83,7 @@ class DeviceBuffer:
         return start, start + nbytes
 
 
-class DeviceMemory:
+class DeviceBudget:
     """The device budget shared by all connections of one server.
 
     ``npu_budget`` is the engine's ``memory_budget()`` (free, total bytes of NPU
@@ -128,14 +128,14 @@ class DeviceMemory:
 class BufferTable:
     """The buffers of one connection (C++ ggml-rpc-server frees them when the client leaves)."""
 
-    def __init__(self, memory: DeviceMemory, on_free: Callable[[DeviceBuffer], None] | None = None) -> None:
+    def __init__(self, memory: DeviceBudget, on_free: Callable[[RpcBuffer], None] | None = None) -> None:
         self._memory = memory
         self._on_free = on_free
-        self._by_handle: dict[int, DeviceBuffer] = {}
+        self._by_handle: dict[int, RpcBuffer] = {}
         self._next_handle = 1
         self._next_base = ADDRESS_SPACE_START
 
-    def alloc(self, size: int) -> DeviceBuffer | None:
+    def alloc(self, size: int) -> RpcBuffer | None:
         """A new zeroed buffer, or None when the budget or the host cannot hold it (client sees OOM)."""
         if not self._memory.reserve(size):
             log.warning("ALLOC_BUFFER of %d bytes refused: device budget exhausted (%d allocated)",
@@ -156,19 +156,19 @@ class BufferTable:
         base = self._next_base
         granules = ceil_div(max(size, 1), _BASE_GRANULE) + 1
         self._next_base += granules * _BASE_GRANULE
-        buf = DeviceBuffer(handle=handle, base=base, size=size, array=array)
+        buf = RpcBuffer(handle=handle, base=base, size=size, array=array)
         if store is not None and size >= PAGE:
             buf.pages = BufferPages(store, array.ctypes.data, size)
         self._by_handle[handle] = buf
         return buf
 
-    def get(self, handle: int, what: str) -> DeviceBuffer:
+    def get(self, handle: int, what: str) -> RpcBuffer:
         buf = self._by_handle.get(handle)
         if buf is None:
             raise ProtocolError(f"{what}: unknown buffer handle {handle:#x}")
         return buf
 
-    def find(self, handle: int) -> DeviceBuffer | None:
+    def find(self, handle: int) -> RpcBuffer | None:
         return self._by_handle.get(handle)
 
     def free(self, handle: int) -> None:

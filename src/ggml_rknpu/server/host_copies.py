@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ggml_rknpu.libggml import repack
 from ggml_rknpu.libggml.lib import Ggml
-from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.buffers import RpcBuffer
 from ggml_rknpu.server.stats import ServerStats
 from ggml_rknpu.server.tensor import CheckedTensor
 
@@ -85,22 +85,22 @@ class HostCopies:
                      "GGUF bytes", n, nbytes / 2**20)
             self._made[:] = [0, 0]
 
-    def _overlapping(self, buffer: DeviceBuffer, start: int, end: int) -> list[HostCopy]:
+    def _overlapping(self, buffer: RpcBuffer, start: int, end: int) -> list[HostCopy]:
         return [c for c in self._by_buffer.get(buffer.handle, ()) if c.start < end and start < c.end]
 
-    def invalidate(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+    def invalidate(self, buffer: RpcBuffer, start: int, end: int) -> None:
         """Bytes [start, end) of ``buffer`` were written by a command: overlapping copies repack on next use."""
         for c in self._overlapping(buffer, start, end):
             c.stale = True
 
-    def mark_graph_written(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+    def mark_graph_written(self, buffer: RpcBuffer, start: int, end: int) -> None:
         """A graph node writes [start, end): overlapping copies repack before every use from now on."""
         for c in self._overlapping(buffer, start, end):
             if not c.volatile:
                 c.volatile = True
                 log.info("repacked host copy of '%s': a graph writes its bytes, repacked before every use", c.name)
 
-    def drop_buffer(self, buffer: DeviceBuffer) -> None:
+    def drop_buffer(self, buffer: RpcBuffer) -> None:
         """The buffer was freed: free its copies."""
         for c in self._by_buffer.pop(buffer.handle, ()):
             self.stats.host_repacked_bytes -= c.weight.nbytes

@@ -20,7 +20,7 @@ import numpy as np
 from ggml_rknpu.engine.contract import EngineFusion, EngineWeight, MatmulEngine, MatmulTiming, plan_fusion
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.server.activations import ActivationRounder, npu_rows
-from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.buffers import RpcBuffer
 from ggml_rknpu.server.host_copies import HostCopy
 from ggml_rknpu.server.ops.vocabulary import OpDataError, UnsupportedOp
 from ggml_rknpu.server.recovery import NpuRecovery
@@ -43,7 +43,7 @@ class IndexCheck:
     values: np.ndarray       # typed view of the index tensor's bytes (signed integers)
     bound: int               # valid values are [0, bound)
     what: str
-    span: tuple[DeviceBuffer | None, int, int] = (None, 0, 0)   # (buffer, start, end) of those bytes
+    span: tuple[RpcBuffer | None, int, int] = (None, 0, 0)   # (buffer, start, end) of those bytes
     unsigned: np.ndarray = field(init=False)   # the same bytes as unsigned: a negative index is huge
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggml_rknpu.libggml.enums import TYPE_TRAITS
-from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
+from ggml_rknpu.server.buffers import BufferTable, RpcBuffer
 from ggml_rknpu.server.ops.vocabulary import TensorRef, tensor_span
 from ggml_rknpu.server.rpc.wire import RPC_TENSOR, ProtocolError, tensor_name
 
@@ -86,7 +86,7 @@ class CheckedTensor:
     """An rpc_tensor whose bytes are known to be inside ``buffer`` at [start, end)."""
 
     rpc: RpcTensor
-    buffer: DeviceBuffer | None     # None: empty (nbytes 0) or, in a graph, on another backend
+    buffer: RpcBuffer | None     # None: empty (nbytes 0) or, in a graph, on another backend
     start: int
     end: int
 

@@ -27,7 +27,7 @@ from ggml_rknpu.hw.limits import BYTES
 from ggml_rknpu.kernel.errors import NpuOutOfMemory
 from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.enums import GgmlType
-from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.buffers import RpcBuffer
 from ggml_rknpu.server.live_weights import LiveWeights
 from ggml_rknpu.server.memory_budget import OVER_BUDGET, MemoryBudget
 from ggml_rknpu.server.tensor import CheckedTensor
@@ -72,7 +72,7 @@ def to_float_rows(raw: np.ndarray, type_id: int, n_rows: int, k: int) -> np.ndar
 class WeightSlot:
     """One weight tensor's bytes in one buffer, and its staged NPU copy (or None)."""
 
-    buffer: DeviceBuffer
+    buffer: RpcBuffer
     start: int
     end: int
     type: int
@@ -415,7 +415,7 @@ class WeightStore:
                 return
         _free_handle(handle, slot.name)
 
-    def invalidate(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+    def invalidate(self, buffer: RpcBuffer, start: int, end: int) -> None:
         """Bytes [start, end) of ``buffer`` were written: drop staged copies overlapping them."""
         for slot in self._by_buffer.get(buffer.handle, ()):
             if slot.start < end and start < slot.end and slot.handle is not None:
@@ -427,7 +427,7 @@ class WeightStore:
                     self.stats.demoted += 1
                     log.info("weight candidate '%s' is rewritten repeatedly: host path from now on", slot.name)
 
-    def mark_graph_written(self, buffer: DeviceBuffer, start: int, end: int) -> None:
+    def mark_graph_written(self, buffer: RpcBuffer, start: int, end: int) -> None:
         """A graph node writes [start, end): overlapping slots are activations, demoted for good.
 
         Plans are replayed without re-deciding, so a replayed write could never
@@ -441,7 +441,7 @@ class WeightStore:
                     slot.volatile = True
                     self.stats.demoted += 1
 
-    def drop_buffer(self, buffer: DeviceBuffer) -> None:
+    def drop_buffer(self, buffer: RpcBuffer) -> None:
         """The buffer was freed: retire (or free) its staged weights and forget its slots."""
         for slot in self._by_buffer.pop(buffer.handle, ()):
             self._forget(slot)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, DeviceBuffer
+from ggml_rknpu.server.buffers import BUFFER_ALIGNMENT, RpcBuffer
 from ggml_rknpu.server.host_budget import TRIM_AFTER_FREED_BYTES, return_free_heap
 from ggml_rknpu.server.rpc import wire
 from ggml_rknpu.server.rpc.connection import Connection
@@ -74,7 +74,7 @@ class BufferCommands:
         buf = self.alloc(nbytes_)
         self.conn.send(wire.ALLOC_BUFFER_RSP.pack(buf.handle, buf.size) if buf else wire.ALLOC_BUFFER_RSP.pack(0, 0))
 
-    def alloc(self, n: int) -> DeviceBuffer | None:
+    def alloc(self, n: int) -> RpcBuffer | None:
         """A buffer within this connection's limit and the device budget, or None (the client
         sees an allocation failure, as from the C++ server), with the reason logged."""
         state = self.conn.state
@@ -110,7 +110,7 @@ class BufferCommands:
         self.conn.written(buf, 0, buf.size)
 
     # --- the connection's buffer bytes -----------------------------------------------------
-    def freed(self, buf: DeviceBuffer) -> None:
+    def freed(self, buf: RpcBuffer) -> None:
         self.allocated -= buf.size
         self.freed_untrimmed += buf.size
 

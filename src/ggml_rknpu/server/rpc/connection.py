@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 from typing import Protocol
 
-from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
+from ggml_rknpu.server.buffers import BufferTable, RpcBuffer
 from ggml_rknpu.server.rpc.deadlines import Deadlines, Reader
 from ggml_rknpu.server.rpc.state import ServerState
 from ggml_rknpu.server.tensor import CheckedTensor
@@ -25,11 +25,11 @@ class Connection(Protocol):
         """``dev``, or ProtocolError: no such device."""
         ...
 
-    def target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]:
+    def target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, RpcBuffer]:
         """The checked tensor at ``offset`` of ``payload`` and the buffer it lies in."""
         ...
 
-    def written(self, buf: DeviceBuffer, start: int, end: int) -> None:
+    def written(self, buf: RpcBuffer, start: int, end: int) -> None:
         """Bytes [start, end) of ``buf`` changed: drop what was derived from them."""
         ...
 

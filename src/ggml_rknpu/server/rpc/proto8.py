@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggml_rknpu.libggml.enums import GgmlType
-from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.buffers import RpcBuffer
 from ggml_rknpu.server.ops.geometry import contiguous_nb
 from ggml_rknpu.server.plan_cache import graph_digest
 from ggml_rknpu.server.rpc import wire
@@ -120,7 +120,7 @@ class Rows:
     """``n_copies`` rows of ``size`` bytes, ``stride`` apart in the buffer, packed on the wire."""
 
     tensor: CheckedTensor
-    buffer: DeviceBuffer    # the buffer the tensor lies in
+    buffer: RpcBuffer    # the buffer the tensor lies in
     first: int              # buffer offsets of the first row's start and the last row's end
     end: int
     size: int

@@ -17,7 +17,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from ggml_rknpu.server.buffers import BufferTable, DeviceBuffer
+from ggml_rknpu.server.buffers import BufferTable, RpcBuffer
 from ggml_rknpu.server.plan_cache import DeviceGraphs, graph_digest
 from ggml_rknpu.server.planner import GraphPlanner
 from ggml_rknpu.server.recovery import NpuRecovery
@@ -205,7 +205,7 @@ class Session:
             raise ProtocolError(f"{what}: device {dev} does not exist ({self.state.config.n_devices} device(s))")
         return dev
 
-    def target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, DeviceBuffer]:
+    def target(self, payload: bytes, offset: int, what: str) -> tuple[CheckedTensor, RpcBuffer]:
         """The checked tensor at ``offset`` and the buffer it lies in (ProtocolError: none here)."""
         t = RpcTensor.unpack_from(payload, offset)
         checked = check_tensor(t, self.buffers, what)
@@ -213,13 +213,13 @@ class Session:
             raise ProtocolError(f"{what} '{t.name}': tensor has no buffer on this server")
         return checked, checked.buffer
 
-    def written(self, buf: DeviceBuffer, start: int, end: int) -> None:
+    def written(self, buf: RpcBuffer, start: int, end: int) -> None:
         if end > start:
             with self.state.turns:
                 self.weights.invalidate(buf, start, end)
                 self.planner.host_copies.invalidate(buf, start, end)
 
-    def _on_free(self, buf: DeviceBuffer) -> None:
+    def _on_free(self, buf: RpcBuffer) -> None:
         self.buffer_commands.freed(buf)
         self.weights.drop_buffer(buf)
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs

@@ -13,7 +13,7 @@ from ggml_rknpu.libggml import lib as libggml
 from ggml_rknpu.libggml.compute import Threads, default_threads
 from ggml_rknpu.server.activations import ActivationRounding
 from ggml_rknpu.server.board_memory import BoardMemory
-from ggml_rknpu.server.buffers import DeviceMemory
+from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.live_weights import LiveWeights
 from ggml_rknpu.server.memory_budget import MemoryBudget
 from ggml_rknpu.server.placement_policy import Placer, placer_for
@@ -42,7 +42,7 @@ class ServerState:
     """What outlives a connection: the engine, the host backend, the device budget, the counters."""
 
     npu: MatmulEngine | None
-    memory: DeviceMemory
+    memory: DeviceBudget
     config: ServerConfig
     stats: ServerStats = field(default_factory=ServerStats)
     weight_stats: WeightStats = field(default_factory=WeightStats)

@@ -8,7 +8,7 @@ import logging
 import threading
 from pathlib import Path
 
-from ggml_rknpu.server.buffers import DeviceBuffer
+from ggml_rknpu.server.buffers import RpcBuffer
 from ggml_rknpu.server.rpc.wire import ProtocolError
 
 log = logging.getLogger("ggml_rknpu.rpc")
@@ -19,7 +19,7 @@ class TensorCache:
         self.directory = directory
         self.pending: tuple[int, int, int] | None = None   # (buffer handle, address, announced hash)
 
-    def load(self, buf: DeviceBuffer, addr: int, digest: int, what: str) -> tuple[int, int] | None:
+    def load(self, buf: RpcBuffer, addr: int, digest: int, what: str) -> tuple[int, int] | None:
         """The buffer span now holding the bytes with this hash, or None: not in the cache (and
         the next cacheable SET_TENSOR at ``addr`` is stored under it)."""
         path = self.directory / f"{digest:016x}"
@@ -34,7 +34,7 @@ class TensorCache:
                 raise ProtocolError(f"cache file {path} changed while reading")
         return start, end
 
-    def store(self, buf: DeviceBuffer, addr: int, start: int, end: int) -> None:
+    def store(self, buf: RpcBuffer, addr: int, start: int, end: int) -> None:
         """Store bytes the client marked cacheable under the hash it announced for them.
 
         Deviation from the C++ server (documented): the name is the FNV-1a-64 the client
