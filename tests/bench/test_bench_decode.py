@@ -120,4 +120,4 @@ def test_gguf_shape_and_cli_report(tmp_path):
 
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="neither a preset"):
-        dec._models(["no-such-model"])
+        dec.named_models(["no-such-model"])

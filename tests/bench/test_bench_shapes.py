@@ -89,7 +89,7 @@ def test_bench_decode_prices_a_config_in_the_quant_mix(tmp_path):
     from ggml_rknpu.cli.main import main
 
     path = _write(tmp_path, "Qwen3-1.7B", QWEN3_17B)
-    assert [m.name for m in dec._models([str(path)])] == ["Qwen3-1.7B"]
+    assert [m.name for m in dec.named_models([str(path)])] == ["Qwen3-1.7B"]
     out = tmp_path / "report"
     rc = main(["bench", "decode", str(path), "--weights", "int8", "--ms", "1", "--host-reps", "0", "--quant",
                "Q8_0", "--allow-throttled", "--out", str(out)])

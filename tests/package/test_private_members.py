@@ -1,6 +1,7 @@
 """No module reaches into another object's private members: every ``<expr>._name`` under src/
 (and every ``getattr``/``setattr``/``hasattr`` of a literal ``"_name"``) has ``self``, ``cls`` or
-``super()`` as its object. What another class needs is a public member or method (a seam)."""
+``super()`` as its object, and no module imports another's ``_name`` from the package. What
+another module needs is a public member, method or function (a seam)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def reach_ins(source: str) -> list[tuple[int, str]]:
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
               and _private(node.args[1].value) and not _own(node.args[0])):
             found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ggml_rknpu")
+              and any(_private(alias.name) for alias in node.names)):
+            found.append((node.lineno, ast.unparse(node)))
     return found
 
 
@@ -53,8 +57,10 @@ def test_no_module_uses_another_objects_private_members():
 
 
 def test_the_scan_sees_a_reach_in():
-    source = ("class A:\n"
+    source = ("from ggml_rknpu.bench.decode import _models, model_weights\n"
+              "class A:\n"
               "    def f(self, other):\n"
               "        self._x = super()._y + other._z + getattr(other, '_w') + self.dev._q\n"
               "        return hasattr(self, '_v'), s._fields_, __name__.__class__\n")
-    assert sorted(reach_ins(source)) == [(3, "getattr(other, '_w')"), (3, "other._z"), (3, "self.dev._q")]
+    assert sorted(reach_ins(source)) == [(1, "from ggml_rknpu.bench.decode import _models, model_weights"),
+                                         (4, "getattr(other, '_w')"), (4, "other._z"), (4, "self.dev._q")]

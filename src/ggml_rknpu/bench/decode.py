@@ -74,7 +74,7 @@ def laddered_envelope():
     return envelope_for_rungs(list(RUNGS), "rknpu")
 
 
-def _envelope(name):
+def named_envelope(name):
     from ggml_rknpu.hw.envelope import by_name
 
     return laddered_envelope() if name in (None, "laddered") else by_name(name)
@@ -86,7 +86,7 @@ def submit_programs(sub: DecodeSubmit, m: int, dtype: str, cores: int, abi: str 
     from ggml_rknpu.compiler.matmul import compile_matmul
     from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, m_bucket
 
-    env = _envelope(envelope)
+    env = named_envelope(envelope)
     out = OUT_FOR_WEIGHT[dtype]
     Ns = (sum(sub.Ns),) if sub.fused else sub.Ns
     return [compile_matmul(m_bucket(m), sub.K, n, dtype=dtype, out=out, cores=min(cores, env.max_cores), abi=abi,
@@ -183,7 +183,7 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
                         "bring-up ladder; proven: what hardware-run streams cover, 1 core)")
 
 
-def _models(names: list[str]) -> list[ModelShape]:
+def named_models(names: list[str]) -> list[ModelShape]:
     """The shapes the model arguments name: presets, Hugging Face configs, GGUF files (every
     preset when none is named)."""
     return [resolve(name) for name in names or BENCH_MODELS]
@@ -202,7 +202,7 @@ def model_weights(arg: str, model: ModelShape, quant: str | None) -> tuple[str, 
 
 
 def run(args, rig, console: Console) -> rp.Report | None:
-    models = _models(args.model)
+    models = named_models(args.model)
     dtypes = [d.strip() for d in args.weights.split(",") if d.strip()]
     if not dtypes or any(d not in ("fp16", "int8") for d in dtypes):
         raise ValueError(f"--weights takes fp16 and/or int8, got {args.weights!r}")
@@ -218,7 +218,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         import ggml_rknpu
 
         npu = ggml_rknpu.open(device=args.device or "sim-rknpu", cores=args.cores,
-                              envelope=_envelope(args.envelope))
+                              envelope=named_envelope(args.envelope))
     rng = np.random.default_rng(0)
     n_cases = len(models) * len(dtypes) * (len(ms) + 1)
     try:
@@ -292,8 +292,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
                    log_x=True)
     host_meta = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
     meta = {"cores": args.cores, "npu_mhz": NPU_MHZ, "dram_mhz": DRAM_MHZ, "submit_profile": OWN_DRIVER.name,
-            "envelope": f"{args.envelope} ({_envelope(args.envelope).name}, at most "
-                        f"{_envelope(args.envelope).max_cores} core(s))",
+            "envelope": f"{args.envelope} ({named_envelope(args.envelope).name}, at most "
+                        f"{named_envelope(args.envelope).max_cores} core(s))",
             "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host_meta}
     notes = ["fused = Q/K/V one fused weight, O, gate/up one fused weight, down (4 submits per layer) + "
              "the output head; unfused = one submit per matmul",
@@ -316,7 +316,7 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
         published = {a.test: a.tok_s for a in CPU_ANCHORS if (a.model, a.quant) == (model.name, quant)}
         for envelope in ("laddered", "proven"):
             rows += plans.plan_rows(model.name, quant, weights, model.host_layers(), envelope,
-                                    _envelope(envelope).max_cores, args.plan_weights, published)
+                                    named_envelope(envelope).max_cores, args.plan_weights, published)
     columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan")] + [
         *(rp.Column(f"decode_m{m}_tok_s_modeled", f"decode M={m} tok/s", "{:.1f}", figure=True) for m in plans.PLAN_MS),
         *(rp.Column(f"prefill{n}_tok_s_modeled", f"prefill {n} tok/s", "{:.0f}", figure=True)

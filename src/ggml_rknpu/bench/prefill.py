@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ggml_rknpu.bench import plans
 from ggml_rknpu.bench import report as rp
-from ggml_rknpu.bench.decode import _envelope, _models, model_weights
+from ggml_rknpu.bench.decode import model_weights, named_envelope, named_models
 from ggml_rknpu.bench.shapes import ModelShape
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost.npu_attention import npu_attention_seconds
@@ -111,13 +111,13 @@ def run(args, rig, console: Console) -> rp.Report:
     if not prompts or min(prompts) < 1:
         raise ValueError(f"--prompts takes positive token counts, got {args.prompts!r}")
     names = args.model or list(MODELS)
-    models = _models(names)
+    models = named_models(names)
     rows: list[dict] = []
     with rp.progress(console, "prefill", len(models) * len(ENVELOPES)) as advance:
         for arg, model in zip(names, models):
             quant, weights = model_weights(arg, model, args.quant)
             for envelope in ENVELOPES:
-                rows += prompt_rows(model, quant, weights, envelope, _envelope(envelope).max_cores,
+                rows += prompt_rows(model, quant, weights, envelope, named_envelope(envelope).max_cores,
                                     args.plan_weights, prompts)
                 advance()
     columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan", "prompt")] + [
@@ -148,7 +148,7 @@ def run(args, rig, console: Console) -> rp.Report:
                    "prompt tokens", "TTFT s", rp.series_by(plot_rows, "series", "prompt", "ttft_s_modeled", "{0} {1}"),
                    log_x=True, log_y=True)
     meta = {"prompts": list(prompts), "npu_weights": args.plan_weights, "ubatch": plans.UBATCH,
-            "envelopes": {e: f"{_envelope(e).name}, at most {_envelope(e).max_cores} core(s)" for e in ENVELOPES},
+            "envelopes": {e: f"{named_envelope(e).name}, at most {named_envelope(e).max_cores} core(s)" for e in ENVELOPES},
             "models": {m.name: m.source for m in models}}
     return rp.Report("prefill", "Prefill forecast (modeled on the board)", rig.to_dict(), meta=meta,
                      tables=[table, goal_table], plots=[plot], raw={"rows": rows, "goals": goals},
