@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,17 @@ ROCKET_ERRORS = ("mainline", "loud")
 ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [docs/npu-programming.md §5] char major 261
 INT_DMA_READ_ERROR, INT_DMA_WRITE_ERROR = 1 << 12, 1 << 13
 TASK_CON_RESERVED_14, TASK_CON_COUNT_CLEAR, TASK_CON_PP_EN = 1 << 14, 1 << 13, 1 << 12
+
+
+@dataclass(frozen=True)
+class RocketJobRun:
+    """One job as the simulated scheduler ran it: the submitting file's entity (the id of its
+    open file), the core, and its start and end on the modeled timeline (seconds)."""
+
+    entity: int
+    core: int
+    start: float
+    end: float
 
 
 class _BestFit(RangeAllocator):
@@ -97,6 +109,7 @@ class SimRocketKernel(SimKernel):
         self.modeled_now = 0.0
         self._core_ends: list[list[float]] = [[] for _ in range(self.n_cores)]
         self._bo_done: dict[int, float] = {}
+        self.job_runs: list[RocketJobRun] = []   # every job run, in submit order
 
     def driver_ioctls(self) -> IoctlTable:
         return {
@@ -207,6 +220,7 @@ class SimRocketKernel(SimKernel):
             start = max([self.modeled_now, *self._core_ends[core]])
             end = start + self._ro_run_job(npu, core, tasks, outs, inject)
             inject = None
+            self.job_runs.append(RocketJobRun(id(f), core, start, end))
             self._core_ends[core].append(end)
             f.entity_done_at = end
             for obj in outs:
