@@ -191,6 +191,15 @@ def rocket_time(program: Any, *, files: int, npu_mhz: float, dram_mhz: float = 2
     return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
 
 
+def driver_time(program: Any, *, abi: str, npu_mhz: float) -> ModeledTime:
+    """Modeled time of a program submitted from one open file of driver ``abi``: the vendor
+    driver runs its cores side by side (``modeled_time``), rocket one file's jobs in turn
+    (``rocket_time`` with ``files=1``)."""
+    if abi == "rocket":
+        return rocket_time(program, files=1, npu_mhz=npu_mhz)
+    return modeled_time(program, npu_mhz=npu_mhz)
+
+
 def _task_parts(task: TaskWork, npu_mhz: float, dram_mhz: float, cores_in_job: int) -> tuple[float, ...]:
     """(total, compute, memory, overhead) seconds of one task, as the module doc says."""
     f_npu = npu_mhz * 1e6
