@@ -116,6 +116,30 @@ def test_gguf_shape_and_cli_report(tmp_path):
     qwen = next(r for r in rows if r["plan"] == "fused")
     assert qwen["anchor_tok_s"] == "32.91" and qwen["anchor_source"] == "RKLLM w8a8"
     assert "host_us_per_submit_measured" not in qwen
+    rocket = json.loads((tmp_path / "preset" / "decode.json").read_text())["raw"]["rocket"]
+    assert [r["npu_mhz"] for r in rocket] == list(dec.ROCKET_MHZ)
+    assert "Decode under mainline rocket" in (tmp_path / "preset" / "decode.md").read_text()
+
+
+def test_rocket_forecast_is_the_sum_of_its_submits_priced_per_file():
+    """Each fused submit's programs priced by ``rocket_time`` (one file, or a file per core),
+    times its count per token; every rocket job's domain switch is counted as a guess."""
+    from ggml_rknpu.cost.model import ROCKET_DOMAIN_SWITCH_S, rocket_time
+    from ggml_rknpu.engine.fusion import fusion_workload
+
+    model = dec.resolve("Qwen3-0.6B")
+    row = dec.rocket_forecast(model, "int8", 3, 200)
+    spread = one = jobs = 0.0
+    for sub in dec.decode_submits(model, True):
+        work = fusion_workload(dec.submit_programs(sub, 1, "int8", 3, abi="rocket"))
+        cores = len({t.core for t in work.tasks})
+        spread += rocket_time(work, files=cores, npu_mhz=200).total_s * sub.count
+        one += rocket_time(work, files=1, npu_mhz=200).total_s * sub.count
+        jobs += work.submits * cores * sub.count
+    assert row["file_per_core_ms_modeled"] == pytest.approx(spread * 1e3)
+    assert row["one_file_ms_modeled"] == pytest.approx(one * 1e3)
+    assert row["domain_switch_ms_modeled"] == pytest.approx(jobs * ROCKET_DOMAIN_SWITCH_S * 1e3)
+    assert row["file_per_core_tok_s_modeled"] > 2 * row["one_file_tok_s_modeled"]
 
 
 def test_unknown_model_is_a_clear_error():

@@ -14,7 +14,7 @@ import pytest
 
 from ggml_rknpu.compiler.chain import chain_image
 from ggml_rknpu.compiler.matmul import compile_matmul
-from ggml_rknpu.cost.model import modeled_time, workload_from_program
+from ggml_rknpu.cost.model import driver_time, modeled_time, workload_from_program
 from ggml_rknpu.engine import FusedWeight, open_engine
 from ggml_rknpu.engine.fusion import concat_rows, fusion_workload
 from ggml_rknpu.hw.alignment import align_up
@@ -96,7 +96,7 @@ def test_fusion_run_reports_its_modeled_device_time_like_a_matmul(npu):
     chained = npu.fuse(ws, m=2)
     chained.run(a)
     t = npu.last_timing
-    want = modeled_time(fusion_workload(chained._chain.programs), npu_mhz=npu.npu_mhz).total_s
+    want = driver_time(fusion_workload(chained._chain.programs), abi=npu.device.kind, npu_mhz=npu.npu_mhz).total_s
     assert t.device_label == "modeled" and t.submits == 1
     assert t.device_s == pytest.approx(want, rel=1e-12) and t.device_s > 0
     assert (t.pack_s, t.submit_s, t.unpack_s) == chained.timing

@@ -93,3 +93,17 @@ def test_no_file_finishes_before_the_sum_of_its_jobs(steps):
     for i, f in enumerate(files):
         f.wait()
         assert k.modeled_now >= submitted[i] * TASK_S - 1e-12
+
+
+def test_the_record_names_each_jobs_file_and_core():
+    k, _ = kernel()
+    a, b = File(k), File(k)
+    a.submit(2)
+    b.submit(1)
+    a.wait()
+    b.wait()
+    runs = k.job_runs
+    assert [r.core for r in runs] == [0, 0, 1]
+    assert runs[0].entity == runs[1].entity != runs[2].entity
+    assert runs[1].start == pytest.approx(runs[0].end)                   # a's second job waits for its first
+    assert runs[2].start == pytest.approx(0.0)                           # b's runs beside them

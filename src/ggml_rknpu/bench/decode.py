@@ -22,11 +22,13 @@ from rich.console import Console
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.plans import QUANT_MIXES
 from ggml_rknpu.bench.shapes import BENCH_MODELS, PRESETS, ModelShape, is_config, resolve
-from ggml_rknpu.cost.model import OWN_DRIVER, dram_bandwidth, modeled_time
+from ggml_rknpu.cost.model import OWN_DRIVER, ROCKET_DOMAIN_SWITCH_S, dram_bandwidth, modeled_time, rocket_time
+from ggml_rknpu.hw.envelope import ROCKET_BOOT_MHZ
 
 MS = (1, 2, 4, 8, 16)
 HOST_ALONE_REPS = 100    # rehearsals are cheap (no submit): enough for a stable median
 NPU_MHZ, DRAM_MHZ = 1000, 2112      # vendor driver NPU clock, max DRAM clock [docs/engine.md, anchors]
+ROCKET_MHZ = (ROCKET_BOOT_MHZ, 600)  # mainline's boot clock; the out-of-tree patch's [docs/npu-programming.md §5]
 
 
 # Published board figures, decode tokens/s on RK3588 (docs/decode.md cites them).
@@ -134,6 +136,26 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
         "tok_s_at_ceiling_modeled": m / (weight_bytes / dram_bandwidth(DRAM_MHZ) + submits * OWN_DRIVER.per_submit_s),
         "tok_s_at_bound_modeled": m / (weight_bytes / stream_bound(dtype, cores) + submits * OWN_DRIVER.per_submit_s),
     }
+
+
+def rocket_forecast(model: ModelShape, dtype: str, cores: int, npu_mhz: float, envelope=None) -> dict:
+    """Modeled NPU ms of one fused decode pass (M=1) under mainline rocket: the programs'
+    jobs from one open file (run in turn on one core) and from one file per core used (side
+    by side); every job pays the domain switch, a guess (``cost.model.ROCKET_DOMAIN_SWITCH_S``)."""
+    from ggml_rknpu.engine.fusion import fusion_workload
+
+    row: dict = {"model": model.name, "weights": dtype, "npu_mhz": npu_mhz, "cores": cores}
+    for key, per_core in (("one_file", False), ("file_per_core", True)):
+        seconds = jobs = 0.0
+        for sub in decode_submits(model, True):
+            work = fusion_workload(submit_programs(sub, 1, dtype, cores, abi="rocket", envelope=envelope))
+            files = len({t.core for t in work.tasks}) if per_core else 1
+            seconds += rocket_time(work, files=files, npu_mhz=npu_mhz, dram_mhz=DRAM_MHZ).total_s * sub.count
+            jobs += work.submits * len({t.core for t in work.tasks}) * sub.count
+        row[f"{key}_ms_modeled"] = seconds * 1e3
+        row[f"{key}_tok_s_modeled"] = 1 / seconds
+        row["domain_switch_ms_modeled"] = jobs * ROCKET_DOMAIN_SWITCH_S * 1e3
+    return row
 
 
 def measure_host_submit(npu, sub: DecodeSubmit, m: int, dtype: str, reps: int,
@@ -281,6 +303,20 @@ def run(args, rig, console: Console) -> rp.Report | None:
                  f"int8 scales included, the submit excluded. 'host µs': median of {HOST_ALONE_REPS} "
                  f"Fusion.rehearse calls (no submit between); 'after a simulated submit': median of "
                  f"{args.host_reps} Fusion.run calls, each right after the simulator ran its submit (cold CPU caches)"))
+    rocket_rows = [rocket_forecast(model, dtype, args.cores, mhz, args.envelope)
+                   for model in models for dtype in dtypes for mhz in ROCKET_MHZ]
+    tables.append(rp.Table("Decode under mainline rocket, M=1 fused (modeled)", [
+        rp.Column("model", "model"), rp.Column("weights", "weights"), rp.Column("npu_mhz", "NPU MHz"),
+        rp.Column("cores", "cores"),
+        rp.Column("one_file_tok_s_modeled", "tok/s, one file", "{:.1f}", figure=True),
+        rp.Column("file_per_core_tok_s_modeled", "tok/s, a file per core", "{:.1f}", figure=True),
+        rp.Column("domain_switch_ms_modeled", "of which domain switches ms (a guess)", "{:.2f}", figure=True)],
+        rocket_rows,
+        note=f"rocket runs one open file's jobs in turn on one core: 'one file' submits every core's share from "
+             f"one file (they run one after another), 'a file per core' from one file each (side by side). "
+             f"Every job attaches and detaches its file's IOMMU domain: priced at "
+             f"{ROCKET_DOMAIN_SWITCH_S * 1e6:.0f} µs, a guess no board has measured; every file's submit at "
+             f"{OWN_DRIVER.per_submit_s * 1e6:.0f} µs. docs/npu-programming.md \"What the drivers really do\""))
     plan_table, plan_plot, plan_rows = _plans(args, models)
     tables.append(plan_table)
     fused_rows = [r for r in rows if r["plan"] == "fused"]
@@ -300,7 +336,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
              "the forecast table prices the weight matmuls only; the plan rows price every host op too (cost.host_ops)",
              *(f"published figure '{k}': {v}" for k, v in SOURCES.items())]
     return rp.Report("decode", "Decode forecast (modeled NPU, measured host)", rig.to_dict(), meta=meta,
-                     tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_submits": host_rows, "plans": plan_rows},
+                     tables=tables, plots=[plot, plan_plot], raw={"rows": rows, "host_submits": host_rows, "plans": plan_rows,
+                          "rocket": rocket_rows},
                      notes=notes)
 
 

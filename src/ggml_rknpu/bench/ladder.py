@@ -134,7 +134,9 @@ def _hooks() -> tuple[str | None, tuple[str, str] | None]:
 
 def run_program(dev, program, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Run one compiled program on ``dev`` with canary-armed output; C [M, N]. Raises
-    NpuFault when a canary survives (a task did not write)."""
+    NpuFault when a canary survives (a task did not write). Under rocket a program on several
+    cores runs from a file per core (``bench.per_file``)."""
+    from ggml_rknpu.bench.per_file import run_per_file
     from ggml_rknpu.compiler.layout import pack_a, pack_b, unpack_c
     from ggml_rknpu.engine.bound_program import program_jobs
     from ggml_rknpu.engine.canary import Canaries
@@ -152,8 +154,11 @@ def run_program(dev, program, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         regcmd.array(np.uint64)[: words.size] = words
         canaries = Canaries.for_program(program)
         canaries.arm(C.array())
-        for job in program_jobs(program, regcmd.dma_addr, dev.n_cores, A, C):
-            dev.submit(job)
+        if dev.kind == "rocket" and program.cores_used > 1:   # a file per core: side by side
+            run_per_file(dev, program, A.array(), B.array(), C.array())
+        else:
+            for job in program_jobs(program, regcmd.dma_addr, dev.n_cores, A, C):
+                dev.submit(job)
         unwritten = canaries.unwritten(C.array())
         if unwritten:
             raise NpuFault(f"{unwritten} output canaries left unwritten: a task did not finish")

@@ -68,6 +68,13 @@ RKNN_RUNTIME = SubmitProfile(
 )
 
 
+ROCKET_DOMAIN_SWITCH_S = 20e-6
+# GUESS, per rocket job: rocket_job_run attaches the submitting file's IOMMU domain to the core's
+# IOMMU group and detaches it when the job ends [docs/npu-programming.md "What the drivers really
+# do"]; no board has measured it. 20 us stands for two IOMMU enables/disables with TLB zaps and
+# the runtime-PM get/put around them. Replace it with a board's figure.
+
+
 @dataclass(frozen=True)
 class TaskWork:
     """What one hardware task does, as the cost model needs it.
@@ -149,6 +156,48 @@ def modeled_time(program: Any, *, npu_mhz: float = 1000, dram_mhz: float = 2112,
     total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
     submit_s = profile.per_submit_s * work.submits
     return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
+
+
+def rocket_time(program: Any, *, files: int, npu_mhz: float, dram_mhz: float = 2112,
+                profile: SubmitProfile = OWN_DRIVER) -> ModeledTime:
+    """Modeled time of a program's jobs under mainline rocket, where one open file's jobs run
+    one after another on one core [docs/npu-programming.md "What the drivers really do"].
+    ``files=1``: every core's share is a job of the one file, so the shares run in turn (their
+    sum). ``files`` = the cores used: core i's share is submitted by file i, so the shares run
+    side by side (the slowest file's sum). Every job pays ``ROCKET_DOMAIN_SWITCH_S`` (a guess)
+    and every file's SUBMIT and wait the profile's per-submit cost (an upper bound: the waits
+    overlap)."""
+    work = program if isinstance(program, Workload) else workload_from_program(program)
+    if not work.tasks:
+        raise ValueError("a program without tasks has no modeled time")
+    cores = sorted({t.core for t in work.tasks})
+    if files not in (1, len(cores)):
+        raise ValueError(f"rocket runs a program from one file or one file per core used ({len(cores)}), "
+                         f"not {files}")
+    per_core = {c: [0.0, 0.0, 0.0, 0.0] for c in cores}   # total, compute, memory, overhead
+    streaming = 1 if files == 1 else len(cores)           # cores sharing the DRAM stream at once
+    for task in work.tasks:
+        for i, x in enumerate(_task_parts(task, npu_mhz, dram_mhz, streaming)):
+            per_core[task.core][i] += x
+    switches = work.submits * ROCKET_DOMAIN_SWITCH_S      # one job per core and submit
+    for acc in per_core.values():
+        acc[0] += switches
+        acc[3] += switches
+    submit_s = profile.per_submit_s * work.submits * files
+    if files == 1:
+        total, compute_s, memory_s, overhead_s = (sum(a[i] for a in per_core.values()) for i in range(4))
+    else:
+        total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
+    return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
+
+
+def driver_time(program: Any, *, abi: str, npu_mhz: float) -> ModeledTime:
+    """Modeled time of a program submitted from one open file of driver ``abi``: the vendor
+    driver runs its cores side by side (``modeled_time``), rocket one file's jobs in turn
+    (``rocket_time`` with ``files=1``)."""
+    if abi == "rocket":
+        return rocket_time(program, files=1, npu_mhz=npu_mhz)
+    return modeled_time(program, npu_mhz=npu_mhz)
 
 
 def _task_parts(task: TaskWork, npu_mhz: float, dram_mhz: float, cores_in_job: int) -> tuple[float, ...]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
-from ggml_rknpu.cost.model import Workload, modeled_time, workload_from_program
+from ggml_rknpu.cost.model import Workload, driver_time, workload_from_program
 from ggml_rknpu.engine.canary import Canaries, CanaryCells, StaleOutput
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.engine.memory import c_base
@@ -306,7 +306,7 @@ class _Chain:
         self.programs = programs
         _check_chainable(programs, parts)
         self.modeled = (None if cache.npu_mhz is None
-                        else modeled_time(fusion_workload(programs), npu_mhz=cache.npu_mhz))
+                        else driver_time(fusion_workload(programs), abi=cache.abi, npu_mhz=cache.npu_mhz))
         what = repr(fusion)
         # A and the members' C regions share one buffer, C from a cache-line boundary after A:
         # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then

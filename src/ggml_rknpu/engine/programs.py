@@ -13,7 +13,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.program import Program
-from ggml_rknpu.cost.model import modeled_time
+from ggml_rknpu.cost.model import driver_time
 from ggml_rknpu.engine.bound_program import BoundProgram, program_cores, program_jobs
 from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort, bind_ports
@@ -137,7 +137,7 @@ class ProgramCache:
 
     def _bind(self, program: Program, m: int, w: Weight) -> BoundProgram:
         what = f"program M={m} for {w!r}"
-        modeled = None if self.npu_mhz is None else modeled_time(program, npu_mhz=self.npu_mhz)
+        modeled = None if self.npu_mhz is None else driver_time(program, abi=self.abi, npu_mhz=self.npu_mhz)
         bound = BoundProgram(program, m, w.buffer.dma_addr, modeled, label=f"matmul {program.shape}")
         try:
             # Each allocation may evict other programs; this one already counts as a user of the

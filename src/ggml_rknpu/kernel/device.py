@@ -12,6 +12,7 @@ weight) the CPU rewrites later needs ``Buffer.sync_to_device()`` [docs/npu-progr
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.rocket.driver import RocketDriver
 from ggml_rknpu.kernel.syscalls import Syscalls
 
-__all__ = ["DRIVERS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "NpuDevice",
+__all__ = ["DRIVERS", "Buffer", "BufferRange", "Completion", "DeviceInfo", "HwTask", "Job", "Launched", "NpuDevice",
            "discover", "open_node"]
 
 DRIVERS: dict[str, Callable[[Syscalls, int], NpuDriver[Any, Any]]] = {rk.DRIVER_NAME: RknpuDriver, ro.DRIVER_NAME: RocketDriver}
@@ -109,6 +110,14 @@ class _Replay:
     table: SubmitTable
     planned: Any
     buffers: tuple[Buffer, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Launched:
+    """A job its device launched and has not yet waited for."""
+
+    device: NpuDevice
+    planned: Any
 
 
 class NpuDevice:
@@ -242,6 +251,26 @@ class NpuDevice:
             if b.closed:
                 raise NpuError(f"{b!r} is closed", errno.EBADF)
         done = self.driver.submit(replay.planned, timeout_ms)
+        return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
+
+    def launch(self, job: Job) -> Launched:
+        """Start ``job`` without waiting (rocket only: its SUBMIT queues the job on this open
+        file's scheduler entity); ``wait`` collects it. Jobs of several devices (files) launched
+        before any is waited for run side by side [docs/npu-programming.md "What the drivers
+        really do"]."""
+        self._check_open()
+        if not isinstance(self.driver, RocketDriver):
+            raise NpuError(f"{self.kind}'s SUBMIT waits for its job; only rocket launches without waiting",
+                           errno.EOPNOTSUPP)
+        replay = self._replay(job)
+        self.driver.launch(replay.planned)
+        return Launched(self, replay.planned)
+
+    def wait(self, launched: Launched, timeout_ms: int = 6000) -> Completion:
+        """Wait for a launched job and make its outputs visible to the CPU."""
+        if launched.device is not self or not isinstance(self.driver, RocketDriver):
+            raise NpuError("the job was launched on another device", errno.EINVAL)
+        done = self.driver.wait(launched.planned, time.monotonic_ns() + timeout_ms * 1_000_000)
         return Completion(hw_elapsed_ns=done.hw_elapsed_ns, task_counter=done.task_counter, simulated=self.simulated)
 
     # ------------------------------------------------------------------ power and reset

@@ -106,12 +106,25 @@ class RocketDriver:
         return RocketJob(table, self.ioctls.submit_call(jobs), tuple(r.buffer.handle for r in inputs), out_handles)
 
     def submit(self, job: RocketJob, timeout_ms: int) -> Finished:
+        """``launch`` then ``wait``, the launch inline: the decode walk's frame count
+        (docs/decode-walk.md) is measured at the SUBMIT ioctl."""
         for handle in job.cleans:
             self.ioctls.fini_bo(handle)
         job.submit.ioctl()
-        deadline = time.monotonic_ns() + timeout_ms * 1_000_000  # PREP_BO takes an absolute timeout
+        return self.wait(job, time.monotonic_ns() + timeout_ms * 1_000_000)
+
+    def launch(self, job: RocketJob) -> None:
+        """FINI_BO each input, then SUBMIT: the job is queued on this file's entity and runs
+        while the caller launches other files' jobs (``wait`` collects it)."""
+        for handle in job.cleans:
+            self.ioctls.fini_bo(handle)
+        job.submit.ioctl()
+
+    def wait(self, job: RocketJob, deadline_ns: int) -> Finished:
+        """PREP_BO each output (it waits for the job writing it, up to the absolute
+        ``deadline_ns`` on CLOCK_MONOTONIC)."""
         for handle in job.outputs:
-            self.ioctls.prep_bo(handle, deadline)
+            self.ioctls.prep_bo(handle, deadline_ns)
         return Finished(hw_elapsed_ns=None, task_counter=job.table.n_tasks)
 
     def check_jobs(self, jobs: list[RocketJobSpec]) -> None:

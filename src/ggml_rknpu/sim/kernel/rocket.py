@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,18 @@ ROCKET_ERRORS = ("mainline", "loud")
 ROCKET_NODES = {"/dev/accel": ["accel0"]}  # [docs/npu-programming.md §5] char major 261
 INT_DMA_READ_ERROR, INT_DMA_WRITE_ERROR = 1 << 12, 1 << 13
 TASK_CON_RESERVED_14, TASK_CON_COUNT_CLEAR, TASK_CON_PP_EN = 1 << 14, 1 << 13, 1 << 12
+
+
+@dataclass(frozen=True)
+class RocketJobRun:
+    """One job as the simulated scheduler ran it: the submitting file's entity (open files
+    numbered from 0 in the order they were opened), the core, and its start and end on the
+    modeled timeline (seconds)."""
+
+    entity: int
+    core: int
+    start: float
+    end: float
 
 
 class _BestFit(RangeAllocator):
@@ -97,6 +110,9 @@ class SimRocketKernel(SimKernel):
         self.modeled_now = 0.0
         self._core_ends: list[list[float]] = [[] for _ in range(self.n_cores)]
         self._bo_done: dict[int, float] = {}
+        self.job_runs: list[RocketJobRun] = []   # every job run, in submit order
+        self._entities: dict[int, int] = {}      # id(open file) -> its entity's number
+        self._opened = 0                         # files opened so far
 
     def driver_ioctls(self) -> IoctlTable:
         return {
@@ -110,7 +126,9 @@ class SimRocketKernel(SimKernel):
         return "rocket", "unknown", "rocket DRM"  # [ROCKET rocket_drv.c]
 
     def _new_file(self, path: str) -> DrmFile:
-        return DrmFile(path, domain=_drm_mm_domain(*self.iova_window))
+        f = DrmFile(path, domain=_drm_mm_domain(*self.iova_window))
+        self._entities[id(f)], self._opened = self._opened, self._opened + 1   # (an id is reused once freed)
+        return f
 
     def _maybe_free(self, obj: GemObject) -> None:
         super()._maybe_free(obj)
@@ -207,6 +225,7 @@ class SimRocketKernel(SimKernel):
             start = max([self.modeled_now, *self._core_ends[core]])
             end = start + self._ro_run_job(npu, core, tasks, outs, inject)
             inject = None
+            self.job_runs.append(RocketJobRun(self._entities[id(f)], core, start, end))
             self._core_ends[core].append(end)
             f.entity_done_at = end
             for obj in outs:
