@@ -4,7 +4,8 @@ Names: ``rknpu`` / ``rocket`` (that driver's node on this machine), ``sim-rknpu`
 ``sim-rocket`` (the simulated kernel driver), a ``/dev`` path, or ``auto`` / None
 (``RKNPU_DEVICE`` when set; else every ``/dev/dri/renderD*`` named ``rknpu``, then every
 ``/dev/accel/accel*`` named ``rocket``, else ``sim-rknpu``). ``RKNPU_TRACE=1`` prints every
-syscall, decoded (``kernel/trace.py``).
+syscall, decoded (``kernel/trace.py``); ``RKNPU_SIM_IOVA_BYTES`` shrinks each IOMMU domain of a
+simulated vendor driver to that many bytes (``sim/memory.py``).
 
 Invariant: this module sits above ``kernel/`` and ``sim/``; the device it returns only
 ever sees a ``Syscalls`` object, and discovers the simulated node exactly as a board's.
@@ -31,7 +32,11 @@ def open_simulated(kind: str, *, kernel: Syscalls | None = None, **options: obje
     ``sim.faults.FaultInjector``), by default a fresh ``SimKernel(kind, **options)``."""
     if kernel is None:
         from ggml_rknpu.sim.kernel import SimKernel
+        from ggml_rknpu.sim.memory import IOVA_BASE, window_end_from_environment
 
+        end = window_end_from_environment() if kind == "rknpu" else None
+        if end is not None:
+            options.setdefault("iova_window", (IOVA_BASE, end))
         kernel = SimKernel(kind, **options)  # type: ignore[arg-type]
     elif (abi := getattr(kernel, "abi", kind)) != kind:
         raise NpuError(f"sim-{kind} asked for, but the simulated kernel given is {abi!r}", errno.EINVAL)

@@ -388,7 +388,7 @@ def test_a_replayed_job_reuses_its_submit_table_and_task_array(monkeypatch):
     # a replayed table: no task BO rewrite and no regcmd clean (both were cleaned when it was built)
     assert syncs == [] and len(dev._tables) == 1
     dev.submit(Job(cores=((HwTask(regcmd.dma_addr, 10),),)))
-    new_table = dev._tables[((HwTask(regcmd.dma_addr, 10),),)]
+    new_table = dev._tables[(0, ((HwTask(regcmd.dma_addr, 10),),))]
     assert isinstance(new_table, RknpuSubmitTable)
     assert syncs == [(regcmd.handle, 0, regcmd.size, True), (new_table.task_bo.handle, 0, 40, True)]
     assert len(dev._tables) == 2

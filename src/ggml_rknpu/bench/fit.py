@@ -6,8 +6,8 @@ mix that fits), with each one's modeled prefill and decode, for 4, 8, 16 and 32 
 Invariants: shapes and weight types come from the functions ``bench decode`` prices with
 (``bench.plans``); times are ``cost.placement``'s, host ops ``cost.host_ops``'; a plan fits
 when its bytes stay within RAM less the server's memory-budget reserve; NPU copies beyond
-one IOMMU domain's 4 GiB window are priced as they would be and marked as needing
-multi-domain residency, which is not built. The byte model: docs/memory.md "Fitting a board"."""
+one IOMMU domain's 4 GiB window are priced as they would be and marked as needing several
+domains (built on the vendor driver, not on rocket). The byte model: docs/memory.md "Fitting a board"."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _row(model: str, quant: str, plan: str, ram: int, board: int, npu_: int, tim
     # the same host ops in every plan: the prompt's pass from an empty cache, a decode row at the job's mean fill
     host_prompt = ho.host_ops_seconds(host_layers, PREFILL_M)
     host_decode = ho.host_ops_seconds(host_layers, DECODE_M, plans.DECODE_PAST)
-    needs = "needs multi-domain NPU residency (not built)" if npu_ > NPU_DOMAIN_BYTES else ""
+    needs = "multi-domain NPU residency: built on the vendor driver, not on rocket (one open file per domain)" if npu_ > NPU_DOMAIN_BYTES else ""
     return {"model": model, "quant": quant, "ram_gb": ram, "plan": plan,
             "board_gib_modeled": board / 2**30, "npu_gib_modeled": npu_ / 2**30,
             "fits": "yes" if board <= usable(ram) else "no",

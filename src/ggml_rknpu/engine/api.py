@@ -37,7 +37,7 @@ COUNTERS = ("weights_uploaded", "weight_bytes_uploaded", "weights_freed", "progr
             "program_cache_hits", "program_cache_misses", "programs_evicted", "programs_evicted_budget",
             "scratch_grown", "matmuls",
             "submits", "npu_faults", "resets", "fused_weights_uploaded", "fusion_runs", "chained_submits",
-            "memory_splits")
+            "memory_splits", "weights_past_domain_0")
 W = TypeVar("W", bound=Weight)
 
 
@@ -105,8 +105,11 @@ class NpuEngine:
         N, K = staged.shape
         nbytes = b_bytes(MatmulShape(1, K, N, staged.dtype, OUT_FOR_WEIGHT[staged.dtype]))   # independent of M
         memory = self.parts.memory
-        headroom = self.parts.programs.headroom(N, K, dtype) if memory.cap is not None else None
-        buffer = memory.alloc(nbytes, "data", f"weight {N}x{K} {dtype}", resident=True, headroom=headroom)
+        several = self.device.max_domains > 1   # placed by the room its programs need, as under a cap
+        headroom = self.parts.programs.headroom(N, K, dtype) if memory.cap is not None or several else None
+        what = f"weight {N}x{K} {dtype}"
+        buffer = (memory.alloc_resident(nbytes, what, headroom) if several
+                  else memory.alloc(nbytes, "data", what, resident=True, headroom=headroom))
         try:
             pack_b(staged.data, staged.dtype, out=buffer.array(np.uint8), envelope=self.envelope)   # straight in
             buffer.sync_to_device(0, nbytes)
@@ -115,7 +118,8 @@ class NpuEngine:
             raise
         weight = cls(self, self._forget, staged.without_data(), buffer, nbytes, headroom)
         self._weights.append(weight)
-        memory.keep_room(id(weight), headroom)
+        memory.keep_room(id(weight), headroom, buffer.domain)
+        self.counters["weights_past_domain_0"] += buffer.domain > 0
         self.counters["weights_uploaded"] += 1
         self.counters["weight_bytes_uploaded"] += nbytes
         return weight
@@ -204,7 +208,8 @@ class NpuEngine:
         return self.parts.memory.peak
 
     def memory_budget(self) -> tuple[int, int]:
-        """(free, total) bytes of NPU address space (the device's; ``memory_cap`` aside)."""
+        """(free, total) bytes of IOMMU domain 0's NPU address space (the device's; ``memory_cap``
+        aside); a driver with several domains has as much again in each."""
         return self.device.iova_budget()
 
     def memory_used(self) -> int:

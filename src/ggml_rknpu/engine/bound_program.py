@@ -69,10 +69,13 @@ class BoundProgram:
             self.regcmd_buf.close()
 
 
-def program_jobs(program: Program, regcmd_addr: int, n_cores: int, a: BufferRange, c: BufferRange) -> tuple[Job, ...]:
-    """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``): one per
-    chain, in order. A and C are inputs of the first (C holds the CPU's canaries)."""
-    return with_ranges(tuple(Job(cores=cores) for cores in program_cores(program, regcmd_addr, n_cores)), a, c)
+def program_jobs(program: Program, regcmd_addr: int, n_cores: int, a: BufferRange, c: BufferRange,
+                 domain: int = 0) -> tuple[Job, ...]:
+    """The device Jobs that run ``program`` (its regcmd words at ``regcmd_addr``, in IOMMU
+    domain ``domain``): one per chain, in order. A and C are inputs of the first (C holds the
+    CPU's canaries)."""
+    return with_ranges(tuple(Job(cores=cores, domain=domain)
+                             for cores in program_cores(program, regcmd_addr, n_cores)), a, c)
 
 
 def program_cores(program: Program, regcmd_addr: int, n_cores: int) -> list[tuple[tuple[HwTask, ...], ...]]:
@@ -93,5 +96,5 @@ def with_ranges(jobs: tuple[Job, ...], a: BufferRange, c: BufferRange) -> tuple[
         inputs: tuple[BufferRange, ...] = (BufferRange(a.buffer, a.offset, c.offset + c.size - a.offset),)
     else:
         inputs = (a, c)
-    return tuple(Job(cores=job.cores, inputs=inputs if i == 0 else (), outputs=(c,))
+    return tuple(Job(cores=job.cores, inputs=inputs if i == 0 else (), outputs=(c,), domain=job.domain)
                  for i, job in enumerate(jobs))

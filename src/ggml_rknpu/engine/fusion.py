@@ -302,6 +302,10 @@ class _Chain:
         self.parts = parts
         self.m = m
         cache = parts.programs
+        if len({w.domain for w in fusion.weights}) > 1:
+            raise ValueError("the weights are resident in different IOMMU domains and one submit reaches one; "
+                             "run them as separate fusions")
+        self.domain = fusion.weights[0].domain
         programs = [cache.program_for(w, m, fusion.out) for w in fusion.weights]
         self.programs = programs
         _check_chainable(programs, parts)
@@ -336,7 +340,7 @@ class _Chain:
         cores += [()] * (cache.device.n_cores - len(cores))
         # C is an input too, as in the engine's own jobs (bound_program.with_ranges): the CPU wrote its canaries
         self.job = Job(cores=tuple(cores), inputs=(BufferRange(self.data, 0, pos),),
-                       outputs=(BufferRange(self.data, c_start, pos - c_start),))
+                       outputs=(BufferRange(self.data, c_start, pos - c_start),), domain=self.domain)
         try:
             parts.memory.prepare_jobs((self.job,), what)
         except BaseException:
@@ -362,7 +366,7 @@ class _Chain:
 
     def _alloc(self, size: int, purpose: str, what: str) -> Buffer:
         buf = self.parts.memory.alloc(align_up(max(size, 1), limits.REGCMD_TASK_ALIGN), purpose, what,
-                              resident=True)   # not evictable: leaves the programs' reserve under memory_cap
+                                      resident=True, domain=self.domain)   # not evictable: leaves the programs' reserve under memory_cap
         self.buffers.append(buf)
         return buf
 

@@ -3,7 +3,8 @@
 Invariants: every engine allocation and every job's submit tables go through here; when
 memory (or the cap) runs out, least-recently-used programs are evicted first (``evict``);
 resident memory (weights, chained fusions) leaves ``reserve_bytes`` free under the cap, so
-staged weights never starve the matmul programs. Why: docs/decisions.md "engine/api.py"."""
+staged weights never starve the matmul programs; a weight goes to the first IOMMU domain with
+room for it and its programs (``alloc_resident``). Why: docs/decisions.md "engine/api.py"."""
 
 from __future__ import annotations
 
@@ -53,25 +54,55 @@ class NpuMemory:
         self.peak = 0   # most NPU bytes in use at once, tracked while cap is set
         self.evict: Callable[[], bool] = lambda: False   # frees one cached program; False when none is left
         self._headrooms: dict[Hashable, Headroom] = {}   # per resident weight
+        self._room_domains: dict[Hashable, int] = {}     # the IOMMU domain of each resident weight
+        self.domains: set[int] = {0}                     # the IOMMU domains allocated in
         self._rooms: Headroom | None = Headroom(0, 0, 0)   # the headrooms combined (None: stale)
 
     def used(self) -> int:
         """NPU bytes in use: weights, programs, scratch (what ``cap`` bounds)."""
-        free, total = self.device.iova_budget()
-        return total - free
+        return sum(total - free for free, total in map(self.device.iova_budget, self.domains))
+
+    def alloc_resident(self, size: int, what: str, headroom: Headroom | None) -> Buffer:
+        """A weight's buffer in the first IOMMU domain (0, 1, ...) that holds it and then still
+        the room the programs of its weights there need (``domain_reserve``, ``headroom``
+        included: allocated once and freed, which is the one test of a window the driver
+        cannot see); else ``alloc`` in domain 0, which evicts or fails as with one domain."""
+        for domain in range(self.device.max_domains):
+            try:
+                buf = self.alloc(size, "data", what, resident=True, headroom=headroom, domain=domain, evict=False)
+            except NpuOutOfMemory:
+                continue
+            try:
+                if reserve := self.domain_reserve(domain, headroom):
+                    self.device.alloc(reserve, domain=domain).close()
+            except NpuOutOfMemory:
+                buf.close()
+                continue
+            return buf
+        return self.alloc(size, "data", what, resident=True, headroom=headroom)
+
+    def domain_reserve(self, domain: int, extra: Headroom | None) -> int:
+        """``reserve_bytes`` over the resident weights in ``domain`` and ``extra``."""
+        rooms = [room for owner, room in self._headrooms.items() if self._room_domains.get(owner, 0) == domain]
+        if extra is not None:
+            rooms.append(extra)
+        if not rooms:
+            return 0
+        a, c = max(r.a for r in rooms), max(r.c for r in rooms)
+        return pages(c_base(a) + c) + sum(r.own for r in rooms)
 
     def _track_peak(self) -> None:
         if self.cap is not None:
             self.peak = max(self.peak, self.used())
 
     def alloc(self, size: int, purpose: str, what: str, *, resident: bool = False,
-              headroom: Headroom | None = None) -> Buffer:
+              headroom: Headroom | None = None, domain: int = 0, evict: bool = True) -> Buffer:
         """Allocate, evicting least-recently-used programs when NPU memory (or the cap) runs out.
 
         ``resident``: memory no eviction gives back (a weight, a chained fusion's buffers). Under
         ``cap`` it must leave ``reserve_bytes(headroom)`` free, the room the programs of the
         resident weights (and ``headroom``, the weight being uploaded) need. Programs and
-        scratch may use the whole cap."""
+        scratch may use the whole cap. ``domain``: the IOMMU domain; ``evict`` False: fail at once."""
         while True:
             try:
                 if self.cap is not None:
@@ -80,12 +111,15 @@ class NpuMemory:
                         raise NpuOutOfMemory(
                             f"{size} more bytes would exceed the NPU memory cap of {self.cap} bytes"
                             + (f" less the {keep} bytes kept for the matmul programs" if keep else ""), errno.ENOMEM)
-                buf = self.device.alloc(max(size, 1), purpose=purpose)
+                buf = self.device.alloc(max(size, 1), purpose=purpose, domain=domain)
+                self.domains.add(domain)
                 self._track_peak()
                 return buf
             except NpuOutOfMemory as exc:
+                if not evict:
+                    raise
                 if not self.evict():
-                    free, total = self.device.iova_budget()
+                    free, total = self.device.iova_budget(domain)
                     if self.cap is not None:
                         free, total = max(0, self.cap - self.used()), self.cap
                     raise NpuOutOfMemory(
@@ -128,13 +162,15 @@ class NpuMemory:
             a, c, own = max(a, extra.a), max(c, extra.c), own + extra.own
         return pages(c_base(a) + c) + own if a or c or own else 0
 
-    def keep_room(self, owner: Hashable, room: Headroom | None) -> None:
-        """``owner`` (a resident weight) needs ``room`` for its programs from now on."""
+    def keep_room(self, owner: Hashable, room: Headroom | None, domain: int = 0) -> None:
+        """``owner`` (a resident weight in ``domain``) needs ``room`` for its programs from now on."""
         if room is not None:
             self._headrooms[owner] = room
+            self._room_domains[owner] = domain
             self._add(room)
 
     def drop_room(self, owner: Hashable) -> None:
+        self._room_domains.pop(owner, None)
         if self._headrooms.pop(owner, None) is not None:
             self._rooms = None
 

@@ -46,7 +46,7 @@ class Weight(ResidentWeight):
         self.programs: dict[tuple[int, str], BoundProgram] = {}
         self.max_program_m = MAX_PROGRAM_M   # lowered if the compiler refuses a bucket
         self.compile_errors: list[str] = []
-        self.headroom = headroom      # what its programs need under the memory cap (None: no cap at upload)
+        self.headroom = headroom      # what its programs need (None: no cap and one domain at upload)
         self.fusions: weakref.WeakSet[LiveFusion] = weakref.WeakSet()   # the live fusions running it
         self.matmul_fusions: dict[str, LiveFusion] = {}   # ``NpuEngine.matmul``'s own, by output type
         self.freed = False
@@ -64,6 +64,11 @@ class Weight(ResidentWeight):
         self.programs.clear()
         self.buffer.close()
         self.freed = True
+
+    @property
+    def domain(self) -> int:
+        """The IOMMU domain it is resident in: its programs, scratch and jobs are there too."""
+        return self.buffer.domain
 
     def __repr__(self) -> str:
         state = "freed" if self.freed else f"{len(self.programs)} programs"

@@ -142,8 +142,9 @@ class ProgramCache:
         try:
             # Each allocation may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.
-            bound.a_buf, bound.c_buf = self.scratch.join(bound, m, program.a_bytes, program.c_bytes, what)
-            bound.regcmd_buf = self.memory.alloc(program.words.nbytes, "regcmd", what)
+            bound.a_buf, bound.c_buf = self.scratch.join(bound, m, program.a_bytes, program.c_bytes, what,
+                                                         w.domain)
+            bound.regcmd_buf = self.memory.alloc(program.words.nbytes, "regcmd", what, domain=w.domain)
             bound.write_words()
         except BaseException:
             bound.close()
@@ -153,7 +154,7 @@ class ProgramCache:
         # a cache clean of the whole weight per call). Rocket orders jobs by implicit fences on
         # the in/out BOs [docs/npu-programming.md §5]; no job writes a weight, so none is needed.
         bound.jobs = program_jobs(program, bound.regcmd_buf.dma_addr, self.device.n_cores,
-                                  bound.a_buf.range(), bound.c_buf.range())
+                                  bound.a_buf.range(), bound.c_buf.range(), w.domain)
         bound.canaries = Canaries.for_program(program)
         try:
             self.memory.prepare_jobs(bound.jobs, what)

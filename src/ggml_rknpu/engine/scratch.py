@@ -29,11 +29,11 @@ class Scratch:
     A at 0 (``a_cap`` bytes, the largest A of its programs), C from ``c_base`` (``c_cap``
     bytes), so one clean covers what the CPU writes into both (A, the canaries in C)."""
 
-    def __init__(self, pool: ScratchPool, m: int, buf: Buffer, a_cap: int, c_cap: int) -> None:
-        self.pool, self.m, self.buf = pool, m, buf
+    def __init__(self, pool: ScratchPool, key: tuple[int, int], buf: Buffer, a_cap: int, c_cap: int) -> None:
+        self.pool, self.key, self.buf = pool, key, buf   # key: (IOMMU domain, M bucket)
         self.a_cap, self.c_cap = a_cap, c_cap
         self.users: set[ScratchUser] = set()
-        pool.buckets[m] = self
+        pool.buckets[key] = self
 
     @property
     def c_base(self) -> int:
@@ -42,8 +42,8 @@ class Scratch:
     def leave(self, bound: ScratchUser) -> None:
         """``bound`` no longer uses this buffer; the last user frees it."""
         self.users.discard(bound)
-        if not self.users and self.pool.buckets.get(self.m) is self:
-            del self.pool.buckets[self.m]
+        if not self.users and self.pool.buckets.get(self.key) is self:
+            del self.pool.buckets[self.key]
             self.buf.close()
 
 
@@ -74,26 +74,28 @@ class ScratchShare:
 
 
 class ScratchPool:
-    """The scratch buffers of one engine, by M bucket."""
+    """The scratch buffers of one engine, by IOMMU domain and M bucket (a job's buffers are all
+    in one domain)."""
 
     def __init__(self, memory: NpuMemory, counters: dict[str, int]) -> None:
         self.memory = memory
         self.counters = counters
-        self.buckets: dict[int, Scratch] = {}
+        self.buckets: dict[tuple[int, int], Scratch] = {}
 
-    def join(self, bound: ScratchUser, m: int, a_bytes: int, c_bytes: int, what: str
+    def join(self, bound: ScratchUser, m: int, a_bytes: int, c_bytes: int, what: str, domain: int = 0
              ) -> tuple[ScratchShare, ScratchShare]:
-        """Shares of ``a_bytes`` (A) and ``c_bytes`` (C) of bucket ``m``'s scratch buffer, growing
-        it if needed: the larger buffer is allocated first, the programs on the old one
-        re-bound to it, then the old one freed (so no program ever points at freed memory)."""
-        scratch = self.buckets.get(m)
+        """Shares of ``a_bytes`` (A) and ``c_bytes`` (C) of bucket ``m``'s scratch buffer in
+        ``domain``, growing it if needed: the larger buffer is allocated first, the programs on
+        the old one re-bound to it, then the old one freed (so no program ever points at freed memory)."""
+        key = (domain, m)
+        scratch = self.buckets.get(key)
         if scratch is None or scratch.a_cap < a_bytes or scratch.c_cap < c_bytes:
             a_cap = max(a_bytes, scratch.a_cap if scratch else 0)
             c_cap = max(c_bytes, scratch.c_cap if scratch else 0)
-            buf = self.memory.alloc(c_base(a_cap) + c_cap, "data", what)
-            scratch = self.buckets.get(m)            # the allocation may have evicted its users
+            buf = self.memory.alloc(c_base(a_cap) + c_cap, "data", what, domain=domain)
+            scratch = self.buckets.get(key)          # the allocation may have evicted its users
             if scratch is None:
-                scratch = Scratch(self, m, buf, a_cap, c_cap)
+                scratch = Scratch(self, key, buf, a_cap, c_cap)
             else:
                 old, scratch.buf, scratch.a_cap, scratch.c_cap = scratch.buf, buf, a_cap, c_cap
                 for user in scratch.users:

@@ -25,6 +25,7 @@ class Allocation:
     cached: bool  # CPU-cached: needs explicit sync
     view: memoryview
     obj_addr: int = 0  # vendor: the kernel object id MEM_SYNC/MEM_DESTROY/SUBMIT take
+    domain: int = 0  # the IOMMU domain (NPU address space) it is mapped in
 
 
 class BufferOwner(Protocol):
@@ -45,6 +46,7 @@ class Buffer:
     def __init__(self, device: BufferOwner, size: int, allocation: Allocation, purpose: str) -> None:
         self.device, self.size, self.allocation, self.purpose = device, size, allocation, purpose
         self.capacity, self.dma_addr, self.handle = allocation.capacity, allocation.dma_addr, allocation.handle
+        self.domain = allocation.domain
         self._view: memoryview | None = allocation.view
 
     @property

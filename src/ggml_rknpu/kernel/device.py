@@ -7,7 +7,8 @@ CPU-cached; the driver makes a job's input ranges visible to the NPU before it r
 output ranges visible to the CPU after; a job's submit table and the driver's plan of it are
 built once and replayed, and its regcmd is cleaned when the table is built, so a regcmd (or
 weight) the CPU rewrites later needs ``Buffer.sync_to_device()`` [docs/npu-programming.md
-§4-§5]. One device per thread."""
+§4-§5]. A buffer is in one IOMMU domain (NPU address space, ``alloc(domain=)``); a job's
+buffers are all in its ``Job.domain``. One device per thread."""
 
 from __future__ import annotations
 
@@ -131,7 +132,8 @@ class NpuDevice:
         self.kind = self.driver.name
         self.n_cores = N_CORES
         self._buffers: dict[int, Buffer] = {}
-        self._tables: dict[tuple[tuple[HwTask, ...], ...], SubmitTable] = {}
+        # by (domain, cores): the same IOVAs name different buffers in different domains
+        self._tables: dict[tuple[int, tuple[tuple[HwTask, ...], ...]], SubmitTable] = {}
         # Jobs replayed as the same object (the engine's): found without hashing their tasks
         self._replays: dict[int, _Replay] = {}
         self._live_tables: set[SubmitTable] = set()   # the tables in _tables (eq=False: by identity)
@@ -153,18 +155,23 @@ class NpuDevice:
             n_cores=self.n_cores, **asdict(facts),
         )
 
-    def iova_budget(self) -> tuple[int, int]:
-        """(free, total) bytes of NPU address space, as the driver ABI can tell."""
-        return self.driver.iova_budget()
+    def iova_budget(self, domain: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of ``domain``'s NPU address space, as the driver ABI can tell."""
+        return self.driver.iova_budget(domain)
+
+    @property
+    def max_domains(self) -> int:
+        """IOMMU domains this device's buffers may be placed in (ids 0..max_domains-1)."""
+        return self.driver.max_domains
 
     # ------------------------------------------------------------------ buffers
-    def alloc(self, size: int, *, purpose: str = "data") -> Buffer:
+    def alloc(self, size: int, *, purpose: str = "data", domain: int = 0) -> Buffer:
         if purpose not in PURPOSES:
             raise NpuError(f"purpose must be one of {PURPOSES}, not {purpose!r}", errno.EINVAL)
         if size <= 0:
             raise NpuError(f"buffer size must be > 0 (got {size})", errno.EINVAL)
         self._check_open()
-        buf = Buffer(self, size, self.driver.alloc(size, purpose), purpose)
+        buf = Buffer(self, size, self.driver.alloc(size, purpose, domain), purpose)
         self._buffers[buf.handle] = buf
         return buf
 
@@ -178,14 +185,14 @@ class NpuDevice:
         """``buf`` was closed: the tables running it (a regcmd buffer) go, then its GEM object."""
         self._buffers.pop(buf.handle, None)
         if buf.purpose == "regcmd":   # the tables running it go with it (their task BOs too)
-            for cores in [c for c, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
-                self._drop_table(cores)
+            for key in [k for k, t in self._tables.items() if any(b is buf for b in t.regcmd_buffers)]:
+                self._drop_table(key)
             self._replays = {k: v for k, v in self._replays.items() if v.table in self._live_tables}
         self.driver.free(buf.allocation)
 
-    def _buffer_at(self, dma_addr: int) -> Buffer | None:
+    def _buffer_at(self, dma_addr: int, domain: int) -> Buffer | None:
         for b in self._buffers.values():
-            if b.dma_addr <= dma_addr < b.dma_addr + b.capacity:
+            if b.domain == domain and b.dma_addr <= dma_addr < b.dma_addr + b.capacity:
                 return b
         return None
 
@@ -193,22 +200,23 @@ class NpuDevice:
     def _submit_table(self, job: Job) -> SubmitTable:
         """The ABI's submit table for ``job.cores``: built and validated once (its regcmd
         buffers cleaned then), replayed after."""
-        table = self._tables.get(job.cores)
+        key = (job.domain, job.cores)
+        table = self._tables.get(key)
         if table is None or any(b.closed for b in table.regcmd_buffers):
             if table is not None:
-                self._drop_table(job.cores)
-            regcmd = check_cores(job.cores, self.n_cores, self._buffer_at)
+                self._drop_table(key)
+            regcmd = check_cores(job.cores, self.n_cores, lambda addr: self._buffer_at(addr, job.domain))
             for b in regcmd:
                 b.sync_to_device()
             table = self.driver.submit_table(job.cores, regcmd)
             if len(self._tables) >= MAX_CACHED_TABLES:
                 self._drop_table(next(iter(self._tables)))
-            self._tables[job.cores] = table
+            self._tables[key] = table
             self._live_tables.add(table)
         return table
 
-    def _drop_table(self, cores: tuple[tuple[HwTask, ...], ...]) -> None:
-        table = self._tables.pop(cores)
+    def _drop_table(self, key: tuple[int, tuple[tuple[HwTask, ...], ...]]) -> None:
+        table = self._tables.pop(key)
         self._live_tables.discard(table)
         self.driver.release_table(table)
 
@@ -222,6 +230,9 @@ class NpuDevice:
         for r in (*job.inputs, *job.outputs):
             if r.buffer.closed or r.buffer.device is not self:
                 raise NpuError(f"{r.buffer!r} is closed or belongs to another device", errno.EBADF)
+            if r.buffer.domain != job.domain:
+                raise NpuError(f"{r.buffer!r} is in IOMMU domain {r.buffer.domain}, the job in {job.domain}: "
+                               "every buffer of a job must be in its domain", errno.EINVAL)
             r.buffer.check_range(r.offset, r.size)
         replay = _Replay(job, table, self.driver.prepare(table, job.inputs, job.outputs),
                          tuple(r.buffer for r in (*job.inputs, *job.outputs)))
@@ -232,7 +243,7 @@ class NpuDevice:
 
     def table_bytes(self, job: Job) -> int:
         """NPU bytes ``prepare(job)`` (or its first submit) would allocate for its submit table."""
-        table = self._tables.get(job.cores)
+        table = self._tables.get((job.domain, job.cores))
         if table is not None and not any(b.closed for b in table.regcmd_buffers):
             return 0
         return self.driver.table_bytes(job.cores)

@@ -58,8 +58,9 @@ class NpuDriver(Protocol[TableT, JobT]):
     name: str  # the DRM driver name: "rknpu" | "rocket"
     drm: DrmVersion
     version: tuple[int, int, int]
+    max_domains: int  # IOMMU domains one open file may allocate in and submit to (ids 0..max_domains-1)
 
-    def alloc(self, size: int, purpose: str) -> Allocation: ...
+    def alloc(self, size: int, purpose: str, domain: int = 0) -> Allocation: ...
 
     def free(self, allocation: Allocation) -> None: ...
 
@@ -67,8 +68,8 @@ class NpuDriver(Protocol[TableT, JobT]):
         """Make the range visible to the NPU (``to_device``: the CPU wrote it) or to the CPU."""
         ...
 
-    def iova_budget(self) -> tuple[int, int]:
-        """(free, total) bytes of NPU address space as far as this process can tell."""
+    def iova_budget(self, domain: int = 0) -> tuple[int, int]:
+        """(free, total) bytes of ``domain``'s NPU address space as far as this process can tell."""
         ...
 
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> TableT: ...

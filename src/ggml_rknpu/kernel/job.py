@@ -49,15 +49,18 @@ def _ranges(items: tuple[Buffer | BufferRange, ...]) -> tuple[BufferRange, ...]:
 @dataclass(frozen=True, init=False)
 class Job:
     """Tasks per core and the ranges they read (``inputs``) and write (``outputs``).
-    A bare ``Buffer`` given as an input or output stands for its whole ``size``."""
+    A bare ``Buffer`` given as an input or output stands for its whole ``size``. ``domain``:
+    the IOMMU domain every buffer of the job (regcmd, operands) is in; the submit names it."""
 
     cores: Cores
     inputs: tuple[BufferRange, ...]
     outputs: tuple[BufferRange, ...]
+    domain: int
 
     def __init__(self, cores: Cores, inputs: tuple[Buffer | BufferRange, ...] = (),
-                 outputs: tuple[Buffer | BufferRange, ...] = ()) -> None:
+                 outputs: tuple[Buffer | BufferRange, ...] = (), domain: int = 0) -> None:
         object.__setattr__(self, "cores", cores)
+        object.__setattr__(self, "domain", domain)
         object.__setattr__(self, "inputs", _ranges(inputs))
         object.__setattr__(self, "outputs", _ranges(outputs))
 

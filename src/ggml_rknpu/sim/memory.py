@@ -28,6 +28,24 @@ PAGE = PAGE_BYTES
 IOVA_BASE = PAGE
 IOVA_END = ADDRESS_WINDOW_BYTES
 MMAP_OFFSET_BASE = 1 << 32  # [capture pw_c256_h14: first MEM_MAP offset 0x100000000]
+# The simulator's knob that shrinks every IOMMU domain's window of the simulated vendor driver
+# to this many bytes (from IOVA_BASE), so that tests cross it with small models.
+WINDOW_ENV = "RKNPU_SIM_IOVA_BYTES"
+
+
+def window_end_from_environment() -> int | None:
+    """The end of a shrunk window, IOVA_BASE + $RKNPU_SIM_IOVA_BYTES (None: not set)."""
+    value = os.environ.get(WINDOW_ENV, "")
+    if not value:
+        return None
+    try:
+        size = int(value, 0)
+    except ValueError:
+        raise ValueError(f"{WINDOW_ENV}={value!r} is not a whole number of bytes") from None
+    if not PAGE <= size <= IOVA_END - IOVA_BASE or size % PAGE:
+        raise ValueError(f"{WINDOW_ENV}={size}: a whole number of {PAGE}-byte pages, at most "
+                         f"{IOVA_END - IOVA_BASE}")
+    return IOVA_BASE + size
 
 
 # A cached object at least this large keeps its CPU-cache view as a copy-on-write mapping of
@@ -283,9 +301,11 @@ class GemObject:
 
 
 class IommuDomain:
-    """One NPU address space: an IOVA allocator plus the objects mapped into it."""
+    """One NPU address space: an IOVA allocator plus the objects mapped into it; ``ident``:
+    its id where a driver keeps several (the vendor driver's ``iommu_domain_id``)."""
 
-    def __init__(self, base: int = IOVA_BASE, end: int = IOVA_END) -> None:
+    def __init__(self, base: int = IOVA_BASE, end: int = IOVA_END, ident: int = 0) -> None:
+        self.ident = ident
         self.iova = RangeAllocator(base, end, PAGE, top_down=True)
         self._starts: list[int] = []  # sorted IOVAs of mapped objects
         self._objects: dict[int, GemObject] = {}

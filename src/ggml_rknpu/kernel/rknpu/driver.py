@@ -3,7 +3,8 @@
 Invariants: one SUBMIT per job (one per core where the cores make a mask the driver does not
 commit, ``core_groups``); each submit table owns its task BO (KERNEL_MAPPING, one page,
 up to 102 tasks), written and cleaned once when the table is built, so a replay costs the
-SUBMIT alone; buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
+SUBMIT alone; a buffer lives in the IOMMU domain it was created in, and a job's SUBMIT names
+the domain of its buffers (``RknpuSubmitTable.domain``); buffers are CPU-cached (flags 0x403, as the RKNN runtime allocates them) and
 MEM_SYNC cleans (TO_DEVICE) or invalidates (FROM_DEVICE) exactly the requested range; a
 job's SUBMIT and the MEM_SYNCs around it are packed once (``drm.PreparedIoctl``) and replayed. The task
 array, core_mask/subcore_task and flags, with sources: docs/decisions.md "kernel/rknpu/driver.py"."""
@@ -66,6 +67,7 @@ class RknpuSubmitTable:
     task_array: bytes  # the rknpu_task array, core-major
     groups: tuple[CoreSubmit, ...]
     task_bo: Allocation   # this table's own task BO, holding task_array (cleaned once)
+    domain: int           # the IOMMU domain of its regcmd buffers, its task BO and its SUBMITs
     submits: dict = field(default_factory=dict)   # timeout_ms -> the packed SUBMITs, in order
 
 
@@ -85,7 +87,9 @@ class RknpuDriver:
     def __init__(self, syscalls: Syscalls, fd: int) -> None:
         self.ioctls = RknpuIoctls(syscalls, fd)
         self.drm, self.version = self.ioctls.drm, self.ioctls.version
-        self._live: dict[int, int] = {}  # handle -> capacity of every object we hold
+        # 0.9.8 names a domain in MEM_CREATE and SUBMIT; older ABIs have domain 0 only
+        self.max_domains = rk.MAX_IOMMU_DOMAINS if self.version >= rk.NEW_ABI_VERSION else 1
+        self._live: dict[int, tuple[int, int]] = {}  # handle -> (capacity, domain) of every object we hold
         self._tables: set[RknpuSubmitTable] = set()   # live tables: each owns its task BO
         # obj_addr -> (offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed);
         # an object's entries go with it (``free``): object addresses are never reused, so
@@ -93,16 +97,22 @@ class RknpuDriver:
         self._syncs: dict[int, dict[tuple[int, int, int], Callable[[], Any]]] = {}
 
     # ------------------------------------------------------------------ memory
-    def alloc(self, size: int, purpose: str) -> Allocation:
+    def alloc(self, size: int, purpose: str, domain: int = 0) -> Allocation:
+        """A buffer of ``size`` bytes mapped in IOMMU domain ``domain`` (MEM_CREATE switches the
+        device to it first, waiting for the live domain's jobs) [docs/npu-programming.md §4]."""
+        if not 0 <= domain < self.max_domains:
+            raise NpuError(f"IOMMU domain {domain}: driver {'.'.join(map(str, self.version))} offers domains "
+                           f"0..{self.max_domains - 1}", errno.EINVAL)
         flags = rk.TASK_BO_FLAGS if purpose == "task" else rk.DATA_BO_FLAGS
-        mem = self.ioctls.mem_create(size, flags)
+        mem = self.ioctls.mem_create(size, flags, domain)
         try:
             view = self.ioctls.mmap(self.ioctls.mem_map(mem.handle), mem.size)
         except (NpuError, OSError):
             self.ioctls.mem_destroy(mem.handle, mem.obj_addr)
             raise
-        self._live[mem.handle] = mem.size
-        return Allocation(mem.handle, mem.dma_addr, mem.size, bool(flags & rk.MemFlag.CACHEABLE), view, mem.obj_addr)
+        self._live[mem.handle] = (mem.size, domain)
+        return Allocation(mem.handle, mem.dma_addr, mem.size, bool(flags & rk.MemFlag.CACHEABLE), view, mem.obj_addr,
+                          domain)
 
     def free(self, allocation: Allocation) -> None:
         self._live.pop(allocation.handle, None)
@@ -132,11 +142,11 @@ class RknpuDriver:
         """MEM_SYNC arguments kept packed, over every live object."""
         return sum(len(syncs) for syncs in self._syncs.values())
 
-    def iova_budget(self) -> tuple[int, int]:
-        """The 32-bit window (less the never-mapped page 0) minus our own objects; other
-        processes' objects share the domain but are not visible from here."""
+    def iova_budget(self, domain: int = 0) -> tuple[int, int]:
+        """``domain``'s 32-bit window (less the never-mapped page 0) minus our own objects in it;
+        other processes' objects share the domain but are not visible from here."""
         total = ADDRESS_WINDOW_BYTES - PAGE_BYTES
-        return total - sum(self._live.values()), total
+        return total - sum(size for size, d in self._live.values() if d == domain), total
 
     # ------------------------------------------------------------------ submit
     def submit_table(self, cores: Cores, regcmd_buffers: tuple[Buffer, ...]) -> RknpuSubmitTable:
@@ -150,8 +160,9 @@ class RknpuDriver:
                 int_status=0, regcfg_amount=t.body_words, regcfg_offset=0, regcmd_addr=t.regcmd_addr,
             ) for t in tasks)
         task_array = b"".join(bytes(r) for r in records)
+        domain = regcmd_buffers[0].domain if regcmd_buffers else 0
         # whole pages; written and cleaned once: the kernel reads it at every submit of the table
-        bo = self.alloc(align_up(len(task_array), PAGE_BYTES), "task")
+        bo = self.alloc(align_up(len(task_array), PAGE_BYTES), "task", domain)
         try:
             np.frombuffer(bo.view, np.uint8)[: len(task_array)] = np.frombuffer(task_array, np.uint8)
             self.sync(bo, 0, len(task_array), to_device=True)
@@ -166,7 +177,7 @@ class RknpuDriver:
                 subcore[core + slot] = starts[core]
             groups.append(CoreSubmit(sum(1 << c for c in group), tuple(subcore), sum(starts[c][1] for c in group)))
         table = RknpuSubmitTable(regcmd_buffers=regcmd_buffers, n_tasks=len(records), task_array=task_array,
-                                 groups=tuple(groups), task_bo=bo)
+                                 groups=tuple(groups), task_bo=bo, domain=domain)
         self._tables.add(table)
         return table
 
@@ -196,7 +207,7 @@ class RknpuDriver:
             submits = table.submits[timeout_ms] = [self.ioctls.submit_call(
                 task_obj_addr=table.task_bo.obj_addr, task_number=g.n_tasks,
                 flags=rk.JobFlag.PC | rk.JobFlag.PINGPONG, timeout_ms=timeout_ms, core_mask=g.core_mask,
-                subcore_tasks=g.subcore) for g in table.groups]
+                subcore_tasks=g.subcore, iommu_domain_id=table.domain) for g in table.groups]
         for clean in job.cleans:
             clean()
         results = []

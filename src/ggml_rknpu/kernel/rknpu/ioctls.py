@@ -117,6 +117,7 @@ class RknpuIoctls:
         subcore_tasks: tuple[tuple[int, int], ...] = (),
         task_base_addr: int = 0,
         priority: int = 0,
+        iommu_domain_id: int = 0,
     ) -> drm.PreparedIoctl:
         """One blocking SUBMIT with its argument packed once (a job planned once replays the
         same bytes every time); the call returns the argument as the kernel left it
@@ -126,6 +127,10 @@ class RknpuIoctls:
             priority=priority, task_obj_addr=task_obj_addr, task_base_addr=task_base_addr,
             core_mask=core_mask, fence_fd=-1,
         )
+        if hasattr(s, "iommu_domain_id"):
+            s.iommu_domain_id = iommu_domain_id
+        elif iommu_domain_id:
+            raise NpuError(f"driver {'.'.join(map(str, self.version))} has no iommu_domain_id in SUBMIT", errno.EINVAL)
         if len(subcore_tasks) > uapi.N_SUBCORE_TASKS:
             raise ValueError(f"at most {uapi.N_SUBCORE_TASKS} subcore_task entries")
         for i, (start, number) in enumerate(subcore_tasks):

@@ -105,6 +105,10 @@ CORE_MASK_ALL = 0x7
 # runs (rknpu_job_wait: EINVAL after the timeout) [VEND rknpu_job.c rknpu_job_commit]
 COMMITTED_CORE_MASKS = (0b001, 0b010, 0b100, 0b011, 0b111)
 N_SUBCORE_TASKS = 5
+# IOMMU domains the driver keeps, ids 0..15, each its own 32-bit window; a MEM_CREATE, MEM_SYNC,
+# MEM_DESTROY or SUBMIT naming another domain than the live one first waits for the live one's
+# jobs, then switches [VEND 0.9.8 rknpu_drv.h, rknpu_iommu.c; docs/npu-programming.md §4 "IOMMU domains"]
+MAX_IOMMU_DOMAINS = 16
 
 
 class rknpu_action(ctypes.Structure):

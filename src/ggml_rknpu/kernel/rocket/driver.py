@@ -48,6 +48,7 @@ class RocketJob:
 
 class RocketDriver:
     name = ro.DRIVER_NAME
+    max_domains = 1
 
     def __init__(self, syscalls: Syscalls, fd: int) -> None:
         self.ioctls = RocketIoctls(syscalls, fd)
@@ -55,7 +56,9 @@ class RocketDriver:
         self._live: dict[int, int] = {}  # handle -> capacity
 
     # ------------------------------------------------------------------ memory
-    def alloc(self, size: int, purpose: str) -> Allocation:
+    def alloc(self, size: int, purpose: str, domain: int = 0) -> Allocation:
+        if domain:
+            raise NpuError(f"domain {domain}: one rocket file is one IOMMU domain", errno.EINVAL)
         if size >= ADDRESS_WINDOW_BYTES:
             raise NpuError(f"rocket buffers are limited to < 4 GiB (u32 size), got {size}", errno.EINVAL)
         bo = self.ioctls.create_bo(size)
@@ -80,7 +83,7 @@ class RocketDriver:
         else:
             self.ioctls.prep_bo(allocation.handle)
 
-    def iova_budget(self) -> tuple[int, int]:
+    def iova_budget(self, domain: int = 0) -> tuple[int, int]:
         """The 32-bit window (less page 0) minus our objects (rocket: one domain per open file)."""
         total = ADDRESS_WINDOW_BYTES - PAGE_BYTES
         return total - sum(self._live.values()), total

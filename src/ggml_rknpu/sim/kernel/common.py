@@ -250,12 +250,12 @@ class SimKernel:
     # ------------------------------------------------------------------ state for tests / tools
     def stats(self) -> dict[str, int]:
         """Live objects, mappings, handles and used address space (leak checks)."""
-        domains = [self._shared_domain] if self._shared_domain else [f.domain for f in self._files.values()]
+        domains = self._domains()
         return {
             "objects": len(self._objects),
             "mappings": len(self._maps),
             "handles": sum(len(f.handles) for f in self._files.values()),
-            "iova_used": sum(d.iova.total - d.iova.free_bytes for d in domains if d),
+            "iova_used": sum(d.iova.total - d.iova.free_bytes for d in domains),
             "mmap_offsets_used": self._offsets.total - self._offsets.free_bytes,
             "allocated_bytes": self._allocated,
         }
@@ -286,9 +286,16 @@ class SimKernel:
         return f
 
     def _domain(self, f: DrmFile) -> IommuDomain:
+        """The domain ``f``'s next buffer is mapped into."""
         domain = self._shared_domain or f.domain
         assert domain is not None
         return domain
+
+    def _domains(self) -> list[IommuDomain]:
+        """Every NPU address space of this kernel."""
+        if self._shared_domain is not None:
+            return [self._shared_domain]
+        return [f.domain for f in self._files.values() if f.domain is not None]
 
     def _log(self, line: str) -> None:
         self.log_line(f"{self.abi.upper()}: {line}")

@@ -1,12 +1,14 @@
 """The vendor ``rknpu`` kernel driver (0.9.x) in software: ACTION, MEM_CREATE / MAP / DESTROY /
 SYNC and SUBMIT's PC-mode commit, answering as ``rknpu_drv.c``, ``rknpu_gem.c`` and
-``rknpu_job.c`` do [docs/npu-programming.md §4]; one IOMMU domain shared by every open file.
+``rknpu_job.c`` do [docs/npu-programming.md §4]; IOMMU domains 0..15 shared by every open file,
+one live at a time: a call naming another domain switches to it (``iommu_domain_id``).
 Sources: docs/decisions.md "sim/kernel"."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+from typing import Any
 
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.limits import HW_VERSION, INT_CLEAR_ALL
@@ -34,7 +36,7 @@ from ggml_rknpu.sim.kernel.common import (
     SimKernel,
     fail,
 )
-from ggml_rknpu.sim.memory import IOVA_BASE, IOVA_END, GemObject
+from ggml_rknpu.sim.memory import IOVA_BASE, IOVA_END, GemObject, IommuDomain
 
 # Device nodes the simulator pretends to have. The vendor render node number depends on
 # the board's other DRM devices (the display is usually card0/renderD128); renderD129 is
@@ -79,6 +81,36 @@ class SimRknpuKernel(SimKernel):
     shared_domain = True
     page_aligned_nodes = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert self._shared_domain is not None
+        self._iommu_domains: dict[int, IommuDomain] = {0: self._shared_domain}
+        self.iommu_domain_id = 0   # the live domain (rknpu_dev->iommu_domain_id)
+        self.domain_switches = 0
+
+    def _domain(self, f: DrmFile) -> IommuDomain:
+        return self._iommu_domains[self.iommu_domain_id]
+
+    def _domains(self) -> list[IommuDomain]:
+        return list(self._iommu_domains.values())
+
+    def _switch(self, domain_id: int, what: str) -> None:
+        """rknpu_iommu_domain_get_and_switch: make ``domain_id`` live (a new id gets a fresh
+        domain with the same window); the wait for the live domain's jobs is nothing here,
+        where every job has finished before its SUBMIT returns [VEND rknpu_iommu.c]."""
+        if not 0 <= domain_id < rk.MAX_IOMMU_DOMAINS:
+            self._log(f"invalid iommu domain id: {domain_id}, reuse domain id: {self.iommu_domain_id}")
+            raise fail(errno.EINVAL, f"{what}: iommu domain id {domain_id} is not one of 0..{rk.MAX_IOMMU_DOMAINS - 1}")
+        if domain_id == self.iommu_domain_id:
+            return
+        domain = self._iommu_domains.get(domain_id)
+        if domain is None:
+            domain = self._iommu_domains[domain_id] = IommuDomain(*self.iova_window, ident=domain_id)
+        self._log(f"switch iommu domain from {self.iommu_domain_id} to {domain_id}")
+        self.iommu_domain_id = domain_id
+        self.mmu.attach(domain)
+        self.domain_switches += 1
+
     def driver_ioctls(self) -> IoctlTable:
         return {
             rk.Nr.ACTION: Ioctl(self._rk_action, rk.rknpu_action, RW),
@@ -113,25 +145,24 @@ class SimRknpuKernel(SimKernel):
             rk.Action.GET_IOMMU_EN: 1,  # inference: captured dma addresses are IOVAs (0xfff9f000...)
             rk.Action.GET_TOTAL_SRAM_SIZE: 0,  # guess: no SRAM reserved for the NPU on common RK3588 DTs
             rk.Action.GET_FREE_SRAM_SIZE: 0,
-            rk.Action.GET_IOMMU_DOMAIN_ID: 0,
         }
         if action in getters:
             a.value = getters[action]
+        elif action == rk.Action.GET_IOMMU_DOMAIN_ID:
+            a.value = self.iommu_domain_id
         elif action == rk.Action.ACT_RESET:
             if self._npu is not None:
                 self._npu.soft_reset(None)
             self._log("soft reset")
-        elif action == rk.Action.SET_IOMMU_DOMAIN_ID:
-            if a.value != 0:
-                raise fail(errno.EINVAL, "the simulator models IOMMU domain 0 only")
+        elif action == rk.Action.SET_IOMMU_DOMAIN_ID:   # get_and_switch, then put
+            self._switch(ctypes.c_int32(a.value).value, "ACTION SET_IOMMU_DOMAIN_ID")
         elif action in (rk.Action.GET_DT_WR_AMOUNT, rk.Action.GET_DT_RD_AMOUNT, rk.Action.GET_WT_RD_AMOUNT,
                         rk.Action.GET_TOTAL_RW_AMOUNT):
             a.value = 0  # the traffic counters are not modelled
         # SET_PROC_NICE, ACT_CLR_TOTAL_RW_AMOUNT: accepted, nothing to model
 
     def _rk_mem_create(self, f: DrmFile, m: ctypes.Structure) -> None:
-        if getattr(m, "iommu_domain_id", 0) != 0:
-            raise fail(errno.EINVAL, "MEM_CREATE: the simulator models IOMMU domain 0 only")
+        self._switch(getattr(m, "iommu_domain_id", 0), "MEM_CREATE")   # the 40-byte struct: domain 0
         handle, obj = self._new_object(f, m.size, m.flags, cached=bool(m.flags & rk.MemFlag.CACHEABLE))
         m.handle, m.size, m.obj_addr, m.dma_addr, m.sram_size = handle, obj.size, obj.obj_addr, obj.dma_addr, 0
 
@@ -140,8 +171,14 @@ class SimRknpuKernel(SimKernel):
 
     def _rk_mem_destroy(self, f: DrmFile, m: rk.rknpu_mem_destroy) -> None:
         # rknpu_gem_destroy_ioctl looks the handle up and ignores obj_addr [VEND rknpu_gem.c]
-        self._lookup_handle(f, m.handle, errno.EINVAL, "MEM_DESTROY")
+        obj = self._lookup_handle(f, m.handle, errno.EINVAL, "MEM_DESTROY")
+        self._switch_to(obj, "MEM_DESTROY")
         self._drop_handle(f, m.handle)
+
+    def _switch_to(self, obj: GemObject, what: str) -> None:
+        """MEM_SYNC and MEM_DESTROY switch to the object's domain first [VEND rknpu_gem.c]."""
+        if obj.domain is not None:
+            self._switch(obj.domain.ident, what)
 
     def _rk_object(self, obj_addr: int, what: str) -> GemObject:
         if obj_addr == 0:
@@ -161,6 +198,7 @@ class SimRknpuKernel(SimKernel):
         if not obj.flags & _CACHEABLE:
             raise fail(errno.EINVAL, "MEM_SYNC on a buffer created without RKNPU_MEM_CACHEABLE: uncached buffers "
                                       "need no sync (the driver refuses it)")
+        self._switch_to(obj, "MEM_SYNC")
         # the range is never checked (the scatterlist walk stops at the buffer's end) and unknown
         # flag bits are ignored [VEND rknpu_gem.c rknpu_gem_sync_ioctl]
         offset, size = min(s.offset, obj.size), max(0, min(s.size, obj.size - s.offset))
@@ -257,6 +295,16 @@ class SimRknpuKernel(SimKernel):
             if start + number > n_slots:
                 raise fail(errno.EINVAL, f"SUBMIT: tasks [{start}, {start + number}) of core {core} run past the "
                                           f"{n_slots} rknpu_task slots of the task BO")
+        domain_id = getattr(s, "iommu_domain_id", 0)   # 0.9.6: no field, domain 0
+        if not 0 <= domain_id < rk.MAX_IOMMU_DOMAINS:
+            # rknpu_job_schedule: the switch fails, nothing is queued, rknpu_job_wait waits three
+            # timeouts and returns EINVAL, and rknpu_job_abort puts a reference never taken
+            self._misuse("SUBMIT", f"iommu_domain_id {domain_id} is not one of 0..{rk.MAX_IOMMU_DOMAINS - 1}",
+                         "EINVAL after three job timeouts, and the domain refcount left unbalanced "
+                         "(later switches can time out)")
+            raise fail(errno.EINVAL, f"SUBMIT: iommu_domain_id {domain_id} is not one of "
+                                     f"0..{rk.MAX_IOMMU_DOMAINS - 1}: nothing ran (simulated: no wait)")
+        self._switch(domain_id, "SUBMIT")
         npu = self._npu_model()
         # the kernel mapping (numpy's stubs give ndarray its buffer protocol only on Python >= 3.12)
         tasks = (rk.rknpu_task * n_slots).from_buffer(task_obj.cpu)  # type: ignore[arg-type]
