@@ -6,7 +6,7 @@ What must hold: the retired copies stay within their budget, only sessions that 
 goodbye at a message boundary retire their weights (a hostile client cannot fill the cache),
 and RSS after the last session is within 10% of RSS after the warm-up (the first tenth, at
 most the first thousand: the retired copies reach their budget there). No malloc_trim: the server does not do it either.
-The short version runs in CI (~35 s on the loaded 2-core x86 box); the long one (20 000 sessions,
+The short version runs in CI (~5 s on the 2-core x86 box); the long one (20 000 sessions,
 ``RKNPU_SESSIONS_SLOW``) is slow."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from support.proc_status import status_bytes
 from support.rpc_testkit import ServerClosed, T, graph_payload, serve
 
 MUL_MAT = int(GgmlOp.MUL_MAT)
-K, N, M = 64, 64, 2                          # a 16 KiB f32 weight per session
-BUDGET = 32 << 10                            # retired copies (8 KiB each): full within the warm-up
+K, N, M = 256, 256, 2                        # a 256 KiB f32 weight per session
+BUDGET = 512 << 10                           # retired copies (128 KiB each): full within the warm-up
+GROWTH_MAX = 4 << 20                         # one-off growth allowed after the warm-up (see below)
 ENDINGS = ("clean", "corrupt", "truncated")
 WARMUP_MAX = 1000                            # sessions before the reference RSS, at most
 
@@ -56,7 +57,7 @@ def _session(st, rng: np.random.Generator, ending: str) -> None:
     c = st.client()
     try:
         wh, wb = c.alloc_base(N * K * 4)
-        ch, cb = c.alloc_base(1 << 14)
+        ch, cb = c.alloc_base(1 << 14)          # x at 0 (2 KiB), out at 4 KiB (2 KiB)
         w = T(ne=(K, N, 1, 1), buffer=wh, data=wb, name="blk.0.ffn_up.weight")
         x = T(ne=(K, M, 1, 1), buffer=ch, data=cb, name="x")
         out = T(ne=(N, M, 1, 1), buffer=ch, data=cb + 4096, op=MUL_MAT, src=(w.id, x.id), name="out")
@@ -115,9 +116,12 @@ def test_short_mutated_sessions_keep_memory_flat(sim_server):
     n = int(os.environ.get("RKNPU_SESSIONS_SHORT", "300"))
     rss_warm, rss_last = _run(sim_server, n)
     _check(sim_server, n, rss_warm, rss_last)
-    # tighter than the 10% rule for this short run: at most 1 MiB after the warm-up (a copy of
-    # each session's weight kept, fp16 in the simulator's two views, would be ~3 MiB here)
-    assert rss_last - rss_warm <= 1 << 20, f"RSS grew {(rss_last - rss_warm) >> 10} KiB"
+    # tighter than the 10% rule for this short run. A weight copy kept per session (128 KiB in
+    # fp16, twice that in the simulator's two views) would add 35-70 MiB over the 270 sessions
+    # after the warm-up; what may still appear once is allocator and first-use growth of the
+    # shared process (a mutated graph reaching a code path for the first time; measured up to
+    # 1.5 MiB in the full suite), which is why the weight is large and the bound is 4 MiB.
+    assert rss_last - rss_warm <= GROWTH_MAX, f"RSS grew {(rss_last - rss_warm) >> 10} KiB"
 
 
 @pytest.mark.slow
