@@ -1,7 +1,7 @@
 """Many short mutated sessions against one in-process server on the simulated NPU, run as a
 process of its own so that its RSS is the server's and its sessions', not a test runner's
 heap shaped by every test before it (in the full suite that heap grew by up to 5.6 MiB over
-the same sessions, in either direction of the allocator's luck).
+the same sessions: the allocator state other tests left).
 
 Usage: ``python session_churn.py N BUDGET`` (N sessions, BUDGET bytes of retired weights).
 Prints one JSON object: RSS after the warm-up and after the last session, the weight
