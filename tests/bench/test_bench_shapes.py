@@ -1,7 +1,7 @@
 """Model shapes from Hugging Face config.json files (written here, small): the same shape as
 the preset of the same model, experts, LFM2's short-conv layers and FFN rounding, Gemma 3's
-sliding-window layers inside a multimodal config, clear errors; and bench decode prices a
-config like a preset."""
+sliding-window layers inside a multimodal config, Qwen3.5's gated delta-net layers, clear
+errors; and bench decode prices a config like a preset."""
 
 from __future__ import annotations
 
@@ -67,6 +67,44 @@ def test_lfm2_ffn_rounding_and_gemma3_windows_in_a_text_config(tmp_path):
         "sliding_window_pattern": 6}}
     shape = load_config_shape(_write(tmp_path, "Gemma3-1B", gemma))
     assert dataclasses.replace(shape, source="") == dataclasses.replace(PRESETS["Gemma3-1B"], source="")
+
+
+# Qwen/Qwen3.5-9B config.json's text_config (the keys a shape reads; docs/anchors.md §6.1)
+QWEN35_TEXT: dict = {
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320, "attn_output_gate": True,
+    "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8}
+QWEN35_9B = {"model_type": "qwen3_5", "text_config": QWEN35_TEXT}
+
+
+def test_qwen35_gated_delta_net_layers_from_its_config(tmp_path):
+    """Three of four layers are gated delta-net ones: qkv (2 x 16 key heads + 32 value heads of
+    128), z, beta, alpha and ssm_out projections; the full-attention layers' q also yields the
+    output gate. Weights 8.95 B with the untied head, as llama-bench reports the model."""
+    shape = load_config_shape(_write(tmp_path, "Qwen3.5-9B", QWEN35_9B))
+    preset = PRESETS["Qwen3.5-9B"]
+    assert dataclasses.replace(shape, source="") == dataclasses.replace(preset, source="")
+    assert preset.delta_layers == tuple(i for i in range(32) if i % 4 != 3)
+    assert preset.matmuls_at(0) == {"qkv": (4096, 8192, 1, 1), "z": (4096, 4096, 1, 1), "beta": (4096, 32, 1, 1),
+                                    "alpha": (4096, 32, 1, 1), "ssm_out": (4096, 4096, 1, 1),
+                                    "gate": (4096, 12288, 1, 1), "up": (4096, 12288, 1, 1),
+                                    "down": (12288, 4096, 1, 1)}
+    assert preset.matmuls_at(3)["q"] == (4096, 2 * 16 * 256, 1, 1)
+    params = sum(K * N for i in range(32) for K, N, _, _ in preset.matmuls_at(i).values()) + 2 * 4096 * 248320
+    assert params / 1e9 == pytest.approx(8.95, abs=0.005)
+    host = preset.host_layers()
+    assert host[0].window is None and host[0].delta == preset.delta and host[0].heads == 0
+    assert (host[3].delta, host[3].window, host[3].heads, host[3].kv_heads, host[3].q_dim) == (None, 0, 16, 4, 8192)
+    q4 = {(w.name, w.type): w.count for w in plans.preset_weights(preset, "Q4_K_M")}
+    # llama-quant: qkv is attn_v-like, Q6_K in 16 of the 32 (use_more_bits: 0-3, 28-31, 6, 9, ..., 27)
+    assert (q4[("qkv", "Q6_K")], q4[("v", "Q6_K")], q4[("qkv", "Q4_K")], q4[("v", "Q4_K")]) == (12, 4, 12, 4)
+    text = dict(QWEN35_TEXT, linear_value_head_dim=64)
+    with pytest.raises(ValueError, match="key head dim 128 != value head dim 64"):
+        load_config_shape(_write(tmp_path, "bad", {"text_config": text}))
+    text = {k: v for k, v in QWEN35_TEXT.items() if k != "layer_types"}
+    assert load_config_shape(_write(tmp_path, "no-types", text)).delta_layers == preset.delta_layers
 
 
 @pytest.mark.parametrize("cfg, match", [

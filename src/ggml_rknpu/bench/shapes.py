@@ -1,11 +1,12 @@
 """A model's shape as the benches price it: from a preset (each cites its published config),
 a GGUF file's tensors, or a Hugging Face ``config.json`` (hidden size, FFN size, layers,
-heads, KV heads, head dim, vocabulary, experts, short-conv and sliding-window layers).
+heads, KV heads, head dim, vocabulary, experts, short-conv, gated delta-net and sliding-window
+layers).
 
 Invariants: the weight matmuls of layer i are ``matmuls_at(i)`` (name -> (K, N, experts,
-experts per token));
-its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``); ``layer_matmuls()`` is
-a plain attention + FFN layer's, what the NPU decode forecast fuses. Figures: docs/decode.md."""
+experts per token)); its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``);
+``layer_matmuls()`` is a plain attention + FFN layer's, what the NPU decode forecast fuses.
+Figures: docs/decode.md."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ggml_rknpu.cost.host_ops import LayerOps
+from ggml_rknpu.cost.host_ops import DeltaNet, LayerOps
 from ggml_rknpu.hw.alignment import align_up
 
 
@@ -21,7 +22,10 @@ from ggml_rknpu.hw.alignment import align_up
 class ModelShape:
     """A llama/qwen-style model's shape (one row per output, [N, K]); the optional fields
     describe experts (MUL_MAT_ID FFNs after ``dense_layers`` dense ones), short-conv layers
-    (LFM2: in_proj h -> 3h, out_proj h -> h instead of q/k/v/o) and sliding-window layers."""
+    (LFM2: in_proj h -> 3h, out_proj h -> h instead of q/k/v/o), gated delta-net layers
+    (Qwen3.5: qkv, z, beta, alpha and ssm_out projections around ``delta``'s recurrence),
+    an output gate on attention (``attn_gate``: q's projection also yields a gate of q's width)
+    and sliding-window layers."""
 
     name: str
     hidden: int
@@ -39,6 +43,13 @@ class ModelShape:
     conv_layers: tuple[int, ...] = ()
     window: int = 0                    # the sliding window of the layers in ``window_layers``
     window_layers: tuple[int, ...] = ()
+    delta_layers: tuple[int, ...] = ()
+    delta: DeltaNet | None = None
+    attn_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.delta_layers and self.delta is None:
+            raise ValueError(f"{self.name}: gated delta-net layers without their shape")
 
     def layer_matmuls(self) -> dict[str, tuple[int, int]]:
         """name -> (K, N) of a plain layer's weight matmuls."""
@@ -52,8 +63,14 @@ class ModelShape:
         h = self.hidden
         if i in self.conv_layers:
             out = {"in_proj": (h, 3 * h, 1, 1), "out_proj": (h, h, 1, 1)}
+        elif self.delta is not None and i in self.delta_layers:
+            d = self.delta
+            out = {"qkv": (h, d.conv_channels, 1, 1), "z": (h, d.value_dim, 1, 1), "beta": (h, d.v_heads, 1, 1),
+                   "alpha": (h, d.v_heads, 1, 1), "ssm_out": (d.value_dim, h, 1, 1)}
         else:
             out = {n: (*self.layer_matmuls()[n], 1, 1) for n in ("q", "k", "v", "o")}
+            if self.attn_gate:
+                out["q"] = (h, 2 * self.q_dim, 1, 1)
         if self.experts and i >= self.dense_layers:
             e, f, k = self.experts, self.expert_ff, self.experts_used
             out.update({"router": (h, e, 1, 1), "gate_exps": (h, f, e, k), "up_exps": (h, f, e, k),
@@ -72,9 +89,13 @@ class ModelShape:
             ff = self.experts_used * self.expert_ff if self.experts and i >= self.dense_layers else self.ff
             if i in self.conv_layers:
                 out.append(LayerOps(self.hidden, ff, 3 * self.hidden, 0, 0, 0, self.head_dim, None))
+            elif self.delta is not None and i in self.delta_layers:
+                d = self.delta
+                out.append(LayerOps(self.hidden, ff, d.conv_channels + d.value_dim, 0, 0, 0, self.head_dim, None, d))
             else:
                 window = self.window if i in self.window_layers else 0
-                out.append(LayerOps(self.hidden, ff, self.q_dim, self.kv_dim, heads, kv_heads, self.head_dim, window))
+                q_out = 2 * self.q_dim if self.attn_gate else self.q_dim
+                out.append(LayerOps(self.hidden, ff, q_out, self.kv_dim, heads, kv_heads, self.head_dim, window))
         return tuple(out)
 
 
@@ -89,6 +110,12 @@ def _gemma3_windows(layers: int) -> tuple[int, ...]:
 
 def _lfm2_convs(layers: int, attention: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i not in attention)
+
+
+def _linear_but_every(layers: int, interval: int) -> tuple[int, ...]:
+    """Qwen3.5 / Qwen3-Next: linear attention but for every ``interval``-th layer
+    (full_attention_interval)."""
+    return tuple(i for i in range(layers) if (i + 1) % interval)
 
 
 _LFM2_ATTN = (2, 5, 8, 10, 12, 14)     # full_attn_idxs of LFM2-350M/700M/1.2B
@@ -113,6 +140,9 @@ PRESETS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("LFM2-8B-A1B", 2048, 7168, 24, 32 * 64, 8 * 64, 65536,
                "LiquidAI/LFM2-8B-A1B (its config, docs/anchors.md §6.1)", 64, experts=32, experts_used=4,
                expert_ff=1792, dense_layers=2, conv_layers=_lfm2_convs(24, (2, 6, 10, 14, 18, 21))),
+    ModelShape("Qwen3.5-9B", 4096, 12288, 32, 16 * 256, 4 * 256, 248320,
+               "Qwen/Qwen3.5-9B (its config's text_config, docs/anchors.md §6.1)", 256, attn_gate=True,
+               delta_layers=_linear_but_every(32, 4), delta=DeltaNet(16, 32, 128, 4)),
 )}
 
 
@@ -153,15 +183,19 @@ def load_config_shape(path: Path) -> ModelShape:
     kinds = [str(t) for t in cfg.get("layer_types") or []]
     if not kinds and cfg.get("full_attn_idxs") is not None:
         kinds = ["full_attention" if i in cfg["full_attn_idxs"] else "conv" for i in range(layers)]
+    if not kinds and cfg.get("linear_num_value_heads") and cfg.get("full_attention_interval"):
+        kinds = ["linear_attention" if i in _linear_but_every(layers, int(cfg["full_attention_interval"]))
+                 else "full_attention" for i in range(layers)]
     if not kinds and cfg.get("sliding_window_pattern"):
         kinds = ["full_attention" if (i + 1) % int(cfg["sliding_window_pattern"]) == 0 else "sliding_attention"
                  for i in range(layers)]
     if kinds and len(kinds) != layers:
         raise ValueError(f"{file}: {len(kinds)} layer_types for {layers} layers")
-    known = {"conv", "full_attention", "sliding_attention", "attention"}
+    known = {"conv", "full_attention", "sliding_attention", "attention", "linear_attention"}
     if set(kinds) - known:
         raise ValueError(f"{file}: layer types {sorted(set(kinds) - known)} have no price (known: {sorted(known)})")
     experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+    delta = _delta_net(cfg, file) if "linear_attention" in kinds else None
     return ModelShape(
         cfg.get("_name_or_path") or file.parent.name or file.stem, hidden, ff, layers, heads * head_dim,
         kv_heads * head_dim, _first(cfg, "vocab_size"), f"config {file}", head_dim,
@@ -171,7 +205,19 @@ def load_config_shape(path: Path) -> ModelShape:
         dense_layers=_first(cfg, "num_dense_layers", "first_k_dense_replace", default=0) if experts else 0,
         conv_layers=tuple(i for i, k in enumerate(kinds) if k == "conv"),
         window=_first(cfg, "sliding_window", default=0) if "sliding_attention" in kinds else 0,
-        window_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"))
+        window_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+        delta_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"), delta=delta,
+        attn_gate=bool(cfg.get("attn_output_gate")))
+
+
+def _delta_net(cfg: dict, file: Path) -> DeltaNet:
+    """A config's gated delta-net shape (Qwen3-Next / Qwen3.5 ``linear_*`` keys); ggml's
+    GATED_DELTA_NET needs equal key and value head dims."""
+    k_dim, v_dim = _first(cfg, "linear_key_head_dim"), _first(cfg, "linear_value_head_dim")
+    if k_dim != v_dim:
+        raise ValueError(f"{file}: linear key head dim {k_dim} != value head dim {v_dim} (ggml needs them equal)")
+    return DeltaNet(_first(cfg, "linear_num_key_heads"), _first(cfg, "linear_num_value_heads"), k_dim,
+                    _first(cfg, "linear_conv_kernel_dim"))
 
 
 def load_gguf_shape(path: Path) -> ModelShape:
