@@ -1,18 +1,22 @@
 """Model shapes from Hugging Face config.json files (written here, small): the same shape as
 the preset of the same model, experts, LFM2's short-conv layers and FFN rounding, Gemma 3's
 sliding-window layers inside a multimodal config, Qwen3.5's gated delta-net layers, clear
-errors; and bench decode prices a config like a preset."""
+errors; sliding windows read from tiny GGUF files (written here with ``gguf``); and bench
+decode prices a config like a preset."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
+from gguf import GGUFWriter
 
 from ggml_rknpu.bench import decode as dec
 from ggml_rknpu.bench import plans
-from ggml_rknpu.bench.shapes import PRESETS, load_config_shape, resolve
+from ggml_rknpu.bench.shapes import PRESETS, load_config_shape, load_gguf_shape, resolve
+from ggml_rknpu.cost import host_ops as ho
 
 
 def _write(tmp_path, name: str, cfg: dict):
@@ -134,3 +138,53 @@ def test_bench_decode_prices_a_config_in_the_quant_mix(tmp_path):
     assert rc == 0
     rows = json.loads((out / "decode.json").read_text())["raw"]["plans"]
     assert {r["quant"] for r in rows} == {"Q8_0"} and {r["model"] for r in rows} == {"Qwen3-1.7B"}
+
+
+def _gguf(path, arch: str, layers: int, **meta):
+    """A weightless-in-spirit GGUF (zero f32 tensors) with a gemma-like layer shape: hidden 64,
+    2 heads and 1 KV head of 32, FFN 128, vocabulary 32; ``meta``: attention keys."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_head_count(2)
+    writer.add_key_length(32)
+    for key, value in meta.items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.attention.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.attention.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    for i in range(layers):
+        for name, (n, k) in {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+                             "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.zeros((n, k), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_gives_gemma3s_sliding_window_and_attention_is_priced_over_it(tmp_path):
+    """gemma3.attention.sliding_window and llama.cpp's gemma3 pattern (every sixth layer
+    global): a decode token at 4096 cached positions attends 512 on the sliding layers."""
+    shape = load_gguf_shape(_gguf(tmp_path / "gemma3.gguf", "gemma3", 12, sliding_window=512))
+    assert (shape.window, shape.window_layers) == (512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
+    assert (shape.hidden, shape.q_dim, shape.kv_dim, shape.head_dim, shape.vocab) == (64, 64, 32, 32, 32)
+    host = shape.host_layers()
+    local, glob = ho.attention_time(host[0], 1, 4095), ho.attention_time(host[5], 1, 4095)
+    assert (host[0].window, host[5].window) == (512, 0)
+    assert glob.macs == 8 * local.macs == 4096 * 2 * 2 * 32
+    assert ho.host_ops_seconds(host, 1, 4095) < ho.host_ops_seconds(
+        tuple(dataclasses.replace(h, window=0) for h in host), 1, 4095)
+
+
+def test_a_ggufs_own_pattern_wins_and_a_window_without_one_is_not_priced(tmp_path):
+    every4 = load_gguf_shape(_gguf(tmp_path / "n.gguf", "gemma3", 8, sliding_window=256, sliding_window_pattern=4))
+    assert (every4.window, every4.window_layers) == (256, (0, 1, 2, 4, 5, 6))
+    flags = [True, False, True, False]
+    listed = load_gguf_shape(_gguf(tmp_path / "a.gguf", "gemma2", 4, sliding_window=128, sliding_window_pattern=flags))
+    assert listed.window_layers == (0, 2)
+    plain = load_gguf_shape(_gguf(tmp_path / "l.gguf", "llama", 4, sliding_window=128))
+    assert (plain.window, plain.window_layers) == (0, ())
+    with pytest.raises(ValueError, match="2 sliding-window flags for 4 layers"):
+        load_gguf_shape(_gguf(tmp_path / "b.gguf", "gemma2", 4, sliding_window=128, sliding_window_pattern=[True, False]))

@@ -220,11 +220,20 @@ def _delta_net(cfg: dict, file: Path) -> DeltaNet:
                     _first(cfg, "linear_conv_kernel_dim"))
 
 
+# llama.cpp's sliding-window pattern of an architecture whose GGUF names none (the default
+# ``load_swa_pattern`` gets in the pinned src/models/<arch>.cpp): of every n layers the last
+# is global, the others slide
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "exaone4": 4, "olmo2": 4}
+
+
 def load_gguf_shape(path: Path) -> ModelShape:
-    """The shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N]) and, for
-    the head dim, its metadata (``*.attention.key_length``, else ``*.rope.dimension_count``,
-    else the q width over ``*.attention.head_count``)."""
-    from gguf import GGUFReader
+    """The shape of a llama/qwen/gemma-style GGUF, from its tensors (ggml ne = [K, N]) and
+    metadata: the head dim (``*.attention.key_length``, else ``*.rope.dimension_count``, else
+    the q width over ``*.attention.head_count``), the sliding window (``*.attention.
+    sliding_window``) and which layers slide (``*.attention.sliding_window_pattern``: one flag
+    per layer, or every n-th layer global; else the architecture's ``SWA_PATTERN``; a window
+    with neither is left unpriced, as llama.cpp's graph for that architecture leaves it)."""
+    from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(path))
     ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
@@ -237,14 +246,29 @@ def load_gguf_shape(path: Path) -> ModelShape:
     if head is None:
         raise ValueError(f"{path}: no output.weight or token_embd.weight")
     hidden, q_dim = ne["blk.0.attn_q.weight"]
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+
     def meta(key: str) -> int:
         field = next((f for name, f in reader.fields.items() if name.endswith("." + key)), None)
         return int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
 
     heads = meta("attention.head_count")
     head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_dim // heads if heads else 0)
+    window = meta("attention.sliding_window")
+    sliding: tuple[int, ...] = ()
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if window and pattern is not None and pattern.types[0] == GGUFValueType.ARRAY:
+        flags = list(pattern.contents())
+        if len(flags) < layers:
+            raise ValueError(f"{path}: {len(flags)} sliding-window flags for {layers} layers")
+        sliding = tuple(i for i in range(layers) if flags[i])
+    elif window and (pattern is not None or arch in SWA_PATTERN):
+        n = int(pattern.contents()) if pattern is not None else SWA_PATTERN[arch]
+        sliding = tuple(i for i in range(layers) if n == 0 or i % n < n - 1)   # llama_hparams::set_swa_pattern
     return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
-                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim)
+                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim,
+                      window=window if sliding else 0, window_layers=sliding)
 
 
 def is_config(arg: str) -> bool:
