@@ -1,8 +1,8 @@
 """Model shapes from Hugging Face config.json files (written here, small): the same shape as
 the preset of the same model, experts, LFM2's short-conv layers and FFN rounding, Gemma 3's
 sliding-window layers inside a multimodal config, Qwen3.5's gated delta-net layers, clear
-errors; sliding windows read from tiny GGUF files (written here with ``gguf``); and bench
-decode prices a config like a preset."""
+errors; sliding windows and delta-net layers read from tiny GGUF files (written here with
+``gguf``); and bench decode prices a config like a preset."""
 
 from __future__ import annotations
 
@@ -140,22 +140,26 @@ def test_bench_decode_prices_a_config_in_the_quant_mix(tmp_path):
     assert {r["quant"] for r in rows} == {"Q8_0"} and {r["model"] for r in rows} == {"Qwen3-1.7B"}
 
 
-def _gguf(path, arch: str, layers: int, **meta):
-    """A weightless-in-spirit GGUF (zero f32 tensors) with a gemma-like layer shape: hidden 64,
-    2 heads and 1 KV head of 32, FFN 128, vocabulary 32; ``meta``: attention keys."""
+_ATTENTION = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64)}
+_FFN = {"ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}
+
+
+def _gguf(path, arch: str, layers: int, tensors: dict | None = None, meta: dict | None = None):
+    """A GGUF of zero f32 tensors, by default with a gemma-like layer shape: hidden 64, 2 heads
+    and 1 KV head of 32, FFN 128, vocabulary 32; ``tensors``: layer -> name -> numpy shape
+    [N, K] instead; ``meta``: ``{arch}.<key>`` integers or arrays."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_head_count(2)
     writer.add_key_length(32)
-    for key, value in meta.items():
+    for key, value in (meta or {}).items():
         if isinstance(value, list):
-            writer.add_array(f"{arch}.attention.{key}", value)
+            writer.add_array(f"{arch}.{key}", value)
         else:
-            writer.add_uint32(f"{arch}.attention.{key}", value)
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
     for i in range(layers):
-        for name, (n, k) in {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
-                             "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}.items():
+        for name, (n, k) in (tensors or {}).get(i, {**_ATTENTION, **_FFN}).items():
             writer.add_tensor(f"blk.{i}.{name}.weight", np.zeros((n, k), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -167,7 +171,7 @@ def _gguf(path, arch: str, layers: int, **meta):
 def test_a_gguf_gives_gemma3s_sliding_window_and_attention_is_priced_over_it(tmp_path):
     """gemma3.attention.sliding_window and llama.cpp's gemma3 pattern (every sixth layer
     global): a decode token at 4096 cached positions attends 512 on the sliding layers."""
-    shape = load_gguf_shape(_gguf(tmp_path / "gemma3.gguf", "gemma3", 12, sliding_window=512))
+    shape = load_gguf_shape(_gguf(tmp_path / "gemma3.gguf", "gemma3", 12, meta={"attention.sliding_window": 512}))
     assert (shape.window, shape.window_layers) == (512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10))
     assert (shape.hidden, shape.q_dim, shape.kv_dim, shape.head_dim, shape.vocab) == (64, 64, 32, 32, 32)
     host = shape.host_layers()
@@ -179,12 +183,43 @@ def test_a_gguf_gives_gemma3s_sliding_window_and_attention_is_priced_over_it(tmp
 
 
 def test_a_ggufs_own_pattern_wins_and_a_window_without_one_is_not_priced(tmp_path):
-    every4 = load_gguf_shape(_gguf(tmp_path / "n.gguf", "gemma3", 8, sliding_window=256, sliding_window_pattern=4))
+    def swa(name: str, arch: str, layers: int, window: int, pattern: int | list | None = None):
+        meta: dict = {"attention.sliding_window": window}
+        if pattern is not None:
+            meta["attention.sliding_window_pattern"] = pattern
+        return load_gguf_shape(_gguf(tmp_path / name, arch, layers, meta=meta))
+
+    every4 = swa("n.gguf", "gemma3", 8, 256, 4)
     assert (every4.window, every4.window_layers) == (256, (0, 1, 2, 4, 5, 6))
-    flags = [True, False, True, False]
-    listed = load_gguf_shape(_gguf(tmp_path / "a.gguf", "gemma2", 4, sliding_window=128, sliding_window_pattern=flags))
-    assert listed.window_layers == (0, 2)
-    plain = load_gguf_shape(_gguf(tmp_path / "l.gguf", "llama", 4, sliding_window=128))
+    assert swa("a.gguf", "gemma2", 4, 128, [True, False, True, False]).window_layers == (0, 2)
+    plain = swa("l.gguf", "llama", 4, 128)
     assert (plain.window, plain.window_layers) == (0, ())
     with pytest.raises(ValueError, match="2 sliding-window flags for 4 layers"):
-        load_gguf_shape(_gguf(tmp_path / "b.gguf", "gemma2", 4, sliding_window=128, sliding_window_pattern=[True, False]))
+        swa("b.gguf", "gemma2", 4, 128, [True, False])
+
+
+def test_a_qwen35_gguf_gives_its_delta_net_layers_and_weights(tmp_path):
+    """Three delta-net layers (qkv of 2 x 2 key heads + 4 value heads of 16, z, beta, alpha,
+    ssm_out, conv) then one gated-attention layer (q twice its heads' width): the shape and the
+    weights a GGUF gives match the config-style shape of the same model."""
+    delta = {"attn_qkv": (128, 64), "attn_gate": (64, 64), "ssm_beta": (4, 64), "ssm_alpha": (4, 64),
+             "ssm_out": (64, 64), "ssm_conv1d": (128, 4), **_FFN}
+    gated = {**_ATTENTION, "attn_q": (128, 64), **_FFN}
+    meta = {"ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.state_size": 16, "ssm.conv_kernel": 4}
+    path = _gguf(tmp_path / "tiny-qwen35.gguf", "qwen35", 4, {0: delta, 1: delta, 2: delta, 3: gated}, meta)
+    shape = load_gguf_shape(path)
+    assert (shape.delta_layers, shape.delta, shape.attn_gate) == ((0, 1, 2), ho.DeltaNet(2, 4, 16, 4), True)
+    assert (shape.q_dim, shape.kv_dim, shape.head_dim, shape.ff) == (64, 32, 32, 128)
+    stored = sorted((w.name, w.K, w.N, w.count) for w in plans.gguf_weights(path))
+    expected: dict[tuple[str, int, int], int] = {}
+    for i in range(4):
+        for name, (K, N, _, _) in shape.matmuls_at(i).items():
+            expected[name, K, N] = expected.get((name, K, N), 0) + 1
+    assert stored == sorted([(n, K, N, c) for (n, K, N), c in expected.items()] + [("output", 64, 32, 1)])
+    bad = _gguf(tmp_path / "bad.gguf", "qwen35", 4, {0: delta, 1: delta, 2: delta, 3: gated},
+                {**meta, "ssm.state_size": 8})
+    with pytest.raises(ValueError, match="attn_qkv is not"):
+        load_gguf_shape(bad)
+    mamba = _gguf(tmp_path / "mamba.gguf", "jamba", 2, {0: {"ssm_in": (128, 64), **_FFN}, 1: {**_ATTENTION, **_FFN}})
+    with pytest.raises(ValueError, match=r"layers \[0\] are neither attention nor gated delta-net"):
+        load_gguf_shape(mamba)

@@ -117,12 +117,14 @@ def preset_weights(model: ModelShape, ftype: str) -> list[Weight]:
 
 
 def gguf_weights(path: Path) -> list[Weight]:
-    """The weight matmuls of a llama/qwen-style GGUF with their types as stored (the output
-    head is the tied embedding when the file has no output.weight)."""
+    """The weight matmuls of a llama/qwen-style GGUF (and Qwen3.5's delta-net projections)
+    with their types as stored (the output head is the tied embedding when the file has no
+    output.weight)."""
     from gguf import GGUFReader
 
     names = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-             "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+             "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down", "attn_qkv": "qkv", "attn_gate": "z",
+             "ssm_beta": "beta", "ssm_alpha": "alpha", "ssm_out": "ssm_out"}
     reader = GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
     counts: dict[tuple[str, int, int, str], int] = {}

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ggml_rknpu.cost.host_ops import DeltaNet, LayerOps
 from ggml_rknpu.hw.alignment import align_up
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 @dataclass(frozen=True)
@@ -227,48 +231,71 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "exaone4": 4, "olmo2": 4}
 
 
 def load_gguf_shape(path: Path) -> ModelShape:
-    """The shape of a llama/qwen/gemma-style GGUF, from its tensors (ggml ne = [K, N]) and
-    metadata: the head dim (``*.attention.key_length``, else ``*.rope.dimension_count``, else
-    the q width over ``*.attention.head_count``), the sliding window (``*.attention.
-    sliding_window``) and which layers slide (``*.attention.sliding_window_pattern``: one flag
-    per layer, or every n-th layer global; else the architecture's ``SWA_PATTERN``; a window
-    with neither is left unpriced, as llama.cpp's graph for that architecture leaves it)."""
-    from gguf import GGUFReader, GGUFValueType
+    """The shape of a llama/qwen/gemma-style GGUF (and Qwen3.5's gated delta-net layers), from
+    its tensors (ggml ne = [K, N]) and metadata: the head dim (``*.attention.key_length``, else
+    ``*.rope.dimension_count``, else the q width over ``*.attention.head_count``), the sliding
+    window (``_gguf_windows``), a delta-net layer's heads (``*.ssm.*``, as llama.cpp's
+    qwen35 loader reads them)."""
+    from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
     layers = 1 + max((int(n.split(".")[1]) for n in ne if n.startswith("blk.")), default=-1)
-    need = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    attention = [i for i in range(layers) if f"blk.{i}.attn_q.weight" in ne]
+    delta_layers = tuple(i for i in range(layers) if f"blk.{i}.attn_qkv.weight" in ne and f"blk.{i}.ssm_conv1d.weight" in ne)
+    first = attention[0] if attention else 0
+    need = [f"blk.{first}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
+    need += [f"blk.0.{n}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")]
     missing = [n for n in need if n not in ne]
     if layers < 1 or missing:
         raise ValueError(f"{path}: not a llama/qwen-style GGUF (missing {missing or 'blk.* tensors'})")
+    unknown = sorted(set(range(layers)) - set(attention) - set(delta_layers))
+    if unknown:
+        raise ValueError(f"{path}: layers {unknown} are neither attention nor gated delta-net ones (no price)")
     head = ne.get("output.weight", ne.get("token_embd.weight"))
     if head is None:
         raise ValueError(f"{path}: no output.weight or token_embd.weight")
-    hidden, q_dim = ne["blk.0.attn_q.weight"]
+    hidden, q_out = ne[f"blk.{first}.attn_q.weight"]
     arch_field = reader.fields.get("general.architecture")
     arch = str(arch_field.contents()) if arch_field is not None else ""
 
     def meta(key: str) -> int:
-        field = next((f for name, f in reader.fields.items() if name.endswith("." + key)), None)
-        return int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+        field = reader.fields.get(f"{arch}.{key}")
+        value = field.contents() if field is not None and field.data else 0
+        return int(value[0] if isinstance(value, list) else value)    # a per-layer array: its first
 
     heads = meta("attention.head_count")
-    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_dim // heads if heads else 0)
-    window = meta("attention.sliding_window")
-    sliding: tuple[int, ...] = ()
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_out // heads if heads else 0)
+    gated = q_out == 2 * heads * head_dim    # q's projection also yields the output gate (Qwen3.5)
+    delta = None
+    if delta_layers:
+        delta = DeltaNet(meta("ssm.group_count"), meta("ssm.time_step_rank"), meta("ssm.state_size"),
+                         meta("ssm.conv_kernel"))
+        if ne[f"blk.{delta_layers[0]}.attn_qkv.weight"] != (hidden, delta.conv_channels):
+            raise ValueError(f"{path}: attn_qkv is not [{hidden}, {delta.conv_channels}] as its ssm.* heads say")
+    window, sliding = _gguf_windows(path, reader, arch, layers, meta("attention.sliding_window"))
+    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_out // 2 if gated else q_out,
+                      ne[f"blk.{first}.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim,
+                      window=window, window_layers=sliding, delta_layers=delta_layers, delta=delta, attn_gate=gated)
+
+
+def _gguf_windows(path: Path, reader: GGUFReader, arch: str, layers: int, window: int) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that slide) of a GGUF with ``*.attention.sliding_window`` =
+    ``window``: its ``*.attention.sliding_window_pattern`` (one flag per layer, or every n-th
+    layer global), else the architecture's ``SWA_PATTERN``; a window with neither stays
+    unpriced, as llama.cpp's graph for that architecture leaves it."""
+    from gguf import GGUFValueType
+
     pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
-    if window and pattern is not None and pattern.types[0] == GGUFValueType.ARRAY:
+    if not window or (pattern is None and arch not in SWA_PATTERN):
+        return 0, ()
+    if pattern is not None and pattern.types[0] == GGUFValueType.ARRAY:
         flags = list(pattern.contents())
         if len(flags) < layers:
             raise ValueError(f"{path}: {len(flags)} sliding-window flags for {layers} layers")
-        sliding = tuple(i for i in range(layers) if flags[i])
-    elif window and (pattern is not None or arch in SWA_PATTERN):
-        n = int(pattern.contents()) if pattern is not None else SWA_PATTERN[arch]
-        sliding = tuple(i for i in range(layers) if n == 0 or i % n < n - 1)   # llama_hparams::set_swa_pattern
-    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
-                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim,
-                      window=window if sliding else 0, window_layers=sliding)
+        return window, tuple(i for i in range(layers) if flags[i])
+    n = int(pattern.contents()) if pattern is not None else SWA_PATTERN[arch]
+    return window, tuple(i for i in range(layers) if n == 0 or i % n < n - 1)   # llama_hparams::set_swa_pattern
 
 
 def is_config(arg: str) -> bool:
