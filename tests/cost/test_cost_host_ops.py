@@ -1,7 +1,7 @@
 """Host-op model (cost/host_ops.py): element-wise work grows with the rows, attention with
 rows x context x heads x head dim (causal, windowed, tiled as ggml-cpu's flash attention
-runs it), decode attention with the cache's fill level; a short-conv layer has none. All
-figures *modeled*."""
+runs it), decode attention with the cache's fill level; a short-conv layer has none; a gated
+delta-net layer's recurrence grows with the rows alone. All figures *modeled*."""
 
 from __future__ import annotations
 
@@ -56,3 +56,22 @@ def test_elementwise_bytes_are_per_row_and_the_fixed_cost_per_layer():
     assert ho.host_ops_seconds(layers, 512, 0) > 10 * one        # rows and attention, not a flat cost
     with pytest.raises(ValueError):
         ho.host_ops_seconds(layers, 0, 0)
+
+
+def test_gated_delta_net_recurrence_by_rows_heads_and_state():
+    """Qwen3.5-9B's delta-net layer: 32 value heads, each a 128 x 128 f32 state (64 KiB) that
+    GATED_DELTA_NET walks four times per token; 2 MiB of state read and written twice per pass
+    whatever the fill level. Decode moves the state, a prompt computes."""
+    layers = PRESETS["Qwen3.5-9B"].host_layers()
+    delta = layers[0].delta
+    assert delta is not None and (delta.conv_channels, delta.value_dim) == (8192, 4096)
+    one, ubatch = ho.delta_net_time(delta, 1), ho.delta_net_time(delta, 512)
+    assert one.macs == 4 * 32 * 128 * 128 + 4 * 8192
+    assert ubatch.macs == 512 * one.macs
+    state = 32 * 128 * 128 * 4
+    assert one.memory_s == ubatch.memory_s == pytest.approx((4 * state + 2 * 3 * 8192 * 4) / ho.copy_bytes_s(4))
+    assert one.total_s == one.memory_s > one.compute_s
+    assert ubatch.total_s == ubatch.compute_s == pytest.approx(ubatch.macs / cpu.mac_s("F16", 4))
+    fixed = ho.HOST_FIXED_S_PER_LAYER + ho.elementwise_bytes(layers[0], 1) / ho.copy_bytes_s(4)
+    assert ho.layer_seconds(layers[0], 1, 4095) == pytest.approx(fixed + one.total_s)   # no attention, no fill level
+    assert ho.attention_time(layers[0], 512, 0).total_s == 0

@@ -86,13 +86,13 @@ def _quant_type(ftype: str, name: str, K: int, layer: int, layers: int) -> str:
     """The type llama.cpp's quantizer gives a tensor of a model quantized as ``ftype``
     (llama_tensor_get_type in llama-quant.cpp: the output head Q6_K unless the model is
     Q8_0/F16; Q4_K_M/Q5_K_M: attn_v and ffn_down Q6_K in the use_more_bits layers, attn_v
-    counted over the attention layers; the MoE router stays F32)."""
+    counted over the attention layers, a delta-net layer's qkv among them; the MoE router stays F32)."""
     base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}.get(ftype, ftype)
     if name == "router":
         return "F32"
     if name == "output":
         return _fits(ftype if ftype in ("Q8_0", "F16") else "Q6_K", K)
-    if ftype in ("Q4_K_M", "Q5_K_M") and name in ("v", "down", "down_exps") and _more_bits(layer, layers):
+    if ftype in ("Q4_K_M", "Q5_K_M") and name in ("v", "qkv", "down", "down_exps") and _more_bits(layer, layers):
         return _fits("Q6_K", K)
     return _fits(base, K)
 
@@ -105,11 +105,11 @@ def preset_weights(model: ModelShape, ftype: str) -> list[Weight]:
     if ftype not in QUANT_MIXES:
         raise ValueError(f"quantization mix must be one of {QUANT_MIXES}, got {ftype!r}")
     per_layer = [model.matmuls_at(i) for i in range(model.layers)]
-    attention = [i for i, mm in enumerate(per_layer) if "v" in mm]
+    attention = [i for i, mm in enumerate(per_layer) if "v" in mm or "qkv" in mm]   # llama-quant's attn_v-like
     counts: dict[tuple[str, int, int, str, int, int], int] = {}
     for i, matmuls in enumerate(per_layer):
         for name, (K, N, experts, used) in matmuls.items():
-            at, of = (attention.index(i), len(attention)) if name == "v" else (i, model.layers)
+            at, of = (attention.index(i), len(attention)) if name in ("v", "qkv") else (i, model.layers)
             key = (name, K, N, _quant_type(ftype, name, K, at, of), experts, used)
             counts[key] = counts.get(key, 0) + 1
     counts[("output", model.hidden, model.vocab, _quant_type(ftype, "output", model.hidden, 0, 1), 1, 1)] = 1
@@ -117,12 +117,14 @@ def preset_weights(model: ModelShape, ftype: str) -> list[Weight]:
 
 
 def gguf_weights(path: Path) -> list[Weight]:
-    """The weight matmuls of a llama/qwen-style GGUF with their types as stored (the output
-    head is the tied embedding when the file has no output.weight)."""
+    """The weight matmuls of a llama/qwen-style GGUF (and Qwen3.5's delta-net projections)
+    with their types as stored (the output head is the tied embedding when the file has no
+    output.weight)."""
     from gguf import GGUFReader
 
     names = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-             "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+             "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down", "attn_qkv": "qkv", "attn_gate": "z",
+             "ssm_beta": "beta", "ssm_alpha": "alpha", "ssm_out": "ssm_out"}
     reader = GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
     counts: dict[tuple[str, int, int, str], int] = {}

@@ -1,27 +1,35 @@
 """A model's shape as the benches price it: from a preset (each cites its published config),
 a GGUF file's tensors, or a Hugging Face ``config.json`` (hidden size, FFN size, layers,
-heads, KV heads, head dim, vocabulary, experts, short-conv and sliding-window layers).
+heads, KV heads, head dim, vocabulary, experts, short-conv, gated delta-net and sliding-window
+layers).
 
 Invariants: the weight matmuls of layer i are ``matmuls_at(i)`` (name -> (K, N, experts,
-experts per token));
-its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``); ``layer_matmuls()`` is
-a plain attention + FFN layer's, what the NPU decode forecast fuses. Figures: docs/decode.md."""
+experts per token)); its host ops are ``host_layers()[i]`` (``cost.host_ops.LayerOps``);
+``layer_matmuls()`` is a plain attention + FFN layer's, what the NPU decode forecast fuses.
+Figures: docs/decode.md."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ggml_rknpu.cost.host_ops import LayerOps
+from ggml_rknpu.cost.host_ops import DeltaNet, LayerOps
 from ggml_rknpu.hw.alignment import align_up
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 @dataclass(frozen=True)
 class ModelShape:
     """A llama/qwen-style model's shape (one row per output, [N, K]); the optional fields
     describe experts (MUL_MAT_ID FFNs after ``dense_layers`` dense ones), short-conv layers
-    (LFM2: in_proj h -> 3h, out_proj h -> h instead of q/k/v/o) and sliding-window layers."""
+    (LFM2: in_proj h -> 3h, out_proj h -> h instead of q/k/v/o), gated delta-net layers
+    (Qwen3.5: qkv, z, beta, alpha and ssm_out projections around ``delta``'s recurrence),
+    an output gate on attention (``attn_gate``: q's projection also yields a gate of q's width)
+    and sliding-window layers."""
 
     name: str
     hidden: int
@@ -39,6 +47,13 @@ class ModelShape:
     conv_layers: tuple[int, ...] = ()
     window: int = 0                    # the sliding window of the layers in ``window_layers``
     window_layers: tuple[int, ...] = ()
+    delta_layers: tuple[int, ...] = ()
+    delta: DeltaNet | None = None
+    attn_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.delta_layers and self.delta is None:
+            raise ValueError(f"{self.name}: gated delta-net layers without their shape")
 
     def layer_matmuls(self) -> dict[str, tuple[int, int]]:
         """name -> (K, N) of a plain layer's weight matmuls."""
@@ -52,8 +67,14 @@ class ModelShape:
         h = self.hidden
         if i in self.conv_layers:
             out = {"in_proj": (h, 3 * h, 1, 1), "out_proj": (h, h, 1, 1)}
+        elif self.delta is not None and i in self.delta_layers:
+            d = self.delta
+            out = {"qkv": (h, d.conv_channels, 1, 1), "z": (h, d.value_dim, 1, 1), "beta": (h, d.v_heads, 1, 1),
+                   "alpha": (h, d.v_heads, 1, 1), "ssm_out": (d.value_dim, h, 1, 1)}
         else:
             out = {n: (*self.layer_matmuls()[n], 1, 1) for n in ("q", "k", "v", "o")}
+            if self.attn_gate:
+                out["q"] = (h, 2 * self.q_dim, 1, 1)
         if self.experts and i >= self.dense_layers:
             e, f, k = self.experts, self.expert_ff, self.experts_used
             out.update({"router": (h, e, 1, 1), "gate_exps": (h, f, e, k), "up_exps": (h, f, e, k),
@@ -72,9 +93,13 @@ class ModelShape:
             ff = self.experts_used * self.expert_ff if self.experts and i >= self.dense_layers else self.ff
             if i in self.conv_layers:
                 out.append(LayerOps(self.hidden, ff, 3 * self.hidden, 0, 0, 0, self.head_dim, None))
+            elif self.delta is not None and i in self.delta_layers:
+                d = self.delta
+                out.append(LayerOps(self.hidden, ff, d.conv_channels + d.value_dim, 0, 0, 0, self.head_dim, None, d))
             else:
                 window = self.window if i in self.window_layers else 0
-                out.append(LayerOps(self.hidden, ff, self.q_dim, self.kv_dim, heads, kv_heads, self.head_dim, window))
+                q_out = 2 * self.q_dim if self.attn_gate else self.q_dim
+                out.append(LayerOps(self.hidden, ff, q_out, self.kv_dim, heads, kv_heads, self.head_dim, window))
         return tuple(out)
 
 
@@ -89,6 +114,12 @@ def _gemma3_windows(layers: int) -> tuple[int, ...]:
 
 def _lfm2_convs(layers: int, attention: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i not in attention)
+
+
+def _linear_but_every(layers: int, interval: int) -> tuple[int, ...]:
+    """Qwen3.5 / Qwen3-Next: linear attention but for every ``interval``-th layer
+    (full_attention_interval)."""
+    return tuple(i for i in range(layers) if (i + 1) % interval)
 
 
 _LFM2_ATTN = (2, 5, 8, 10, 12, 14)     # full_attn_idxs of LFM2-350M/700M/1.2B
@@ -113,6 +144,9 @@ PRESETS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("LFM2-8B-A1B", 2048, 7168, 24, 32 * 64, 8 * 64, 65536,
                "LiquidAI/LFM2-8B-A1B (its config, docs/anchors.md §6.1)", 64, experts=32, experts_used=4,
                expert_ff=1792, dense_layers=2, conv_layers=_lfm2_convs(24, (2, 6, 10, 14, 18, 21))),
+    ModelShape("Qwen3.5-9B", 4096, 12288, 32, 16 * 256, 4 * 256, 248320,
+               "Qwen/Qwen3.5-9B (its config's text_config, docs/anchors.md §6.1)", 256, attn_gate=True,
+               delta_layers=_linear_but_every(32, 4), delta=DeltaNet(16, 32, 128, 4)),
 )}
 
 
@@ -153,15 +187,19 @@ def load_config_shape(path: Path) -> ModelShape:
     kinds = [str(t) for t in cfg.get("layer_types") or []]
     if not kinds and cfg.get("full_attn_idxs") is not None:
         kinds = ["full_attention" if i in cfg["full_attn_idxs"] else "conv" for i in range(layers)]
+    if not kinds and cfg.get("linear_num_value_heads") and cfg.get("full_attention_interval"):
+        kinds = ["linear_attention" if i in _linear_but_every(layers, int(cfg["full_attention_interval"]))
+                 else "full_attention" for i in range(layers)]
     if not kinds and cfg.get("sliding_window_pattern"):
         kinds = ["full_attention" if (i + 1) % int(cfg["sliding_window_pattern"]) == 0 else "sliding_attention"
                  for i in range(layers)]
     if kinds and len(kinds) != layers:
         raise ValueError(f"{file}: {len(kinds)} layer_types for {layers} layers")
-    known = {"conv", "full_attention", "sliding_attention", "attention"}
+    known = {"conv", "full_attention", "sliding_attention", "attention", "linear_attention"}
     if set(kinds) - known:
         raise ValueError(f"{file}: layer types {sorted(set(kinds) - known)} have no price (known: {sorted(known)})")
     experts = _first(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+    delta = _delta_net(cfg, file) if "linear_attention" in kinds else None
     return ModelShape(
         cfg.get("_name_or_path") or file.parent.name or file.stem, hidden, ff, layers, heads * head_dim,
         kv_heads * head_dim, _first(cfg, "vocab_size"), f"config {file}", head_dim,
@@ -171,34 +209,93 @@ def load_config_shape(path: Path) -> ModelShape:
         dense_layers=_first(cfg, "num_dense_layers", "first_k_dense_replace", default=0) if experts else 0,
         conv_layers=tuple(i for i, k in enumerate(kinds) if k == "conv"),
         window=_first(cfg, "sliding_window", default=0) if "sliding_attention" in kinds else 0,
-        window_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"))
+        window_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+        delta_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"), delta=delta,
+        attn_gate=bool(cfg.get("attn_output_gate")))
+
+
+def _delta_net(cfg: dict, file: Path) -> DeltaNet:
+    """A config's gated delta-net shape (Qwen3-Next / Qwen3.5 ``linear_*`` keys); ggml's
+    GATED_DELTA_NET needs equal key and value head dims."""
+    k_dim, v_dim = _first(cfg, "linear_key_head_dim"), _first(cfg, "linear_value_head_dim")
+    if k_dim != v_dim:
+        raise ValueError(f"{file}: linear key head dim {k_dim} != value head dim {v_dim} (ggml needs them equal)")
+    return DeltaNet(_first(cfg, "linear_num_key_heads"), _first(cfg, "linear_num_value_heads"), k_dim,
+                    _first(cfg, "linear_conv_kernel_dim"))
+
+
+# llama.cpp's sliding-window pattern of an architecture whose GGUF names none (the default
+# ``load_swa_pattern`` gets in the pinned src/models/<arch>.cpp): of every n layers the last
+# is global, the others slide
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "exaone4": 4, "olmo2": 4}
 
 
 def load_gguf_shape(path: Path) -> ModelShape:
-    """The shape of a llama/qwen-style GGUF, from its tensors (ggml ne = [K, N]) and, for
-    the head dim, its metadata (``*.attention.key_length``, else ``*.rope.dimension_count``,
-    else the q width over ``*.attention.head_count``)."""
+    """The shape of a llama/qwen/gemma-style GGUF (and Qwen3.5's gated delta-net layers), from
+    its tensors (ggml ne = [K, N]) and metadata: the head dim (``*.attention.key_length``, else
+    ``*.rope.dimension_count``, else the q width over ``*.attention.head_count``), the sliding
+    window (``_gguf_windows``), a delta-net layer's heads (``*.ssm.*``, as llama.cpp's
+    qwen35 loader reads them)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     ne = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
     layers = 1 + max((int(n.split(".")[1]) for n in ne if n.startswith("blk.")), default=-1)
-    need = [f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    attention = [i for i in range(layers) if f"blk.{i}.attn_q.weight" in ne]
+    delta_layers = tuple(i for i in range(layers) if f"blk.{i}.attn_qkv.weight" in ne and f"blk.{i}.ssm_conv1d.weight" in ne)
+    first = attention[0] if attention else 0
+    need = [f"blk.{first}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
+    need += [f"blk.0.{n}.weight" for n in ("ffn_gate", "ffn_up", "ffn_down")]
     missing = [n for n in need if n not in ne]
     if layers < 1 or missing:
         raise ValueError(f"{path}: not a llama/qwen-style GGUF (missing {missing or 'blk.* tensors'})")
+    unknown = sorted(set(range(layers)) - set(attention) - set(delta_layers))
+    if unknown:
+        raise ValueError(f"{path}: layers {unknown} are neither attention nor gated delta-net ones (no price)")
     head = ne.get("output.weight", ne.get("token_embd.weight"))
     if head is None:
         raise ValueError(f"{path}: no output.weight or token_embd.weight")
-    hidden, q_dim = ne["blk.0.attn_q.weight"]
+    hidden, q_out = ne[f"blk.{first}.attn_q.weight"]
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+
     def meta(key: str) -> int:
-        field = next((f for name, f in reader.fields.items() if name.endswith("." + key)), None)
-        return int(field.parts[field.data[0]][0]) if field is not None and field.data else 0
+        field = reader.fields.get(f"{arch}.{key}")
+        value = field.contents() if field is not None and field.data else 0
+        return int(value[0] if isinstance(value, list) else value)    # a per-layer array: its first
 
     heads = meta("attention.head_count")
-    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_dim // heads if heads else 0)
-    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_dim,
-                      ne["blk.0.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim)
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or (q_out // heads if heads else 0)
+    gated = q_out == 2 * heads * head_dim    # q's projection also yields the output gate (Qwen3.5)
+    delta = None
+    if delta_layers:
+        delta = DeltaNet(meta("ssm.group_count"), meta("ssm.time_step_rank"), meta("ssm.state_size"),
+                         meta("ssm.conv_kernel"))
+        if ne[f"blk.{delta_layers[0]}.attn_qkv.weight"] != (hidden, delta.conv_channels):
+            raise ValueError(f"{path}: attn_qkv is not [{hidden}, {delta.conv_channels}] as its ssm.* heads say")
+    window, sliding = _gguf_windows(path, reader, arch, layers, meta("attention.sliding_window"))
+    return ModelShape(path.stem, hidden, ne["blk.0.ffn_gate.weight"][1], layers, q_out // 2 if gated else q_out,
+                      ne[f"blk.{first}.attn_k.weight"][1], head[1], f"GGUF {path.name}", head_dim,
+                      window=window, window_layers=sliding, delta_layers=delta_layers, delta=delta, attn_gate=gated)
+
+
+def _gguf_windows(path: Path, reader: GGUFReader, arch: str, layers: int, window: int) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers that slide) of a GGUF with ``*.attention.sliding_window`` =
+    ``window``: its ``*.attention.sliding_window_pattern`` (one flag per layer, or every n-th
+    layer global), else the architecture's ``SWA_PATTERN``; a window with neither stays
+    unpriced, as llama.cpp's graph for that architecture leaves it."""
+    from gguf import GGUFValueType
+
+    pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+    if not window or (pattern is None and arch not in SWA_PATTERN):
+        return 0, ()
+    if pattern is not None and pattern.types[0] == GGUFValueType.ARRAY:
+        flags = list(pattern.contents())
+        if len(flags) < layers:
+            raise ValueError(f"{path}: {len(flags)} sliding-window flags for {layers} layers")
+        return window, tuple(i for i in range(layers) if flags[i])
+    n = int(pattern.contents()) if pattern is not None else SWA_PATTERN[arch]
+    return window, tuple(i for i in range(layers) if n == 0 or i % n < n - 1)   # llama_hparams::set_swa_pattern
 
 
 def is_config(arg: str) -> bool:
