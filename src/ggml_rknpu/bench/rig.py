@@ -13,6 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ggml_rknpu.kernel.rknpu.uapi import ABI_DOMAINS_VERSION
+
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 _SEVERITY = {SKIP: 0, PASS: 1, WARN: 2, FAIL: 3}
 
@@ -34,7 +36,9 @@ ROCKET_DRIVER = "/sys/bus/platform/drivers/rocket"
 DRAM_MAX_MHZ_RK3588 = 2112          # [docs/anchors.md A3; docs/history.md §15]
 NPU_VENDOR_MHZ = 1000               # [seed log "Target interface"; docs/anchors.md §3.1]
 NPU_ROCKET_BOOT_MHZ = 200           # [docs/anchors.md §3.1]
-RKNPU_HW_ELAPSE_VERSION = (0, 9, 8)  # [docs/anchors.md §4 gotchas: 0.9.6 -> 0.9.8 submit layout]
+# SUBMIT reports hw_elapse_time from the ABI with IOMMU domains on
+# [docs/npu-programming.md "What the drivers really do" (UAPI layouts)]
+RKNPU_HW_ELAPSE_VERSION = ABI_DOMAINS_VERSION
 RKNPU_OLDEST_SUPPORTED = (0, 9, 6)  # [docs/anchors.md §2: runtime coupled to 0.9.6-0.9.8]
 # Arm MIDR_EL1 part numbers (Arm Cortex-A55/A76 TRMs; general knowledge, not in reference/).
 CPU_PARTS = {0xD05: "Cortex-A55", 0xD0B: "Cortex-A76"}
@@ -375,7 +379,8 @@ def check_thermal(fs: Sysfs) -> Check:
 
 def check_driver(fs: Sysfs) -> tuple[Check, bool]:
     """The NPU kernel driver; returns (check, rocket_present)."""
-    src = "docs/anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170), §4 gotchas (hw_elapse_time from 0.9.8)"
+    src = ("docs/anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170); docs/npu-programming.md "
+           "\"What the drivers really do\", UAPI layouts (hw_elapse_time from 0.9.5)")
     kernel = fs.read(OSRELEASE) or "unknown kernel"
     rocket = fs.exists(ROCKET_MODULE) or fs.exists(ROCKET_DRIVER)
     debugfs = fs.read(RKNPU_DEBUGFS_VERSION)
@@ -392,12 +397,12 @@ def check_driver(fs: Sysfs) -> tuple[Check, bool]:
             return Check("npu driver", WARN, value,
                          "rknpu version unreadable: cannot tell whether hw_elapse_time (device time) is reported",
                          "mount debugfs (mount -t debugfs none /sys/kernel/debug) and re-run as root", src), rocket
-        if version < RKNPU_OLDEST_SUPPORTED:
-            return Check("npu driver", WARN, value, f"rknpu {vtxt} predates 0.9.6",
-                         "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
         if version < RKNPU_HW_ELAPSE_VERSION:
             return Check("npu driver", WARN, value,
-                         f"rknpu {vtxt} has no hw_elapse_time: device time will be modeled, not measured",
+                         f"rknpu {vtxt} has no hw_elapse_time (nor IOMMU domains): device time will be modeled, "
+                         "not measured", "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
+        if version < RKNPU_OLDEST_SUPPORTED:
+            return Check("npu driver", WARN, value, f"rknpu {vtxt} predates 0.9.6",
                          "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
         return Check("npu driver", PASS, value, "vendor driver with hw_elapse_time: device time is measured",
                      "", src), rocket
