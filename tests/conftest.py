@@ -36,6 +36,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = str(_SESSION_HOME / sub)
     os.environ[FILE_ENV] = str(_SESSION_HOME / ".config" / "ggml-rknpu" / "envelope.json")
     os.environ.pop(OVERRIDE_ENV, None)
+    # every subprocess (servers, tools) appends its simulated kernels' misuses here: _no_kernel_misuse
+    os.environ[misuse.LOG_ENV] = str(_SESSION_HOME / "kernel-misuse.log")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -90,16 +92,27 @@ def host_ggml():
         pytest.skip(str(exc))
 
 
+_misuse_log_read = 0   # how far the session's misuse log (misuse.LOG_ENV) has been checked
+
+
 def assert_no_misuse() -> None:
-    """Fail on any kernel misuse recorded since the last drain (and empty the record)."""
-    left = misuse.drain()
-    assert not left, "kernel misuse a board would pay for:\n" + "\n".join(m.describe() for m in left)
+    """Fail on any kernel misuse recorded since the last check: in this process (the record is
+    then empty) or in a subprocess, from the session's misuse log (read up to its end)."""
+    global _misuse_log_read
+    left = [m.describe() for m in misuse.drain()]
+    path = os.environ.get(misuse.LOG_ENV)
+    if path:
+        logged, _misuse_log_read = misuse.logged(Path(path), _misuse_log_read)
+        left += [f"{m.misuse.describe()} [subprocess {m.pid}]" for m in logged if m.pid != os.getpid()]
+    assert not left, "kernel misuse a board would pay for:\n" + "\n".join(left)
 
 
 @pytest.fixture(autouse=True)
 def _no_kernel_misuse():
     """A call the real kernel lets pass but a board pays for (sim.kernel.misuse) fails the test
-    that made it; tests that make one on purpose take it with ``misuse.drain()``."""
+    during which it was made, in this process or in any it started (a server, a tool); tests
+    that make one on purpose take it with ``misuse.drain()`` (``assert_no_misuse`` for a
+    subprocess's)."""
     misuse.drain()
     yield
     assert_no_misuse()
