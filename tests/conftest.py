@@ -18,6 +18,7 @@ import pytest
 from ggml_rknpu.engine.envelope_record import FILE_ENV, OVERRIDE_ENV
 from ggml_rknpu.sim.kernel import misuse
 from ggml_rknpu.toolchain import llamacpp
+from support.misuse_check import assert_no_misuse
 
 _SESSION_HOME: Path | None = None
 
@@ -90,21 +91,6 @@ def host_ggml():
         return lib.load()
     except lib.GgmlLibraryMissing as exc:
         pytest.skip(str(exc))
-
-
-_misuse_log_read = 0   # how far the session's misuse log (misuse.LOG_ENV) has been checked
-
-
-def assert_no_misuse() -> None:
-    """Fail on any kernel misuse recorded since the last check: in this process (the record is
-    then empty) or in a subprocess, from the session's misuse log (read up to its end)."""
-    global _misuse_log_read
-    left = [m.describe() for m in misuse.drain()]
-    path = os.environ.get(misuse.LOG_ENV)
-    if path:
-        logged, _misuse_log_read = misuse.logged(Path(path), _misuse_log_read)
-        left += [f"{m.misuse.describe()} [subprocess {m.pid}]" for m in logged if m.pid != os.getpid()]
-    assert not left, "kernel misuse a board would pay for:\n" + "\n".join(left)
 
 
 @pytest.fixture(autouse=True)

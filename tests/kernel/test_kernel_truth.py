@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_no_misuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
 from ggml_rknpu.sim.kernel import SimKernel, misuse
 from ggml_rknpu.sim.memory import PAGE
 from support.kernel_fake_npu import FakeNpu, attach, regcmd_words
+from support.misuse_check import assert_no_misuse
 
 pytestmark = pytest.mark.timeout(120)
 

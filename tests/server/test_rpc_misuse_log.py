@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_no_misuse
 
 from ggml_rknpu.sim.kernel import misuse
 from support.matmul_graph import MatmulGraph, rng_w
+from support.misuse_check import assert_no_misuse
 from support.rpc_testkit import RpcClient, wait_for_line
 
 pytestmark = pytest.mark.timeout(120)
