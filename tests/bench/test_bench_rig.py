@@ -173,3 +173,11 @@ def test_registered_in_the_rknpu_command(capsys):
 
     assert main(["check-rig", "--json", "--root", str(RIGS / "powersave_cpu")]) == 1
     assert json.loads(capsys.readouterr().out)["verdict"] == "FAIL"
+
+
+@pytest.mark.parametrize("name, clock", [
+    ("healthy", rig.NpuClock(1000, "check-rig: this board's NPU clock now")),        # devfreq
+    ("mainline_rocket", rig.NpuClock(200, "check-rig: this board's NPU clock now")),  # clk_summary: no devfreq
+    ("not_rk3588", rig.VENDOR_CLOCK)])
+def test_the_npu_clock_device_time_is_modeled_at(name, clock):
+    assert rig.npu_clock(rig.check_rig(RIGS / name)) == clock

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ggml_rknpu.cost.model import VENDOR_CLOCK, NpuClock
 from ggml_rknpu.kernel.rknpu.uapi import ABI_DOMAINS_VERSION
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -217,9 +218,10 @@ def snapshot(root: str | Path = "/") -> dict:
     fs = Sysfs(root)
     dmc = read_devfreq(fs, DMC_DIR)
     npu = read_devfreq(fs, NPU_DEVFREQ_DIR)
+    clocks = read_npu_clocks(fs) if npu is None else []    # mainline: no devfreq, the clock framework
     return {
         "dram_mhz": dmc["cur_mhz"] if dmc else None,
-        "npu_mhz": npu["cur_mhz"] if npu else None,
+        "npu_mhz": npu["cur_mhz"] if npu else clocks[0][1] if clocks else None,
         "cpu_mhz": {p["policy"]: (p["cur_khz"] / 1000 if p["cur_khz"] else None) for p in read_cpufreq(fs)},
         "temps_c": {z["type"]: z["temp_c"] for z in read_thermal(fs)},
     }
@@ -446,6 +448,13 @@ def check_npu_users(fs: Sysfs) -> Check:
                      "concurrent NPU processes can panic the kernel" + skipped,
                      f"stop it (kill {users[0].split()[0]}) before benchmarking", src)
     return Check("npu users", PASS, "none", "no other process holds the NPU open" + skipped, "", src)
+
+
+def npu_clock(report: RigReport) -> NpuClock:
+    """The NPU clock to model device time at: this board's, as check-rig read it (devfreq, or
+    the clock framework under mainline), else the vendor driver's (off a board, or unreadable)."""
+    mhz = report.snapshot.get("npu_mhz") if report.on_board else None
+    return NpuClock(mhz, "check-rig: this board's NPU clock now") if mhz else VENDOR_CLOCK
 
 
 def check_rig(root: str | Path = "/") -> RigReport:
