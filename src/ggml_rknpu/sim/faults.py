@@ -170,7 +170,7 @@ class FaultInjector:
         if kind == "dma":
             # the vendor driver knows only timeouts: the IOMMU reports the page fault in dmesg, the
             # job never raises its interrupt, rknpu_job_wait gives ETIMEDOUT and rknpu_job_abort
-            # soft-resets the NPU, so the next job runs [docs/npu-programming.md "Faults"]
+            # soft-resets the NPU, so the next job runs [docs/npu-programming.md "What the drivers really do"]
             self.inner.log_line(f"rk_iommu: Page fault at {DMA_FAULT_IOVA:#x} of type read (injected fault)")
             self.inner.log_line(f"RKNPU: job timeout after {s.timeout} ms; soft reset")
             raise OSError(errno.ETIMEDOUT, f"SUBMIT: job timeout after {s.timeout} ms (injected NPU DMA fault: an "
