@@ -18,6 +18,7 @@ import pytest
 from ggml_rknpu.engine.envelope_record import FILE_ENV, OVERRIDE_ENV
 from ggml_rknpu.sim.kernel import misuse
 from ggml_rknpu.toolchain import llamacpp
+from support.misuse_check import assert_no_misuse
 
 _SESSION_HOME: Path | None = None
 
@@ -36,6 +37,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = str(_SESSION_HOME / sub)
     os.environ[FILE_ENV] = str(_SESSION_HOME / ".config" / "ggml-rknpu" / "envelope.json")
     os.environ.pop(OVERRIDE_ENV, None)
+    # every subprocess (servers, tools) appends its simulated kernels' misuses here: _no_kernel_misuse
+    os.environ[misuse.LOG_ENV] = str(_SESSION_HOME / "kernel-misuse.log")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -90,16 +93,12 @@ def host_ggml():
         pytest.skip(str(exc))
 
 
-def assert_no_misuse() -> None:
-    """Fail on any kernel misuse recorded since the last drain (and empty the record)."""
-    left = misuse.drain()
-    assert not left, "kernel misuse a board would pay for:\n" + "\n".join(m.describe() for m in left)
-
-
 @pytest.fixture(autouse=True)
 def _no_kernel_misuse():
     """A call the real kernel lets pass but a board pays for (sim.kernel.misuse) fails the test
-    that made it; tests that make one on purpose take it with ``misuse.drain()``."""
+    during which it was made, in this process or in any it started (a server, a tool); tests
+    that make one on purpose take it with ``misuse.drain()`` (``assert_no_misuse`` for a
+    subprocess's)."""
     misuse.drain()
     yield
     assert_no_misuse()

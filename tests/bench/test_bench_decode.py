@@ -145,3 +145,26 @@ def test_rocket_forecast_is_the_sum_of_its_submits_priced_per_file():
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="neither a preset"):
         dec.named_models(["no-such-model"])
+
+
+def test_the_forecast_is_at_the_npu_clock_check_rig_reads_and_says_which(tmp_path):
+    """Off a board the vendor driver's 1 GHz, assumed and said so; on a mainline board at
+    rocket's 200 MHz boot clock (tests/fixtures/rigs/mainline_rocket) that clock."""
+    from pathlib import Path
+
+    from ggml_rknpu.cli.main import main
+
+    rigs = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
+    figures = {}
+    for name in ("not_rk3588", "mainline_rocket"):
+        out = tmp_path / name
+        assert main(["bench", "decode", "qwen3-0.6b", "--weights", "int8", "--ms", "1", "--host-reps", "0",
+                     "--allow-throttled", "--rig-root", str(rigs / name), "--out", str(out)]) == 0
+        data = json.loads((out / "decode.json").read_text())
+        fused = next(r for r in data["raw"]["rows"] if r["plan"] == "fused")
+        figures[name] = (data["meta"]["npu_clock"], fused["tok_s_modeled"], (out / "decode.md").read_text())
+    clock, tok_s, md = figures["not_rk3588"]
+    assert clock == "1000 MHz (assumed: the vendor driver's clock)" and f"NPU at {clock}" in md
+    clock, slow, md = figures["mainline_rocket"]
+    assert clock == "200 MHz (check-rig: this board's NPU clock now)" and f"NPU at {clock}" in md
+    assert slow < tok_s / 2

@@ -79,3 +79,21 @@ def test_bench_prefill_report_from_a_config(tmp_path):
     assert "(modeled)" in md and "--npu-attention auto" in md and "Goals" in md
     assert (out / "prefill_ttft_s.png").stat().st_size > 0
     assert main(["bench", "prefill", "qwen3-0.6b", "--prompts", "0", "--allow-throttled", "--out", str(out)]) == 1
+
+
+def test_prefill_is_at_the_npu_clock_check_rig_reads(tmp_path):
+    from pathlib import Path
+
+    from ggml_rknpu.cli.main import main
+
+    rigs = Path(__file__).resolve().parents[1] / "fixtures" / "rigs"
+    ttft = {}
+    for name in ("not_rk3588", "mainline_rocket"):
+        out = tmp_path / name
+        assert main(["bench", "prefill", "qwen3-0.6b", "--prompts", "512", "--allow-throttled",
+                     "--rig-root", str(rigs / name), "--out", str(out)]) == 0
+        data = json.loads((out / "prefill.json").read_text())
+        ttft[name] = next(r["ttft_s_modeled"] for r in data["raw"]["rows"] if r["plan"] == "npu")
+        assert data["meta"]["npu_clock"] in (out / "prefill.md").read_text()
+    assert data["meta"]["npu_clock"] == "200 MHz (check-rig: this board's NPU clock now)"
+    assert ttft["mainline_rocket"] > 1.5 * ttft["not_rk3588"]     # the NPU matmuls at a fifth of the clock

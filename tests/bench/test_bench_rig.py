@@ -113,12 +113,25 @@ def test_capped_cluster_and_old_driver(tmp_path):
     root = tmp_path / "rig"
     shutil.copytree(RIGS / "healthy", root)
     (root / "sys/devices/system/cpu/cpufreq/policy6/scaling_max_freq").write_text("1608000\n")
-    (root / "sys/kernel/debug/rknpu/version").write_text("RKNPU driver: v0.9.6\n")
-    (root / "sys/module/rknpu/version").write_text("0.9.6\n")
+    (root / "sys/kernel/debug/rknpu/version").write_text("RKNPU driver: v0.8.3\n")
+    (root / "sys/module/rknpu/version").write_text("0.8.3\n")
     names = by_name(rig.check_rig(root))
     assert names["cpu policy6 (Cortex-A76, cpus 6-7)"].status == rig.FAIL
     assert "caps the cluster at 1608 of 2400" in names["cpu policy6 (Cortex-A76, cpus 6-7)"].reason
     assert names["npu driver"].status == rig.WARN and "no hw_elapse_time" in names["npu driver"].reason
+
+
+@pytest.mark.parametrize("version, status, words", [
+    ("0.9.4", rig.WARN, "no hw_elapse_time"), ("0.9.5", rig.WARN, "predates 0.9.6"),
+    ("0.9.6", rig.PASS, "device time is measured"), ("0.9.7", rig.PASS, "device time is measured")])
+def test_hw_elapse_time_from_the_abi_with_iommu_domains(tmp_path, version, status, words):
+    """0.9.5-0.9.7 report hw_elapse_time as 0.9.8 does (the same rknpu_submit)."""
+    root = tmp_path / "rig"
+    shutil.copytree(RIGS / "healthy", root)
+    (root / "sys/kernel/debug/rknpu/version").write_text(f"RKNPU driver: v{version}\n")
+    (root / "sys/module/rknpu/version").write_text(f"{version}\n")
+    driver = by_name(rig.check_rig(root))["npu driver"]
+    assert driver.status == status and words in driver.reason
 
 
 def test_cli_json_and_exit_codes(capsys):
@@ -160,3 +173,11 @@ def test_registered_in_the_rknpu_command(capsys):
 
     assert main(["check-rig", "--json", "--root", str(RIGS / "powersave_cpu")]) == 1
     assert json.loads(capsys.readouterr().out)["verdict"] == "FAIL"
+
+
+@pytest.mark.parametrize("name, clock", [
+    ("healthy", rig.NpuClock(1000, "check-rig: this board's NPU clock now")),        # devfreq
+    ("mainline_rocket", rig.NpuClock(200, "check-rig: this board's NPU clock now")),  # clk_summary: no devfreq
+    ("not_rk3588", rig.VENDOR_CLOCK)])
+def test_the_npu_clock_device_time_is_modeled_at(name, clock):
+    assert rig.npu_clock(rig.check_rig(RIGS / name)) == clock

@@ -28,7 +28,8 @@ from support.gguf_models import write_tiny_gguf
 pytestmark = [pytest.mark.llama]
 PROMPT = "The capital of France is"
 N_PREDICT = 8
-OBSERVED_AS = {"timeout": "timeout", "core": "timeout", "dma": "dma", "stale": "stale"}
+# the vendor driver (the default sim-rknpu) reports a DMA fault as a job timeout
+OBSERVED_AS = {"timeout": "timeout", "core": "timeout", "dma": "timeout", "stale": "stale"}
 RATE = 0.2            # per submit: ~3 faulted matmuls a token on the tiny model
 
 

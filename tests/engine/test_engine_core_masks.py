@@ -25,7 +25,7 @@ def engines():
 
         def ioctl(fd: int, request: int, arg: bytearray, real=real) -> int:
             if request == rk.DRM_IOCTL_RKNPU_SUBMIT:
-                masks.append(rk.rknpu_submit_v098.from_buffer_copy(bytes(arg)).core_mask)
+                masks.append(rk.rknpu_submit_v095.from_buffer_copy(bytes(arg)).core_mask)
             return real(fd, request, arg)
 
         kernel.ioctl = ioctl  # type: ignore[method-assign]

@@ -22,11 +22,11 @@ MEM_CREATE_48 = {"handle": 0, "flags": 4, "size": 8, "obj_addr": 16, "dma_addr":
 # §4 "rknpu_task, packed, 40 B"
 TASK = {"flags": 0, "op_idx": 4, "enable_mask": 8, "int_mask": 12, "int_clear": 16, "int_status": 20,
         "regcfg_amount": 24, "regcfg_offset": 28, "regcmd_addr": 32}
-# §4 "rknpu_submit, 104 B" (0.9.8) and its "older ABI" notes (0.9.6)
-SUBMIT_098 = {"flags": 0, "timeout": 4, "task_start": 8, "task_number": 12, "task_counter": 16, "priority": 20,
+# §4 "rknpu_submit, 104 B" (0.9.5 on) and the layout before the IOMMU domains ("UAPI layouts")
+SUBMIT_095 = {"flags": 0, "timeout": 4, "task_start": 8, "task_number": 12, "task_counter": 16, "priority": 20,
               "task_obj_addr": 24, "iommu_domain_id": 32, "reserved": 36, "task_base_addr": 40,
               "hw_elapse_time": 48, "core_mask": 56, "fence_fd": 60, "subcore_task": 64}
-SUBMIT_096 = {"flags": 0, "timeout": 4, "task_start": 8, "task_number": 12, "task_counter": 16, "priority": 20,
+SUBMIT_080 = {"flags": 0, "timeout": 4, "task_start": 8, "task_number": 12, "task_counter": 16, "priority": 20,
               "task_obj_addr": 24, "regcfg_obj_addr": 32, "task_base_addr": 40, "user_data": 48,
               "core_mask": 56, "fence_fd": 60, "subcore_task": 64}
 
@@ -35,8 +35,8 @@ SUBMIT_096 = {"flags": 0, "timeout": 4, "task_start": 8, "task_number": 12, "tas
     "struct,size,expected",
     [
         (rk.rknpu_action, 8, {"flags": 0, "value": 4}),
-        (rk.rknpu_submit_v098, 104, SUBMIT_098),
-        (rk.rknpu_submit_v096, 104, SUBMIT_096),
+        (rk.rknpu_submit_v095, 104, SUBMIT_095),
+        (rk.rknpu_submit_v080, 104, SUBMIT_080),
         (rk.rknpu_mem_create_v48, 48, MEM_CREATE_48),
         (rk.rknpu_mem_create_v40, 40, {k: v for k, v in MEM_CREATE_48.items() if v < 40}),
         (rk.rknpu_mem_map, 16, {"handle": 0, "reserved": 4, "offset": 8}),
@@ -65,7 +65,7 @@ def test_struct_layout(struct, size, expected):
 
 
 def test_subcore_task_array_is_five_entries():
-    assert ctypes.sizeof(rk.rknpu_submit_v098) - rk.rknpu_submit_v098.subcore_task.offset == 5 * 8
+    assert ctypes.sizeof(rk.rknpu_submit_v095) - rk.rknpu_submit_v095.subcore_task.offset == 5 * 8
 
 
 # npu-programming.md §4 "Ioctls" table and §5 "UAPI" table
@@ -95,7 +95,7 @@ def test_request_numbers(number, expected):
 def test_capture_submit_request_matches(reference_dir):
     """The RKNN runtime on driver 0.9.8 issued exactly our SUBMIT number with size 104."""
     log = next((reference_dir / "captures" / "raw").glob("*ioctl*readonly*.log")).read_text()
-    assert f"cmd={rk.DRM_IOCTL_RKNPU_SUBMIT:#x} size={ctypes.sizeof(rk.rknpu_submit_v098)}" in log
+    assert f"cmd={rk.DRM_IOCTL_RKNPU_SUBMIT:#x} size={ctypes.sizeof(rk.rknpu_submit_v095)}" in log
 
 
 def test_decode_request_round_trips():
@@ -110,5 +110,15 @@ def test_flag_and_action_values():
     assert rk.JobFlag.PC == 1 and rk.JobFlag.PINGPONG == 4
     assert int(rk.TASK_BO_FLAGS) == 0x40B and int(rk.DATA_BO_FLAGS) == 0x403  # capture pw_c256_h14
     assert rk.decode_drv_version(rk.encode_drv_version(0, 9, 8)) == (0, 9, 8)
-    assert rk.submit_struct_for((0, 9, 6)) is rk.rknpu_submit_v096
-    assert rk.submit_struct_for((0, 9, 8)) is rk.rknpu_submit_v098
+
+
+@pytest.mark.parametrize("version, submit, mem_create", [
+    ((0, 8, 3), rk.rknpu_submit_v080, rk.rknpu_mem_create_v40),
+    ((0, 9, 4), rk.rknpu_submit_v080, rk.rknpu_mem_create_v40),
+    ((0, 9, 5), rk.rknpu_submit_v095, rk.rknpu_mem_create_v48),
+    ((0, 9, 6), rk.rknpu_submit_v095, rk.rknpu_mem_create_v48),
+    ((0, 9, 7), rk.rknpu_submit_v095, rk.rknpu_mem_create_v48),
+    ((0, 9, 8), rk.rknpu_submit_v095, rk.rknpu_mem_create_v48)])
+def test_the_layout_changes_where_the_iommu_domains_arrive(version, submit, mem_create):
+    """0.9.6 and 0.9.7 headers already carry iommu_domain_id and hw_elapse_time (docs "UAPI layouts")."""
+    assert rk.submit_struct_for(version) is submit and rk.mem_create_struct_for(version) is mem_create

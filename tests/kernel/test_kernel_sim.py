@@ -78,17 +78,19 @@ def one_task(addr: int, body: int = 10, int_mask: int = 0x300) -> rk.rknpu_task:
 
 # --------------------------------------------------------------------------- DRM core
 def test_drm_version_names_and_versions():
-    k, d = vendor((0, 9, 6))
-    assert (d.drm.name, d.drm.desc, d.drm.date) == ("rknpu", "RKNPU driver", "20240322")
-    assert d.version == (0, 9, 6) and d.submit_struct is rk.rknpu_submit_v096
+    k, d = vendor((0, 8, 3))
+    assert (d.drm.name, d.drm.desc, d.drm.date) == ("rknpu", "RKNPU driver", "20221110")
+    assert d.version == (0, 8, 3) and d.submit_struct is rk.rknpu_submit_v080
     assert d.mem_create_struct is rk.rknpu_mem_create_v40
+    k, d = vendor((0, 9, 6))
+    assert d.drm.date == "20240322" and d.submit_struct is rk.rknpu_submit_v095
     k, r = rocket()
     assert (r.drm.name, r.drm.desc, r.version) == ("rocket", "rocket DRM", (0, 0, 0))
 
 
 def test_both_mem_create_sizes_work_on_both_driver_versions():
     """DRM copies the user's size in, zero-fills to the driver's and copies the user's size out."""
-    for version in ((0, 9, 6), (0, 9, 8)):
+    for version in ((0, 8, 3), (0, 9, 6), (0, 9, 8)):
         k, d = vendor(version)
         for struct, request in ((rk.rknpu_mem_create_v40, rk.DRM_IOCTL_RKNPU_MEM_CREATE_40),
                                 (rk.rknpu_mem_create_v48, rk.DRM_IOCTL_RKNPU_MEM_CREATE_48)):
@@ -370,14 +372,14 @@ def test_hang_times_out_at_once_resets_and_reports_task_counter():
     first = regcmd_words(10)
     rc, _ = regcmd_bo(d, k, np.concatenate([first, first]))
     t, _ = task_bo(d, [one_task(rc.dma_addr), one_task(rc.dma_addr + first.nbytes)])
-    arg = bytearray(bytes(rk.rknpu_submit_v098(
+    arg = bytearray(bytes(rk.rknpu_submit_v095(
         flags=1, timeout=6000, task_number=2, task_obj_addr=t.obj_addr, core_mask=1,
         subcore_task=(rk.rknpu_subcore_task * 5)(rk.rknpu_subcore_task(0, 2)))))
     with pytest.raises(OSError) as e:
         k.ioctl(d.fd, rk.DRM_IOCTL_RKNPU_SUBMIT, arg)
     assert e.value.errno == errno.ETIMEDOUT and "simulated time" in str(e.value)
     assert "fake: core 0 executed" in str(e.value)  # SimNpu.diagnostics in the message
-    assert rk.rknpu_submit_v098.from_buffer(arg).task_counter == 1  # copied out on error, like DRM
+    assert rk.rknpu_submit_v095.from_buffer(arg).task_counter == 1  # copied out on error, like DRM
     assert npu.resets == [None] and any("soft reset" in line for line in k.dmesg)
 
 

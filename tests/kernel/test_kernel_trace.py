@@ -42,3 +42,18 @@ def test_trace_file_from_environment(tmp_path, monkeypatch):
     for expected in ("ROCKET_CREATE_BO", "mmap(fd", "ROCKET_FINI_BO", "munmap(4096 bytes)", "DRM_IOCTL_GEM_CLOSE",
                      "close("):
         assert expected in text
+
+
+@pytest.mark.parametrize("version, fields, absent", [
+    ((0, 8, 3), "regcfg_obj_addr=0x0 task_base_addr=0x0 user_data=", "hw_elapse_time"),
+    ((0, 9, 6), "iommu_domain_id=0 reserved=0 task_base_addr=0x0 hw_elapse_time=", "user_data")])
+def test_trace_decodes_submit_in_the_layout_of_the_driver_version(version, fields, absent):
+    """SUBMIT has one request number for both layouts: the trace names fields 32..55 as the
+    version the fd reported (GET_DRV_VERSION) lays them out."""
+    lines: list[str] = []
+    sys = TracingSyscalls(SimKernel("rknpu", version), lines.append)
+    d = RknpuIoctls(sys, sys.open("/dev/dri/renderD129"))
+    with pytest.raises(NpuError):
+        d.submit(task_obj_addr=0, task_number=1)     # obj_addr 0: EINVAL, decoded all the same
+    submits = [line for line in lines if line.startswith("RKNPU_SUBMIT") and " in: " in line]
+    assert submits and all(fields in line and absent not in line for line in submits)

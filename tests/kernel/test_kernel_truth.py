@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_no_misuse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from ggml_rknpu.kernel.rocket.ioctls import RocketIoctls, RocketJobSpec
 from ggml_rknpu.sim.kernel import SimKernel, misuse
 from ggml_rknpu.sim.memory import PAGE
 from support.kernel_fake_npu import FakeNpu, attach, regcmd_words
+from support.misuse_check import assert_no_misuse
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,7 +100,7 @@ def _submitted_masks(k: SimKernel) -> list[int]:
 
     def ioctl(fd: int, request: int, arg: bytearray) -> int:
         if request == rk.DRM_IOCTL_RKNPU_SUBMIT:
-            masks.append(rk.rknpu_submit_v098.from_buffer_copy(bytes(arg)).core_mask)
+            masks.append(rk.rknpu_submit_v095.from_buffer_copy(bytes(arg)).core_mask)
         return real(fd, request, arg)
 
     k.ioctl = ioctl  # type: ignore[method-assign]
@@ -150,6 +150,37 @@ def test_driver_096_chunks_a_long_task_list_as_098_does():
     res = d.submit(task_obj_addr=t.obj_addr, task_number=4097, core_mask=1, subcore_tasks=((0, 4097),))
     assert res.task_counter == 4097
     assert [v for _, o, v in npu.writes if o == 0x30] == [(0x6 << 12) | 4095, (0x6 << 12) | 2]
+
+
+# ------------------------------------------------------------- the submit layout by version
+class _ElapsedClock:
+    """The simulated kernel, plus what a board's driver writes after a job: ``hw_elapse_time``
+    (ns, s64 at offset 48 of rknpu_submit from 0.9.5 on; the simulator has no clock)."""
+
+    def __init__(self, kernel: SimKernel, ns: int) -> None:
+        self.kernel, self.ns = kernel, ns
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
+        ret = self.kernel.ioctl(fd, request, arg)
+        if request == rk.DRM_IOCTL_RKNPU_SUBMIT:
+            arg[48:56] = self.ns.to_bytes(8, "little", signed=True)
+        return ret
+
+
+@pytest.mark.parametrize("version, elapsed", [((0, 9, 4), None), ((0, 9, 6), 12345), ((0, 9, 7), 12345),
+                                              ((0, 9, 8), 12345)])
+def test_hw_elapse_time_is_read_from_0_9_5_on(version, elapsed):
+    """0.9.6 and 0.9.7 report the job's hardware time as 0.9.8 does; before 0.9.5 offset 48 is
+    user_data, which is not a time."""
+    k = SimKernel("rknpu", version)
+    d = RknpuIoctls(_ElapsedClock(k, 12345), k.open(VENDOR))
+    t = task_bo(d, 1, regcmd(d).dma_addr)
+    attach(k)
+    res = d.submit(task_obj_addr=t.obj_addr, task_number=1, core_mask=1, subcore_tasks=((0, 1),))
+    assert res.task_counter == 1 and res.hw_elapse_time == elapsed
 
 
 # ----------------------------------------------------------------------- 3-5. ACTION

@@ -47,12 +47,12 @@ def _run(npu, passes=1):
         return st.state
 
 
-@pytest.mark.parametrize("fault", [NpuTimeout("hang", 110), NpuFault("dma", 14), StaleOutput("stale")])
+@pytest.mark.parametrize("fault", [NpuTimeout("hang", 110), NpuFault("bad address", 14), StaleOutput("stale")])
 def test_one_fault_costs_a_reset_and_a_retry_on_the_npu(fault):
     npu = FaultyNpu([fault])
     state = _run(npu)
     r = state.recovery
-    kind = {NpuTimeout: "timeout", NpuFault: "dma", StaleOutput: "stale"}[type(fault)]
+    kind = {NpuTimeout: "timeout", NpuFault: "fault", StaleOutput: "stale"}[type(fault)]
     assert r.faults[kind] == 1 and sum(r.faults.values()) == 1
     assert (r.resets, r.retries, r.retried_ok, r.host_fallbacks, r.demoted) == (1, 1, 1, 0, 0)
     assert npu.resets == 1 and npu.matmuls == 1 and _ops(state, HOST) == 0
@@ -71,11 +71,11 @@ def test_two_faults_run_the_pass_on_the_host_and_the_next_pass_on_the_npu_again(
 
 
 def test_repeated_faults_demote_the_weight_for_good(caplog):
-    npu = FaultyNpu([NpuFault("dma", 14)] * DEMOTE_AFTER)
+    npu = FaultyNpu([NpuFault("bad address", 14)] * DEMOTE_AFTER)
     passes = DEMOTE_AFTER // 2 + 1                      # two faulted attempts a pass, then one on the host
     state = _run(npu, passes=passes)
     r = state.recovery
-    assert r.demoted == 1 and r.faults["dma"] == DEMOTE_AFTER and r.host_fallbacks == DEMOTE_AFTER // 2 - 1
+    assert r.demoted == 1 and r.faults["fault"] == DEMOTE_AFTER and r.host_fallbacks == DEMOTE_AFTER // 2 - 1
     assert state.weight_stats.failures == 1 and npu.matmuls == 0 and npu.frees == 1
     assert state.stats.per_op[("MUL_MAT", HOST)].ops == passes
     assert any(f"{DEMOTE_AFTER} NPU faults in a row" in rec.getMessage() for rec in caplog.records)
@@ -135,6 +135,21 @@ def test_simulated_faults_through_the_server_lose_nothing(spec):
     assert r.demoted == 0
 
 
+def test_a_vendor_dma_fault_is_recovered_as_the_job_timeout_a_board_reports():
+    """rknpu reports a DMA fault as ETIMEDOUT (the page fault only in dmesg): recovery counts a
+    timeout, resets once and the retry succeeds on the NPU."""
+    injector = inject_faults("rknpu", "dma@2")
+    npu = open_engine(open_device("sim-rknpu", syscalls=injector))
+    try:
+        state = _run(npu, passes=3)
+    finally:
+        npu.close()
+    r = state.recovery
+    assert injector.counts["dma"] == 1
+    assert r.faults == {"stale": 0, "timeout": 1, "fault": 0}
+    assert (r.resets, r.retries, r.retried_ok, r.host_fallbacks) == (1, 1, 1, 0) and injector.resets == 1
+
+
 def test_simulated_rocket_faults_end_stale_and_lose_nothing():
     """Mainline rocket ends every faulted job silently (PREP_BO returns 0): the canaries see
     each one as stale output, and the step is retried like any fault."""
@@ -146,5 +161,5 @@ def test_simulated_rocket_faults_end_stale_and_lose_nothing():
         npu.close()
     r = state.recovery
     assert sum(injector.counts.values()) == 3
-    assert r.faults == {"stale": 3, "timeout": 0, "dma": 0} and r.resets == 3
+    assert r.faults == {"stale": 3, "timeout": 0, "fault": 0} and r.resets == 3
     assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0

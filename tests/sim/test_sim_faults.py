@@ -4,13 +4,15 @@ canaries catch it; and "loud"), determinism, and stale output caught by the cana
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 
 from ggml_rknpu.devices import open_device
 from ggml_rknpu.engine import open_engine
 from ggml_rknpu.engine.canary import StaleOutput
-from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
+from ggml_rknpu.kernel.errors import NpuError, NpuFault, NpuTimeout
 from ggml_rknpu.sim.faults import FaultSpec, FaultSpecError, inject_faults
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +60,7 @@ def _calls(npu, w, b, n: int, seed: int = 1) -> list[str]:
 
 
 @pytest.mark.parametrize("abi, rocket_errors, dma_error", [
-    ("rknpu", None, "NpuFault"), ("rocket", "mainline", "StaleOutput"), ("rocket", "loud", "NpuTimeout")])
+    ("rknpu", None, "NpuTimeout"), ("rocket", "mainline", "StaleOutput"), ("rocket", "loud", "NpuTimeout")])
 def test_one_shot_faults_fail_one_submit(abi, rocket_errors, dma_error):
     for spec, error in (("dma@2", dma_error), ("stale@2", "StaleOutput")):
         options = {"rocket_errors": rocket_errors} if rocket_errors else {}   # a rocket-only option
@@ -66,6 +68,18 @@ def test_one_shot_faults_fail_one_submit(abi, rocket_errors, dma_error):
         with npu:
             assert _calls(npu, w, b, 3) == ["ok", error, "ok"], spec
             assert injector.counts[spec[:-2]] == 1 and injector.submits == 3
+
+
+def test_a_vendor_dma_fault_is_a_job_timeout_and_the_driver_resets_itself():
+    """The vendor driver knows only timeouts: an injected DMA fault is ETIMEDOUT from SUBMIT
+    (never EFAULT), the page fault shows only in dmesg, and the next job runs without a reset."""
+    npu, injector, w, b = _engine("rknpu", "dma@1")
+    with npu:
+        with pytest.raises(NpuTimeout, match="timed out|timeout") as e:
+            npu.matmul(np.ones((2, K), np.float32), w)
+        assert isinstance(e.value, NpuError) and e.value.errno == errno.ETIMEDOUT
+        assert any("Page fault at" in line for line in injector.dmesg)
+        assert _calls(npu, w, b, 2) == ["ok", "ok"] and injector.resets == 0
 
 
 def test_vendor_hang_and_dead_core_last_until_reset():

@@ -21,13 +21,21 @@ from rich.console import Console
 
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.plans import QUANT_MIXES
+from ggml_rknpu.bench.rig import npu_clock
 from ggml_rknpu.bench.shapes import BENCH_MODELS, PRESETS, ModelShape, is_config, resolve
-from ggml_rknpu.cost.model import OWN_DRIVER, ROCKET_DOMAIN_SWITCH_S, dram_bandwidth, modeled_time, rocket_time
+from ggml_rknpu.cost.model import (
+    OWN_DRIVER,
+    ROCKET_DOMAIN_SWITCH_S,
+    VENDOR_NPU_MHZ,
+    dram_bandwidth,
+    modeled_time,
+    rocket_time,
+)
 from ggml_rknpu.hw.envelope import ROCKET_BOOT_MHZ
 
 MS = (1, 2, 4, 8, 16)
 HOST_ALONE_REPS = 100    # rehearsals are cheap (no submit): enough for a stable median
-NPU_MHZ, DRAM_MHZ = 1000, 2112      # vendor driver NPU clock, max DRAM clock [docs/engine.md, anchors]
+DRAM_MHZ = 2112      # max DRAM clock [docs/anchors.md A3]; the NPU's: check-rig's reading, else the vendor's
 ROCKET_MHZ = (ROCKET_BOOT_MHZ, 600)  # mainline's boot clock; the out-of-tree patch's [docs/npu-programming.md §5]
 
 
@@ -101,27 +109,29 @@ def submit_workload_for(sub: DecodeSubmit, m: int, dtype: str, cores: int, envel
     return fusion_workload(submit_programs(sub, m, dtype, cores, envelope=envelope))
 
 
-def modeled_submit_s(sub: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None) -> float:
+def modeled_submit_s(sub: DecodeSubmit, m: int, dtype: str, cores: int, envelope=None,
+                     npu_mhz: float = VENDOR_NPU_MHZ) -> float:
     return modeled_time(submit_workload_for(sub, m, dtype, cores, envelope),
-                        npu_mhz=NPU_MHZ, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
+                        npu_mhz=npu_mhz, dram_mhz=DRAM_MHZ, profile=OWN_DRIVER).total_s
 
 
-def stream_bound(dtype: str, cores: int) -> float:
+def stream_bound(dtype: str, cores: int, npu_mhz: float = VENDOR_NPU_MHZ) -> float:
     """Bytes/s the cost model lets one job of decode rows (M <= 16) stream on ``cores``:
     each core's share of the DRAM stream, its compute on 16 padded rows overlapped but for
     ``OVERLAP_PENALTY`` of it (docs/decode.md, the goals' arithmetic)."""
     from ggml_rknpu.cost import model as cm
 
-    per_core = min(cm.CORE_STREAM_BYTES_PER_CYCLE * NPU_MHZ * 1e6, dram_bandwidth(DRAM_MHZ) / cores)
-    compute_per_byte = cm.M_ATOM / cm.MACS_PER_CYCLE_PER_CORE[dtype] / (NPU_MHZ * 1e6) / cm.IN_BYTES[dtype]
+    per_core = min(cm.CORE_STREAM_BYTES_PER_CYCLE * npu_mhz * 1e6, dram_bandwidth(DRAM_MHZ) / cores)
+    compute_per_byte = cm.M_ATOM / cm.MACS_PER_CYCLE_PER_CORE[dtype] / (npu_mhz * 1e6) / cm.IN_BYTES[dtype]
     return cores * per_core / (1 + cm.OVERLAP_PENALTY * compute_per_byte * per_core)
 
 
-def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None) -> dict:
-    """Modeled NPU figures of one decode pass of ``m`` sequences."""
+def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = True, envelope=None,
+             npu_mhz: float = VENDOR_NPU_MHZ) -> dict:
+    """Modeled NPU figures of one decode pass of ``m`` sequences, the NPU at ``npu_mhz``."""
     b = 1 if dtype == "int8" else 2
     submits = decode_submits(model, fused)
-    seconds = sum(modeled_submit_s(s, m, dtype, cores, envelope) * s.count for s in submits)
+    seconds = sum(modeled_submit_s(s, m, dtype, cores, envelope, npu_mhz) * s.count for s in submits)
     weight_bytes = sum(sub.K * n * b * sub.count for sub in submits for n in sub.Ns)
     submits = sum(submit_workload_for(s, m, dtype, cores, envelope).submits * s.count for s in submits)
     return {
@@ -134,7 +144,8 @@ def forecast(model: ModelShape, dtype: str, m: int, cores: int, fused: bool = Tr
         "weight_mb": weight_bytes / 1e6,
         # the most these submits allow: the weights at the DRAM ceiling, or at the model's bound
         "tok_s_at_ceiling_modeled": m / (weight_bytes / dram_bandwidth(DRAM_MHZ) + submits * OWN_DRIVER.per_submit_s),
-        "tok_s_at_bound_modeled": m / (weight_bytes / stream_bound(dtype, cores) + submits * OWN_DRIVER.per_submit_s),
+        "tok_s_at_bound_modeled": m / (weight_bytes / stream_bound(dtype, cores, npu_mhz)
+                                       + submits * OWN_DRIVER.per_submit_s),
     }
 
 
@@ -231,6 +242,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
     ms = [int(x) for x in args.ms.split(",") if x.strip()]
     if not ms or any(not 1 <= m <= 16 for m in ms):
         raise ValueError(f"--ms takes decode row counts 1..16, got {args.ms!r}")
+    clock = npu_clock(rig)
     rows: list[dict] = []
     # (K, Ns, fused, M, weights) -> measure_host_submit's (host alone, after a submit) seconds
     host_cache: dict[tuple[int, tuple[int, ...], bool, int, str], tuple[float, float]] = {}
@@ -249,7 +261,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
                 for dtype in dtypes:
                     for fused, m_list in ((False, [1]), (True, ms)):
                         for m in m_list:
-                            row = forecast(model, dtype, m, args.cores, fused, args.envelope)
+                            row = forecast(model, dtype, m, args.cores, fused, args.envelope, clock.mhz)
                             anchor = ANCHORS.get((model.name, dtype))
                             row["anchor_tok_s"] = f"{anchor[0]:g}" if anchor and m == 1 else "-"
                             row["anchor_source"] = anchor[1] if anchor and m == 1 else ""
@@ -287,7 +299,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
         rp.Column("host_ms_per_pass_measured", "host ms/pass", "{:.2f}", figure=True),
         rp.Column("anchor_tok_s", "published tok/s (board)"), rp.Column("anchor_source", "by"),
     ]
-    note = (f"NPU figures modeled (cost.model: {args.cores} cores, NPU {NPU_MHZ} MHz, DRAM {DRAM_MHZ} MHz, "
+    note = (f"NPU figures modeled (cost.model: {args.cores} cores, NPU at {clock}, DRAM {DRAM_MHZ} MHz, "
             f"DRAM ceiling {ceiling:.1f} GB/s, {OWN_DRIVER.per_submit_s * 1e6:.0f} µs per submit); a pass decodes "
             "M sequences by one token. Host figures measured on this host (not the board): the engine's lean "
             "path around each submit, simulator execution excluded. Published figures: single-stream, on boards.")
@@ -317,7 +329,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
              f"Every job attaches and detaches its file's IOMMU domain: priced at "
              f"{ROCKET_DOMAIN_SWITCH_S * 1e6:.0f} µs, a guess no board has measured; every file's submit at "
              f"{OWN_DRIVER.per_submit_s * 1e6:.0f} µs. docs/npu-programming.md \"What the drivers really do\""))
-    plan_table, plan_plot, plan_rows = _plans(args, models)
+    plan_table, plan_plot, plan_rows = _plans(args, models, clock.mhz)
     tables.append(plan_table)
     fused_rows = [r for r in rows if r["plan"] == "fused"]
     plot = rp.Plot("decode_tok_s.png", "Decode tokens/s by rows per pass (fused plan)", "M (sequences per pass)",
@@ -327,7 +339,8 @@ def run(args, rig, console: Console) -> rp.Report | None:
                                                             "tok_s_modeled", f"{{0}} {d} {{1}}")],
                    log_x=True)
     host_meta = {"host": _host_line(), "conditions": "one process; the x86 box is shared (load average in meta)"}
-    meta = {"cores": args.cores, "npu_mhz": NPU_MHZ, "dram_mhz": DRAM_MHZ, "submit_profile": OWN_DRIVER.name,
+    meta = {"cores": args.cores, "npu_mhz": clock.mhz, "npu_clock": str(clock), "dram_mhz": DRAM_MHZ,
+            "submit_profile": OWN_DRIVER.name,
             "envelope": f"{args.envelope} ({named_envelope(args.envelope).name}, at most "
                         f"{named_envelope(args.envelope).max_cores} core(s))",
             "models": {m.name: m.source for m in models}, "load_average": _loadavg(), **host_meta}
@@ -341,9 +354,10 @@ def run(args, rig, console: Console) -> rp.Report | None:
                      notes=notes)
 
 
-def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict]]:
+def _plans(args, models: list[ModelShape], npu_mhz: float) -> tuple[rp.Table, rp.Plot, list[dict]]:
     """The cpu / npu / auto / auto-split plan rows (bench.plans) of every model, in the
-    laddered (3 cores) and proven (1 core) envelopes, all modeled on the board."""
+    laddered (3 cores) and proven (1 core) envelopes, all modeled on the board (its NPU at
+    ``npu_mhz``)."""
     from ggml_rknpu.bench import plans
     from ggml_rknpu.cost.cpu_anchors import CPU_ANCHORS
 
@@ -353,7 +367,7 @@ def _plans(args, models: list[ModelShape]) -> tuple[rp.Table, rp.Plot, list[dict
         published = {a.test: a.tok_s for a in CPU_ANCHORS if (a.model, a.quant) == (model.name, quant)}
         for envelope in ("laddered", "proven"):
             rows += plans.plan_rows(model.name, quant, weights, model.host_layers(), envelope,
-                                    named_envelope(envelope).max_cores, args.plan_weights, published)
+                                    named_envelope(envelope).max_cores, args.plan_weights, published, npu_mhz)
     columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan")] + [
         *(rp.Column(f"decode_m{m}_tok_s_modeled", f"decode M={m} tok/s", "{:.1f}", figure=True) for m in plans.PLAN_MS),
         *(rp.Column(f"prefill{n}_tok_s_modeled", f"prefill {n} tok/s", "{:.0f}", figure=True)

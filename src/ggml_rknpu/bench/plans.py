@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.cost.model import VENDOR_NPU_MHZ
 
 
 class ModelShape(Protocol):
@@ -150,9 +151,10 @@ class Placed:
 
 
 def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: int,
-          threads: int = cpu.BIG_CORES, board: cpu.CpuBoard = cpu.RK3588) -> list[Placed]:
+          threads: int = cpu.BIG_CORES, board: cpu.CpuBoard = cpu.RK3588,
+          npu_mhz: float = VENDOR_NPU_MHZ) -> list[Placed]:
     """Each weight's placement and modeled seconds (one matmul of M rows) under ``plan``;
-    ``board``: the CPU and llama.cpp build the cpu plan runs on."""
+    ``board``: the CPU and llama.cpp build the cpu plan runs on; ``npu_mhz``: the NPU clock."""
     out = []
     for w in weights:
         rows, experts = w.rows_and_experts(M)
@@ -162,7 +164,7 @@ def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: in
             continue
         c = pl.place_matmul(w.type, rows, w.K, w.N, npu_dtype=npu_dtype, cores=cores, threads=threads,
                             allow_split=plan == "auto-split" and experts == 1, repacked=experts == 1,
-                            experts=experts)
+                            experts=experts, npu_mhz=npu_mhz)
         if plan == "npu":
             out.append(Placed(w, pl.NPU, c.npu_s))
         elif plan in ("auto", "auto-split"):
@@ -174,13 +176,13 @@ def place(weights: list[Weight], plan: str, M: int, *, npu_dtype: str, cores: in
 
 def pass_seconds(weights: list[Weight], host: tuple[ho.LayerOps, ...], plan: str, M: int, *, npu_dtype: str,
                  cores: int, threads: int = cpu.BIG_CORES, head_rows: int | None = None, past: int = 0,
-                 board: cpu.CpuBoard = cpu.RK3588) -> float:
+                 board: cpu.CpuBoard = cpu.RK3588, npu_mhz: float = VENDOR_NPU_MHZ) -> float:
     """Modeled seconds of one forward pass of M rows after ``past`` cached positions: every
     weight matmul (the head at ``head_rows`` rows: default M, 0 none) plus the host ops of
     the layers ``host`` (``cost.host_ops``)."""
     body = [w for w in weights if w.name != "output"]
     head = [w for w in weights if w.name == "output"]
-    kw: dict = dict(npu_dtype=npu_dtype, cores=cores, threads=threads, board=board)
+    kw: dict = dict(npu_dtype=npu_dtype, cores=cores, threads=threads, board=board, npu_mhz=npu_mhz)
     t = sum(p.seconds * p.weight.count for p in place(body, plan, M, **kw))
     if head_rows != 0:
         t += sum(p.seconds for p in place(head, plan, head_rows or M, **kw))
@@ -222,12 +224,13 @@ PLAN_PROMPTS = (128, 512)
 
 
 def plan_rows(model: str, quant: str, weights: list[Weight], host: tuple[ho.LayerOps, ...], envelope: str,
-              cores: int, npu_dtype: str, published: dict[str, float]) -> list[dict]:
+              cores: int, npu_dtype: str, published: dict[str, float],
+              npu_mhz: float = VENDOR_NPU_MHZ) -> list[dict]:
     """One row per plan: decode tok/s at ``PLAN_MS`` (at the job's mean fill,
     ``DECODE_PAST``), prefill tok/s at ``PLAN_PROMPTS``, the whole job, each against the cpu
     plan; ``published``: the board's llama-bench figures for this model and mix
-    (``pp512``/``tg128``), shown beside the cpu plan."""
-    kw: dict = dict(npu_dtype=npu_dtype, cores=cores)
+    (``pp512``/``tg128``), shown beside the cpu plan; the NPU at ``npu_mhz``."""
+    kw: dict = dict(npu_dtype=npu_dtype, cores=cores, npu_mhz=npu_mhz)
     rows = []
     for plan in PLANS:
         row: dict = {"model": model, "quant": quant, "envelope": f"{envelope}, {cores} core(s)", "plan": plan,

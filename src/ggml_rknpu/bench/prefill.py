@@ -17,8 +17,10 @@ from rich.console import Console
 from ggml_rknpu.bench import plans
 from ggml_rknpu.bench import report as rp
 from ggml_rknpu.bench.decode import model_weights, named_envelope, named_models
+from ggml_rknpu.bench.rig import npu_clock
 from ggml_rknpu.bench.shapes import ModelShape
 from ggml_rknpu.cost import host_ops as ho
+from ggml_rknpu.cost.model import VENDOR_NPU_MHZ
 from ggml_rknpu.cost.npu_attention import npu_attention_seconds
 
 PROMPTS = (128, 512, 2048, 4096, 8192)
@@ -38,7 +40,8 @@ PUBLISHED = {
 }
 
 
-def attention_split(host: tuple[ho.LayerOps, ...], prompt: int, cores: int) -> tuple[float, float]:
+def attention_split(host: tuple[ho.LayerOps, ...], prompt: int, cores: int,
+                    npu_mhz: float = VENDOR_NPU_MHZ) -> tuple[float, float]:
     """(host seconds, best-of-host-and-NPU seconds) of a prompt's attention over its ubatches:
     each layer's attention where it is faster (``cost.npu_attention`` against ``cost.host_ops``)."""
     on_host = best = 0.0
@@ -47,18 +50,19 @@ def attention_split(host: tuple[ho.LayerOps, ...], prompt: int, cores: int) -> t
         for layer in host:
             h = ho.attention_time(layer, rows, start).total_s
             on_host += h
-            best += min(h, npu_attention_seconds(layer, rows, start, cores=cores))
+            best += min(h, npu_attention_seconds(layer, rows, start, cores=cores, npu_mhz=npu_mhz))
     return on_host, best
 
 
 def prompt_rows(model: ModelShape, quant: str, weights: list[plans.Weight], envelope: str, cores: int,
-                npu_dtype: str, prompts: tuple[int, ...]) -> list[dict]:
-    """One row per plan and prompt length: TTFT, tok/s, attention's share, against cpu."""
+                npu_dtype: str, prompts: tuple[int, ...], npu_mhz: float = VENDOR_NPU_MHZ) -> list[dict]:
+    """One row per plan and prompt length: TTFT, tok/s, attention's share, against cpu; the
+    NPU at ``npu_mhz``."""
     host = model.host_layers()
-    kw: dict = dict(npu_dtype=npu_dtype, cores=cores)
+    kw: dict = dict(npu_dtype=npu_dtype, cores=cores, npu_mhz=npu_mhz)
     rows: list[dict] = []
     for n in prompts:
-        attn_host, attn_best = attention_split(host, n, cores)
+        attn_host, attn_best = attention_split(host, n, cores, npu_mhz)
         ttft = {p: plans.prompt_seconds(weights, host, p, n, **kw) for p in ("cpu", "npu", "auto")}
         ttft[ATTN_NPU] = ttft["auto"] - attn_host + attn_best
         for plan in PLAN_NAMES:
@@ -112,13 +116,14 @@ def run(args, rig, console: Console) -> rp.Report:
         raise ValueError(f"--prompts takes positive token counts, got {args.prompts!r}")
     names = args.model or list(MODELS)
     models = named_models(names)
+    clock = npu_clock(rig)
     rows: list[dict] = []
     with rp.progress(console, "prefill", len(models) * len(ENVELOPES)) as advance:
         for arg, model in zip(names, models):
             quant, weights = model_weights(arg, model, args.quant)
             for envelope in ENVELOPES:
                 rows += prompt_rows(model, quant, weights, envelope, named_envelope(envelope).max_cores,
-                                    args.plan_weights, prompts)
+                                    args.plan_weights, prompts, clock.mhz)
                 advance()
     columns = [rp.Column(k, k) for k in ("model", "quant", "envelope", "plan", "prompt")] + [
         rp.Column("ttft_s_modeled", "TTFT s", "{:.3f}", figure=True),
@@ -126,7 +131,7 @@ def run(args, rig, console: Console) -> rp.Report:
         rp.Column("attention_share_modeled", "attention share", "{:.0%}", figure=True),
         rp.Column("ttft_vs_cpu_modeled", "cpu TTFT / this", "{:.2f}", figure=True),
         rp.Column("published", "published (board)")]
-    note = (f"All modeled on the board (NPU {args.plan_weights} weights at 1 GHz, DRAM 2112 MHz; cost.cpu and "
+    note = (f"All modeled on the board (NPU {args.plan_weights} weights at {clock}, DRAM 2112 MHz; cost.cpu and "
             "cost.host_ops for the A76s, every host op priced: element-wise work by rows, flash attention by rows, "
             "context, heads and head dim). cpu = llama.cpp alone; npu = every weight matmul on the NPU; auto = "
             f"rknpu serve --placement auto; '{ATTN_NPU}' = auto with each layer's attention matmuls on the NPU "
@@ -147,7 +152,7 @@ def run(args, rig, console: Console) -> rp.Report:
     plot = rp.Plot("prefill_ttft_s.png", "Time to first token by prompt length (laddered envelope)",
                    "prompt tokens", "TTFT s", rp.series_by(plot_rows, "series", "prompt", "ttft_s_modeled", "{0} {1}"),
                    log_x=True, log_y=True)
-    meta = {"prompts": list(prompts), "npu_weights": args.plan_weights, "ubatch": plans.UBATCH,
+    meta = {"prompts": list(prompts), "npu_weights": args.plan_weights, "npu_clock": str(clock), "ubatch": plans.UBATCH,
             "envelopes": {e: f"{named_envelope(e).name}, at most {named_envelope(e).max_cores} core(s)" for e in ENVELOPES},
             "models": {m.name: m.source for m in models}}
     return rp.Report("prefill", "Prefill forecast (modeled on the board)", rig.to_dict(), meta=meta,

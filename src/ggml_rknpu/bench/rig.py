@@ -13,6 +13,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ggml_rknpu.cost.model import VENDOR_CLOCK, NpuClock
+from ggml_rknpu.kernel.rknpu.uapi import ABI_DOMAINS_VERSION
+
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 _SEVERITY = {SKIP: 0, PASS: 1, WARN: 2, FAIL: 3}
 
@@ -34,7 +37,9 @@ ROCKET_DRIVER = "/sys/bus/platform/drivers/rocket"
 DRAM_MAX_MHZ_RK3588 = 2112          # [docs/anchors.md A3; docs/history.md §15]
 NPU_VENDOR_MHZ = 1000               # [seed log "Target interface"; docs/anchors.md §3.1]
 NPU_ROCKET_BOOT_MHZ = 200           # [docs/anchors.md §3.1]
-RKNPU_HW_ELAPSE_VERSION = (0, 9, 8)  # [docs/anchors.md §4 gotchas: 0.9.6 -> 0.9.8 submit layout]
+# SUBMIT reports hw_elapse_time from the ABI with IOMMU domains on
+# [docs/npu-programming.md "What the drivers really do" (UAPI layouts)]
+RKNPU_HW_ELAPSE_VERSION = ABI_DOMAINS_VERSION
 RKNPU_OLDEST_SUPPORTED = (0, 9, 6)  # [docs/anchors.md §2: runtime coupled to 0.9.6-0.9.8]
 # Arm MIDR_EL1 part numbers (Arm Cortex-A55/A76 TRMs; general knowledge, not in reference/).
 CPU_PARTS = {0xD05: "Cortex-A55", 0xD0B: "Cortex-A76"}
@@ -213,9 +218,10 @@ def snapshot(root: str | Path = "/") -> dict:
     fs = Sysfs(root)
     dmc = read_devfreq(fs, DMC_DIR)
     npu = read_devfreq(fs, NPU_DEVFREQ_DIR)
+    clocks = read_npu_clocks(fs) if npu is None else []    # mainline: no devfreq, the clock framework
     return {
         "dram_mhz": dmc["cur_mhz"] if dmc else None,
-        "npu_mhz": npu["cur_mhz"] if npu else None,
+        "npu_mhz": npu["cur_mhz"] if npu else clocks[0][1] if clocks else None,
         "cpu_mhz": {p["policy"]: (p["cur_khz"] / 1000 if p["cur_khz"] else None) for p in read_cpufreq(fs)},
         "temps_c": {z["type"]: z["temp_c"] for z in read_thermal(fs)},
     }
@@ -375,7 +381,8 @@ def check_thermal(fs: Sysfs) -> Check:
 
 def check_driver(fs: Sysfs) -> tuple[Check, bool]:
     """The NPU kernel driver; returns (check, rocket_present)."""
-    src = "docs/anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170), §4 gotchas (hw_elapse_time from 0.9.8)"
+    src = ("docs/anchors.md §2 (driver versions: ezrknn-llm#19, armbian PR #170); docs/npu-programming.md "
+           "\"What the drivers really do\", UAPI layouts (hw_elapse_time from 0.9.5)")
     kernel = fs.read(OSRELEASE) or "unknown kernel"
     rocket = fs.exists(ROCKET_MODULE) or fs.exists(ROCKET_DRIVER)
     debugfs = fs.read(RKNPU_DEBUGFS_VERSION)
@@ -392,12 +399,12 @@ def check_driver(fs: Sysfs) -> tuple[Check, bool]:
             return Check("npu driver", WARN, value,
                          "rknpu version unreadable: cannot tell whether hw_elapse_time (device time) is reported",
                          "mount debugfs (mount -t debugfs none /sys/kernel/debug) and re-run as root", src), rocket
-        if version < RKNPU_OLDEST_SUPPORTED:
-            return Check("npu driver", WARN, value, f"rknpu {vtxt} predates 0.9.6",
-                         "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
         if version < RKNPU_HW_ELAPSE_VERSION:
             return Check("npu driver", WARN, value,
-                         f"rknpu {vtxt} has no hw_elapse_time: device time will be modeled, not measured",
+                         f"rknpu {vtxt} has no hw_elapse_time (nor IOMMU domains): device time will be modeled, "
+                         "not measured", "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
+        if version < RKNPU_OLDEST_SUPPORTED:
+            return Check("npu driver", WARN, value, f"rknpu {vtxt} predates 0.9.6",
                          "upgrade the vendor kernel's rknpu driver to 0.9.8", src), rocket
         return Check("npu driver", PASS, value, "vendor driver with hw_elapse_time: device time is measured",
                      "", src), rocket
@@ -441,6 +448,13 @@ def check_npu_users(fs: Sysfs) -> Check:
                      "concurrent NPU processes can panic the kernel" + skipped,
                      f"stop it (kill {users[0].split()[0]}) before benchmarking", src)
     return Check("npu users", PASS, "none", "no other process holds the NPU open" + skipped, "", src)
+
+
+def npu_clock(report: RigReport) -> NpuClock:
+    """The NPU clock to model device time at: this board's, as check-rig read it (devfreq, or
+    the clock framework under mainline), else the vendor driver's (off a board, or unreadable)."""
+    mhz = report.snapshot.get("npu_mhz") if report.on_board else None
+    return NpuClock(mhz, "check-rig: this board's NPU clock now") if mhz else VENDOR_CLOCK
 
 
 def check_rig(root: str | Path = "/") -> RigReport:

@@ -34,6 +34,30 @@ CORE_STREAM_BYTES_PER_CYCLE = 10.9
 # [docs/anchors.md §3.2: NPU fp16 GEMV weight stream on 1 core 10.9 GB/s at the 1 GHz NPU clock
 #  (allbilly/qwen3.c)]. GUESS: a core's DMA rate scales with the NPU clock.
 
+VENDOR_NPU_MHZ = 1000
+# the NPU clock under the vendor driver [docs/anchors.md §3.1]; mainline rocket boots at 200 MHz
+
+
+@dataclass(frozen=True)
+class NpuClock:
+    """The NPU clock a modeled time is priced at and where that figure comes from (the
+    driver's report, check-rig's reading, the simulated kernel's own clock, or an assumption),
+    so that output naming a modeled time can say which clock it is at."""
+
+    mhz: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.mhz <= 0:
+            raise ValueError(f"an NPU clock must be positive, not {self.mhz} MHz ({self.source})")
+
+    def __str__(self) -> str:
+        return f"{self.mhz:g} MHz ({self.source})"
+
+
+VENDOR_CLOCK = NpuClock(VENDOR_NPU_MHZ, "assumed: the vendor driver's clock")
+
+
 # --- fitted and derived overheads -----------------------------------------------------
 OVERLAP_PENALTY = 0.5
 # FIT: the share of the shorter of compute and memory that does not overlap the longer one.
@@ -135,7 +159,7 @@ def dram_bandwidth(dram_mhz: float) -> float:
     return dram_mhz * 1e6 * DRAM_TRANSFERS_PER_CLOCK * DRAM_BYTES_PER_TRANSFER * NPU_DRAM_EFFICIENCY
 
 
-def modeled_time(program: Any, *, npu_mhz: float = 1000, dram_mhz: float = 2112,
+def modeled_time(program: Any, *, npu_mhz: float = VENDOR_NPU_MHZ, dram_mhz: float = 2112,
                  profile: SubmitProfile = OWN_DRIVER) -> ModeledTime:
     """Modeled time of a ``compiler.Program`` (decoded from its register words) or of a
     ``Workload``. ``npu_mhz``: NPU clock (1000 under the vendor driver, 200/600 under rocket

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ggml_rknpu.cost import cpu
-from ggml_rknpu.cost.model import IN_BYTES, OWN_DRIVER, dram_bandwidth, modeled_time, vendor_style_workload
+from ggml_rknpu.cost.model import (
+    IN_BYTES,
+    OWN_DRIVER,
+    VENDOR_NPU_MHZ,
+    dram_bandwidth,
+    modeled_time,
+    vendor_style_workload,
+)
 from ggml_rknpu.hw.alignment import ceil_div
 
 NPU = "npu"
@@ -27,7 +34,6 @@ BUCKETS = ("1", "2-4", "5-16", "prefill")
 BUCKET_M = {"1": 1, "2-4": 4, "5-16": 16, "prefill": 512}   # the M each bucket is decided at
 SPLIT_ALIGN = 64    # host/NPU boundary: a multiple of every NPU kernel group and CPU repack row count
 SPLIT_NEIGHBOURS = 4   # boundaries priced either side of the crossing
-NPU_MHZ = 1000      # vendor driver NPU clock [docs/anchors.md §3.1]
 
 
 def bucket(M: int) -> str:
@@ -106,14 +112,15 @@ def _best_split(N: int, npu_s: Callable[[int], float], host_s: Callable[[int], f
                for i in range(max(1, lo - SPLIT_NEIGHBOURS), min(top, lo + SPLIT_NEIGHBOURS) + 1))
 
 
-def npu_matmul_seconds(M: int, K: int, N: int, dtype: str, cores: int, submits: int = 1) -> float:
+def npu_matmul_seconds(M: int, K: int, N: int, dtype: str, cores: int, submits: int = 1, *,
+                       npu_mhz: float = VENDOR_NPU_MHZ) -> float:
     """Modeled NPU seconds of a resident-weight matmul: ``cost.model`` on the documented
     task split (``vendor_style_workload``), ``submits`` submits on our driver path
-    (``OWN_DRIVER``); 0 rows cost nothing."""
+    (``OWN_DRIVER``), at ``npu_mhz``; 0 rows cost nothing."""
     if N <= 0:
         return 0.0
     work = vendor_style_workload(M, K, N, dtype=dtype, cores=cores)
-    return modeled_time(type(work)(work.tasks, submits), npu_mhz=NPU_MHZ, dram_mhz=cpu.DRAM_MHZ,
+    return modeled_time(type(work)(work.tasks, submits), npu_mhz=npu_mhz, dram_mhz=cpu.DRAM_MHZ,
                         profile=OWN_DRIVER).total_s
 
 
@@ -127,8 +134,10 @@ def host_matmul_seconds(weight_type: int | str, M: int, K: int, N: int, threads:
 
 
 def place_matmul(weight_type: int | str, M: int, K: int, N: int, *, npu_dtype: str, cores: int, threads: int,
-                 allow_split: bool = True, experts: int = 1, repacked: bool = False) -> Choice:
-    """The placement of one weight's matmul of ``M`` rows by the two board models. A
+                 allow_split: bool = True, experts: int = 1, repacked: bool = False,
+                 npu_mhz: float = VENDOR_NPU_MHZ) -> Choice:
+    """The placement of one weight's matmul of ``M`` rows by the two board models (the NPU's
+    at ``npu_mhz``). A
     MUL_MAT_ID reading ``experts`` distinct experts: on the NPU each expert is its own
     submit of its share of the rows; on the host one ggml-cpu op streams them all."""
     bpw = cpu.bytes_per_weight(weight_type)
@@ -136,7 +145,7 @@ def place_matmul(weight_type: int | str, M: int, K: int, N: int, *, npu_dtype: s
     rows = ceil_div(M, experts)
     return choose(
         N,
-        lambda n: experts * npu_matmul_seconds(rows, K, n, npu_dtype, cores),
+        lambda n: experts * npu_matmul_seconds(rows, K, n, npu_dtype, cores, npu_mhz=npu_mhz),
         lambda n: host_matmul_seconds(weight_type, M, K, n, threads, repacked=repacked, experts=experts),
         lambda nh, nn: K * experts * (nh * bpw + nn * npu_b),
         allow_split=allow_split, dram_bytes_s=dram_bandwidth(cpu.DRAM_MHZ),

@@ -20,6 +20,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.layout import b_bytes, pack_b
 from ggml_rknpu.compiler.shape import MatmulShape
+from ggml_rknpu.cost.model import VENDOR_CLOCK, NpuClock
 from ggml_rknpu.engine.contract import EngineWeight
 from ggml_rknpu.engine.fusion import Fusion, concat_rows
 from ggml_rknpu.engine.memory import NpuMemory
@@ -56,7 +57,8 @@ class NpuEngine:
         # the envelope caps the cores: one until the board's ladder proved more
         self.cores = min(cores or device.n_cores, self.envelope.max_cores)
         self.abi = device.kind
-        self.npu_mhz = _npu_mhz(device)
+        self.npu_clock = _npu_clock(device)
+        self.npu_mhz = None if self.npu_clock is None else self.npu_clock.mhz
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         memory = NpuMemory(device)
         self.scratch = ScratchPool(memory, self.counters)
@@ -262,14 +264,19 @@ class NpuEngine:
         self.close()
 
 
-def _npu_mhz(device: NpuDevice) -> float | None:
-    """NPU clock for modeled device time: the driver's figure where it reports one, the
-    vendor driver's 1 GHz on the simulator [docs/anchors.md §3.1], None (no model) otherwise
-    (rocket boots at 200 MHz and is often patched to 600: unknown without a query)."""
+def _npu_clock(device: NpuDevice) -> NpuClock | None:
+    """The NPU clock modeled device time is priced at: the driver's report (vendor GET_FREQ),
+    else a simulated kernel's own (sim-rocket's timeline runs at its ``modeled_npu_mhz``), else
+    the vendor driver's 1 GHz on the simulator, None (no model) on a board that reports none
+    (rocket boots at 200 MHz and is often patched to 600: check-rig reads it)."""
     freq = device.info().npu_freq_hz
+    simulated = "simulated " if device.simulated else ""
     if freq:
-        return freq / 1e6
-    return 1000.0 if device.simulated else None
+        return NpuClock(freq / 1e6, f"reported by the {simulated}{device.kind} driver")
+    if not device.simulated:
+        return None
+    modeled = getattr(device.syscalls, "modeled_npu_mhz", None)   # a simulated kernel's own clock
+    return NpuClock(modeled, f"the simulated {device.kind} kernel's clock") if modeled else VENDOR_CLOCK
 
 
 def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> NpuEngine:

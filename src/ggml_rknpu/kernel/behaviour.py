@@ -134,9 +134,9 @@ TABLE: tuple[Row, ...] = (
         _with_rknpu_bo(lambda s, fd, bo: _errno(s, fd, rk.DRM_IOCTL_RKNPU_MEM_SYNC, rk.rknpu_mem_sync(
             flags=rk.SyncFlag.TO_DEVICE | 0x4, obj_addr=bo.obj_addr, size=4096)))),
     Row("rknpu", "SUBMIT", "task_number 0", errno.EINVAL, f"{_JOB} rknpu_submit", True,
-        lambda s, fd: _errno(s, fd, rk.DRM_IOCTL_RKNPU_SUBMIT, rk.rknpu_submit_v098(flags=rk.JobFlag.PC))),
+        lambda s, fd: _errno(s, fd, rk.DRM_IOCTL_RKNPU_SUBMIT, rk.rknpu_submit_v095(flags=rk.JobFlag.PC))),
     Row("rknpu", "SUBMIT", "core_mask 0b101", errno.EINVAL, f"{_JOB} rknpu_job_commit: Unknown core mask", False,
-        _with_rknpu_bo(lambda s, fd, bo: _errno(s, fd, rk.DRM_IOCTL_RKNPU_SUBMIT, rk.rknpu_submit_v098(
+        _with_rknpu_bo(lambda s, fd, bo: _errno(s, fd, rk.DRM_IOCTL_RKNPU_SUBMIT, rk.rknpu_submit_v095(
             flags=rk.JobFlag.PC, timeout=100, task_number=2, task_obj_addr=bo.obj_addr, core_mask=0b101)),
                        flags=rk.TASK_BO_FLAGS)),
     Row("rknpu", "GEM_CLOSE", "a handle never created", errno.EINVAL, "drm_gem.c drm_gem_close_ioctl", True,

@@ -21,13 +21,14 @@ from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rocket import uapi as ro
 from ggml_rknpu.kernel.syscalls import Syscalls
 
-# request number -> (name, struct used to decode it). The vendor SUBMIT is decoded with
-# the 0.9.8 layout (same size as 0.9.6; fields 32..55 differ, see rknpu.uapi).
+# request number -> (name, struct used to decode it). The vendor SUBMIT has one request number
+# for both layouts (fields 32..55 differ, see rknpu.uapi): decoded with the one of the driver
+# version the traced fd reported (ACTION GET_DRV_VERSION), that of 0.9.5 on until it has.
 IOCTLS: dict[int, tuple[str, type[ctypes.Structure]]] = {
     drm.DRM_IOCTL_VERSION: ("DRM_IOCTL_VERSION", drm.drm_version),
     drm.DRM_IOCTL_GEM_CLOSE: ("DRM_IOCTL_GEM_CLOSE", drm.drm_gem_close),
     rk.DRM_IOCTL_RKNPU_ACTION: ("RKNPU_ACTION", rk.rknpu_action),
-    rk.DRM_IOCTL_RKNPU_SUBMIT: ("RKNPU_SUBMIT", rk.rknpu_submit_v098),
+    rk.DRM_IOCTL_RKNPU_SUBMIT: ("RKNPU_SUBMIT", rk.rknpu_submit_v095),
     rk.DRM_IOCTL_RKNPU_MEM_CREATE_40: ("RKNPU_MEM_CREATE(40)", rk.rknpu_mem_create_v40),
     rk.DRM_IOCTL_RKNPU_MEM_CREATE_48: ("RKNPU_MEM_CREATE(48)", rk.rknpu_mem_create_v48),
     rk.DRM_IOCTL_RKNPU_MEM_MAP: ("RKNPU_MEM_MAP", rk.rknpu_mem_map),
@@ -101,6 +102,7 @@ class TracingSyscalls(_Wrapping):
     def __init__(self, inner: Syscalls, log: Callable[[str], None]) -> None:
         super().__init__(inner)
         self.log = log
+        self._submit_structs: dict[int, type[ctypes.Structure]] = {}   # fd -> its driver's rknpu_submit
 
     def open(self, path: str, flags: int = os.O_RDWR) -> int:
         try:
@@ -117,6 +119,8 @@ class TracingSyscalls(_Wrapping):
 
     def ioctl(self, fd: int, request: int, arg: bytearray) -> int:
         name, struct = IOCTLS.get(request, (f"ioctl {request:#x}", None))
+        if request == rk.DRM_IOCTL_RKNPU_SUBMIT:
+            struct = self._submit_structs.get(fd, struct)
         decode = struct if struct is not None and len(arg) >= ctypes.sizeof(struct) else None
         if decode is not None:
             self.log(f"{name}(fd {fd}) in:  {format_struct(decode.from_buffer_copy(arg))}")
@@ -127,6 +131,10 @@ class TracingSyscalls(_Wrapping):
             raise
         out = f" out: {format_struct(decode.from_buffer_copy(arg))}" if decode is not None else ""
         self.log(f"{name}(fd {fd}) -> {ret}{out}")
+        if request == rk.DRM_IOCTL_RKNPU_ACTION and decode is not None:
+            action = rk.rknpu_action.from_buffer_copy(arg)
+            if action.flags == rk.Action.GET_DRV_VERSION:
+                self._submit_structs[fd] = rk.submit_struct_for(rk.decode_drv_version(action.value))
         return ret
 
     def mmap(self, fd: int, length: int, offset: int) -> memoryview:

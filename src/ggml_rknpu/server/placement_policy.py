@@ -20,6 +20,7 @@ from typing import Any
 
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.cost.model import VENDOR_CLOCK, NpuClock
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
@@ -55,6 +56,7 @@ class Placer:
     measured: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
     host_repack: bool = False      # host matmuls read repacked copies (priced at ggml-cpu's repacked kernel)
     split: bool = False            # auto may split a MUL_MAT's rows between the NPU and the host
+    npu_clock: NpuClock = VENDOR_CLOCK   # the NPU side is modeled at this clock
     records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
     _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
@@ -67,7 +69,8 @@ class Placer:
 
     def describe(self) -> str:
         measured = f", {len(self.measured)} shape/bucket times measured on this board" if self.measured else ""
-        return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s), "
+        return (f"placement {self.policy} (board models: NPU {self.npu_dtype} on {self.cores} core(s) at "
+                f"{self.npu_clock}, "
                 f"ggml-cpu on {self.threads} A76 thread(s){measured}; host matmuls run from "
                 f"{'repacked copies where ggml repacks' if self.host_repack else 'the GGUF bytes'})")
 
@@ -86,7 +89,8 @@ class Placer:
                 cached = pl.place_matmul(weight_type, pl.BUCKET_M[b], K, N, npu_dtype=self.npu_dtype,
                                          cores=self.cores, threads=self.threads,
                                          allow_split=self.split and self.policy == "auto" and experts == 1,
-                                         experts=experts, repacked=self.host_repack and experts == 1), "modeled"
+                                         experts=experts, repacked=self.host_repack and experts == 1,
+                                         npu_mhz=self.npu_clock.mhz), "modeled"
             self._cache[key] = cached
         return cached
 
@@ -136,8 +140,8 @@ class Placer:
                 for where, (n, nbytes) in sorted(sides.items())))
 
     def as_dict(self) -> dict:
-        return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores, "threads": self.threads,
-                "host_repack": self.host_repack, "split": self.split,
+        return {"policy": self.policy, "npu_dtype": self.npu_dtype, "cores": self.cores,
+                "npu_clock": str(self.npu_clock), "threads": self.threads, "host_repack": self.host_repack, "split": self.split,
                 "measured_shapes": len(self.measured),
                 "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
                              "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
@@ -156,7 +160,8 @@ class Placer:
 def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None, host_repack: bool = False,
                split: bool = False) -> Placer:
     """The policy for an engine: the NPU side at the cores its envelope allows (1 when the
-    engine does not say), the host side at ``threads`` A76 threads (None: all four; more
+    engine does not say) and at the engine's NPU clock (``VENDOR_CLOCK`` when it knows none),
+    the host side at ``threads`` A76 threads (None: all four; more
     than the board has: all four); on a board, the times measured there for this format,
     cores and threads (none off a board: the simulator's times are not the board's)."""
     cores = getattr(npu, "cores", None)
@@ -169,4 +174,6 @@ def placer_for(npu: Any, policy: str, weight_format: str, threads: int | None, h
         from ggml_rknpu.engine.placement_record import load_times
 
         measured = load_times(board_key(device), weight_format, cores, threads)
-    return Placer(policy, weight_format, cores, threads, measured, host_repack, split)
+    clock = getattr(npu, "npu_clock", None)
+    return Placer(policy, weight_format, cores, threads, measured, host_repack, split,
+                  npu_clock=clock if isinstance(clock, NpuClock) else VENDOR_CLOCK)

@@ -2,7 +2,7 @@
 
 Invariants: a step's NPU run goes through ``NpuRecovery.run`` (or its inlined copy in
 ``plan_steps.NpuStep.run``), which hands a failure to ``failed``, and this module holds the
-whole policy; a *fault* (timeout, DMA fault, or
+whole policy; a *fault* (timeout, EFAULT, or
 ``engine.canary.StaleOutput``, whose reset the engine has already done, so it is not done
 twice) resets the NPU and re-stages what the reset destroyed, retries once, and then
 computes the step on the host, so the graph completes with the right result; a weight is
@@ -28,11 +28,14 @@ log = logging.getLogger("ggml_rknpu.rpc")
 # faults at 0.2 per submit demoted a weight of a tiny model within 8 tokens (tests/e2e/test_e2e_faults.py);
 # 0.2^8 makes that negligible while a weight that always faults costs four steps' resets.
 DEMOTE_AFTER = 8
-FAULT_KINDS = ((StaleOutput, "stale"), (NpuTimeout, "timeout"), (NpuFault, "dma"))
+# By what the kernel and the engine report: a job timeout (ETIMEDOUT: a hang, a dead core, and on
+# both drivers a DMA fault too, which they know only as a timeout), output a job left unwritten
+# (the canaries), and any other NpuFault (EFAULT: a bad address the kernel refused).
+FAULT_KINDS = ((StaleOutput, "stale"), (NpuTimeout, "timeout"), (NpuFault, "fault"))
 
 
 def fault_kind(exc: BaseException) -> str | None:
-    """"timeout" | "dma" | "stale" for an NPU fault, None for any other failure."""
+    """"timeout" | "fault" | "stale" for an NPU fault, None for any other failure."""
     for cls, kind in FAULT_KINDS:
         if isinstance(exc, cls):
             return kind

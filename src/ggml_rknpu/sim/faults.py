@@ -22,6 +22,8 @@ from ggml_rknpu.kernel.rknpu import uapi as rk
 from ggml_rknpu.kernel.rocket import uapi as ro
 
 KINDS = ("timeout", "dma", "stale", "core")
+# the IOVA an injected DMA fault names in its dmesg line: page 0, which no buffer is ever mapped at
+DMA_FAULT_IOVA = 0x0
 _RATE = re.compile(r"^(?P<kind>[a-z]+):(?P<rate>[0-9.eE+-]+)$")
 _AT = re.compile(r"^(?P<kind>[a-z]+)@(?P<n>[0-9]+)$")
 _SEED = re.compile(r"^seed=(?P<seed>-?[0-9]+)$")
@@ -166,9 +168,14 @@ class FaultInjector:
             raise OSError(errno.ETIMEDOUT, f"SUBMIT: job timeout after {s.timeout} ms (injected fault: {why} "
                                            "until reset; simulated time)")
         if kind == "dma":
-            self.inner.log_line("RKNPU: injected fault: NPU DMA fault, soft reset")
-            raise OSError(errno.EFAULT, "SUBMIT: NPU DMA fault (injected; a board reports an IOMMU page fault "
-                                        "and a job timeout); the NPU was soft-reset")
+            # the vendor driver knows only timeouts: the IOMMU reports the page fault in dmesg, the
+            # job never raises its interrupt, rknpu_job_wait gives ETIMEDOUT and rknpu_job_abort
+            # soft-resets the NPU, so the next job runs [docs/npu-programming.md "What the drivers really do"]
+            self.inner.log_line(f"rk_iommu: Page fault at {DMA_FAULT_IOVA:#x} of type read (injected fault)")
+            self.inner.log_line(f"RKNPU: job timeout after {s.timeout} ms; soft reset")
+            raise OSError(errno.ETIMEDOUT, f"SUBMIT: job timeout after {s.timeout} ms (injected NPU DMA fault: an "
+                                           "IOMMU page fault in dmesg; the driver soft-reset the NPU; simulated "
+                                           "time)")
         if kind == "stale":
             s.task_counter = s.task_number   # "completed"; C was never written
             if hasattr(s, "hw_elapse_time"):
@@ -186,7 +193,8 @@ class FaultInjector:
             return 0   # mainline PREP_BO then returns 0 with the old bytes: nothing tells the caller
         s = ro.drm_rocket_submit.from_buffer_copy(bytes(arg[:ctypes.sizeof(ro.drm_rocket_submit)]))
         why = {"timeout": "the core hung (injected); rocket reset it after its job timeout",
-               "dma": "NPU DMA fault (injected); IOMMU page fault and job timeout",
+               "dma": "NPU DMA fault (injected): an IOMMU page fault in dmesg, then the job timeout and a "
+                      "core reset",
                "core": "a core stopped responding (injected); rocket reset it after its job timeout"}[kind]
         for i in range(s.job_count):
             job = ro.drm_rocket_job.from_buffer_copy(ctypes.string_at(s.jobs + i * s.job_struct_size,

@@ -87,8 +87,8 @@ class RknpuDriver:
     def __init__(self, syscalls: Syscalls, fd: int) -> None:
         self.ioctls = RknpuIoctls(syscalls, fd)
         self.drm, self.version = self.ioctls.drm, self.ioctls.version
-        # 0.9.8 names a domain in MEM_CREATE and SUBMIT; older ABIs have domain 0 only
-        self.max_domains = rk.MAX_IOMMU_DOMAINS if self.version >= rk.NEW_ABI_VERSION else 1
+        # 0.9.5 on name a domain in MEM_CREATE and SUBMIT; older ABIs have domain 0 only
+        self.max_domains = rk.MAX_IOMMU_DOMAINS if self.version >= rk.ABI_DOMAINS_VERSION else 1
         self._live: dict[int, tuple[int, int]] = {}  # handle -> (capacity, domain) of every object we hold
         self._tables: set[RknpuSubmitTable] = set()   # live tables: each owns its task BO
         # obj_addr -> (offset, size, flag) -> the packed MEM_SYNC (a job's ranges are few and fixed);
@@ -216,7 +216,7 @@ class RknpuDriver:
         for invalidate in job.invalidates:
             invalidate()
         # hw_elapse_time [VEND rknpu_job_done: ktime_sub(now, hw_commit_time), ns]: absent on the
-        # 0.9.6 ABI; 0 means no clock (no job completes in 0 ns), so it is not a measurement
+        # ABI before 0.9.5; 0 means no clock (no job completes in 0 ns), so it is not a measurement
         elapsed = [r.hw_elapse_time or 0 for r in results]
         return Finished(hw_elapsed_ns=sum(elapsed) if all(elapsed) else None,
                         task_counter=sum(r.task_counter for r in results))

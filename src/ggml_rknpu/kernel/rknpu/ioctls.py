@@ -1,7 +1,7 @@
 """``RknpuIoctls``: the vendor rknpu DRM driver as typed Python callables, one per ioctl.
 
 Identical on a board (``HostSyscalls``) and in tests (``SimKernel``): it only packs
-structs, calls ``syscalls.ioctl`` and unpacks. The struct generation (0.9.6 vs 0.9.8 submit,
+structs, calls ``syscalls.ioctl`` and unpacks. The struct generation (submit before or from 0.9.5,
 40- vs 48-byte mem_create) is chosen from the driver version the device reports via
 ACTION GET_DRV_VERSION [docs/npu-programming.md §4].
 """
@@ -43,7 +43,7 @@ class RknpuMem:
 @dataclass(frozen=True)
 class SubmitResult:
     task_counter: int
-    hw_elapse_time: int | None  # ns from commit to IRQ [VEND rknpu_job_done ktime_sub]; None on the 0.9.6 ABI
+    hw_elapse_time: int | None  # ns from commit to IRQ [VEND rknpu_job_done ktime_sub]; None before 0.9.5
 
 
 class RknpuIoctls:

@@ -2,14 +2,13 @@
 
 Field order and widths follow the vendor ``rknpu_ioctl.h`` as tabulated in
 docs/npu-programming.md §4 [VEND]; sizes and offsets are asserted in tests against that table.
-Two ABI generations exist:
-
-- ``rknpu_submit`` 0.9.6: ``u64 regcfg_obj_addr`` at 32 and ``u64 user_data`` at 48;
-  0.9.8: ``u32 iommu_domain_id; u32 reserved`` at 32 and ``s64 hw_elapse_time`` at 48
-  [VEND 0.9.6 vs 0.9.8 headers]. Both are 104 bytes, so the request number is the same.
-- ``rknpu_mem_create`` 40 bytes or 48 (``s32 iommu_domain_id; u32 core_mask`` appended).
-  Different request numbers; DRM zero-fills/truncates the size difference
-  [docs/npu-programming.md §4, "What the drivers really do"].
+Two ABI generations, split where the driver gained IOMMU domains (``ABI_DOMAINS_VERSION``):
+``rknpu_submit`` with ``u64 regcfg_obj_addr`` at 32 and ``u64 user_data`` at 48, then with
+``u32 iommu_domain_id; u32 reserved`` and ``s64 hw_elapse_time`` there (both 104 bytes: one
+request number); ``rknpu_mem_create`` of 40 bytes, then 48 (``s32 iommu_domain_id`` and a last
+word: ``reserved`` up to 0.9.7, ``core_mask`` in 0.9.8), two request numbers, DRM zero-filling
+or truncating the difference. Which header says what: docs/npu-programming.md "What the
+drivers really do" (UAPI layouts).
 """
 
 from __future__ import annotations
@@ -119,8 +118,10 @@ class rknpu_subcore_task(ctypes.Structure):
     _fields_ = [("task_start", u32), ("task_number", u32)]
 
 
-class rknpu_submit_v096(ctypes.Structure):
-    """0.9.6-era submit [VEND orangepi 0.9.6 rknpu_ioctl.h]."""
+class rknpu_submit_v080(ctypes.Structure):
+    """The submit of drivers without IOMMU domains (0.8.x; up to 0.9.4 here)
+    [VEND rknpu_ioctl.h beside the 40-byte mem_create; docs/npu-programming.md "What the drivers
+    really do" (UAPI layouts)]."""
 
     _fields_ = [
         ("flags", u32), ("timeout", u32), ("task_start", u32), ("task_number", u32),
@@ -131,8 +132,9 @@ class rknpu_submit_v096(ctypes.Structure):
     ]
 
 
-class rknpu_submit_v098(ctypes.Structure):
-    """0.9.8 submit: iommu domain id and the hardware elapsed time [VEND 0.9.8 rknpu_ioctl.h]."""
+class rknpu_submit_v095(ctypes.Structure):
+    """The submit from 0.9.5 on: the IOMMU domain id and the hardware elapsed time
+    [VEND 0.9.6, 0.9.7 and 0.9.8 rknpu_ioctl.h]."""
 
     _fields_ = [
         ("flags", u32), ("timeout", u32), ("task_start", u32), ("task_number", u32),
@@ -153,7 +155,8 @@ class rknpu_mem_create_v40(ctypes.Structure):
 
 
 class rknpu_mem_create_v48(ctypes.Structure):
-    """48-byte mem_create with the 0.9.x iommu_domain_id [VEND]."""
+    """48-byte mem_create with the iommu_domain_id (0.9.5 on); the last word is ``reserved`` up
+    to 0.9.7 and ``core_mask`` (placing NBUF allocations) in 0.9.8 [VEND rknpu_ioctl.h]; 0 here."""
 
     _fields_ = [
         ("handle", u32), ("flags", u32), ("size", u64), ("obj_addr", u64),
@@ -196,7 +199,7 @@ class Nr(IntEnum):
 
 
 DRM_IOCTL_RKNPU_ACTION = DRM_IOWR(DRM_COMMAND_BASE + Nr.ACTION, rknpu_action)
-DRM_IOCTL_RKNPU_SUBMIT = DRM_IOWR(DRM_COMMAND_BASE + Nr.SUBMIT, rknpu_submit_v098)
+DRM_IOCTL_RKNPU_SUBMIT = DRM_IOWR(DRM_COMMAND_BASE + Nr.SUBMIT, rknpu_submit_v095)
 DRM_IOCTL_RKNPU_MEM_CREATE_40 = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_CREATE, rknpu_mem_create_v40)
 DRM_IOCTL_RKNPU_MEM_CREATE_48 = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_CREATE, rknpu_mem_create_v48)
 DRM_IOCTL_RKNPU_MEM_MAP = DRM_IOWR(DRM_COMMAND_BASE + Nr.MEM_MAP, rknpu_mem_map)
@@ -213,21 +216,22 @@ def decode_drv_version(value: int) -> tuple[int, int, int]:
     return value // 10000, (value // 100) % 100, value % 100
 
 
-# The ABI generation boundary. Both submit variants are verified against the 0.9.6 and
-# 0.9.8 headers; where exactly between them it changed (0.9.7?) is not known - a guess
-# that only matters for a 0.9.7 kernel, which we have never seen.
-NEW_ABI_VERSION = (0, 9, 8)
+# The ABI generation boundary: the IOMMU domains arrived with iommu_domain_id in SUBMIT and
+# MEM_CREATE and hw_elapse_time in SUBMIT. 0.8.3's rknpu_drv.h has no domain table, 0.9.6's has
+# it and its rknpu_ioctl.h the new layout [VEND]; that 0.9.5 is the first is a review's reading
+# of the tarballs; no 0.9.1-0.9.5 header was read [docs/npu-programming.md "What the drivers
+# really do" (UAPI layouts)].
+ABI_DOMAINS_VERSION = (0, 9, 5)
 # From this version the driver re-issues a core's task list longer than max_submit_number
 # (4095) in chunks from its IRQ path (rknpu_job_subcore_commit_pc's submit_index); earlier
-# ones OR the count into TASK_CON [docs/npu-programming.md §4: the version is the review's
-# reading of the tarballs, the chunking itself is in 0.9.8's rknpu_job.c]
+# ones OR the count into TASK_CON [docs/npu-programming.md §4: 0.8.3's rknpu_config has no
+# max_submit_number, 0.9.6's has; 0.9.5 is the review's reading, the chunking is in 0.9.8's rknpu_job.c]
 CHUNKED_SUBMIT_VERSION = (0, 9, 5)
 
 
 def submit_struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:
-    return rknpu_submit_v098 if version >= NEW_ABI_VERSION else rknpu_submit_v096
+    return rknpu_submit_v095 if version >= ABI_DOMAINS_VERSION else rknpu_submit_v080
 
 
 def mem_create_struct_for(version: tuple[int, int, int]) -> type[ctypes.Structure]:
-    # *inference*: the 48-byte mem_create arrived with the iommu_domain_id of 0.9.8's submit.
-    return rknpu_mem_create_v48 if version >= NEW_ABI_VERSION else rknpu_mem_create_v40
+    return rknpu_mem_create_v48 if version >= ABI_DOMAINS_VERSION else rknpu_mem_create_v40

@@ -297,6 +297,12 @@ class SimKernel:
             return [self._shared_domain]
         return [f.domain for f in self._files.values() if f.domain is not None]
 
+    @property
+    def modeled_npu_mhz(self) -> float | None:
+        """The NPU clock (MHz) of this kernel's modeled timeline, where it keeps one: what modeled
+        device time above it is priced at (engine.api); rocket: its ``rocket_mhz``."""
+        return None
+
     def _log(self, line: str) -> None:
         self.log_line(f"{self.abi.upper()}: {line}")
 

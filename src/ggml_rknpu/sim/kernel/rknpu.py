@@ -52,8 +52,9 @@ _JOB_UNMODELED = int(rk.JobFlag.NONBLOCK | rk.JobFlag.FENCE_IN | rk.JobFlag.FENC
 # Values the ACTION ioctl reports. Sources per value; guesses say so.
 NPU_FREQ_HZ = 1_000_000_000  # guess: the RKNN runtime's default "take 1000MHz" [capture pw_c256_h14]
 NPU_VOLT_UV = 850_000  # placeholder, NOT a measured RK3588 value: the simulator has no regulator
-# DRIVER_DATE of rknpu_drv.h per version [VEND rknpu_drv.h]; other versions: unknown
-DRIVER_DATES = {(0, 9, 6): "20240322", (0, 9, 8): "20240828"}
+# DRIVER_DATE of rknpu_drv.h per version [VEND rknpu_drv.h as in WolfVision/linux (0.8.3),
+# orangepi-xunlong/linux-orangepi (0.9.6), khadas/linux (0.9.7), Rockchip's 0.9.8 tarball]; others: unknown
+DRIVER_DATES = {(0, 8, 3): "20221110", (0, 9, 6): "20240322", (0, 9, 7): "20240424", (0, 9, 8): "20240828"}
 # the bandwidth-priority actions: RK3588 has no such block (rk3588_rknpu_config bw_priority_addr 0),
 # so rknpu_get/set_bw_priority return EINVAL [VEND rknpu_job.c; docs/npu-programming.md §4]
 _BW_ACTIONS = frozenset({rk.Action.GET_BW_PRIORITY, rk.Action.SET_BW_PRIORITY, rk.Action.GET_BW_EXPECT,
@@ -295,7 +296,7 @@ class SimRknpuKernel(SimKernel):
             if start + number > n_slots:
                 raise fail(errno.EINVAL, f"SUBMIT: tasks [{start}, {start + number}) of core {core} run past the "
                                           f"{n_slots} rknpu_task slots of the task BO")
-        domain_id = getattr(s, "iommu_domain_id", 0)   # 0.9.6: no field, domain 0
+        domain_id = getattr(s, "iommu_domain_id", 0)   # before 0.9.5: no field, domain 0
         if not 0 <= domain_id < rk.MAX_IOMMU_DOMAINS:
             # rknpu_job_schedule: the switch fails, nothing is queued, rknpu_job_wait waits three
             # timeouts and returns EINVAL, and rknpu_job_abort puts a reference never taken

@@ -114,6 +114,11 @@ class SimRocketKernel(SimKernel):
         self._entities: dict[int, int] = {}      # id(open file) -> its entity's number
         self._opened = 0                         # files opened so far
 
+    @property
+    def modeled_npu_mhz(self) -> float:
+        """The clock this kernel's timeline runs at."""
+        return self.rocket_mhz
+
     def driver_ioctls(self) -> IoctlTable:
         return {
             ro.Nr.CREATE_BO: Ioctl(self._ro_create_bo, ro.drm_rocket_create_bo, RW),
