@@ -115,12 +115,14 @@ def test_a_fused_weight_and_a_chain_run_from_every_file(npu):
         np.testing.assert_array_equal(got, expected)
 
 
-def test_a_dropped_task_in_any_file_is_stale_output(npu):
+@pytest.mark.parametrize("fault", ["stale", "timeout"])
+def test_a_job_that_never_completes_in_any_file_is_stale_output(npu, fault):
+    """A dropped task, or a job hung until rocket's timeout kills it (no error, outputs stale)."""
     rng = np.random.default_rng(3)
     w = npu.upload_weight(rng.standard_normal((96, 64)).astype(np.float32))
     a = rng.standard_normal((1, 64)).astype(np.float32)
     good = npu.matmul(a, w)
-    _kernel(npu).inject = "stale"            # the next job (the first file's) loses its last task
+    _kernel(npu).inject = fault              # the next job (the first file's)
     with pytest.raises(StaleOutput, match="3 files") as caught:
         npu.matmul(a, w)
     assert caught.value.lost == [] and npu.counters["npu_faults"] == 1 and npu.counters["resets"] == 1
