@@ -108,6 +108,7 @@ def test_a_fused_weight_and_a_chain_run_from_every_file(npu):
     for got, expected in zip(outs, want):
         np.testing.assert_array_equal(got, expected)
     assert npu.counters["chained_submits"] == 1 and npu.counters["weights_uploaded"] == 2
+    assert fusion.timing[1] > 0 and npu.last_timing is not None and npu.last_timing.submits == 3
     submits = npu.counters["submits"]
     again = [np.full_like(w, np.nan) for w in want]
     assert fusion.rehearse(x, again) > 0 and npu.counters["submits"] == submits   # C still holds this input's
@@ -127,6 +128,12 @@ def test_a_job_that_never_completes_in_any_file_is_stale_output(npu, fault):
         npu.matmul(a, w)
     assert caught.value.lost == [] and npu.counters["npu_faults"] == 1 and npu.counters["resets"] == 1
     np.testing.assert_array_equal(npu.matmul(a, w), good)
+
+
+def test_narrow_weights_go_to_the_files_holding_least(npu):
+    rng = np.random.default_rng(6)
+    narrow = [npu.upload_weight(rng.standard_normal((16, 64)).astype(np.float32)) for _ in range(3)]
+    assert sorted(w.slices[0].file for w in narrow) == [0, 1, 2]
 
 
 def test_memory_is_the_files_added_and_freeing_releases_every_slice(npu):

@@ -132,6 +132,7 @@ class CoreFilesFusion:
             self.close()
             raise
         self._results: list[np.ndarray] = []
+        self.timing: tuple[float, float, float] = (0.0, 0.0, 0.0)   # pack, launch and wait, unpack (measured)
         self._modeled: tuple[tuple[Workload, ...], ModeledTime] | None = None
         for w in weights:
             w.fusions.add(self)
@@ -187,7 +188,9 @@ class CoreFilesFusion:
                 for dst, v in zip(outs, results):
                     np.copyto(dst[:rows], v, casting="same_kind")
                 results = [o[:rows] for o in outs]
-        self.owner.ran(self, Timing(pack_s, submit_s, unpack_s + time.perf_counter() - t0, device_s=device_s,
+        unpack_s += time.perf_counter() - t0
+        self.timing = (pack_s, submit_s, unpack_s)
+        self.owner.ran(self, Timing(pack_s, submit_s, unpack_s, device_s=device_s,
                                     device_label="unknown" if device_s is None else "modeled", submits=submits))
         return results
 
@@ -322,9 +325,12 @@ class CoreFilesEngine:
         self._check_open()
         check_matrix(b, "weight")
         N, K = b.shape
+        ranges = row_slices(N, K, dtype, len(self.files))
+        # fewer slices than files (a narrow weight): the files holding least take them
+        files = sorted(sorted(range(len(self.files)), key=lambda f: self.files[f].memory_used())[: len(ranges)])
         slices: list[WeightSlice] = []
         try:
-            for f, (n0, n1) in enumerate(row_slices(N, K, dtype, len(self.files))):
+            for f, (n0, n1) in zip(files, ranges):
                 slices.append(WeightSlice(f, self.files[f].upload_weight(b[n0:n1], dtype), n0, n1))
         except BaseException:
             for s in slices:
