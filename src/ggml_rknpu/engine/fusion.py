@@ -1,10 +1,11 @@
 """``Fusion``: the engine's one route from activations to results, planned once and replayed:
 one weight (plain, or siblings fused into one) or several chained in one submit.
 
-Invariants: every NPU run of the engine is a ``Fusion.run`` (``NpuEngine.matmul`` is a one-weight
-fusion): A written through views, canaries armed, the jobs submitted in order, canaries
-checked (output left unwritten resets the NPU and raises ``StaleOutput``), C read through
-views straight into the caller's arrays, the timing kept. A fused weight is exact (each
+Invariants: every NPU run of an ``NpuEngine`` is a ``Fusion.run`` (``NpuEngine.matmul`` is a
+one-weight fusion; ``engine.core_files`` launches its files' staged jobs itself): A written
+through views, canaries armed, the jobs submitted in order, canaries checked (output left
+unwritten resets the NPU and raises ``StaleOutput``), C read through views straight into the
+caller's arrays, the timing kept. A fused weight is exact (each
 output row is the same dot product; int8 scales are per row and concatenate too); chained
 programs read one A and write disjoint regions of one C; freeing a weight closes the
 fusions using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
