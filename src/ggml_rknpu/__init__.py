@@ -10,8 +10,9 @@ def open(device: str | None = None, **kwargs):  # noqa: A001 - mirrors the publi
     """Open the NPU engine: ``npu = ggml_rknpu.open()``.
 
     ``device`` is ``"rknpu" | "rocket" | "sim-rknpu" | "sim-rocket"`` or ``None``
-    (real hardware when present, else the simulator; ``RKNPU_DEVICE`` overrides).
+    (real hardware when present, else the simulator; ``RKNPU_DEVICE`` overrides). On
+    mainline rocket with more than one core, one open file per core (``engine.open_npu``).
     """
-    from ggml_rknpu.engine import open_engine
+    from ggml_rknpu.engine.core_files import open_npu
 
-    return open_engine(device=device, **kwargs)
+    return open_npu(device=device, **kwargs)

@@ -14,6 +14,7 @@ from ggml_rknpu.cost.model import (
     ROCKET_DOMAIN_SWITCH_S,
     TaskWork,
     Workload,
+    rocket_files_time,
     rocket_time,
     task_seconds,
     vendor_style_workload,
@@ -64,3 +65,21 @@ def test_files_are_one_or_one_per_core_used():
     work = vendor_style_workload(16, 256, 96, cores=3)
     with pytest.raises(ValueError, match="one file per core"):
         rocket_time(work, files=2, npu_mhz=MHZ)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(1, 4096), st.integers(16, 8192),
+                          st.sampled_from(["fp16", "int8"]), st.integers(1, 3)), min_size=1, max_size=3))
+def test_files_side_by_side_are_never_below_any_one_files_jobs(files):
+    """Each file's work is its own one-core program (the engine's file per core): the files
+    run side by side, never faster than any one file's jobs in turn, alone or sharing DRAM."""
+    works = [Workload(vendor_style_workload(m, k, n, dtype=dtype, cores=1).tasks, submits=submits)
+             for m, k, n, dtype, submits in files]
+    together = rocket_files_time(works, npu_mhz=MHZ).total_s
+    for work in works:
+        in_turn = (sum(task_seconds(t, npu_mhz=MHZ, cores_in_job=len(works)) for t in work.tasks)
+                   + work.submits * ROCKET_DOMAIN_SWITCH_S)
+        assert together >= in_turn
+        assert together >= rocket_files_time([work], npu_mhz=MHZ).total_s - 1e-15
+        assert rocket_files_time([work], npu_mhz=MHZ).total_s == pytest.approx(
+            rocket_time(work, files=1, npu_mhz=MHZ).total_s)

@@ -6,6 +6,7 @@ Prints a table (op, cases passed / total, verdict, the server's peak RSS (VmHWM,
 before it stops: measured), seconds, the server's first refusal).
 
     .venv/bin/python tests/e2e/backend_ops_table.py [--ops ADD,MUL_MAT] [--timeout 1800] [--json out.json]
+        [--device sim-rocket] [--envelope extended]
 
 (``scripts/test-backend-ops-full --table`` runs it.) Verdicts: ``ok`` (every case passed),
 ``FAIL`` (a case computed a wrong result), ``refused`` (the server closed the connection for
@@ -43,9 +44,9 @@ def peak_rss_mib(pid: int) -> float | None:
     return None if peak is None else peak / 2**20
 
 
-def run_op(op: str, tmp: Path, timeout: float) -> dict:
+def run_op(op: str, tmp: Path, timeout: float, device: str = "sim-rknpu", envelope: str = "recorded") -> dict:
     t0 = time.perf_counter()
-    with rknpu_server(tmp, name=f"serve-{op}") as srv:
+    with rknpu_server(tmp, device=device, extra=("--envelope", envelope), name=f"serve-{op}") as srv:
         assert srv.proc is not None
         try:
             r = run_backend_ops(srv.endpoint, op, timeout=timeout)
@@ -75,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", help="comma-separated ops (default: every op of --list-ops)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per op")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
+    ap.add_argument("--device", default="sim-rknpu", choices=("sim-rknpu", "sim-rocket"),
+                    help="the simulated driver the servers run on")
+    ap.add_argument("--envelope", default="recorded", choices=("recorded", "proven", "extended"),
+                    help="rknpu serve --envelope (extended: three cores; on sim-rocket a file per core)")
     args = ap.parse_args(argv)
     ops = args.ops.split(",") if args.ops else list_ops()
     rows = []
     with tempfile.TemporaryDirectory(prefix="backend-ops-") as tmp:
         for op in ops:
-            row = run_op(op, Path(tmp), args.timeout)
+            row = run_op(op, Path(tmp), args.timeout, args.device, args.envelope)
             rows.append(row)
             peak = row["peak_rss_mib"]
             print(f"{row['op']:<24} {row['passed']:>6}/{row['total']:<6} {row['verdict']:<14} "

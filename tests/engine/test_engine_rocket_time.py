@@ -1,6 +1,7 @@
-"""The engine's modeled device time under rocket: it submits a job from its one open file, so
-mainline runs the cores' shares one after another, and the modeled time of a job is never
-below the sum of the jobs that file submitted (``cost.model.driver_time``). Three cores,
+"""A one-file engine's modeled device time under rocket (``open_engine``; ``open_npu`` opens a
+file per core, tests/engine/test_engine_core_files.py): it submits a job from its one open
+file, so mainline runs the cores' shares one after another, and the modeled time of a job is
+never below the sum of the jobs that file submitted (``cost.model.driver_time``). Three cores,
 extended envelope, on sim-rocket; the matmul itself exact against numpy."""
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from ggml_rknpu.devices import open_device
-from ggml_rknpu.engine import open_engine
+from ggml_rknpu.engine import open_engine, open_npu
 from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.engine.core_files import CoreFilesEngine
 from ggml_rknpu.kernel.errors import NpuFault, NpuTimeout
 from ggml_rknpu.server.placement import HOST, NPU
 from ggml_rknpu.server.recovery import DEMOTE_AFTER
@@ -162,4 +163,21 @@ def test_simulated_rocket_faults_end_stale_and_lose_nothing():
     r = state.recovery
     assert sum(injector.counts.values()) == 3
     assert r.faults == {"stale": 3, "timeout": 0, "fault": 0} and r.resets == 3
+    assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0
+
+
+def test_rocket_faults_with_a_file_per_core_end_stale_and_lose_nothing():
+    """The same faults under a file per core (three cores, extended envelope; the graph's
+    weight has two kernel groups, so two files): whichever file's job faults, the run is stale
+    output, one reset, and the step is retried like any fault."""
+    injector = inject_faults("rocket", "timeout@2,dma@5,core@9")
+    npu = open_npu(open_device("sim-rocket", syscalls=injector), envelope="extended")
+    assert isinstance(npu, CoreFilesEngine)
+    try:
+        state = _run(npu, passes=6)
+    finally:
+        npu.close()
+    r = state.recovery
+    assert sum(injector.counts.values()) == 3
+    assert r.faults == {"stale": 3, "timeout": 0, "dma": 0} and r.resets == 3
     assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0

@@ -10,7 +10,7 @@ Why a separate model and the terms' sources: docs/decisions.md "cost/model.py"."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,9 +188,7 @@ def rocket_time(program: Any, *, files: int, npu_mhz: float, dram_mhz: float = 2
     one after another on one core [docs/npu-programming.md "What the drivers really do"].
     ``files=1``: every core's share is a job of the one file, so the shares run in turn (their
     sum). ``files`` = the cores used: core i's share is submitted by file i, so the shares run
-    side by side (the slowest file's sum). Every job pays ``ROCKET_DOMAIN_SWITCH_S`` (a guess)
-    and every file's SUBMIT and wait the profile's per-submit cost (an upper bound: the waits
-    overlap)."""
+    side by side (``rocket_files_time``)."""
     work = program if isinstance(program, Workload) else workload_from_program(program)
     if not work.tasks:
         raise ValueError("a program without tasks has no modeled time")
@@ -198,20 +196,34 @@ def rocket_time(program: Any, *, files: int, npu_mhz: float, dram_mhz: float = 2
     if files not in (1, len(cores)):
         raise ValueError(f"rocket runs a program from one file or one file per core used ({len(cores)}), "
                          f"not {files}")
-    per_core = {c: [0.0, 0.0, 0.0, 0.0] for c in cores}   # total, compute, memory, overhead
-    streaming = 1 if files == 1 else len(cores)           # cores sharing the DRAM stream at once
-    for task in work.tasks:
-        for i, x in enumerate(_task_parts(task, npu_mhz, dram_mhz, streaming)):
-            per_core[task.core][i] += x
-    switches = work.submits * ROCKET_DOMAIN_SWITCH_S      # one job per core and submit
-    for acc in per_core.values():
+    if files == 1:
+        return rocket_files_time([work], npu_mhz=npu_mhz, dram_mhz=dram_mhz, profile=profile)
+    return rocket_files_time([Workload(tuple(t for t in work.tasks if t.core == c), work.submits) for c in cores],
+                             npu_mhz=npu_mhz, dram_mhz=dram_mhz, profile=profile)
+
+
+def rocket_files_time(files: Sequence[Workload], *, npu_mhz: float, dram_mhz: float = 2112,
+                      profile: SubmitProfile = OWN_DRIVER) -> ModeledTime:
+    """Modeled time of jobs submitted at once from several open files under mainline rocket,
+    ``files[i]`` the work of file i: each file's tasks run in turn on its one core (their sum,
+    whatever cores the tasks name), the files side by side on their own cores, sharing the
+    DRAM stream (the slowest file). Every job pays ``ROCKET_DOMAIN_SWITCH_S`` (a guess; a
+    SUBMIT holds one job per core its tasks name) and every file's SUBMIT and wait the profile's per-submit cost
+    (all added: an upper bound, the waits overlap)."""
+    if not files or not all(w.tasks for w in files):
+        raise ValueError("every file needs tasks to have a modeled time")
+    per_file = []   # total, compute, memory, overhead
+    for work in files:
+        acc = [0.0, 0.0, 0.0, 0.0]
+        for task in work.tasks:
+            for i, x in enumerate(_task_parts(task, npu_mhz, dram_mhz, len(files))):
+                acc[i] += x
+        switches = work.submits * len({t.core for t in work.tasks}) * ROCKET_DOMAIN_SWITCH_S   # its jobs
         acc[0] += switches
         acc[3] += switches
-    submit_s = profile.per_submit_s * work.submits * files
-    if files == 1:
-        total, compute_s, memory_s, overhead_s = (sum(a[i] for a in per_core.values()) for i in range(4))
-    else:
-        total, compute_s, memory_s, overhead_s = max(per_core.values(), key=lambda a: a[0])
+        per_file.append(acc)
+    submit_s = profile.per_submit_s * sum(w.submits for w in files)
+    total, compute_s, memory_s, overhead_s = max(per_file, key=lambda a: a[0])
     return ModeledTime(total + submit_s, compute_s, memory_s, overhead_s + submit_s)
 
 

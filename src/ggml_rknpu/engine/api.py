@@ -13,7 +13,7 @@ docs/decisions.md "engine/api.py"."""
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -40,12 +40,17 @@ COUNTERS = ("weights_uploaded", "weight_bytes_uploaded", "weights_freed", "progr
             "submits", "npu_faults", "resets", "fused_weights_uploaded", "fusion_runs", "chained_submits",
             "memory_splits", "weights_past_domain_0")
 W = TypeVar("W", bound=Weight)
+E = TypeVar("E")
+
 
 
 class NpuEngine:
     """The engine over one ``NpuDevice`` (a ``MatmulEngine``); see the module docstring."""
 
-    def __init__(self, device: NpuDevice, cores: int | None = None, envelope: Envelope | str | None = None) -> None:
+    def __init__(self, device: NpuDevice, cores: int | None = None, envelope: Envelope | str | None = None,
+                 counters: dict[str, int] | None = None) -> None:
+        """``counters``: a dict of ``COUNTERS`` to count into (the files of one
+        ``engine.core_files.CoreFilesEngine`` share theirs), else the engine's own."""
         if cores is not None and not 1 <= cores <= device.n_cores:
             raise ValueError(f"cores must be in 1..{device.n_cores}, got {cores}")
         if envelope is None:
@@ -59,7 +64,7 @@ class NpuEngine:
         self.abi = device.kind
         self.npu_clock = _npu_clock(device)
         self.npu_mhz = None if self.npu_clock is None else self.npu_clock.mhz
-        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0) if counters is None else counters
         memory = NpuMemory(device)
         self.scratch = ScratchPool(memory, self.counters)
         programs = ProgramCache(device, memory, self.scratch, self.counters, self.cores, self.envelope, self.npu_mhz)
@@ -279,17 +284,26 @@ def _npu_clock(device: NpuDevice) -> NpuClock | None:
     return NpuClock(modeled, f"the simulated {device.kind} kernel's clock") if modeled else VENDOR_CLOCK
 
 
-def open_engine(device: str | NpuDevice | None = None, cores: int | None = None, envelope: Envelope | str | None = None) -> NpuEngine:
-    """Open the engine on ``device``: "rknpu" | "rocket" | "sim-rknpu" | "sim-rocket" | None
-    (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``. ``cores`` None: as many
-    as the envelope allows; ``envelope`` None: the recorded one (module doc)."""
+def open_engine(device: str | NpuDevice | None = None, cores: int | None = None,
+                envelope: Envelope | str | None = None) -> NpuEngine:
+    """The engine on one open file of ``device``: "rknpu" | "rocket" | "sim-rknpu" |
+    "sim-rocket" | None (auto; ``RKNPU_DEVICE`` overrides), or an open ``NpuDevice``.
+    ``cores`` None: as many as the envelope allows; ``envelope`` None: the recorded one
+    (module doc). Mainline rocket runs one file's jobs on one core: ``engine.core_files.open_npu``
+    opens a file per core there."""
+    return with_device(device, lambda dev: NpuEngine(dev, cores, envelope))
+
+
+def with_device(device: str | NpuDevice | None, make: Callable[[NpuDevice], E]) -> E:
+    """``make`` over ``device`` (an engine over it), opened by name here and closed again if
+    ``make`` fails."""
     if device is None or isinstance(device, str):
         from ggml_rknpu.devices import open_device
 
         dev = open_device(device)
         try:
-            return NpuEngine(dev, cores, envelope)
+            return make(dev)
         except BaseException:
             dev.close()
             raise
-    return NpuEngine(device, cores, envelope)
+    return make(device)

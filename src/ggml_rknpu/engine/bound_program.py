@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggml_rknpu.compiler.program import Program
-from ggml_rknpu.cost.model import ModeledTime
+from ggml_rknpu.cost.model import ModeledTime, Workload
 from ggml_rknpu.engine.canary import Canaries, CanaryCells
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.engine.scratch import ScratchShare
@@ -29,6 +29,7 @@ class BoundProgram:
     m: int
     b_addr: int
     modeled: ModeledTime | None
+    workload: Workload           # what the cost model prices for it (``cost.model.workload_from_program``)
     a_buf: ScratchShare | None = None
     c_buf: ScratchShare | None = None
     regcmd_buf: Buffer | None = None

@@ -1,10 +1,11 @@
 """``Fusion``: the engine's one route from activations to results, planned once and replayed:
 one weight (plain, or siblings fused into one) or several chained in one submit.
 
-Invariants: every NPU run of the engine is a ``Fusion.run`` (``NpuEngine.matmul`` is a one-weight
-fusion): A written through views, canaries armed, the jobs submitted in order, canaries
-checked (output left unwritten resets the NPU and raises ``StaleOutput``), C read through
-views straight into the caller's arrays, the timing kept. A fused weight is exact (each
+Invariants: every NPU run of an ``NpuEngine`` is a ``Fusion.run`` (``NpuEngine.matmul`` is a
+one-weight fusion; ``engine.core_files`` launches its files' staged jobs itself): A written
+through views, canaries armed, the jobs submitted in order, canaries checked (output left
+unwritten resets the NPU and raises ``StaleOutput``), C read through views straight into the
+caller's arrays, the timing kept. A fused weight is exact (each
 output row is the same dot product; int8 scales are per row and concatenate too); chained
 programs read one A and write disjoint regions of one C; freeing a weight closes the
 fusions using it. Why and the two ways: docs/decisions.md "engine/fusion.py"."""
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
@@ -37,8 +39,25 @@ if TYPE_CHECKING:
     from ggml_rknpu.engine.npu_weight import Weight
     from ggml_rknpu.engine.parts import EngineParts
 
-# one run of A through programs: (rows, A port, C ports, jobs, canaries, what a timeout names, modeled time)
-Piece = tuple[int, ActivationPort, Sequence[ResultPort], tuple[Job, ...], CanaryCells, str, "ModeledTime | None"]
+# one run of A through programs: (rows, A port, C ports, jobs, canaries, what a timeout names, modeled
+# time, the work the cost model prices)
+Piece = tuple[int, ActivationPort, Sequence[ResultPort], tuple[Job, ...], CanaryCells, str, "ModeledTime | None",
+              Workload]
+
+
+@dataclass(frozen=True, eq=False)
+class Staged:
+    """One piece of a run with its rows of A written: ``jobs`` are ready to submit once
+    ``cells`` (the canaries) are armed; ``Fusion.read`` takes C after they ran."""
+
+    rows: int
+    act_scales: np.ndarray | None
+    ports: Sequence[ResultPort]
+    jobs: tuple[Job, ...]
+    cells: CanaryCells
+    label: str
+    modeled: ModeledTime | None
+    workload: Workload
 
 def concat_rows(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]]:
     """Sibling weights [N_i, K] -> one [sum N_i, K] array and each sibling's row range."""
@@ -129,7 +148,24 @@ class Fusion:
             return None
         a_port, c_port = programs.ports(bound, w, self.out)
         self.modeled = bound.modeled
-        return n, a_port, (c_port,), bound.jobs, bound.canary_cells(), bound.label, bound.modeled
+        return n, a_port, (c_port,), bound.jobs, bound.canary_cells(), bound.label, bound.modeled, bound.workload
+
+    def stage(self, a: np.ndarray, m0: int, rows: int) -> Staged | None:
+        """The piece for rows ``[m0, m0 + rows)`` of ``a`` (at most: ``Staged.rows``) with its
+        rows of A written; None when the weight's largest bucket was just lowered: ask again."""
+        piece = self._piece(rows)
+        if piece is None:
+            return None
+        n, a_port, r_ports, jobs, cells, what, modeled, work = piece
+        act_scales = a_port.write(a if n == a.shape[0] else a[m0: m0 + n])
+        return Staged(n, act_scales, r_ports, jobs, cells, what, modeled, work)
+
+    @staticmethod
+    def read(staged: Staged, dsts: Sequence[np.ndarray], m0: int, rows: int) -> None:
+        """Rows ``[m0, m0 + rows)`` of each weight's result from C into ``dsts`` (one per
+        weight, any strides), once the staged jobs ran and their canaries were checked."""
+        for port, dst in zip(staged.ports, dsts):
+            port.read(dst[m0:] if m0 else dst, rows, staged.act_scales)
 
     def rehearse(self, a: np.ndarray, outs: Sequence[np.ndarray] | None = None) -> float:
         """The host side of ``run`` alone (A written, C read through the views, scales
@@ -139,14 +175,11 @@ class Fusion:
         self._check_open()
         t0 = time.perf_counter()
         rows = a.shape[0]
-        piece = self._piece(rows)
-        if piece is None or piece[0] < rows:
+        staged = self.stage(a, 0, rows)
+        if staged is None or staged.rows < rows:
             raise ValueError(f"rehearse takes the rows of one program; {rows} need several")
-        _, a_port, r_ports, *_ = piece
-        act_scales = a_port.write(a)
         results = self._own_results(rows)
-        for port, result in zip(r_ports, results):
-            port.read(result, rows, act_scales)
+        self.read(staged, results, 0, rows)
         seconds = time.perf_counter() - t0
         for dst, (i, n0, n1) in zip(outs or (), self.outputs):
             np.copyto(dst[:rows], results[i][:rows, n0:n1], casting="same_kind")
@@ -173,11 +206,10 @@ class Fusion:
         submits = 0
         m0 = 0
         while m0 < rows:
-            piece = self._piece(rows - m0)
-            if piece is None:
+            staged = self.stage(a, m0, rows - m0)
+            if staged is None:
                 continue
-            n, a_port, r_ports, jobs, cells, what, modeled = piece
-            act_scales = a_port.write(a if n == rows else a[m0: m0 + n])
+            n, jobs, cells, what, modeled = staged.rows, staged.jobs, staged.cells, staged.label, staged.modeled
             t1 = time.perf_counter()
             cells.arm()
             t2 = time.perf_counter()
@@ -196,8 +228,7 @@ class Fusion:
                 self._stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
                                    f"unwritten after {len(jobs)} submit(s): a task did not finish (rocket: job "
                                    "killed at its 500 ms timeout?)")
-            for port, dst in zip(r_ports, dsts):
-                port.read(dst if n == rows else dst[m0: m0 + n], n, act_scales)
+            self.read(staged, dsts, m0, n)
             t5 = time.perf_counter()
             dev, label = device_seconds(modeled, done, hw_ns)
             pack_s, submit_s, unpack_s = pack_s + t1 - t0, submit_s + t4 - t1, unpack_s + t5 - t4
@@ -309,8 +340,9 @@ class _Chain:
         programs = [cache.program_for(w, m, fusion.out) for w in fusion.weights]
         self.programs = programs
         _check_chainable(programs, parts)
+        self.workload = fusion_workload(programs)
         self.modeled = (None if cache.npu_mhz is None
-                        else driver_time(fusion_workload(programs), abi=cache.abi, npu_mhz=cache.npu_mhz))
+                        else driver_time(self.workload, abi=cache.abi, npu_mhz=cache.npu_mhz))
         what = repr(fusion)
         # A and the members' C regions share one buffer, C from a cache-line boundary after A:
         # the CPU writes A and the canaries in C, so one clean of [0, C end) covers both, then
@@ -373,7 +405,7 @@ class _Chain:
     def piece(self, rows: int) -> Piece:
         """The chained job for ``rows`` (at most its M bucket)."""
         a_port, r_ports = self._ports
-        return rows, a_port, r_ports, (self.job,), self.canaries, self.label, self.modeled
+        return rows, a_port, r_ports, (self.job,), self.canaries, self.label, self.modeled, self.workload
 
     def close(self) -> None:
         for buf in self.buffers:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ggml_rknpu.compiler.matmul import compile_matmul
 from ggml_rknpu.compiler.program import Program
-from ggml_rknpu.cost.model import driver_time
+from ggml_rknpu.cost.model import driver_time, workload_from_program
 from ggml_rknpu.engine.bound_program import BoundProgram, program_cores, program_jobs
 from ggml_rknpu.engine.canary import Canaries
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort, bind_ports
@@ -137,8 +137,9 @@ class ProgramCache:
 
     def _bind(self, program: Program, m: int, w: Weight) -> BoundProgram:
         what = f"program M={m} for {w!r}"
-        modeled = None if self.npu_mhz is None else driver_time(program, abi=self.abi, npu_mhz=self.npu_mhz)
-        bound = BoundProgram(program, m, w.buffer.dma_addr, modeled, label=f"matmul {program.shape}")
+        work = workload_from_program(program)
+        modeled = None if self.npu_mhz is None else driver_time(work, abi=self.abi, npu_mhz=self.npu_mhz)
+        bound = BoundProgram(program, m, w.buffer.dma_addr, modeled, work, label=f"matmul {program.shape}")
         try:
             # Each allocation may evict other programs; this one already counts as a user of the
             # shared buffers it joined, so they stay alive.

@@ -281,10 +281,12 @@ class SimRocketKernel(SimKernel):
         if inject == "stale":
             tasks = tasks[:-1]       # the job's last task silently dropped (fault hook)
         for i, (regcmd, count) in enumerate(tasks):  # rocket_job_hw_submit, one task per hardware run
-            elapsed_s += timeout_s if inject == "timeout" else self.modeled_task_seconds(regcmd, count)
-            if elapsed_s > timeout_s:  # rocket_job_timedout: the task in flight never finishes
-                self._log(f"core {core}: NPU job timed out (task {i} of {len(tasks)}, {elapsed_s * 1e3:.0f} ms "
-                          f"modeled at {self.rocket_mhz:g} MHz > JOB_TIMEOUT_MS {ROCKET_JOB_TIMEOUT_MS}); core reset")
+            hung = inject == "timeout" and i == len(tasks) - 1      # the job's last task hangs (fault hook)
+            elapsed_s = timeout_s if hung else elapsed_s + self.modeled_task_seconds(regcmd, count)
+            if hung or elapsed_s > timeout_s:  # rocket_job_timedout: the task in flight never finishes
+                why = "hung (injected)" if hung else (f"{elapsed_s * 1e3:.0f} ms modeled at {self.rocket_mhz:g} MHz "
+                                                      f"> JOB_TIMEOUT_MS {ROCKET_JOB_TIMEOUT_MS}")
+                self._log(f"core {core}: NPU job timed out (task {i} of {len(tasks)}, {why}); core reset")
                 npu.soft_reset(core)
                 for obj in outs:
                     obj.failed_job = f"job timed out after task {i - 1} ({elapsed_s * 1e3:.0f} ms modeled)"
