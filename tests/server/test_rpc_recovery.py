@@ -179,5 +179,5 @@ def test_rocket_faults_with_a_file_per_core_end_stale_and_lose_nothing():
         npu.close()
     r = state.recovery
     assert sum(injector.counts.values()) == 3
-    assert r.faults == {"stale": 3, "timeout": 0, "dma": 0} and r.resets == 3
+    assert r.faults == {"stale": 3, "timeout": 0, "fault": 0} and r.resets == 3
     assert r.retried_ok + r.host_fallbacks == r.retries and r.demoted == 0
