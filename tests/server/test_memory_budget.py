@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ggml_rknpu.cost import placement as pl
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.memory_budget import MIN_RESERVE, OVER_BUDGET, default_budget, for_server
@@ -36,7 +37,8 @@ def _two_weights(budget_left: int, ns: tuple[int, int] = (N, N),
         assert state.budget is not None and said == "memory budget 1 MiB of board memory (--memory-budget)"
         if saved is not None:
             assert state.placer is not None
-            state.placer.saved_s = lambda type_, m, k, n: saved(k, n)   # type: ignore[method-assign, assignment]
+            state.placer.choice = lambda type_, m, k, n, experts=1: (    # type: ignore[method-assign, assignment]
+                pl.Choice(pl.NPU, 0.0, saved(k, n)), "modeled")
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)

@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.cost.residency import JOB_ANSWER, JOB_PROMPT
 
 
 class ModelShape(Protocol):
@@ -41,7 +42,6 @@ class ModelShape(Protocol):
 
 
 PLANS = ("cpu", "npu", "auto", "auto-split")
-JOB_PROMPT, JOB_ANSWER = 512, 128
 UBATCH = 512   # llama.cpp's default n_ubatch: a longer prompt runs as passes of this many rows
 DECODE_PAST = JOB_PROMPT + JOB_ANSWER // 2   # the cache's mean fill over a job's decode passes
 
