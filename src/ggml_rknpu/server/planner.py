@@ -159,7 +159,7 @@ class GraphPlanner:
         groups = [s for s in planned if isinstance(s, NpuGroup)]
         self.stats.npu_groups_planned += len(groups)
         return GraphPlan(g.dev, digest, tuple(planned), host, len(g.node_ids), views,
-                         checks=checks, counts=counts, groups=groups)
+                         checks=checks, counts=counts, groups=groups, stats=self.stats)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, TensorP]:
