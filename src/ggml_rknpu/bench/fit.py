@@ -168,7 +168,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
                      note=f"fits: board bytes within RAM less the reserve (MemTotal / 8, at least 512 MiB); KV cache "
                           f"{args.context} tokens f16; NPU weights {args.plan_weights} on {args.cores} core(s); serve "
                           "budget = the fastest per-weight host / NPU / both mix that fits (modeled; rknpu serve "
-                          "--memory-budget approximates it plan by plan). docs/memory.md")
+                          "--memory-budget applies the same rule to each plan's new weights). docs/memory.md")
     for r in rows:
         if r["plan"] in ("serve budget", "llama.cpp alone") and r["fits"] == "yes":
             console.print(f"{r['model']} {r['quant']} on {r['ram_gb']} GB: {r['plan']} fits, "

@@ -41,13 +41,14 @@ class MemoryBudget:
     board_now: Callable[[], int]
     promised: int = 0                 # NPU bytes of weights admitted, not yet staged
     reserved: int = 0                 # bytes of copies a residency decided on, not yet made (server.residency)
-    board_at_admission: int = 0       # the board bytes the last copy was weighed against (stats)
+    board_at_admission: int = 0       # the board bytes the last copies were weighed against (stats)
     gave_up: dict[str, int] = field(default_factory=dict)   # weight -> the NPU bytes it did not get
     npu_only: dict[str, int] = field(default_factory=dict)  # weight -> the repacked host bytes it did not get
 
     def room(self) -> int:
-        """The bytes left beside what is held, promised and reserved."""
-        return self.bytes - self.board_now() - self.promised - self.reserved
+        """The bytes left beside what is held, promised and reserved (the board bytes read kept)."""
+        self.board_at_admission = self.board_now()
+        return self.bytes - self.board_at_admission - self.promised - self.reserved
 
     def admits(self, name: str, npu_bytes: int) -> bool:
         """Whether an NPU copy of ``npu_bytes`` fits beside what is held and promised (then promised)."""
