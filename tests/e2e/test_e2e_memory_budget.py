@@ -89,30 +89,37 @@ def test_gemma3_with_room_for_half_its_npu_copies_agrees_with_the_cpu(tmp_path: 
         assert agreement.compared >= 8, agreement
 
 
-def _copy_bytes(model: Path) -> tuple[int, int]:
-    """(fp16 NPU bytes, repacked host bytes) of the model's 2-D weights, by the byte model the
-    residency prices with (an element per weight; a repacked copy as large as the GGUF bytes,
-    for the types and row counts ggml-cpu repacks on the board)."""
+def _copy_bytes(model: Path) -> tuple[int, int, int]:
+    """(int8 NPU bytes, repacked host bytes) of the layers' 2-D weights, and the head's repacked
+    bytes (cost placement keeps the head host only: a prompt reads it at one row), by the byte
+    model the residency prices with (an element per weight; a repacked copy as large as the
+    GGUF bytes, for the types and row counts ggml-cpu repacks on the board)."""
     from gguf import GGUFReader
 
-    from ggml_rknpu.server.residency import repacks
+    from ggml_rknpu.server.placement_policy import matmul_kind
+    from ggml_rknpu.server.residency import HEAD_KINDS, repacks
 
-    npu = host = 0
+    npu = host = head = 0
     for t in GGUFReader(model).tensors:
         if len(t.shape) == 2 and t.name.endswith(".weight") and "norm" not in t.name:
             k, n = (int(x) for x in t.shape)
-            npu += n * k * 2
-            host += int(t.n_bytes) if repacks(int(t.tensor_type), n) else 0
-    return npu, host
+            repacked = int(t.n_bytes) if repacks(int(t.tensor_type), n) else 0
+            if matmul_kind(t.name) in HEAD_KINDS:
+                head += repacked
+            else:
+                npu, host = npu + n * k, host + repacked
+    return npu, host, head
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 def test_gemma3_with_room_for_npu_copies_but_not_all_repacked_ones_keeps_some_npu_only(tmp_path: Path) -> None:
-    """gemma-3-270m through llama-server on the simulated NPU, placed by cost (decode on the
-    host, the prompt on the NPU: every layer wants both copies), with room for every fp16 NPU
-    copy and half the repacked host copies: some weights keep their NPU copy only (no repacked
-    copy made, the stats name them), and the answer follows llama-server alone's."""
+    """gemma-3-270m through llama-server on the simulated NPU, placed by cost (int8 NPU
+    weights, host matmuls priced at one A76 thread: every layer wants both copies, decode on the
+    host, the prompt on the NPU), with room for every NPU copy and half the repacked host
+    copies: the FFN weights, whose decode passes lose the least on the NPU per byte, keep their
+    NPU copy only (no repacked copy made, the stats name them); the answer follows
+    llama-server alone's."""
     tool_or_skip("llama-server")
     try:
         model = models.gemma3_270m(install=True)
@@ -120,16 +127,17 @@ def test_gemma3_with_room_for_npu_copies_but_not_all_repacked_ones_keeps_some_np
         pytest.skip(str(exc))
     with llama_server(tmp_path, model, rpc=None) as alone:
         cpu = _greedy(alone)
-    npu_bytes, host_bytes = _copy_bytes(model)
+    npu_bytes, host_bytes, head_bytes = _copy_bytes(model)
     budget, stats = "1", {}
     for name in ("probe", "half"):          # the probe reads the board bytes the copies are weighed against
-        extra = ("--weights", "fp16", "--placement", "auto", "--memory-budget", budget)
+        extra = ("--weights", "int8", "--host-threads", "1", "--placement", "auto", "--memory-budget", budget)
         with rknpu_server(tmp_path, extra=extra, name=name) as server:
             with llama_server(tmp_path, model, rpc=server.endpoint) as client:
                 answer = _greedy(client)
             stats[name] = server.first_stats()
             assert server.wait_log("residency of"), server.log()
-        budget = str((stats[name]["memory_budget"]["board_at_admission"] + npu_bytes + host_bytes // 2) >> 20)
+        board = stats[name]["memory_budget"]["board_at_admission"]
+        budget = str((board + head_bytes + npu_bytes + host_bytes // 2) >> 20)
     half = stats["half"]
     npu_only, host_only = half["memory_budget"]["npu_only"], half["memory_budget"]["host_only"]
     residency = half["placement"]["residency"]

@@ -94,7 +94,7 @@ def test_room_for_npu_copies_but_not_repacked_ones_keeps_a_weight_npu_only(pages
             decode = rng.standard_normal((1, K)).astype(np.float32)
             runs = [(1, decode), (PROMPT_M, prompt)] if decode_first else [(PROMPT_M, prompt), (1, decode)]
             outs = {m: compute(m, a) for m, a in runs}
-            stats = report.stats_dict(state)
+            stats, text = report.stats_dict(state), report.render_stats(state)
             assert stats["board_memory"]["total"] <= state.budget.bytes
             assert [c.get_tensor(t) for t in wt] == wq                       # GET_TENSOR: the uploaded bytes
 
@@ -108,6 +108,8 @@ def test_room_for_npu_copies_but_not_repacked_ones_keeps_a_weight_npu_only(pages
         assert state.weight_stats.uploads == 2 + 3            # two stagings, then blk.1's again after each reset
     assert stats["memory_budget"]["npu_only"] == {NAMES[1]: Q4_BYTES} and stats["memory_budget"]["host_only"] == {}
     assert stats["placement"]["residency"] == {"host": 0, "npu": 1, "both": 1}
+    assert "weight copies: 0 host-only, 1 NPU-only, 1 both" in text
+    assert f"1 weights kept NPU-only, their repacked host copies ({Q4_BYTES / 2**20:.1f} MiB) given up: {NAMES[1]}" in text
     assert stats["host_repacked"] == 1 and stats["host_repacked_bytes"] == Q4_BYTES   # blk.0's, for decode
     assert stats["weights"]["uploads"] == 2
     for i, w in enumerate(wq):                           # the prompt on the NPU: its weights in f32

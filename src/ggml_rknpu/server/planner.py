@@ -330,6 +330,7 @@ class GraphPlanner:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         elif host_rows:
             self._splits[t.id] = host_rows
+            self.residency.made(_key(c0), NPU_ONLY)    # its NPU rows are admitted on their own
         return slot
 
     def _within_budget(self, slots: dict[int, WeightSlot | None]) -> None:
