@@ -49,6 +49,30 @@ def test_a_budget_below_the_npu_copies_loads_host_only_with_cpu_text(tmp_path: P
     assert texts["room"] == cpu_text, f"NPU {texts['room']!r} != CPU {cpu_text!r}"
 
 
+@pytest.mark.timeout(900)
+def test_npu_only_weights_under_simulated_faults_keep_the_cpu_text(tmp_path: Path) -> None:
+    """Every weight NPU only (``--placement npu``: every M bucket on the NPU, no repacked copy)
+    with faults injected at the simulated kernel (seeded rates): a step faulted twice in a row
+    runs ggml-cpu's plain kernel on the weight pages, one faulted once is retried on the NPU;
+    the text is the CPU's."""
+    tool_or_skip("llama-completion")
+    model = write_tiny_gguf(tmp_path / "tiny-llama-f16.gguf", "llama", "f16")
+    cpu_text, cpu = completion(model, PROMPT, n_predict=N_PREDICT)
+    assert cpu.returncode == 0 and cpu_text.strip(), cpu.stderr[-3000:]
+    extra = ("--weights", "fp16", "--memory-budget", "65536", "--sim-faults", "timeout:0.3,dma:0.1,seed=1")
+    with rknpu_server(tmp_path, extra=extra) as server:
+        text, proc = completion(model, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=800)
+        assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n--- server ---\n{server.log()}"
+        first = server.first_stats()
+    stats = server.stats()                        # written at exit: every counter of the run
+    residency, recovery = first["placement"]["residency"], stats["recovery"]
+    assert residency["npu"] >= TINY_MATMUL_WEIGHTS and residency["host"] == residency["both"] == 0, residency
+    assert first["host_repacked"] == 0 and first["memory_budget"]["host_only"] == {}
+    print(f"recovery {recovery}")
+    assert recovery["host_fallbacks"] >= 1 and recovery["retried_ok"] >= 1, recovery
+    assert text == cpu_text, f"NPU-only under faults {text!r} != CPU {cpu_text!r}"
+
+
 # gemma3: a CPU top-2 gap below this is a coin toss between correct devices, and fp16 NPU
 # activations move the chosen token's logprob by up to this (tests/e2e/test_e2e_client8.py)
 GEMMA_TIE, GEMMA_CLOSE_NPU = 0.2, 0.3
