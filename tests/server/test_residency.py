@@ -62,7 +62,9 @@ def test_the_rule_gives_up_the_repacked_copy_that_costs_the_least_job_time():
 
 
 @pytest.mark.parametrize("decode_first", [False, True])
-def test_room_for_npu_copies_but_not_repacked_ones_keeps_a_weight_npu_only(pages: WeightPages, decode_first: bool):
+def test_room_for_npu_copies_but_not_repacked_ones_keeps_a_weight_npu_only(pages: WeightPages, decode_first: bool,
+                                                                          caplog):
+    caplog.set_level("INFO", logger="ggml_rknpu.rpc")
     rng = np.random.default_rng(int(decode_first))
     wq = [quants.quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q4_0).tobytes()
           for _ in NAMES]
@@ -109,6 +111,9 @@ def test_room_for_npu_copies_but_not_repacked_ones_keeps_a_weight_npu_only(pages
     assert stats["memory_budget"]["npu_only"] == {NAMES[1]: Q4_BYTES} and stats["memory_budget"]["host_only"] == {}
     assert stats["placement"]["residency"] == {"host": 0, "npu": 1, "both": 1}
     assert "weight copies: 0 host-only, 1 NPU-only, 1 both" in text
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("residency of")]
+    assert said == [f"residency of 2 new weights: 0 host-only, 1 NPU-only, 1 both (memory budget "
+                    f"{state.budget.bytes / 2**20:.0f} MiB of board memory); NPU-only for the budget: {NAMES[1]}"]
     assert f"1 weights kept NPU-only, their repacked host copies ({Q4_BYTES / 2**20:.1f} MiB) given up: {NAMES[1]}" in text
     assert stats["host_repacked"] == 1 and stats["host_repacked_bytes"] == Q4_BYTES   # blk.0's, for decode
     assert stats["weights"]["uploads"] == 2

@@ -75,13 +75,14 @@ class MemoryBudget:
         if not self.gave_up and not self.npu_only:
             return f"{self.describe()}: nothing given up"
         parts = [f"{len(given)} weights kept {side}, their {copy} ({sum(given.values()) / 2**20:.1f} MiB) given up: "
-                 + _names(given) for given, side, copy in ((self.gave_up, "host-only", "NPU copies"),
+                 + shown_names(given) for given, side, copy in ((self.gave_up, "host-only", "NPU copies"),
                                                            (self.npu_only, "NPU-only", "repacked host copies"))
                  if given]
         return f"{self.describe()}: " + "; ".join(parts)
 
 
-def _names(given: dict[str, int], shown: int = 8) -> str:
+def shown_names(given: dict[str, int] | list[str], shown: int = 8) -> str:
+    """The first ``shown`` names, sorted, and how many more."""
     names = sorted(given)
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 

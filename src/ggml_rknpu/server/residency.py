@@ -18,13 +18,14 @@ from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import placement as pl
 from ggml_rknpu.cost.residency import BOTH, HOST, NPU, WeightCost, fastest_within, wanted_side
 from ggml_rknpu.hw.limits import BYTES
-from ggml_rknpu.server.memory_budget import MemoryBudget
+from ggml_rknpu.server.memory_budget import MemoryBudget, shown_names
 from ggml_rknpu.server.placement_policy import Placer, matmul_kind
 
 log = logging.getLogger("ggml_rknpu.rpc")
 
 # llama.cpp computes logits for a prompt's last row only: the head's prompt pass is one row
 HEAD_KINDS = frozenset({"output.weight", "token_embd.weight"})
+LABELS = {HOST: "host-only", NPU: "NPU-only", BOTH: "both"}
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,11 @@ class Residency:
             elif want == BOTH and side == NPU:
                 self.budget.npu_only[c.name] = cost.host_bytes
         counts = {s: chosen.count(s) for s in (HOST, NPU, BOTH)}
-        log.info("residency of %d new weights: %d host-only, %d NPU-only, %d both%s", len(todo), counts[HOST],
-                 counts[NPU], counts[BOTH], f" ({self.budget.describe()})" if self.budget is not None else "")
+        gave = {side: [c.name for c, want, got in zip(todo, wanted, chosen) if got == side and want != side]
+                for side in (HOST, NPU)}
+        log.info("residency of %d new weights: %d host-only, %d NPU-only, %d both%s%s", len(todo), counts[HOST],
+                 counts[NPU], counts[BOTH], f" ({self.budget.describe()})" if self.budget is not None else "",
+                 "".join(f"; {LABELS[side]} for the budget: {shown_names(names)}" for side, names in gave.items() if names))
 
     def _cost(self, c: Candidate) -> tuple[WeightCost, str]:
         """The weight's copies, modeled seconds per pass (decode, prompt) and the side its placement wants."""
