@@ -75,11 +75,11 @@ def test_the_mix_stays_within_its_limits_and_beats_host_only(ram):
     for window in (None, NPU_DOMAIN_BYTES):
         sides = fit.fastest_within(us, usable(ram), window, fp.served)
         if sides is None:
-            assert fp.served(sum(u.host_bytes for u in us), 0) > usable(ram)
+            assert fp.served(sum(u.cost.host_bytes for u in us), 0) > usable(ram)
             continue
         host, npu, t = fit.totals(us, sides)
         assert fp.served(host, npu) <= usable(ram) and (window is None or npu <= window)
-        assert sum(u.job_s(s) for u, s in zip(us, sides)) <= sum(u.job_s(fit.HOST) for u in us)
+        assert sum(u.cost.job_s(s) for u, s in zip(us, sides)) <= sum(u.cost.job_s(fit.HOST) for u in us)
 
 
 def test_byte_model_arithmetic():

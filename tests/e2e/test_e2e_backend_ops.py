@@ -135,11 +135,12 @@ def test_mul_mat_id_list_peak_rss(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("placement", ["auto", "host", "auto --placement-split"])
+@pytest.mark.parametrize("placement", ["auto", "host", "auto --placement-split", "npu --memory-budget 1"])
 def test_matmul_lists_pass_with_each_placement(tmp_path: Path, placement: str) -> None:
     """MUL_MAT and MUL_MAT_ID (the CI cases) with the weight matmuls placed by cost, all in
-    ggml-cpu (repacked copies where ggml repacks), or split where the models say so
-    (--placement npu is the module's server above)."""
+    ggml-cpu (repacked copies where ggml repacks), split where the models say so, or every
+    weight and expert host only for a memory budget below the board bytes (--placement npu
+    without a budget is the module's server above)."""
     tool_or_skip("test-backend-ops")
     with rknpu_server(tmp_path, extra=("--placement", *placement.split())) as srv:
         for op in ("MUL_MAT", "MUL_MAT_ID"):

@@ -9,11 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.devices import open_device
+from ggml_rknpu.engine import open_engine
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.server.buffers import DeviceBudget
 from ggml_rknpu.server.memory_budget import MIN_RESERVE, OVER_BUDGET, default_budget, for_server
 from ggml_rknpu.server.rpc import report
-from support.rpc_testkit import FakeNpu, T, serve
+from support.matmul_graph import K as KG
+from support.matmul_graph import M as MG
+from support.matmul_graph import MatmulGraph, fp16_ref, rng_w
+from support.rpc_testkit import FakeNpu, T, serve, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 MUL_MAT = int(GgmlOp.MUL_MAT)
@@ -36,7 +42,8 @@ def _two_weights(budget_left: int, ns: tuple[int, int] = (N, N),
         assert state.budget is not None and said == "memory budget 1 MiB of board memory (--memory-budget)"
         if saved is not None:
             assert state.placer is not None
-            state.placer.saved_s = lambda type_, m, k, n: saved(k, n)   # type: ignore[method-assign, assignment]
+            state.placer.choice = lambda type_, m, k, n, experts=1: (    # type: ignore[method-assign, assignment]
+                pl.Choice(pl.NPU, 0.0, saved(k, n)), "modeled")
         with st.client() as c:
             wh, wb = c.alloc_base(1 << 16)
             ch, cb = c.alloc_base(1 << 16)
@@ -108,3 +115,27 @@ def test_the_budget_lifts_the_buffer_bound_above_the_npu_window():
     memory.host_bytes = 2 << 20                                  # a budget below the window lifts nothing
     memory.release(6 << 20)
     assert memory.report() == (1 << 20, 4 << 20) and memory.reserve(4 << 20) and not memory.reserve(1)
+
+
+def test_board_accounting_lists_programs_and_plans_on_their_own_lines():
+    """On the simulated NPU the cached programs are a line of the NPU memory, the sessions'
+    plans (ggml contexts, work buffers) a line of their own in the total, gone with the session."""
+    npu = open_engine(open_device("sim-rknpu"))
+    try:
+        with serve(npu=npu) as st:
+            state = st.state
+            with st.client() as c:
+                g = MatmulGraph(c)
+                w = rng_w()
+                c.set_array(g.w, w)
+                c.set_array(g.x, np.ones((MG, KG), np.float32))
+                np.testing.assert_allclose(g.compute(), fp16_ref(np.ones((MG, KG), np.float32), w), rtol=2e-2, atol=2e-2)
+                board = state.board.now(state)
+                assert board.host_caches == state.stats.plan_bytes > 0
+                assert board.programs == npu.program_bytes() > 0 and board.npu == npu.memory_used()
+                assert board.total == (board.client_buffers + board.repacked_host_copies + board.npu
+                                       + board.host_caches + board.server_at_start)
+                assert "programs" in board.render() and "host caches (plans)" in board.render()
+            assert wait_until(lambda: state.stats.plan_bytes == 0)
+    finally:
+        npu.close()

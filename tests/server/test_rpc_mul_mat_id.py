@@ -10,7 +10,9 @@ import pytest
 
 from ggml_rknpu.kernel.errors import NpuOutOfMemory, NpuTimeout
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
+from ggml_rknpu.server.memory_budget import for_server
 from ggml_rknpu.server.placement import HOST, NPU
+from ggml_rknpu.server.rpc import report
 from support.rpc_testkit import FakeNpu, FaultyNpu, T, serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,6 +140,31 @@ def test_experts_that_do_not_fit_run_on_the_host():
             assert (ws.experts_staged, ws.experts_host) == (2, 1)          # 0, 2 resident; 3 on the host
             assert stats.expert_matmuls_npu == 2 and stats.expert_matmuls_host == 1   # 1 is never routed
             assert (npu_ops(st, NPU), npu_ops(st, HOST)) == (1, 1)
+
+
+def test_a_memory_budget_for_two_experts_keeps_the_others_on_the_host():
+    """Expert copies are board bytes like 2-D weights' (server/memory_budget.py): with expert 0
+    staged, room for one more stages the next routed (2), the third (3) runs in ggml-cpu for
+    good and the stats name it."""
+    npu = FakeNpu()
+    with serve(npu=npu) as st:
+        state = st.state
+        state.budget, _ = for_server(state, 1)
+        assert state.budget is not None
+        with st.client() as c:
+            g = ExpertsGraph(c, USED)
+            first = np.zeros_like(IDS)                  # the plan (board bytes too) and expert 0's copy, with room
+            state.budget.bytes = 1 << 40
+            np.testing.assert_allclose(g.compute(first), g.reference(first), rtol=1e-5, atol=1e-4)
+            state.budget.bytes = state.board.now(state).total + N * K * 2 + N * K   # one more fp16 copy and a half
+            np.testing.assert_allclose(g.compute(IDS), g.reference(IDS), rtol=1e-5, atol=1e-4)
+            ids = IDS[::-1].copy()                                        # a replay: the same three experts
+            np.testing.assert_allclose(g.compute(ids, recompute=True), g.reference(ids), rtol=1e-5, atol=1e-4)
+            ws, stats = state.weight_stats, report.stats_dict(state)
+            assert (ws.experts_staged, ws.experts_host) == (2, 1) and npu.uploads == 2
+        assert stats["memory_budget"]["host_only"] == {"blk.0.ffn_up_exps.weight[3]": N * K * 2}
+        assert stats["board_memory"]["total"] <= state.budget.bytes
+        assert state.stats.expert_matmuls_host == 2                       # expert 3's rows, both runs after the first
 
 
 def test_rewriting_one_expert_restages_that_expert_only():

@@ -32,10 +32,11 @@ from ggml_rknpu.bench.fit_bytes import (
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost import placement as pl
+from ggml_rknpu.cost import residency as rs
+from ggml_rknpu.cost.residency import BOTH, HOST, NPU
 
 RAM_GB = (4, 8, 16, 32)
 DECODE_M, PREFILL_M = 1, plans.JOB_PROMPT
-HOST, NPU, BOTH = "host", "npu", "both"
 
 
 def add_arguments(p, common) -> None:
@@ -51,28 +52,10 @@ def add_arguments(p, common) -> None:
 
 @dataclass(frozen=True)
 class Unit:
-    """One weight matmul (one layer's), with its bytes and modeled seconds per job on each side."""
+    """One weight matmul (one layer's) and its copies' bytes and modeled seconds per pass."""
 
     weight: plans.Weight
-    host_bytes: int
-    npu_bytes: int
-    host_s: tuple[float, float]      # (one decode pass, the prompt's pass), in ggml-cpu from its repacked copy
-    npu_s: tuple[float, float]
-
-    def seconds(self, side: str) -> tuple[float, float]:
-        if side == HOST:
-            return self.host_s
-        if side == NPU:
-            return self.npu_s
-        return min(self.host_s[0], self.npu_s[0]), min(self.host_s[1], self.npu_s[1])
-
-    def job_s(self, side: str) -> float:
-        d, p = self.seconds(side)
-        return plans.JOB_ANSWER * d + p
-
-    def bytes(self, side: str) -> tuple[int, int]:
-        """(host bytes, NPU bytes) of this weight on ``side``."""
-        return (self.host_bytes if side != NPU else 0), (self.npu_bytes if side != HOST else 0)
+    cost: rs.WeightCost
 
 
 def units(weights: list[plans.Weight], npu_dtype: str, cores: int) -> list[Unit]:
@@ -81,43 +64,22 @@ def units(weights: list[plans.Weight], npu_dtype: str, cores: int) -> list[Unit]
         prompt_rows = 1 if w.name == "output" else PREFILL_M        # the head: the prompt's last row only
         c = [pl.place_matmul(w.type, m, w.K, w.N, npu_dtype=npu_dtype, cores=cores, threads=cpu.BIG_CORES,
                              allow_split=False, repacked=True) for m in (DECODE_M, prompt_rows)]
-        u = Unit(w, gguf_bytes(w), npu_bytes(w, npu_dtype), (c[0].host_s, c[1].host_s), (c[0].npu_s, c[1].npu_s))
+        u = Unit(w, rs.WeightCost(gguf_bytes(w), npu_bytes(w, npu_dtype), (c[0].host_s, c[1].host_s),
+                                  (c[0].npu_s, c[1].npu_s)))
         out += [u] * w.count
     return out
 
 
 def auto_side(u: Unit) -> str:
-    """Where ``rknpu serve --placement auto`` keeps a weight: a copy for each side some bucket uses."""
-    d, p = u.host_s[0] <= u.npu_s[0], u.host_s[1] <= u.npu_s[1]
-    return HOST if d and p else NPU if not d and not p else BOTH
+    """Where ``rknpu serve --placement auto`` keeps a weight: a copy for each side a pass runs on."""
+    c = u.cost
+    return rs.wanted_side(pl.NPU if c.npu_s[i] < c.host_s[i] else pl.HOST for i in (0, 1))
 
 
 def fastest_within(us: list[Unit], limit: int, npu_limit: int | None,
                    board: Callable[[int, int], int]) -> list[str] | None:
-    """Per weight host / NPU / both: start from where auto keeps it, then give up, weight by
-    weight, the copy that costs the least job time per byte freed until the board bytes
-    (``board(host bytes, NPU bytes)``) fit ``limit`` and the NPU bytes ``npu_limit``; None: not even
-    host-only fits."""
-    sides = [auto_side(u) for u in us]
-    host, npu_ = (sum(u.bytes(s)[i] for u, s in zip(us, sides)) for i in (0, 1))
-    while board(host, npu_) > limit or (npu_limit is not None and npu_ > npu_limit):
-        npu_over = npu_limit is not None and npu_ > npu_limit
-        best: tuple[float, int, str] | None = None
-        for i, (u, side) in enumerate(zip(us, sides)):
-            for to in {BOTH: (HOST, NPU), NPU: (HOST,), HOST: ()}[side]:
-                (h0, n0), (h1, n1) = u.bytes(side), u.bytes(to)
-                freed = (n0 - n1) if npu_over else (h0 + n0 - h1 - n1)
-                if freed <= 0:
-                    continue
-                cost = (u.job_s(to) - u.job_s(side)) / freed
-                if best is None or cost < best[0]:
-                    best = (cost, i, to)
-        if best is None:
-            return None
-        _, i, to = best
-        (h0, n0), (h1, n1) = us[i].bytes(sides[i]), us[i].bytes(to)
-        host, npu_, sides[i] = host - h0 + h1, npu_ - n0 + n1, to
-    return sides
+    """``cost.residency.fastest_within`` from where auto keeps each weight."""
+    return rs.fastest_within([u.cost for u in us], [auto_side(u) for u in us], limit, npu_limit, board)
 
 
 def _row(model: str, quant: str, plan: str, ram: int, board: int, npu_: int, times: tuple[float, float] | None,
@@ -136,9 +98,10 @@ def _row(model: str, quant: str, plan: str, ram: int, board: int, npu_: int, tim
 
 
 def totals(us: list[Unit], sides: list[str]) -> tuple[int, int, tuple[float, float]]:
-    host = sum(u.bytes(s)[0] for u, s in zip(us, sides))
-    npu_ = sum(u.bytes(s)[1] for u, s in zip(us, sides))
-    return host, npu_, (sum(u.seconds(s)[0] for u, s in zip(us, sides)), sum(u.seconds(s)[1] for u, s in zip(us, sides)))
+    host = sum(u.cost.bytes(s)[0] for u, s in zip(us, sides))
+    npu_ = sum(u.cost.bytes(s)[1] for u, s in zip(us, sides))
+    return host, npu_, (sum(u.cost.seconds(s)[0] for u, s in zip(us, sides)),
+                        sum(u.cost.seconds(s)[1] for u, s in zip(us, sides)))
 
 
 def model_rows(name: str, shape, quant: str, weights: list[plans.Weight], rams: list[int], args) -> list[dict]:
@@ -147,7 +110,7 @@ def model_rows(name: str, shape, quant: str, weights: list[plans.Weight], rams: 
     cpu_d = sum(cpu.cpu_matmul_seconds(u.weight.type, DECODE_M, u.weight.K, u.weight.N) for u in us)
     cpu_p = sum(cpu.cpu_matmul_seconds(u.weight.type, 1 if u.weight.name == "output" else PREFILL_M, u.weight.K,
                                        u.weight.N) for u in us)
-    weight_bytes = sum(u.host_bytes for u in us)
+    weight_bytes = sum(u.cost.host_bytes for u in us)
     host_layers = shape.host_layers()
     rows = []
     for ram in rams:
@@ -205,7 +168,7 @@ def run(args, rig, console: Console) -> rp.Report | None:
                      note=f"fits: board bytes within RAM less the reserve (MemTotal / 8, at least 512 MiB); KV cache "
                           f"{args.context} tokens f16; NPU weights {args.plan_weights} on {args.cores} core(s); serve "
                           "budget = the fastest per-weight host / NPU / both mix that fits (modeled; rknpu serve "
-                          "--memory-budget approximates it plan by plan). docs/memory.md")
+                          "--memory-budget applies the same rule to each plan's new weights). docs/memory.md")
     for r in rows:
         if r["plan"] in ("serve budget", "llama.cpp alone") and r["fits"] == "yes":
             console.print(f"{r['model']} {r['quant']} on {r['ram_gb']} GB: {r['plan']} fits, "

@@ -21,6 +21,7 @@ from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost import placement as pl
 from ggml_rknpu.cost.model import VENDOR_NPU_MHZ
+from ggml_rknpu.cost.residency import JOB_ANSWER, JOB_PROMPT
 
 
 class ModelShape(Protocol):
@@ -42,7 +43,6 @@ class ModelShape(Protocol):
 
 
 PLANS = ("cpu", "npu", "auto", "auto-split")
-JOB_PROMPT, JOB_ANSWER = 512, 128
 UBATCH = 512   # llama.cpp's default n_ubatch: a longer prompt runs as passes of this many rows
 DECODE_PAST = JOB_PROMPT + JOB_ANSWER // 2   # the cache's mean fill over a job's decode passes
 

@@ -95,9 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a quarter on the simulator), bound programs (a quarter); default from the machine's "
                         "memory, MemTotal / 16 within 128 MiB .. 1 GiB (docs/memory.md)")
     p.add_argument("--memory-budget", type=int, default=None, metavar="MIB",
-                   help="board memory the server may hold (its buffers, copies, NPU memory, itself); weights whose "
-                        "NPU copy would not fit run in ggml-cpu instead, never a refused model (default: MemAvailable "
-                        "at start-up less a reserve of MemTotal / 8, at least 512 MiB); docs/memory.md")
+                   help="board memory the server may hold (its buffers, copies, NPU memory, plans, itself); each "
+                        "weight keeps host, NPU or both copies for the fastest modeled job that fits (NPU only: no "
+                        "repacked copy; host only: no NPU copy), never a refused model (default: MemAvailable at "
+                        "start-up less a reserve of MemTotal / 8, at least 512 MiB); docs/memory.md")
     p.add_argument("--weight-pages", type=Path, default=None, metavar="DIR",
                    help="where the GGUF bytes of weights with a repacked or NPU copy are paged (an unlinked file on "
                         "disk per buffer, which the kernel may drop and read again; default "

@@ -227,6 +227,11 @@ class NpuEngine:
         """What resident memory leaves free under ``memory_cap`` (``NpuMemory.reserve_bytes``)."""
         return self.parts.memory.reserve_bytes()
 
+    def program_bytes(self) -> int:
+        """Bytes the cached programs hold: register commands on the device (whole pages, part of
+        ``memory_used``) and their compiled words on the host."""
+        return self.parts.programs.bytes
+
     def scratch_bytes(self) -> int:
         """NPU bytes held by the shared A and C buffers."""
         return self.scratch.nbytes()

@@ -171,6 +171,11 @@ class HostContext:
         self._computes.append(hc)
         return hc
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes it holds: the context (tensor headers, graphs) and the work buffer."""
+        return (self.g.ggml_get_mem_size(self.ctx) if self.ctx else 0) + (self.work.nbytes if self.work is not None else 0)
+
     def finish(self) -> None:
         """Allocate one work buffer for all graphs (they run one after another)."""
         size = max((c.cplan.work_size for c in self._computes), default=0)

@@ -60,6 +60,7 @@ _BASE_FUNCS: dict[str, tuple] = {
     "ggml_init": (_VP, [abi.InitParams]),
     "ggml_free": (None, [_VP]),
     "ggml_tensor_overhead": (_SZ, []),
+    "ggml_get_mem_size": (_SZ, [_VP]),
     "ggml_graph_overhead_custom": (_SZ, [_SZ, _B]),
     "ggml_new_tensor": (TensorP, [_VP, _I, _I, ctypes.POINTER(_I64)]),
     "ggml_new_graph_custom": (_VP, [_VP, _SZ, _B]),
@@ -120,6 +121,7 @@ class Ggml:
     ggml_init: Callable[[abi.InitParams], VoidP]
     ggml_free: Callable[[VoidP], None]
     ggml_tensor_overhead: Callable[[], int]
+    ggml_get_mem_size: Callable[[VoidP], int]
     ggml_graph_overhead_custom: Callable[[int, bool], int]
     ggml_new_tensor: Callable[[VoidP, int, int, ctypes.Array[ctypes.c_int64]], TensorP]
     ggml_new_graph_custom: Callable[[VoidP, int, bool], VoidP]

@@ -4,12 +4,12 @@
 ``as`` ``[K, N, n_expert]``, ``b`` ``[K, ne11, n_tokens]`` (``ne11`` 1 or ``n_used``), ``ids``
 ``[n_used, n_tokens]`` int32, dst ``[N, n_used, n_tokens]`` f32. Invariants: each expert's
 slice is its own ``WeightSlot`` (invalidated by byte range, reused by content like a 2-D
-weight), staged when a run first routes to it, so experts no token uses cost no NPU memory
-(llama.cpp's warm-up routes every token to all experts: src/llama-graph.cpp); ids are
-range-checked before use (a bad id fails the graph, the server keeps serving); each selected
-expert's rows are one engine ``matmul`` (rows differ per replay) behind ``NpuRecovery.run``;
-the rows of experts not resident or sent to the host run through ggml-cpu's own MUL_MAT_ID
-in one call."""
+weight), staged when a run first routes to it if the memory budget admits it (first come),
+so experts no token uses cost no NPU memory (llama.cpp's warm-up routes every token to all
+experts: src/llama-graph.cpp); ids are range-checked before use (a bad id fails the graph,
+the server keeps serving); each selected expert's rows are one engine ``matmul`` behind
+``NpuRecovery.run``; the rows of experts not resident or sent to the host run through
+ggml-cpu's own MUL_MAT_ID in one call."""
 
 from __future__ import annotations
 
@@ -138,9 +138,9 @@ class ExpertStep:
         # the routed experts not yet resident, staged together (all of a model's at its warm-up);
         # the check costs 1.3 us a step with 8 of 128 experts routed and resident
         fresh = [s for e in chosen[np.concatenate(((0,), cuts))].tolist()
-                 if (s := self.slots[e]) is not None and s.handle is None]
+                 if (s := self.slots[e]) is not None and s.handle is None and s.on_npu]
         if fresh:
-            self.weights.stage_all(fresh)
+            self.weights.stage_admitted(fresh)
         host_groups: list[np.ndarray] = []
         t0 = time.perf_counter()
         ran = 0

@@ -1,13 +1,14 @@
 """The memory budget (``rknpu serve --memory-budget``): the board bytes (``board_memory``) the
-server may hold, and which weights' NPU copies it gave up to stay within them.
+server may hold, and which copies its weights gave up to stay within them.
 
-Only NPU copies are optional: a client's buffers are what llama.cpp alone would hold, so they
-are never refused for the budget (a model llama.cpp alone loads always loads, toward
-host-only). A weight the placement puts on the NPU is staged only when the board bytes now,
-those promised to weights planned but not yet staged, and its NPU copy fit (a plan offers its
-copies most time saved per byte first); else it runs in ggml-cpu for good, named in the stats.
-The default is the machine's ``MemAvailable`` at start-up less ``RESERVE_RULE``, plus what
-the server already holds. Why: docs/memory.md "The memory budget"."""
+A client's buffers are what llama.cpp alone would hold, so they are never refused for the
+budget (a model llama.cpp alone loads always loads, toward host-only); the NPU and repacked
+host copies beside them are optional. ``server.residency`` decides each weight's copies
+within the ``room`` (the board bytes now, the copies promised to weights planned but not yet
+staged and those decided but not yet made, ``reserved``, subtracted); any other NPU copy
+(MUL_MAT_ID experts, first come) is admitted only if it fits beside them, else its weight runs
+in ggml-cpu for good, named in the stats. The default is the machine's ``MemAvailable`` at
+start-up less ``RESERVE_RULE``, plus what the server already holds. Why: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -39,13 +40,20 @@ class MemoryBudget:
     bytes: int
     board_now: Callable[[], int]
     promised: int = 0                 # NPU bytes of weights admitted, not yet staged
-    board_at_admission: int = 0       # the board bytes the last copy was weighed against (stats)
+    reserved: int = 0                 # bytes of copies a residency decided on, not yet made (server.residency)
+    board_at_admission: int = 0       # the board bytes the last copies were weighed against (stats)
     gave_up: dict[str, int] = field(default_factory=dict)   # weight -> the NPU bytes it did not get
+    npu_only: dict[str, int] = field(default_factory=dict)  # weight -> the repacked host bytes it did not get
+
+    def room(self) -> int:
+        """The bytes left beside what is held, promised and reserved (the board bytes read kept)."""
+        self.board_at_admission = self.board_now()
+        return self.bytes - self.board_at_admission - self.promised - self.reserved
 
     def admits(self, name: str, npu_bytes: int) -> bool:
         """Whether an NPU copy of ``npu_bytes`` fits beside what is held and promised (then promised)."""
         self.board_at_admission = self.board_now()
-        if self.board_at_admission + self.promised + npu_bytes <= self.bytes:
+        if self.board_at_admission + self.promised + self.reserved + npu_bytes <= self.bytes:
             self.promised += npu_bytes
             return True
         self.gave_up[name] = npu_bytes
@@ -60,15 +68,23 @@ class MemoryBudget:
 
     def as_dict(self) -> dict:
         return {"bytes": self.bytes, "board_at_admission": self.board_at_admission, "host_only": dict(self.gave_up),
-                "host_only_npu_bytes": sum(self.gave_up.values())}
+                "host_only_npu_bytes": sum(self.gave_up.values()), "npu_only": dict(self.npu_only),
+                "npu_only_host_bytes": sum(self.npu_only.values())}
 
     def render(self) -> str:
-        if not self.gave_up:
+        if not self.gave_up and not self.npu_only:
             return f"{self.describe()}: nothing given up"
-        names = sorted(self.gave_up)
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        return (f"{self.describe()}: {len(names)} weights kept host-only, their NPU copies "
-                f"({sum(self.gave_up.values()) / 2**20:.1f} MiB) given up: {shown}")
+        parts = [f"{len(given)} weights kept {side}, their {copy} ({sum(given.values()) / 2**20:.1f} MiB) given up: "
+                 + shown_names(given) for given, side, copy in ((self.gave_up, "host-only", "NPU copies"),
+                                                           (self.npu_only, "NPU-only", "repacked host copies"))
+                 if given]
+        return f"{self.describe()}: " + "; ".join(parts)
+
+
+def shown_names(given: dict[str, int] | list[str], shown: int = 8) -> str:
+    """The first ``shown`` names, sorted, and how many more."""
+    names = sorted(given)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def for_server(state, mib: int | None) -> tuple[MemoryBudget | None, str]:

@@ -58,6 +58,7 @@ class Placer:
     split: bool = False            # auto may split a MUL_MAT's rows between the NPU and the host
     npu_clock: NpuClock = VENDOR_CLOCK   # the NPU side is modeled at this clock
     records: dict[tuple[str, int, str], KindRecord] = field(default_factory=dict)   # (kind, M, type)
+    sides: dict[str, str] = field(default_factory=dict)   # weight -> its copies (server.residency): host, npu, both
     _cache: dict[tuple, tuple[pl.Choice, str]] = field(default_factory=dict)
     _logged: set[str] = field(default_factory=set)
 
@@ -94,27 +95,20 @@ class Placer:
             self._cache[key] = cached
         return cached
 
-    def on_npu(self, name: str, weight_type: int, M: int, K: int, N: int, nbytes: int, experts: int = 1) -> bool:
-        """Whether this weight's matmul of ``M`` rows goes to the NPU (recorded for the stats)."""
+    def on_npu(self, name: str, weight_type: int, M: int, K: int, N: int, nbytes: int, experts: int = 1,
+               npu_only: bool = False) -> bool:
+        """Whether this weight's matmul of ``M`` rows goes to the NPU (recorded for the stats);
+        ``npu_only``: the weight has no host copy (``server.residency``), so it does."""
         try:
             c, basis = self.choice(weight_type, M, K, N, experts)
         except ValueError:            # a type the CPU model cannot price: the NPU path, as without placement
-            return self.policy != "host"
-        where = {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
+            return npu_only or self.policy != "host"
+        where = pl.NPU if npu_only else {"npu": pl.NPU, "host": pl.HOST}.get(self.policy, c.where)
         key = (matmul_kind(name), M, cpu.type_name(weight_type))
         rec = self.records.setdefault(key, KindRecord(where, c.npu_s, c.host_s, basis))
         rec.planned += 1
         rec.weight_bytes += nbytes
         return where in (pl.NPU, pl.SPLIT)
-
-    def saved_s(self, weight_type: int, M: int, K: int, N: int) -> float:
-        """Seconds a matmul of ``M`` rows saves on the NPU over the host (the times it is decided
-        by; 0 for a type the CPU model cannot price): what the memory budget ranks copies by."""
-        try:
-            c, _ = self.choice(weight_type, M, K, N)
-        except ValueError:
-            return 0.0
-        return max(0.0, c.host_s - c.npu_s)
 
     def host_rows(self, weight_type: int, M: int, K: int, N: int) -> int:
         """The rows of this weight's MUL_MAT the host runs beside the NPU (0: not split)."""
@@ -145,12 +139,19 @@ class Placer:
                 "measured_shapes": len(self.measured),
                 "by_kind": [{"kind": k, "M": m, "type": t, "bucket": pl.bucket(m), "where": r.where,
                              "npu_s": r.npu_s, "host_s": r.host_s, "basis": r.basis, "planned": r.planned}
-                            for (k, m, t), r in sorted(self.records.items())]}
+                            for (k, m, t), r in sorted(self.records.items())],
+                "residency": self.residency()}
+
+    def residency(self) -> dict[str, int]:
+        """How many weights keep which copies (host only, NPU only, both)."""
+        return {side: sum(1 for s in self.sides.values() if s == side) for side in ("host", "npu", "both")}
 
     def render(self) -> str:
         if not self.records:
             return ""
-        lines = [f"{self.describe()}; per matmul kind and M (the times decided by, at the bucket's M):"]
+        counts = self.residency()
+        lines = [f"weight copies: {counts['host']} host-only, {counts['npu']} NPU-only, {counts['both']} both",
+                 f"{self.describe()}; per matmul kind and M (the times decided by, at the bucket's M):"]
         for (k, m, t), r in sorted(self.records.items()):
             lines.append(f"  {k} ({t}) M={m}: {r.where} (NPU {r.npu_s * 1e6:.0f} µs, host {r.host_s * 1e6:.0f} µs, "
                          f"{r.basis}), {r.planned} planned")

@@ -31,6 +31,13 @@ class GraphPlan:
     counts: list[tuple[OpCounter, int, int]] = field(default_factory=list)   # its segments', per replay
     groups: list[NpuGroup] = field(default_factory=list)   # the steps holding chained fusions (released at close)
     runs: int = 0
+    stats: ServerStats | None = None     # counts ``nbytes`` in ``plan_bytes`` until the plan is closed
+    nbytes: int = 0                      # host bytes of its ggml context and work buffer
+
+    def __post_init__(self) -> None:
+        if self.stats is not None:
+            self.nbytes = self.host.nbytes
+            self.stats.plan_bytes += self.nbytes
 
     def execute(self, stats: ServerStats) -> None:
         start = time.perf_counter()
@@ -50,3 +57,6 @@ class GraphPlan:
         self.groups = []
         self.steps = ()
         self.host.close()
+        if self.stats is not None:
+            self.stats.plan_bytes -= self.nbytes
+        self.nbytes = 0

@@ -34,6 +34,9 @@ from ggml_rknpu.server.placement_policy import HOST_REASON, Placer
 from ggml_rknpu.server.plan import GraphPlan
 from ggml_rknpu.server.plan_steps import Delivery, HostSegment, IndexCheck, NpuGroup, NpuStep, SplitStep, StepFusion
 from ggml_rknpu.server.recovery import NpuRecovery, RecoveryStats
+from ggml_rknpu.server.residency import HOST as HOST_ONLY
+from ggml_rknpu.server.residency import NPU as NPU_ONLY
+from ggml_rknpu.server.residency import Candidate, Residency, repacks
 from ggml_rknpu.server.sibling_order import DeliveryMark, Node, gather_siblings, node_id, overlap
 from ggml_rknpu.server.stats import OpCounter, ServerStats
 from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor, check_tensor
@@ -51,6 +54,7 @@ class GraphPlanner:
         self.host_copies = HostCopies(host, stats, host_repack)   # repacked weights of host matmuls
         self._splits: dict[int, int] = {}                         # the plan being built: split node -> host rows
         self.placer = placer                                 # None: every eligible weight on the NPU
+        self.residency = Residency(placer, weights.budget, weights.fmt)   # each weight's copies
         self.group = group and fusing(npu) is not None    # NPU matmuls of one activation as one submit
         self.weights = weights
         self.npu = npu
@@ -81,9 +85,11 @@ class GraphPlanner:
             self.weights.mark_graph_written(c.buffer, c.start, c.end)
             self.host_copies.mark_graph_written(c.buffer, c.start, c.end)
         self._splits = {}
-        slots = {nid: self._weight_slot(g.tensors[nid], g, position, checked)
-                 for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
-        self._within_budget(slots, g)
+        reasons = {nid: self._weight_reason(g.tensors[nid], g, position, checked)
+                   for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT}
+        self.residency.decide(self._candidates(reasons, g, checked))
+        slots = {nid: self._weight_slot(g.tensors[nid], g, checked, reason) for nid, reason in reasons.items()}
+        self._within_budget(slots)
         experts = {nid: e for nid in computing if g.tensors[nid].op == GgmlOp.MUL_MAT_ID
                    and (e := self._expert_slots(g.tensors[nid], g, position, checked)) is not None}
         attention = plan_nodes(self.attention, g.tensors, computing, position, self.npu is not None)
@@ -153,7 +159,7 @@ class GraphPlanner:
         groups = [s for s in planned if isinstance(s, NpuGroup)]
         self.stats.npu_groups_planned += len(groups)
         return GraphPlan(g.dev, digest, tuple(planned), host, len(g.node_ids), views,
-                         checks=checks, counts=counts, groups=groups)
+                         checks=checks, counts=counts, groups=groups, stats=self.stats)
 
     @staticmethod
     def _ggml_tensors(g: ParsedGraph, checked: dict[int, CheckedTensor], host: HostContext) -> dict[int, TensorP]:
@@ -259,7 +265,11 @@ class GraphPlanner:
                                w_backed=c0.buffer is not None,
                                w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end)):
                 continue
+            key = _key(c0)
+            if self.residency.side(key) == NPU_ONLY:
+                continue                 # no repacked copy: the plain kernel reads the weight pages
             copy = self.host_copies.copy_for(c0)
+            self.residency.made(key, HOST_ONLY)
             if copy is None:
                 continue
             node = ptrs[nid].contents
@@ -270,21 +280,47 @@ class GraphPlanner:
                 node.src[0] = plain
         return out
 
-    def _weight_slot(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
-                     checked: dict[int, CheckedTensor]) -> WeightSlot | None:
-        """The staged-weight slot for this MUL_MAT's src0, or None when it runs on the host."""
-        s0, s1 = t.src[0], t.src[1]
+    def _weight_reason(self, t: RpcTensor, g: ParsedGraph, position: dict[int, int],
+                       checked: dict[int, CheckedTensor]) -> str | None:
+        """Why this MUL_MAT's src0 is not a weight for the NPU whatever the placement, or None."""
+        s0 = t.src[0]
         c0 = checked[s0]
-        reason = matmul_host_reason(
-            t, g.tensors[s0], g.tensors[s1], engine=self.npu is not None, w_computed=s0 in position,
+        return matmul_host_reason(
+            t, g.tensors[s0], g.tensors[t.src[1]], engine=self.npu is not None, w_computed=s0 in position,
             w_backed=c0.buffer is not None,
             w_graph_written=c0.buffer is not None and c0.buffer.graph_written.overlaps(c0.start, c0.end))
+
+    def _candidates(self, reasons: dict[int, str | None], g: ParsedGraph,
+                    checked: dict[int, CheckedTensor]) -> list[Candidate]:
+        """The weights of this plan that could have an NPU copy, for ``Residency.decide``."""
+        out = []
+        for nid, reason in reasons.items():
+            t = g.tensors[nid]
+            w, c0 = g.tensors[t.src[0]], checked[t.src[0]]
+            if reason is not None or w.type not in self.weights.types:
+                continue
+            host = self.host_copies.enabled and host_weight(t, w, g.tensors[t.src[1]], w_computed=False,
+                                                             w_backed=True, w_graph_written=False)
+            out.append(Candidate(_key(c0), w.name, w.type, w.ne[0], w.ne[1], c0.end - c0.start,
+                                 host and repacks(w.type, w.ne[1])))
+        return out
+
+    def _weight_slot(self, t: RpcTensor, g: ParsedGraph, checked: dict[int, CheckedTensor],
+                     reason: str | None) -> WeightSlot | None:
+        """The staged-weight slot for this MUL_MAT's src0, or None when it runs on the host: its
+        weight's residency, then (copies on both sides) the placement at this M decide."""
+        s0, s1 = t.src[0], t.src[1]
+        c0 = checked[s0]
         w = g.tensors[s0]
+        side = self.residency.side(_key(c0))
         if reason is None and self.placer is not None and not self.placer.on_npu(
-                w.name, w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1], c0.end - c0.start):
+                w.name, w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1], c0.end - c0.start,
+                npu_only=side == NPU_ONLY):
             reason = HOST_REASON
+        if reason is None and side == HOST_ONLY:
+            reason = OVER_BUDGET if self.weights.budget is not None else HOST_REASON
         host_rows = 0
-        if reason is None and self.placer is not None and self.placer.split and host_weight(
+        if reason is None and side != NPU_ONLY and self.placer is not None and self.placer.split and host_weight(
                 t, w, g.tensors[s1], w_computed=False, w_backed=True, w_graph_written=False):
             host_rows = self.placer.host_rows(w.type, t.ne[1] * t.ne[2] * t.ne[3], w.ne[0], w.ne[1])
         slot = self.weights.slot_for(_rows(c0, 0, w.ne[1] - host_rows)) if reason is None else None
@@ -294,28 +330,27 @@ class GraphPlanner:
             self.stats.host_matmul_reasons[reason] = self.stats.host_matmul_reasons.get(reason, 0) + 1
         elif host_rows:
             self._splits[t.id] = host_rows
+            self.residency.made(_key(c0), NPU_ONLY)    # its NPU rows are admitted on their own
         return slot
 
-    def _within_budget(self, slots: dict[int, WeightSlot | None], g: ParsedGraph) -> None:
-        """Admit the NPU copies this plan would stage under the memory budget, the most modeled
-        time saved per NPU byte first (``Placer.saved_s`` at the node's M); a weight refused
-        runs on the host (``slots[nid]`` None, from a repacked copy where ggml repacks it)."""
-        if self.weights.budget is None:
+    def _within_budget(self, slots: dict[int, WeightSlot | None]) -> None:
+        """Admit the NPU copies this plan would stage under the memory budget: a copy its
+        residency holds bytes for takes them; any other (a copy staged again after an
+        invalidation, a split's rows) is admitted if it fits, else its weight runs on the host
+        (``slots[nid]`` None, from a repacked copy where ggml repacks it)."""
+        budget = self.weights.budget
+        if budget is None:
             return
-
-        def saved_per_element(nid: int) -> float:
-            slot, t = slots[nid], g.tensors[nid]
-            assert slot is not None
-            saved = 1.0 if self.placer is None else self.placer.saved_s(slot.type, t.ne[1] * t.ne[2] * t.ne[3],
-                                                                        slot.k, slot.n)
-            return saved / (slot.n * slot.k)
-
-        waiting = [nid for nid, s in slots.items() if s is not None and s.handle is None]
         verdict: dict[int, bool] = {}                  # id(slot) -> admitted (a weight read by two nodes)
-        for nid in sorted(waiting, key=saved_per_element, reverse=True):
-            slot = slots[nid]
-            assert slot is not None
-            if verdict.setdefault(id(slot), self.weights.admit(slot)):
+        for nid, slot in slots.items():
+            if slot is None or slot.handle is not None:
+                continue
+            if id(slot) not in verdict:
+                held = self.residency.made((slot.buffer.handle, slot.start, slot.end, slot.type, slot.k, slot.n),
+                                           NPU_ONLY)
+                budget.promised += held
+                verdict[id(slot)] = bool(held) or self.weights.admit(slot)
+            if verdict[id(slot)]:
                 continue
             slots[nid] = None
             self._splits.pop(nid, None)
@@ -377,6 +412,12 @@ class GraphPlanner:
             key = f"MUL_MAT_ID: {reason}"
             self.stats.host_matmul_reasons[key] = self.stats.host_matmul_reasons.get(key, 0) + 1
         return slots
+
+
+def _key(t: CheckedTensor) -> tuple:
+    """A 2-D weight's key, as ``WeightStore`` keys its slot: (buffer, start, end, type, K, N)."""
+    assert t.buffer is not None, "a weight candidate is backed"
+    return t.buffer.handle, t.start, t.end, t.rpc.type, t.rpc.ne[0], t.rpc.ne[1]
 
 
 def _rows(t: CheckedTensor, first: int, rows: int) -> CheckedTensor:

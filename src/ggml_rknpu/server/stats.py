@@ -56,6 +56,7 @@ class ServerStats:
     split_matmuls: int = 0            # MUL_MATs run split, NPU and host at once (--placement-split)
     attention_npu_by_m: dict[int, int] = field(default_factory=dict)   # attention matmuls on the NPU by rows M
     attention_host_runs: int = 0      # attention nodes planned for the NPU that ran in ggml-cpu (faults, refusals)
+    plan_bytes: int = 0               # host bytes of the plans held now (their ggml contexts and work buffers)
     heap_trims: int = 0               # malloc_trim calls after freed buffers (host_budget.return_free_heap)
 
     def count_npu_matmuls(self, rows: int, n: int, timing: Any = None) -> None:

@@ -317,6 +317,11 @@ class WeightStore:
         self._to_host(slot, OVER_BUDGET)
         return False
 
+    def stage_admitted(self, slots: Iterable[WeightSlot]) -> None:
+        """Stage the slots the memory budget admits, first come (MUL_MAT_ID experts, staged when
+        first routed to); the others run on the host for good (``admit``)."""
+        self.stage_all([s for s in slots if self.admit(s)])
+
     def stage_all(self, slots: Iterable[WeightSlot]) -> None:
         """Stage every not-yet-resident slot, with a progress bar for a model-sized batch."""
         try:

@@ -181,6 +181,7 @@ class Session:
         finally:
             self.weights.close()
             self.planner.host_copies.close()
+            self.planner.residency.close()
             # A session that built plans leaves reference cycles holding views of its buffers
             # (22 unreachable objects per small client with GraphPlan), and the handler table
             # and the command objects hold the session: without a collection here a client's
@@ -225,6 +226,7 @@ class Session:
         for g in self.graphs:          # like the C++ server: any FREE_BUFFER drops stored graphs
             g.clear()
         self.planner.host_copies.drop_buffer(buf)
+        self.planner.residency.drop_buffer(buf.handle)
         if self.proto8 is not None:
             self.proto8.on_free()
 
