@@ -35,7 +35,7 @@ def test_a_row_per_ram_size_and_plan(report):
     for model in ("Qwen3-4B", "Llama-3.1-8B"):
         assert [(r["ram_gb"], r["plan"]) for r in rows if r["model"] == model] == [
             (ram, p) for ram in fit.RAM_GB for p in plans_]
-    assert "(modeled)" in md and "multi-domain NPU residency: built on the vendor driver, not on rocket (one open file per domain)" in md
+    assert "(modeled)" in md and "multi-domain NPU residency: the vendor driver's domains, or on rocket a file per core (a 4 GiB window per core)" in md
 
 
 def test_qwen3_4b_fits_8_gb_with_npu_prefill(report):
@@ -89,6 +89,21 @@ def test_byte_model_arithmetic():
     shape = fit_bytes.SHAPES["Qwen3-4B"]
     assert Footprint(shape, 4096, 0).kv == 2 * 36 * 1024 * 4096 * 2
     assert usable(8) == int(8 * 2**30 * 0.96) - int(8 * 2**30 * 0.96) // 8
+
+
+def test_kv_counts_attention_layers_and_the_sliding_window():
+    """Qwen3.5-9B: K and V on its 8 full-attention layers only, plus 24 delta-net states;
+    Gemma3-1B: the whole context on its 4 global layers, window + a batch on the 22 sliding."""
+    from ggml_rknpu.bench.shapes import PRESETS
+
+    qwen = PRESETS["Qwen3.5-9B"]
+    fp = Footprint(qwen, 4096, 0)
+    assert fp.kv == 2 * 8 * (4 * 256) * 4096 * 2
+    d = qwen.delta
+    assert d is not None and fp.recurrent == 24 * ((d.conv_kernel - 1) * d.conv_channels + 128 * 32 * 128) * 4
+    assert 48 << 20 < fp.recurrent < 52 << 20                   # ~50 MiB: 32 value heads' 128 x 128 f32 states
+    gemma = Footprint(PRESETS["Gemma3-1B"], 8192, 0)
+    assert gemma.kv == 2 * 256 * (4 * 8192 + 22 * (512 + 512)) * 2 and gemma.recurrent == 0
 
 
 def test_a_gguf_is_priced_in_its_stored_types(tmp_path):

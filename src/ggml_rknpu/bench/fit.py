@@ -88,7 +88,7 @@ def _row(model: str, quant: str, plan: str, ram: int, board: int, npu_: int, tim
     # the same host ops in every plan: the prompt's pass from an empty cache, a decode row at the job's mean fill
     host_prompt = ho.host_ops_seconds(host_layers, PREFILL_M)
     host_decode = ho.host_ops_seconds(host_layers, DECODE_M, plans.DECODE_PAST)
-    needs = "multi-domain NPU residency: built on the vendor driver, not on rocket (one open file per domain)" if npu_ > NPU_DOMAIN_BYTES else ""
+    needs = "multi-domain NPU residency: the vendor driver's domains, or on rocket a file per core (a 4 GiB window per core)" if npu_ > NPU_DOMAIN_BYTES else ""
     return {"model": model, "quant": quant, "ram_gb": ram, "plan": plan,
             "board_gib_modeled": board / 2**30, "npu_gib_modeled": npu_ / 2**30,
             "fits": "yes" if board <= usable(ram) else "no",

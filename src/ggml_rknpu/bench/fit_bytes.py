@@ -21,6 +21,7 @@ MIB = 2**20
 NPU_DOMAIN_BYTES = ADDRESS_WINDOW_BYTES     # one IOMMU domain maps a 32-bit window [docs/decisions.md "Interfaces between the layers": 32-bit NPU addresses]
 INT8_SCALE_BYTES = 4                        # per output row of an int8 NPU weight (an fp32 scale)
 KV_BYTES = 2                                # f16 K and V, llama.cpp's default cache type
+STATE_BYTES = 4                             # f32 conv and recurrent states, llama.cpp's default type_r / type_s
 UBATCH = 512                                # llama.cpp's default physical batch
 MEMTOTAL_FRACTION = 0.96                    # guess: MemTotal of an N GB board (the kernel's reserved memory aside)
 # Guesses, measured here on x86 (docs/memory.md "Fitting a board"): resident sizes without weights.
@@ -72,7 +73,26 @@ class Footprint:
 
     @property
     def kv(self) -> int:
-        return 2 * self.shape.layers * self.shape.kv_dim * self.context * KV_BYTES
+        """K and V of the attention layers: the whole context on full-attention layers, the
+        window plus a batch on sliding ones (llama.cpp's SWA cache without ``--swa-full``:
+        ``size_swa`` in src/llama-kv-cache-iswa.cpp, before padding); none on short-conv and
+        delta-net layers (their state is ``recurrent``)."""
+        s = self.shape
+        cells = sum(min(self.context, s.window + UBATCH) if i in s.window_layers else self.context
+                    for i in range(s.layers) if i not in s.conv_layers and i not in s.delta_layers)
+        return 2 * s.kv_dim * cells * KV_BYTES
+
+    @property
+    def recurrent(self) -> int:
+        """The delta-net layers' states for one sequence (llama.cpp's recurrent memory,
+        src/llama-memory-recurrent.cpp): the conv's last ``conv_kernel - 1`` inputs of its
+        channels and a head_dim x head_dim state per value head. (A short-conv layer's state,
+        two rows of the hidden size, is left out: kilobytes.)"""
+        d = self.shape.delta
+        if d is None:
+            return 0
+        per_layer = ((d.conv_kernel - 1) * d.conv_channels + d.head_dim * d.value_dim) * STATE_BYTES
+        return len(self.shape.delta_layers) * per_layer
 
     @property
     def compute(self) -> int:
@@ -82,11 +102,12 @@ class Footprint:
         """llama.cpp alone: its process, every weight (repacked or page cache), KV, compute;
         an untied embedding beside the head."""
         extra = self.embedding if self.shape.name in UNTIED else 0
-        return LLAMA_PROCESS + weight_bytes + extra + self.kv + self.compute
+        return LLAMA_PROCESS + weight_bytes + extra + self.kv + self.recurrent + self.compute
 
     def served(self, host: int, npu: int) -> int:
         """llama.cpp through rknpu serve: the client's process (the token embedding it keeps is
         its GGUF mmap, a row read per token: page cache the kernel may drop, not counted), the
         server, the host and NPU copies, KV and compute buffers (the client allocates them on the
         server), the NPU's programs and scratch."""
-        return LLAMA_PROCESS + SERVER_PROCESS + host + npu + self.kv + self.compute + (NPU_FIXED if npu else 0)
+        return (LLAMA_PROCESS + SERVER_PROCESS + host + npu + self.kv + self.recurrent + self.compute
+                + (NPU_FIXED if npu else 0))
