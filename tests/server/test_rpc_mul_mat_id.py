@@ -186,6 +186,7 @@ def test_same_experts_reused_by_the_next_client():
             with st.client() as c:
                 g = ExpertsGraph(c, 1)
                 np.testing.assert_allclose(g.compute(IDS), g.reference(IDS), rtol=1e-5, atol=1e-4)
+            assert st.alive()         # the first session has ended (and retired its experts)
         assert npu.uploads == st.state.weight_stats.reused == 3       # the routed experts 0, 2, 3
 
 
