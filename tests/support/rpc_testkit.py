@@ -408,7 +408,7 @@ class ServerThread:
         until every earlier client's session has ended: sessions run concurrently, so a test
         that reads the counters after a client left must wait for its close."""
         open_here = sum(1 for c in list(_OPEN_CLIENTS) if c.port in self.server.ports.values())
-        self.server.wait_idle(timeout=5.0, leave=open_here)   # raw sockets of a test are not counted
+        self.server.wait_idle(timeout=30.0, leave=open_here)   # raw sockets of a test are not counted
         major = self.server.major
         with self.client(hello=False) as c:
             return c.hello() == wire.PROTO_VERSIONS[major] and c.device_count() == 1
