@@ -15,8 +15,6 @@ import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import numpy as np
-
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
 from ggml_rknpu.cost.npu_attention import npu_attention_seconds
@@ -100,15 +98,14 @@ def kv_matmul_step(t: RpcTensor, checked: dict[int, CheckedTensor], engine: Matm
 
 def flash_step(t: RpcTensor, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP], ctx: HostContext,
                engine: MatmulEngine, recovery: NpuRecovery, host: HostSegment, stats: ServerStats) -> FlashAttentionStep:
-    """The split FLASH_ATTN_EXT: its softmax a one-node SOFT_MAX_EXT graph over scratch scores."""
+    """The split FLASH_ATTN_EXT: its softmax a one-node SOFT_MAX_EXT graph, in place over scores
+    that exist only while the step runs (``Softmax``): a cached plan holds their metadata only."""
     q, k, v, d = (checked[i] for i in (t.src[0], t.src[1], t.src[2], t.id))
     n_kv, rows, heads, ne3 = k.rpc.ne[1], q.rpc.ne[1], q.rpc.ne[2], q.rpc.ne[3]
     scale, max_bias, softcap = _f32(t, 0), _f32(t, 1), _f32(t, 2)
     shape = (n_kv, rows, heads, ne3)
     nb = (4, 4 * n_kv, 4 * n_kv * rows, 4 * n_kv * rows * heads)
-    scores = np.zeros(shape[::-1], np.float32)
-    probs = np.zeros(shape[::-1], np.float32)
-    s_t = ctx.new_tensor_contiguous(F32, shape, f"{t.name}.scores", scores)
+    s_t = ctx.tensor(F32, shape, nb, 0, (), 0, f"{t.name}.scores", None)
     mask_t = None
     if len(t.src) > 3 and t.src[3]:
         m = checked[t.src[3]]
@@ -120,9 +117,9 @@ def flash_step(t: RpcTensor, checked: dict[int, CheckedTensor], ptrs: dict[int, 
     # attention), done on the scores; the softmax then scales by 1
     params = (_bits(1.0 if softcap else scale), _bits(max_bias))
     p_t = ctx.tensor(F32, shape, nb, int(GgmlOp.SOFT_MAX), params, abi.GGML_TENSOR_FLAG_COMPUTE,
-                     f"{t.name}.softmax", (probs.reshape(-1).view(np.uint8), 0))
-    ctx.link(p_t, [s_t, mask_t, sinks_t], None, 0)
-    softmax = Softmax(ctx.segment([p_t]), scores, probs, scale if softcap else 1.0, softcap)
+                     f"{t.name}.softmax", None)
+    ctx.link(p_t, [s_t, mask_t, sinks_t], s_t, 0)      # in place, as ggml_soft_max_ext_inplace builds it
+    softmax = Softmax(ctx.segment([p_t]), s_t, p_t, scale if softcap else 1.0, softcap)
     nbytes = sum(c.end - c.start for c in (q, k, v, d))
     npu_pass = NpuPass(t.name, engine, recovery, host, stats.counter("FLASH_ATTN_EXT", NPU), nbytes)
     return FlashAttentionStep(npu_pass, q.ref().as_array(), k.ref().as_array(), v.ref().as_array(),

@@ -21,6 +21,7 @@ import numpy as np
 
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.libggml.compute import HostCompute
+from ggml_rknpu.libggml.lib import TensorP
 from ggml_rknpu.server.plan_steps import HostSegment
 from ggml_rknpu.server.recovery import NpuRecovery
 from ggml_rknpu.server.stats import OpCounter, ServerStats
@@ -107,32 +108,36 @@ class KvMatmulStep:
 
 @dataclass(eq=False)
 class Softmax:
-    """A split FLASH_ATTN_EXT's softmax: ``probs`` = SOFT_MAX_EXT(``scores``, mask, scale,
-    max_bias, sinks) in ggml-cpu; ``softcap`` (0: none) applied to the scores first."""
+    """A split FLASH_ATTN_EXT's softmax: SOFT_MAX_EXT(scores, mask, scale, max_bias, sinks) in
+    ggml-cpu, in place (each row is read whole before it is written); ``softcap`` (0: none)
+    applied to the scores first. Its tensors point at the scores only while it runs."""
 
     compute: HostCompute
-    scores: np.ndarray         # (ne3, heads, rows, n_kv) f32, the graph's src0
-    probs: np.ndarray          # ... its dst
+    scores: TensorP            # src0 (n_kv, rows, heads, ne3) f32
+    probs: TensorP             # its dst, a view of src0
     scale: float               # applied before the softcap (1: the softmax node scales)
     softcap: float
 
-    def run(self, stats: ServerStats) -> np.ndarray:
+    def run(self, stats: ServerStats, scores: np.ndarray) -> np.ndarray:
+        """``scores`` (ne3, heads, rows, n_kv) f32, overwritten by their probabilities."""
         t0 = time.perf_counter()
         if self.softcap:
-            np.multiply(self.scores, self.scale / self.softcap, out=self.scores)
-            np.tanh(self.scores, out=self.scores)
-            np.multiply(self.scores, self.softcap, out=self.scores)
-        self.compute.run()
+            np.multiply(scores, self.scale / self.softcap, out=scores)
+            np.tanh(scores, out=scores)
+            np.multiply(scores, self.softcap, out=scores)
+        with self.compute.bound((self.scores, scores), (self.probs, scores)):
+            self.compute.run()
         # a row masked whole has no softmax (0/0); flash attention's output for it is 0
-        np.nan_to_num(self.probs, copy=False, nan=0.0)
+        np.nan_to_num(scores, copy=False, nan=0.0)
         stats.host_seconds += time.perf_counter() - t0
         stats.host_segments += 1
-        return self.probs
+        return scores
 
 
 @dataclass(eq=False)
 class FlashAttentionStep:
-    """FLASH_ATTN_EXT split: S and O on the NPU per KV head, the softmax in ggml-cpu."""
+    """FLASH_ATTN_EXT split: S and O on the NPU per KV head, the softmax in ggml-cpu; the
+    scores and the result are allocated per run, so a cached step holds no scratch."""
 
     npu_pass: NpuPass
     q: np.ndarray              # (ne3, heads, rows, D) f32
@@ -146,12 +151,12 @@ class FlashAttentionStep:
 
     def _compute(self, npu: MatmulEngine, stats: ServerStats) -> None:
         r3, g = self.q.shape[0] // self.k.shape[0], self.q.shape[1] // self.k.shape[1]
-        scores = self.softmax.scores
+        scores = np.empty((*self.q.shape[:3], self.k.shape[2]), np.float32)   # every head written below
         for i3 in range(self.q.shape[0]):
             for h in range(self.k.shape[1]):
                 heads = slice(h * g, (h + 1) * g)
                 scores[i3, heads] = _stacked(npu, stats, self.k[i3 // r3, h], self.q[i3, heads])
-        probs = self.softmax.run(stats)
+        probs = self.softmax.run(stats, scores)
         result = np.empty(self.out.shape, np.float32)
         for i3 in range(self.q.shape[0]):
             for h in range(self.k.shape[1]):
