@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ggml_rknpu.cost import npu_attention
 from ggml_rknpu.engine.api import open_engine
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.kernel.errors import NpuTimeout
@@ -205,3 +206,44 @@ def test_cached_flash_plans_hold_no_scores():
     finally:
         tracemalloc.stop()
     assert held < scores, f"{n_plans} cached plans hold {held} bytes; one plan's scores are {scores}"
+
+
+@pytest.mark.parametrize("form", FORMS[1:], ids=["flash", "flash-softcap", "flash-sinks"])
+def test_flash_rows_in_blocks_give_the_same_bits(form, monkeypatch):
+    """Scores beyond the block bound run a block of rows at a time (the last one shorter),
+    each block's mask rows its own: one block's bits with the fake engine (rows are independent
+    in numpy's f32 matmul and in ggml's softmax), its f32 rounding with the simulated one
+    (whose host BLAS sums in an order that depends on M)."""
+    rows, n_kv = 40, 48
+    whole = {}
+    for name, make in (("fake", Fp16Npu), ("sim", lambda: open_engine("sim-rknpu"))):
+        npu = make()
+        whole[name], seen = run_graph(npu, "on", rows=rows, n_kv=n_kv, **form)
+        assert seen.by_m == {rows * H // HKV: 2 * HKV}
+        monkeypatch.setattr(npu_attention, "SCORES_BLOCK_BYTES", 4 * H * n_kv * 16)     # 16 rows a block
+        got, seen = run_graph(make(), "on", rows=rows, n_kv=n_kv, **form)
+        monkeypatch.undo()
+        np.testing.assert_allclose(got, whole[name], rtol=0 if name == "fake" else 1e-6, atol=0 if name == "fake" else 1e-6)
+        assert seen.by_m == {16 * H // HKV: 2 * 2 * HKV, 8 * H // HKV: 2 * HKV} and seen.host_runs == 0
+
+
+def test_a_long_span_runs_in_bounded_scratch(monkeypatch):
+    """While a split FLASH_ATTN_EXT runs, its scratch stays near one block's scores, not the
+    whole node's (tracemalloc's peak over the run, numpy's data traced)."""
+    rows, ctx = 256, 1024
+    scores = 4 * H * rows * ctx                                    # 4 MiB for the node
+    monkeypatch.setattr(npu_attention, "SCORES_BLOCK_BYTES", scores // 8)
+    tracemalloc.start()
+    try:
+        with serve(npu=Fp16Npu(), npu_attention="on") as st:
+            with st.client() as c:
+                graph = AttentionGraph(c, rows=rows, n_kv=ctx, flash=True, ctx=ctx)
+                c.device_count()                                   # the uploads are in
+                base = tracemalloc.get_traced_memory()[0]
+                tracemalloc.reset_peak()
+                graph.compute()
+                peak = tracemalloc.get_traced_memory()[1] - base
+            assert st.state.stats.attention_npu_by_m == {rows // 8 * H // HKV: 8 * 2 * HKV}
+    finally:
+        tracemalloc.stop()
+    assert peak < scores // 2, f"{peak} bytes at the peak of a run whose whole scores are {scores}"
