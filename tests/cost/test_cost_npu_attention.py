@@ -29,3 +29,18 @@ def test_a_window_caps_the_span_and_a_conv_layer_costs_nothing():
                                                                                              cores=3)
     conv = PRESETS["LFM2-350M"].host_layers()[0]
     assert na.npu_attention_seconds(conv, 512, 0, cores=3) == 0
+
+
+def test_rows_run_in_blocks_of_bounded_scores():
+    """A block's scores (f32, every head) fit ``SCORES_BLOCK_BYTES``, at least one row a block;
+    the price is each block's two submits per KV head."""
+    assert na.row_block(512, 16, 2048) == 512                       # 64 MiB: one block
+    block = na.row_block(512, 24, 16384)
+    assert 4 * 24 * 16384 * block <= na.SCORES_BLOCK_BYTES < 4 * 24 * 16384 * (block + 1)
+    assert na.row_block(1, 64, 1 << 24) == 1
+    layer = PRESETS["Qwen3-1.7B"].host_layers()[0]
+    span = na.key_span(layer, 512, 3584)
+    assert na.row_block(512, 16, span) == 256
+    want = 8 * 2 * (npu_matmul_seconds(256 * 2, 128, span, "fp16", 3) + npu_matmul_seconds(256 * 2, span, 128, "fp16", 3))
+    want += na.SOFTMAX_PASSES * 4 * 512 * 16 * span / ho.copy_bytes_s(4)
+    assert na.npu_attention_seconds(layer, 512, 3584, cores=3) == pytest.approx(want)
