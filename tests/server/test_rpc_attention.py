@@ -211,7 +211,8 @@ def test_cached_flash_plans_hold_no_scores():
 @pytest.mark.parametrize("form", FORMS[1:], ids=["flash", "flash-softcap", "flash-sinks"])
 def test_flash_rows_in_blocks_give_the_same_bits(form, monkeypatch):
     """Scores beyond the block bound run a block of rows at a time (the last one shorter),
-    each block's mask rows its own: one block's bits with the fake engine (rows are independent
+    each block's mask rows its own, each KV head's K and V staged once for all blocks: one
+    block's bits with the fake engine (rows are independent
     in numpy's f32 matmul and in ggml's softmax), its f32 rounding with the simulated one
     (whose host BLAS sums in an order that depends on M)."""
     rows, n_kv = 40, 48
@@ -221,8 +222,14 @@ def test_flash_rows_in_blocks_give_the_same_bits(form, monkeypatch):
         whole[name], seen = run_graph(npu, "on", rows=rows, n_kv=n_kv, **form)
         assert seen.by_m == {rows * H // HKV: 2 * HKV}
         monkeypatch.setattr(npu_attention, "SCORES_BLOCK_BYTES", 4 * H * n_kv * 16)     # 16 rows a block
-        got, seen = run_graph(make(), "on", rows=rows, n_kv=n_kv, **form)
+        blocked = make()
+        got, seen = run_graph(blocked, "on", rows=rows, n_kv=n_kv, **form)
         monkeypatch.undo()
+        staged = ((blocked.uploads, blocked.frees) if isinstance(blocked, FakeNpu)
+                  else (blocked.counters["weights_uploaded"], blocked.counters["weights_freed"]))
+        assert staged == (2 * HKV, 2 * HKV)                        # K and V staged once for every block
+        npu.close()
+        blocked.close()
         np.testing.assert_allclose(got, whole[name], rtol=0 if name == "fake" else 1e-6, atol=0 if name == "fake" else 1e-6)
         assert seen.by_m == {16 * H // HKV: 2 * 2 * HKV, 8 * H // HKV: 2 * HKV} and seen.host_runs == 0
 

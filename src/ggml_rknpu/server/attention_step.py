@@ -1,6 +1,6 @@
 """Attention's matmuls on the NPU, per KV head with the query heads that share it stacked as
-rows: the KV cache's f16 K (or V) of the pass staged as an engine weight, the rows run through
-``MatmulEngine.matmul``, the staged copy freed after the pass.
+rows: the KV cache's f16 K (or V) of the pass staged as an engine weight (once a node, for
+every block of rows), the rows run through ``MatmulEngine.matmul``, the staged copy freed after the pass.
 
 ``KvMatmulStep``: a MUL_MAT whose src0 is a KV-cache view (llama.cpp's KQ and KQV without
 flash attention), ggml's broadcast (``i02 = i12 / r2``, ``i03 = i13 / r3``). ``FlashAttentionStep``:
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ggml_rknpu.engine.contract import MatmulEngine
+from ggml_rknpu.engine.contract import EngineWeight, MatmulEngine
 from ggml_rknpu.libggml.compute import HostCompute
 from ggml_rknpu.libggml.lib import TensorP
 from ggml_rknpu.server.plan_steps import HostSegment
@@ -29,18 +29,27 @@ from ggml_rknpu.server.stats import OpCounter, ServerStats
 log = logging.getLogger("ggml_rknpu.rpc")
 
 
-def _stacked(npu: MatmulEngine, stats: ServerStats, weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``rows`` [..., K] (the heads sharing ``weight`` first) @ ``weight`` [N, K]^T on the NPU:
-    [..., N]. The weight is staged for this call and freed after it."""
-    handle = npu.upload_weight(np.asarray(weight, np.float32), "fp16")   # exact: the cache is f16
-    try:
-        a = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, rows.shape[-1])
-        c = npu.matmul(a, handle)
-    finally:
-        handle.free()
+def _stage(npu: MatmulEngine, weight: np.ndarray) -> EngineWeight:
+    """``weight`` [N, K] (a slice of the f16 KV cache) staged on the NPU as an fp16 weight."""
+    return npu.upload_weight(np.asarray(weight, np.float32), "fp16")   # exact: the cache is f16
+
+
+def _apply(npu: MatmulEngine, stats: ServerStats, handle: EngineWeight, rows: np.ndarray) -> np.ndarray:
+    """``rows`` [..., K] (the heads sharing the weight first) @ the staged weight^T: [..., N]."""
+    a = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, rows.shape[-1])
+    c = npu.matmul(a, handle)
     stats.count_npu_matmuls(a.shape[0], 1, npu.last_timing)
     stats.attention_npu_by_m[a.shape[0]] = stats.attention_npu_by_m.get(a.shape[0], 0) + 1
     return c.reshape(*rows.shape[:-1], c.shape[1])
+
+
+def _stacked(npu: MatmulEngine, stats: ServerStats, weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``rows`` @ ``weight`` [N, K]^T on the NPU, the weight staged for this call only."""
+    handle = _stage(npu, weight)
+    try:
+        return _apply(npu, stats, handle, rows)
+    finally:
+        handle.free()
 
 
 @dataclass(eq=False)
@@ -168,21 +177,34 @@ class FlashAttentionStep:
         self.npu_pass.run_with(stats, lambda npu: self._compute(npu, stats))
 
     def _compute(self, npu: MatmulEngine, stats: ServerStats) -> None:
-        result = np.empty(self.out.shape, np.float32)
-        for row0 in range(0, self.q.shape[2], self.block):
-            self._block(npu, stats, row0, min(row0 + self.block, self.q.shape[2]), result)
+        staged: list[EngineWeight] = []
+
+        def stage(weight: np.ndarray) -> EngineWeight:
+            staged.append(_stage(npu, weight))
+            return staged[-1]
+
+        try:   # each KV head's K and V^T staged once for every block, freed after the pass
+            keys = [[stage(k) for k in k3] for k3 in self.k]
+            values = [[stage(v.T) for v in v3] for v3 in self.v]
+            result = np.empty(self.out.shape, np.float32)
+            for row0 in range(0, self.q.shape[2], self.block):
+                self._block(npu, stats, row0, min(row0 + self.block, self.q.shape[2]), keys, values, result)
+        finally:
+            for handle in staged:
+                handle.free()
         self.out[...] = result
 
-    def _block(self, npu: MatmulEngine, stats: ServerStats, row0: int, row1: int, result: np.ndarray) -> None:
+    def _block(self, npu: MatmulEngine, stats: ServerStats, row0: int, row1: int, keys: list[list[EngineWeight]],
+               values: list[list[EngineWeight]], result: np.ndarray) -> None:
         r3, g = self.q.shape[0] // self.k.shape[0], self.q.shape[1] // self.k.shape[1]
         scores = np.empty((*self.q.shape[:2], row1 - row0, self.k.shape[2]), np.float32)   # every head written
         for i3 in range(self.q.shape[0]):
             for h in range(self.k.shape[1]):
                 heads = slice(h * g, (h + 1) * g)
-                scores[i3, heads] = _stacked(npu, stats, self.k[i3 // r3, h], self.q[i3, heads, row0:row1])
+                scores[i3, heads] = _apply(npu, stats, keys[i3 // r3][h], self.q[i3, heads, row0:row1])
         probs = self.softmax.run(stats, scores, row0)
         for i3 in range(self.q.shape[0]):
             for h in range(self.k.shape[1]):
                 heads = slice(h * g, (h + 1) * g)
-                o = _stacked(npu, stats, self.v[i3 // r3, h].T, probs[i3, heads])   # (g, block rows, DV)
+                o = _apply(npu, stats, values[i3 // r3][h], probs[i3, heads])   # (g, block rows, DV)
                 result[i3, row0:row1, heads] = o.transpose(1, 0, 2)
