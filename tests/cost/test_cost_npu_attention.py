@@ -1,6 +1,7 @@
 """Attention's matmuls on the NPU as priced if built (cost/npu_attention.py): per KV head two
 NPU matmuls over the whole key span (the group's query heads stacked as rows) plus the
-host's softmax; a window caps the span; a short-conv layer has no attention. *Modeled*."""
+host's softmax and the staging of K and V; a window caps the span; a short-conv layer has no
+attention. *Modeled*."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_two_matmuls_per_kv_head_and_the_softmax():
     m = 512 * 2
     want = 8 * (npu_matmul_seconds(m, 128, span, "fp16", 3) + npu_matmul_seconds(m, span, 128, "fp16", 3))
     want += na.SOFTMAX_PASSES * 4 * 512 * 16 * span / ho.copy_bytes_s(4)
+    want += 2 * 8 * span * 128 * na.STAGE_BYTES / ho.copy_bytes_s(1)     # K and V staged once, one thread
     assert na.npu_attention_seconds(layer, 512, 1536, cores=3) == pytest.approx(want)
 
 
@@ -29,3 +31,27 @@ def test_a_window_caps_the_span_and_a_conv_layer_costs_nothing():
                                                                                              cores=3)
     conv = PRESETS["LFM2-350M"].host_layers()[0]
     assert na.npu_attention_seconds(conv, 512, 0, cores=3) == 0
+
+
+def test_rows_run_in_blocks_of_bounded_scores():
+    """A block's scores (f32, every head) fit ``SCORES_BLOCK_BYTES``, at least one row a block;
+    the price is each block's two submits per KV head."""
+    assert na.row_block(512, 16, 2048) == 512                       # 64 MiB: one block
+    block = na.row_block(512, 24, 16384)
+    assert 4 * 24 * 16384 * block <= na.SCORES_BLOCK_BYTES < 4 * 24 * 16384 * (block + 1)
+    assert na.row_block(1, 64, 1 << 24) == 1
+    layer = PRESETS["Qwen3-1.7B"].host_layers()[0]
+    span = na.key_span(layer, 512, 3584)
+    assert na.row_block(512, 16, span) == 256
+    want = 8 * 2 * (npu_matmul_seconds(256 * 2, 128, span, "fp16", 3) + npu_matmul_seconds(256 * 2, span, 128, "fp16", 3))
+    want += na.SOFTMAX_PASSES * 4 * 512 * 16 * span / ho.copy_bytes_s(4) + na.staging_seconds(layer, span)
+    assert na.npu_attention_seconds(layer, 512, 3584, cores=3) == pytest.approx(want)
+
+
+def test_staging_k_and_v_can_keep_a_short_pass_on_the_host():
+    """64 rows over 1000 cached positions (Qwen3-1.7B, 3 cores, 4 threads): the matmuls and the
+    softmax alone beat the host's flash attention, staging K and V does not."""
+    layer = PRESETS["Qwen3-1.7B"].host_layers()[0]
+    npu = na.npu_attention_seconds(layer, 64, 1000, cores=3, threads=4)
+    host = ho.attention_time(layer, 64, 1000, threads=4).total_s
+    assert npu - na.staging_seconds(layer, 1064) < host < npu

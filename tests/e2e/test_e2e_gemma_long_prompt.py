@@ -1,5 +1,5 @@
 """gemma-3-270m Q4_K_M with a long prompt through ``rknpu serve`` (simulated NPU, every weight
-matmul on it, attention by ``--npu-attention auto``): llama-perplexity's 2048-token
+matmul on it, attention by the default ``--npu-attention auto``): llama-perplexity's 2048-token
 chunk (four passes of 512 rows, whose attention matmuls the board's models put on the NPU)
 within the mean-KLD bound of CPU-only, and a 2000-token prompt's greedy answer following
 llama-server alone's by the near-tie rule; the server's counters show the attention matmuls
@@ -51,7 +51,7 @@ def test_long_prompt_attention_on_npu_within_the_kld_bound(tmp_path: Path, gemma
     text.write_text(_docs_text())
     base = tmp_path / "cpu.kld"
     _perplexity(gemma, text, ["--kl-divergence-base", str(base)])
-    with rknpu_server(tmp_path, extra=("--weights", "fp16", "--npu-attention", "auto")) as server:
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
         out = _perplexity(gemma, text, ["--rpc", server.endpoint, "-ngl", "99", "--kl-divergence-base", str(base),
                                         "--kl-divergence"])
     found = _MEAN_KLD.search(out)
@@ -88,7 +88,7 @@ def test_a_2000_token_prompt_follows_the_cpus_greedy_answer(tmp_path: Path, gemm
         prompt = alone.post("/tokenize", {"content": text})["tokens"][:PROMPT_TOKENS]
         assert len(prompt) == PROMPT_TOKENS
         reference = _greedy(alone, prompt)
-    with rknpu_server(tmp_path, extra=("--weights", "fp16", "--npu-attention", "auto")) as server:
+    with rknpu_server(tmp_path, extra=("--weights", "fp16")) as server:
         with llama_server(tmp_path, gemma, rpc=server.endpoint, extra=window) as served:
             device = _greedy(served, prompt)
     result = agree(device, reference, tie=GEMMA_TIE, close=GEMMA_CLOSE_NPU, what="2000-token prompt")

@@ -7,12 +7,15 @@ decode rows on the host; ``off`` runs none on the NPU."""
 from __future__ import annotations
 
 import struct
+import tracemalloc
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from ggml_rknpu.cost import npu_attention
 from ggml_rknpu.engine.api import open_engine
+from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.kernel.errors import NpuTimeout
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.server.attention_plan import AttentionPolicy
@@ -25,6 +28,7 @@ MUL_MAT, SOFT_MAX, FLASH = int(GgmlOp.MUL_MAT), int(GgmlOp.SOFT_MAX), int(GgmlOp
 D, H, HKV, CTX = 32, 4, 2, 64       # head dim, query heads, KV heads (2 query heads each), cache positions
 # the fp16 bound: P is rounded to f16 for P.V (ggml-cpu's flash attention accumulates V in f16)
 RTOL, ATOL = 2e-3, 2e-3
+ALIGN = 64                          # each tensor of a test graph starts on this byte boundary
 
 
 def _f(x: float) -> int:
@@ -42,51 +46,56 @@ class Fp16Npu(FakeNpu):
 
 
 class AttentionGraph:
-    """A layer's attention over a cache of ``CTX`` positions, ``rows`` new rows seeing ``n_kv``:
-    K cache [D*HKV, CTX] f16, V cache transposed [CTX, D*HKV] (unfused) or as K (flash)."""
+    """A layer's attention over a cache of ``ctx`` positions, ``rows`` new rows seeing ``n_kv``:
+    K cache [D*HKV, ctx] f16, V cache transposed [ctx, D*HKV] (unfused) or as K (flash); the
+    tensors laid out one after another in a new buffer, or from the base of ``buffer`` (handle, base)."""
 
     def __init__(self, c, rows: int, n_kv: int, flash: bool, softcap: float = 0.0, sinks: bool = False,
-                 seed: int = 0) -> None:
+                 seed: int = 0, ctx: int = CTX, buffer: tuple[int, int] | None = None) -> None:
         self.c = c
         rng = np.random.default_rng(seed)
-        wh, wb = c.alloc_base(1 << 20)
         kv = D * HKV
-        self.k_cache = T(ne=(kv, CTX, 1, 1), buffer=wh, data=wb, type=F16, name="cache_k_l0")
-        self.v_cache = T(ne=(kv, CTX, 1, 1), buffer=wh, data=wb + 2 * kv * CTX, type=F16, name="cache_v_l0")
-        k = T(ne=(D, n_kv, HKV, 1), nb=(2, 2 * kv, 2 * D, 2 * kv * n_kv), buffer=wh, data=wb, type=F16,
+        sizes = (2 * kv * ctx, 2 * kv * ctx, 4 * D * rows * H, 2 * n_kv * rows, 4 * H, 4 * n_kv * rows * H,
+                 4 * n_kv * rows * H, 4 * D * H * rows)
+        offsets = np.cumsum((0, *(align_up(n, ALIGN) for n in sizes)))
+        wh, wb = buffer or c.alloc_base(int(offsets[-1]))
+        k_at, v_at, q_at, mask_at, sinks_at, kq_at, soft_at, out_at = (wb + int(o) for o in offsets[:-1])
+        self.k_cache = T(ne=(kv, ctx, 1, 1), buffer=wh, data=k_at, type=F16, name="cache_k_l0")
+        self.v_cache = T(ne=(kv, ctx, 1, 1), buffer=wh, data=v_at, type=F16, name="cache_v_l0")
+        k = T(ne=(D, n_kv, HKV, 1), nb=(2, 2 * kv, 2 * D, 2 * kv * n_kv), buffer=wh, data=k_at, type=F16,
               view_src=self.k_cache.id, name="k-0")
-        self.q = T(ne=(D, rows, H, 1), buffer=wh, data=wb + (1 << 16), name="q-0")
-        self.mask = T(ne=(n_kv, rows, 1, 1), buffer=wh, data=wb + (1 << 17), type=F16, name="kq_mask")
+        self.q = T(ne=(D, rows, H, 1), buffer=wh, data=q_at, name="q-0")
+        self.mask = T(ne=(n_kv, rows, 1, 1), buffer=wh, data=mask_at, type=F16, name="kq_mask")
         mask = np.zeros((rows, n_kv), np.float32)
         for r in range(rows):                             # causal: row r sees positions <= n_kv - rows + r
             mask[r, n_kv - rows + r + 1:] = -np.inf
         self.tensors = [self.k_cache, self.v_cache, k, self.q, self.mask]
-        c.set_array(self.k_cache, rng.standard_normal((CTX, kv)).astype(np.float16))
-        c.set_array(self.v_cache, rng.standard_normal((CTX, kv)).astype(np.float16))
+        c.set_array(self.k_cache, rng.standard_normal((ctx, kv)).astype(np.float16))
+        c.set_array(self.v_cache, rng.standard_normal((ctx, kv)).astype(np.float16))
         c.set_array(self.q, rng.standard_normal((H, rows, D)).astype(np.float32))
         c.set_array(self.mask, mask.astype(np.float16))
         scale = D ** -0.5
         if flash:
             v = T(ne=(D, n_kv, HKV, 1), nb=(2, 2 * kv, 2 * D, 2 * kv * n_kv), buffer=wh,
-                  data=wb + 2 * kv * CTX, type=F16, view_src=self.v_cache.id, name="v-0")
+                  data=v_at, type=F16, view_src=self.v_cache.id, name="v-0")
             src = [self.q.id, k.id, v.id, self.mask.id]
             self.tensors.append(v)
             if sinks:
-                s = T(ne=(H, 1, 1, 1), buffer=wh, data=wb + (1 << 18), name="sinks")
+                s = T(ne=(H, 1, 1, 1), buffer=wh, data=sinks_at, name="sinks")
                 c.set_array(s, rng.standard_normal(H).astype(np.float32))
                 src.append(s.id)
                 self.tensors.append(s)
-            self.out = T(ne=(D, H, rows, 1), buffer=wh, data=wb + (3 << 18), op=FLASH, src=tuple(src),
+            self.out = T(ne=(D, H, rows, 1), buffer=wh, data=out_at, op=FLASH, src=tuple(src),
                          op_params=(_f(scale), _f(0.0), _f(softcap), 0), name="__fattn__-0")
             self.nodes = [self.out]
         else:
-            vt = T(ne=(n_kv, D, HKV, 1), nb=(2, 2 * CTX, 2 * CTX * D, 2 * CTX * kv), buffer=wh,
-                   data=wb + 2 * kv * CTX, type=F16, view_src=self.v_cache.id, name="v-0")
-            kq = T(ne=(n_kv, rows, H, 1), buffer=wh, data=wb + (2 << 18), op=MUL_MAT, src=(k.id, self.q.id),
+            vt = T(ne=(n_kv, D, HKV, 1), nb=(2, 2 * ctx, 2 * ctx * D, 2 * ctx * kv), buffer=wh,
+                   data=v_at, type=F16, view_src=self.v_cache.id, name="v-0")
+            kq = T(ne=(n_kv, rows, H, 1), buffer=wh, data=kq_at, op=MUL_MAT, src=(k.id, self.q.id),
                    name="kq-0")
-            soft = T(ne=(n_kv, rows, H, 1), buffer=wh, data=wb + (5 << 17), op=SOFT_MAX,
+            soft = T(ne=(n_kv, rows, H, 1), buffer=wh, data=soft_at, op=SOFT_MAX,
                      src=(kq.id, self.mask.id), op_params=(_f(scale), _f(0.0)), name="kq_soft_max-0")
-            self.out = T(ne=(D, rows, H, 1), buffer=wh, data=wb + (3 << 18), op=MUL_MAT, src=(vt.id, soft.id),
+            self.out = T(ne=(D, rows, H, 1), buffer=wh, data=out_at, op=MUL_MAT, src=(vt.id, soft.id),
                          name="kqv-0")
             self.tensors += [vt, kq, soft]
             self.nodes = [kq, soft, self.out]
@@ -170,3 +179,78 @@ def test_simulated_engine_within_the_fp16_bound(flash):
         assert npu.counters["weights_freed"] == npu.counters["weights_uploaded"] == 2 * HKV
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     assert seen.by_m == {40 * H // HKV: 2 * HKV} and seen.host_runs == 0
+
+
+def test_cached_flash_plans_hold_no_scores():
+    """A split FLASH_ATTN_EXT's scores (heads x rows x n_kv f32) exist only while it runs: plans
+    of distinct graphs stay cached (each replays from the cache afterwards), and the numpy
+    memory they hold (tracemalloc traces numpy's data) stays below one plan's scores."""
+    rows, ctx, n_plans = 256, 1024, 6
+    scores = 4 * H * rows * ctx                                    # 4 MiB a plan
+    tracemalloc.start()
+    try:
+        with serve(npu=Fp16Npu(), npu_attention="on") as st:
+            with st.client() as c:
+                buffer = c.alloc_base(1 << 24)
+                graphs = [AttentionGraph(c, rows=rows, n_kv=ctx - i, flash=True, ctx=ctx, buffer=buffer)
+                          for i in range(n_plans + 1)]
+                graphs[0].compute()                                # the server's first plan: lazy set-up
+                before = tracemalloc.get_traced_memory()[0]
+                for g in graphs[1:]:
+                    g.compute()
+                held = tracemalloc.get_traced_memory()[0] - before
+                for g in graphs:
+                    g.compute()
+            assert st.state.stats.plan_cache_hits == n_plans + 1   # every plan was still cached
+            assert st.state.stats.attention_host_runs == 0
+    finally:
+        tracemalloc.stop()
+    assert held < scores, f"{n_plans} cached plans hold {held} bytes; one plan's scores are {scores}"
+
+
+@pytest.mark.parametrize("form", FORMS[1:], ids=["flash", "flash-softcap", "flash-sinks"])
+def test_flash_rows_in_blocks_give_the_same_bits(form, monkeypatch):
+    """Scores beyond the block bound run a block of rows at a time (the last one shorter),
+    each block's mask rows its own, each KV head's K and V staged once for all blocks: one
+    block's bits with the fake engine (rows are independent
+    in numpy's f32 matmul and in ggml's softmax), its f32 rounding with the simulated one
+    (whose host BLAS sums in an order that depends on M)."""
+    rows, n_kv = 40, 48
+    whole = {}
+    for name, make in (("fake", Fp16Npu), ("sim", lambda: open_engine("sim-rknpu"))):
+        npu = make()
+        whole[name], seen = run_graph(npu, "on", rows=rows, n_kv=n_kv, **form)
+        assert seen.by_m == {rows * H // HKV: 2 * HKV}
+        monkeypatch.setattr(npu_attention, "SCORES_BLOCK_BYTES", 4 * H * n_kv * 16)     # 16 rows a block
+        blocked = make()
+        got, seen = run_graph(blocked, "on", rows=rows, n_kv=n_kv, **form)
+        monkeypatch.undo()
+        staged = ((blocked.uploads, blocked.frees) if isinstance(blocked, FakeNpu)
+                  else (blocked.counters["weights_uploaded"], blocked.counters["weights_freed"]))
+        assert staged == (2 * HKV, 2 * HKV)                        # K and V staged once for every block
+        npu.close()
+        blocked.close()
+        np.testing.assert_allclose(got, whole[name], rtol=0 if name == "fake" else 1e-6, atol=0 if name == "fake" else 1e-6)
+        assert seen.by_m == {16 * H // HKV: 2 * 2 * HKV, 8 * H // HKV: 2 * HKV} and seen.host_runs == 0
+
+
+def test_a_long_span_runs_in_bounded_scratch(monkeypatch):
+    """While a split FLASH_ATTN_EXT runs, its scratch stays near one block's scores, not the
+    whole node's (tracemalloc's peak over the run, numpy's data traced)."""
+    rows, ctx = 256, 1024
+    scores = 4 * H * rows * ctx                                    # 4 MiB for the node
+    monkeypatch.setattr(npu_attention, "SCORES_BLOCK_BYTES", scores // 8)
+    tracemalloc.start()
+    try:
+        with serve(npu=Fp16Npu(), npu_attention="on") as st:
+            with st.client() as c:
+                graph = AttentionGraph(c, rows=rows, n_kv=ctx, flash=True, ctx=ctx)
+                c.device_count()                                   # the uploads are in
+                base = tracemalloc.get_traced_memory()[0]
+                tracemalloc.reset_peak()
+                graph.compute()
+                peak = tracemalloc.get_traced_memory()[1] - base
+            assert st.state.stats.attention_npu_by_m == {rows // 8 * H // HKV: 8 * 2 * HKV}
+    finally:
+        tracemalloc.stop()
+    assert peak < scores // 2, f"{peak} bytes at the peak of a run whose whole scores are {scores}"

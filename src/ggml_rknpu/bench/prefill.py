@@ -1,7 +1,7 @@
 """Prefill forecast: time to first token and prompt tokens/s at 128 to 8192 prompt tokens,
 *modeled* on the board, for the presets and any config or GGUF, under the plans cpu
 (llama.cpp alone), npu, auto (``rknpu serve --placement auto``) and auto with attention's
-matmuls on the NPU (``rknpu serve --npu-attention auto``; staging K and V per pass not priced).
+matmuls on the NPU (``rknpu serve --npu-attention auto``, staging K and V included).
 
 Invariants: every host op is priced (``cost.host_ops``: element-wise work by rows, attention
 by rows, context, heads and head dim); a prompt runs in ubatches of 512 rows, each after the
@@ -135,7 +135,7 @@ def run(args, rig, console: Console) -> rp.Report:
             "cost.host_ops for the A76s, every host op priced: element-wise work by rows, flash attention by rows, "
             "context, heads and head dim). cpu = llama.cpp alone; npu = every weight matmul on the NPU; auto = "
             f"rknpu serve --placement auto; '{ATTN_NPU}' = auto with each layer's attention matmuls on the NPU "
-            "where that is faster (rknpu serve --npu-attention auto; staging K and V per pass is not priced). Prompts run "
+            "where that is faster (rknpu serve --npu-attention auto; staging K and V priced). Prompts run "
             f"in ubatches of {plans.UBATCH}; the head for the last row only. Published figures: other engines "
             "on boards (docs/anchors.md §6.3), not fitted.")
     table = rp.Table("Prefill: time to first token by prompt length (modeled on the board)", columns, rows, note)

@@ -120,10 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="opt-in: with --placement auto, a weight matmul the board models price fastest split runs "
                         "its first rows on the NPU and the rest in ggml-cpu at once (modeled gain only; "
                         "docs/placement.md)")
-    p.add_argument("--npu-attention", default="off", choices=("auto", "on", "off"),
-                   help="opt-in: attention's matmuls (QK^T, PV) on the NPU where the board's models say it is "
-                        "faster (auto: prefill, long verifies), for every f16 KV-cache pass (on), or never "
-                        "(off, the default: each cached plan holds its split softmax's scores; docs/placement.md)")
+    p.add_argument("--npu-attention", default="auto", choices=("auto", "on", "off"),
+                   help="attention's matmuls (QK^T, PV) on the NPU: where the board's models say it is faster "
+                        "(auto, the default: prefill, long verifies; never decode rows), for every f16 KV-cache "
+                        "pass (on), or never (off); docs/placement.md")
     p.add_argument("--sim-faults", default=None, metavar="SPEC",
                    help="simulator only: inject NPU faults per submit, e.g. 'timeout:0.02,dma:0.01,stale:0.02,"
                         "core:0.01,seed=1' (rates) or 'stale@5,core@9' (submit numbers); see sim/faults.py")

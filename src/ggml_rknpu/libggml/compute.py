@@ -4,10 +4,10 @@ A :class:`HostContext` belongs to one graph plan: a no-alloc ggml context holdin
 tensor per tensor of the received graph (``data`` pointing into the server's own buffer
 memory, views as views, ``op``/``op_params``/``flags`` as the client sent them) and the
 segment graphs. :meth:`HostContext.segment` turns a run of nodes into a :class:`HostCompute`:
-a ``ggml_cgraph`` with the nodes in the client's order and a ``ggml_cplan`` made once (work
-buffer allocated once), so a replay is one ``ggml_graph_compute`` call. Closing the context
-frees every tensor and graph of the plan; the context also holds a reference to every numpy
-buffer its pointers point into, so no pointer can outlive the memory it names.
+a ``ggml_cgraph`` and a ``ggml_cplan`` made once, so a replay is one ``ggml_graph_compute``
+call. Closing the context frees every tensor and graph of the plan; it holds a reference to
+every numpy buffer its pointers point into, and scratch bound for one run
+(:meth:`HostCompute.bound`) is unbound after it: no pointer outlives the memory it names.
 
 Only validated graphs may come here (``server.ops.rules``): ggml-cpu trusts its input.
 """
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +95,22 @@ class HostCompute:
         status = self.g.graph_compute_raw(self.graph, self.cplan_address)
         if status != GGML_STATUS_SUCCESS:
             raise HostComputeError(f"ggml_graph_compute returned status {status}")
+
+    @contextmanager
+    def bound(self, *bindings: tuple[TensorP, np.ndarray]) -> Iterator[None]:
+        """Each tensor's data at its array (C-contiguous, at least the tensor's bytes) inside the
+        block, at the empty address after it: scratch that exists only while a step runs."""
+        for t, array in bindings:
+            if not array.flags.c_contiguous or array.nbytes < self.g.ggml_nbytes(t):
+                raise ValueError(f"'{t.contents.name.decode()}' needs {self.g.ggml_nbytes(t)} "
+                                 f"contiguous bytes, not a {array.nbytes}-byte array")
+        try:
+            for t, array in bindings:
+                t.contents.data = array.ctypes.data
+            yield
+        finally:
+            for t, _ in bindings:
+                t.contents.data = _EMPTY.ctypes.data
 
 
 @dataclass(eq=False)

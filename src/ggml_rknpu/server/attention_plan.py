@@ -15,18 +15,16 @@ import struct
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import numpy as np
-
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.cost import host_ops as ho
-from ggml_rknpu.cost.npu_attention import npu_attention_seconds
+from ggml_rknpu.cost.npu_attention import npu_attention_seconds, row_block
 from ggml_rknpu.cost.placement import host_matmul_seconds, npu_matmul_seconds
 from ggml_rknpu.engine.contract import MatmulEngine
 from ggml_rknpu.libggml import abi
 from ggml_rknpu.libggml.compute import HostContext
 from ggml_rknpu.libggml.enums import GgmlOp, GgmlType
 from ggml_rknpu.libggml.lib import TensorP
-from ggml_rknpu.server.attention_step import FlashAttentionStep, KvMatmulStep, NpuPass, Softmax
+from ggml_rknpu.server.attention_step import FlashAttentionStep, KvMatmulStep, NpuPass, Softmax, SoftmaxGraph
 from ggml_rknpu.server.placement import NPU
 from ggml_rknpu.server.plan_steps import HostSegment
 from ggml_rknpu.server.recovery import NpuRecovery
@@ -35,7 +33,8 @@ from ggml_rknpu.server.tensor import CheckedTensor, RpcTensor
 
 MODES = ("off", "auto", "on")
 F16, F32 = int(GgmlType.F16), int(GgmlType.F32)
-SOFTMAX_TENSORS = 3     # ggml tensors a split FLASH_ATTN_EXT adds to a plan's context (scores, mask, probs)
+SOFTMAX_GRAPHS = 2      # one-node graphs a split FLASH_ATTN_EXT adds to a plan (a full block of rows, the last)
+SOFTMAX_TENSORS = 3 * SOFTMAX_GRAPHS   # ggml tensors they add to its context (scores, mask, probs each)
 AttentionStep = FlashAttentionStep | KvMatmulStep
 
 
@@ -98,35 +97,45 @@ def kv_matmul_step(t: RpcTensor, checked: dict[int, CheckedTensor], engine: Matm
     return KvMatmulStep(npu_pass, w.ref().as_array(), a.ref().as_array(), d.ref().as_array())
 
 
+def _softmax_graph(ctx: HostContext, name: str, shape: tuple[int, int, int, int], mask: CheckedTensor | None,
+                   sinks: TensorP | None, params: tuple[int, int]) -> SoftmaxGraph:
+    """SOFT_MAX_EXT in place over scores of ``shape`` (n_kv, block rows, heads, ne3), unbound."""
+    n_kv, rows, heads, _ = shape
+    nb = (4, 4 * n_kv, 4 * n_kv * rows, 4 * n_kv * rows * heads)
+    s_t = ctx.tensor(F32, shape, nb, 0, (), 0, f"{name}.scores", None)
+    mask_t = None if mask is None else ctx.tensor(mask.rpc.type, (n_kv, rows, *mask.rpc.ne[2:]), mask.rpc.nb, 0, (),
+                                                  0, f"{name}.mask", None)
+    p_t = ctx.tensor(F32, shape, nb, int(GgmlOp.SOFT_MAX), params, abi.GGML_TENSOR_FLAG_COMPUTE,
+                     f"{name}.softmax", None)
+    ctx.link(p_t, [s_t, mask_t, sinks], s_t, 0)      # in place, as ggml_soft_max_ext_inplace builds it
+    return SoftmaxGraph(ctx.segment([p_t]), s_t, p_t, mask_t)
+
+
 def flash_step(t: RpcTensor, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP], ctx: HostContext,
                engine: MatmulEngine, recovery: NpuRecovery, host: HostSegment, stats: ServerStats) -> FlashAttentionStep:
-    """The split FLASH_ATTN_EXT: its softmax a one-node SOFT_MAX_EXT graph over scratch scores."""
+    """The split FLASH_ATTN_EXT: its softmax one-node SOFT_MAX_EXT graphs (a full block of rows,
+    and the last block where it is shorter) over scores that exist only while the step runs:
+    a cached plan holds their metadata only."""
     q, k, v, d = (checked[i] for i in (t.src[0], t.src[1], t.src[2], t.id))
     n_kv, rows, heads, ne3 = k.rpc.ne[1], q.rpc.ne[1], q.rpc.ne[2], q.rpc.ne[3]
     scale, max_bias, softcap = _f32(t, 0), _f32(t, 1), _f32(t, 2)
-    shape = (n_kv, rows, heads, ne3)
-    nb = (4, 4 * n_kv, 4 * n_kv * rows, 4 * n_kv * rows * heads)
-    scores = np.zeros(shape[::-1], np.float32)
-    probs = np.zeros(shape[::-1], np.float32)
-    s_t = ctx.new_tensor_contiguous(F32, shape, f"{t.name}.scores", scores)
-    mask_t = None
-    if len(t.src) > 3 and t.src[3]:
-        m = checked[t.src[3]]
-        assert m.buffer is not None, "a computing node's sources are backed (check_backed)"
-        mask_t = ctx.tensor(m.rpc.type, (n_kv, *m.rpc.ne[1:]), m.rpc.nb, 0, (), 0, f"{t.name}.mask",
-                            (m.buffer.array, m.start))
+    mask = checked[t.src[3]] if len(t.src) > 3 and t.src[3] else None
+    mask_rows = None
+    if mask is not None:
+        assert mask.buffer is not None, "a computing node's sources are backed (check_backed)"
+        mask_rows = (mask.buffer.array, mask.start, mask.rpc.nb[1])
     sinks_t = ptrs[t.src[4]] if len(t.src) > 4 and t.src[4] else None
     # softcap: s = softcap * tanh(s * scale / softcap) before the mask (ggml-cpu's flash
     # attention), done on the scores; the softmax then scales by 1
     params = (_bits(1.0 if softcap else scale), _bits(max_bias))
-    p_t = ctx.tensor(F32, shape, nb, int(GgmlOp.SOFT_MAX), params, abi.GGML_TENSOR_FLAG_COMPUTE,
-                     f"{t.name}.softmax", (probs.reshape(-1).view(np.uint8), 0))
-    ctx.link(p_t, [s_t, mask_t, sinks_t], None, 0)
-    softmax = Softmax(ctx.segment([p_t]), scores, probs, scale if softcap else 1.0, softcap)
+    block = row_block(rows, heads * ne3, n_kv)
+    graphs = {r: _softmax_graph(ctx, t.name, (n_kv, r, heads, ne3), mask, sinks_t, params)
+              for r in {block, rows % block} if r}
+    softmax = Softmax(graphs, mask_rows, scale if softcap else 1.0, softcap)
     nbytes = sum(c.end - c.start for c in (q, k, v, d))
     npu_pass = NpuPass(t.name, engine, recovery, host, stats.counter("FLASH_ATTN_EXT", NPU), nbytes)
     return FlashAttentionStep(npu_pass, q.ref().as_array(), k.ref().as_array(), v.ref().as_array(),
-                              d.ref().as_array(), softmax)
+                              d.ref().as_array(), softmax, block)
 
 
 def attention_step(t: RpcTensor, checked: dict[int, CheckedTensor], ptrs: dict[int, TensorP], ctx: HostContext,

@@ -20,7 +20,14 @@ from ggml_rknpu.libggml.compute import HostContext, Threads
 from ggml_rknpu.libggml.enums import GgmlOp
 from ggml_rknpu.libggml.lib import Ggml, TensorP
 from ggml_rknpu.server.activations import ActivationRounding
-from ggml_rknpu.server.attention_plan import SOFTMAX_TENSORS, AttentionPolicy, AttentionStep, attention_step, plan_nodes
+from ggml_rknpu.server.attention_plan import (
+    SOFTMAX_GRAPHS,
+    SOFTMAX_TENSORS,
+    AttentionPolicy,
+    AttentionStep,
+    attention_step,
+    plan_nodes,
+)
 from ggml_rknpu.server.buffers import BufferTable
 from ggml_rknpu.server.expert_step import HOST_TENSORS, ExpertStep, HostExperts, expert_slots
 from ggml_rknpu.server.grouping import PlannedStep, delivery_runs, group_npu_steps, merge_deliveries
@@ -124,7 +131,7 @@ class GraphPlanner:
         host = HostContext(self.ggml, self.threads, len(g.tensors) + 2 * n_markers + HOST_TENSORS * len(experts)
                            + 4 * len(self._splits) + SOFTMAX_TENSORS * flash,
                            tuple(len(r) for r in runs) + tuple(merges)
-                           + (1,) * (len(experts) + 2 * len(self._splits) + flash))
+                           + (1,) * (len(experts) + 2 * len(self._splits) + SOFTMAX_GRAPHS * flash))
         try:
             ptrs = self._ggml_tensors(g, checked, host)
             cpu_ok = {nid: self.ggml.supports_op(ptrs[nid]) for nid in computing}

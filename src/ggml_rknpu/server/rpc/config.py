@@ -30,7 +30,7 @@ class ServerConfig:
     host_threads: int | None = None   # A76 threads host matmuls are priced at (None: threads, else the 4 A76s)
     host_repack: bool = False         # host matmuls read a repacked copy where ggml-cpu repacks (rknpu serve: on)
     placement_split: bool = False     # auto may split a matmul's rows between the NPU and the host (opt-in)
-    npu_attention: str = "off"        # attention's matmuls on the NPU: "auto" by cost, "on", "off" (server/attention_plan.py)
+    npu_attention: str = "auto"       # attention's matmuls on the NPU: "auto" by cost, "on", "off" (server/attention_plan.py)
     idle_timeout_s: float | None = None   # close a client idle this long between messages (None: never)
     max_clients: int = MAX_CLIENTS    # connections served at once; more are refused at accept
     session_memory: int | None = None  # buffer bytes one connection may hold (None: the device budget)
