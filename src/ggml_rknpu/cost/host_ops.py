@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from ggml_rknpu.cost import cpu
 from ggml_rknpu.hw.alignment import ceil_div
 
-HOST_FIXED_S_PER_LAYER = 0.40e-3
+HOST_FIXED_S_PER_LAYER = 0.256e-3
 # FIT: the rest of a published tg128 token beyond its matmuls, element-wise bytes and
-# attention, per layer: the geometric mean of modeled / published over the twelve RK3588
+# attention, per layer: the geometric mean of modeled / published over the fourteen RK3588
 # tg128 rows is 1 (docs/anchors.md §6.1). GUESS: independent of the thread count, the rows
 # and the layer's kind.
 COPY_BYTES_S_CLUSTER = 23.0e9
