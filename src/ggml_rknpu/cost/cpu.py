@@ -51,9 +51,9 @@ UNHIDDEN_SHARE = 0.29
 # FIT: the share of the shorter of a matmul's compute and memory times not hidden under the
 # longer (0: a pure roofline, max(); 1: no overlap, their sum). The value that minimizes the
 # squared log error over all 44 rows of the set, every other constant refitted at each trial
-# value. The 22 tg128 rows fix it (at M = 1 the shorter side is 30-90% of the longer; at 512
-# rows under 1%, so the prompt rows hardly feel it). Fitted without the two Qwen3.5 9B decode
-# rows it is 0.19 (docs/anchors.md §6.1). GUESS: the same share for every kernel and M.
+# value. The 22 tg128 rows fix it (at M = 1 the shorter side is 25-93% of the longer; at 512
+# rows under 1%, so the prompt rows hardly feel it). Fitted without the four Qwen3.5 9B rows
+# it is 0.19 (docs/anchors.md §6.1). GUESS: the same share for every kernel and M.
 
 # GUESS (no published A76 figure): a type without a rate of its own takes its family's
 # plain rate -- 32-blocks with Q8_0/Q8_1 activations the Q8_0 rate, the low k-quants
