@@ -75,7 +75,7 @@ GEMMA_TIE, GEMMA_CLOSE_NPU = 0.2, 0.3
 
 def _greedy(server, prompt: list[int]) -> list[Choice]:
     reply = server.post("/completion", {"prompt": prompt, "temperature": 0.0, "n_predict": ANSWER_TOKENS,
-                                        "seed": 1, "n_probs": 2, "cache_prompt": False}, timeout=3000)
+                                        "seed": 1, "n_probs": 4, "cache_prompt": False}, timeout=3000)
     return choices(reply["completion_probabilities"])
 
 

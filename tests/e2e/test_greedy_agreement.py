@@ -34,6 +34,17 @@ def test_what_a_serving_bug_produces_fails(device: list[Choice], why: str) -> No
         agree(device, REFERENCE)
 
 
+def test_a_flip_at_a_tie_of_three_passes_only_when_both_servers_report_it() -> None:
+    """Asked for more candidates, a flip between two tokens of a three-way tie is a near-tie;
+    a candidate further than ``tie`` behind, or not reported, is not."""
+    ref = [Choice(3, -1.00, 4, -1.04, others=((8, -1.08),))]
+    assert agree([Choice(8, -0.99, 5, -1.05, others=((3, -1.07),))], ref).near_tie_at == 0
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        agree([Choice(8, -0.99, 5, -1.05, others=((3, -1.5),))], ref)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        agree([Choice(8, -0.99, 5, -1.05)], ref)
+
+
 def test_choices_read_llama_servers_token_entries() -> None:
     whole = {"id": 7, "bytes": [97], "top_logprobs": [{"id": 7, "logprob": -0.1, "bytes": [97]},
                                                       {"id": 9, "logprob": -2.5, "bytes": [98]}]}

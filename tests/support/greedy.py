@@ -9,10 +9,12 @@ moves by up to ~0.005 nats between compositions on the CPU-only server itself an
 is a coin toss on either server; everywhere else the tokens must be equal.
 
 The rule (``agree``): walk both answers; where the tokens are equal their logprobs must be
-within ``close`` (tokens llama-server gives no logprobs for must be equal, full stop); at the first position where they differ, both servers must have seen a
-near-tie (top-2 margin below ``tie``) between the same two tokens, and the comparison of that
-answer stops there (the contexts differ from then on). Anything else is a wrong token: a row
-of another slot, a stale output, padding leaking into a row all move logprobs by far more.
+within ``close`` (tokens llama-server gives no logprobs for must be equal, full stop); at the
+first position where they differ, each server's choice must be within ``tie`` of the other's
+top among the other's reported candidates (asked with more than two, a tie of three tokens
+counts too), and the comparison of that answer stops there (the contexts differ from then on).
+Anything else is a wrong token: a row of another slot, a stale output, padding leaking into a
+row all move logprobs by far more.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ class Choice:
     runner_up: int
     runner_up_logprob: float
     hidden: bytes = b""
+    others: tuple[tuple[int, float], ...] = ()    # (token, logprob) of the candidates after the runner-up
 
     @property
     def margin(self) -> float:
         return self.logprob - self.runner_up_logprob
+
+    def behind(self, token: int) -> float | None:
+        """How far ``token``'s logprob is below the choice's, if the server reported it."""
+        if token == self.runner_up:
+            return self.margin
+        return next((self.logprob - lp for t, lp in self.others if t == token), None)
 
 
 @dataclass(frozen=True)
@@ -52,9 +61,10 @@ def choices(entries: list[dict]) -> list[Choice]:
     (``n_probs`` >= 2)."""
     out = []
     for entry in entries:
-        first, second = entry["top_logprobs"][:2]
+        first, second, *rest = entry["top_logprobs"]
         hidden = bytes(entry["bytes"][: len(entry["bytes"]) - len(first["bytes"])])
-        out.append(Choice(first["id"], first["logprob"], second["id"], second["logprob"], hidden))
+        others = tuple((e["id"], e["logprob"]) for e in rest)
+        out.append(Choice(first["id"], first["logprob"], second["id"], second["logprob"], hidden, others))
     return out
 
 
@@ -70,7 +80,8 @@ def agree(device: list[Choice], reference: list[Choice], *, tie: float = TIE, cl
                 f"{what}, token {i}: same token {d.token} but logprob {d.logprob:.4f} vs {r.logprob:.4f} "
                 f"(more than {close} apart)")
             continue
-        assert d.margin < tie and r.margin < tie and d.runner_up == r.token and r.runner_up == d.token, (
+        r_behind, d_behind = d.behind(r.token), r.behind(d.token)
+        assert r_behind is not None and d_behind is not None and r_behind < tie and d_behind < tie, (
             f"{what}, token {i}: device chose {d.token} (margin {d.margin:.4f} over {d.runner_up}), reference "
             f"chose {r.token} (margin {r.margin:.4f} over {r.runner_up}): not a near-tie between the two")
         return Agreement(i, i)
