@@ -5,6 +5,8 @@ modeled time never below the sum of the jobs one file submitted."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -220,3 +222,23 @@ def test_files_hold_no_more_npu_memory_than_one_file_and_an_a_per_extra_file(npu
         assert npu.scratch_bytes() <= one.scratch_bytes() + extra_a + page_slack
         assert all(f.program_bytes() <= one.program_bytes() for f in npu.files)
         assert npu.memory_used() <= one.memory_used() + extra_a + page_slack + (npu.cores - 1) * one.program_bytes()
+
+
+def test_cached_programs_keep_no_activation_sized_host_buffer(npu):
+    """A bound program stays cached with its host ports in every file; what the engine's own
+    code holds on the host after a 512-row matmul is far below one [512, K] float32, which
+    a per-port conversion buffer would hold once per file."""
+    m, k = 512, 4096
+    rng = np.random.default_rng(3)
+    w = npu.upload_weight(rng.standard_normal((96, k)).astype(np.float32), "fp16")
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    engine_code = [tracemalloc.Filter(True, "*/ggml_rknpu/engine/*")]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot().filter_traces(engine_code)
+        assert npu.matmul(a, w).shape == (m, 96)
+        held = tracemalloc.take_snapshot().filter_traces(engine_code).compare_to(before, "filename")
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in held)
+    assert len(w.slices) == 3 and grown < m * k * 4 // 4, f"{grown >> 10} KiB held by the engine"
