@@ -5,6 +5,8 @@ modeled time never below the sum of the jobs one file submitted."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +17,7 @@ from ggml_rknpu.engine import NpuEngine, open_engine, open_npu
 from ggml_rknpu.engine.canary import StaleOutput
 from ggml_rknpu.engine.core_files import CoreFilesEngine, row_slices
 from ggml_rknpu.hw.alignment import ceil_div
+from ggml_rknpu.hw.limits import PAGE_BYTES
 from ggml_rknpu.sim.kernel import SimRocketKernel
 
 
@@ -196,3 +199,46 @@ def test_on_the_simulated_timeline_no_file_runs_two_jobs_at_once(npu, calls):
             assert span >= sum(r.end - r.start for r in mine) - 1e-15
         assert len({r.entity for r in runs}) == len(w.slices)
         w.free()
+
+
+def test_files_hold_no_more_npu_memory_than_one_file_and_an_a_per_extra_file(npu):
+    """Each file's domain maps only the BOs that file created, so every file holds the whole A
+    of each M bucket; its C, its weight rows and its programs are its slice's, no larger than
+    the one-file engine's. Anything beyond that (scratch sized for the whole matmul in every
+    file, a weight mapped twice) fails here."""
+    rng = np.random.default_rng(9)
+    shapes = [(1024, 2048), (2048, 512), (256, 128), (2880, 1000)]
+    with open_engine("sim-rocket", cores=1, envelope="extended") as one:
+        for k, n in shapes:
+            b = rng.standard_normal((n, k)).astype(np.float32)
+            pair = [(e, e.upload_weight(b, "fp16")) for e in (npu, one)]
+            for m in (1, 5, 32, 128):
+                a = rng.standard_normal((m, k)).astype(np.float32)
+                for e, w in pair:
+                    assert np.abs(e.matmul(a, w) - a @ b.T).max() < 0.1
+        buckets = one.scratch.buckets.values()
+        extra_a = (npu.cores - 1) * sum(s.a_cap for s in buckets)
+        page_slack = npu.cores * len(buckets) * PAGE_BYTES        # each file rounds its buffers up
+        assert npu.scratch_bytes() <= one.scratch_bytes() + extra_a + page_slack
+        assert all(f.program_bytes() <= one.program_bytes() for f in npu.files)
+        assert npu.memory_used() <= one.memory_used() + extra_a + page_slack + (npu.cores - 1) * one.program_bytes()
+
+
+def test_cached_programs_keep_no_activation_sized_host_buffer(npu):
+    """A bound program stays cached with its host ports in every file; what the engine's own
+    code holds on the host after a 512-row matmul is far below one [512, K] float32, which
+    a per-port conversion buffer would hold once per file."""
+    m, k = 512, 4096
+    rng = np.random.default_rng(3)
+    w = npu.upload_weight(rng.standard_normal((96, k)).astype(np.float32), "fp16")
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    engine_code = [tracemalloc.Filter(True, "*/ggml_rknpu/engine/*")]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot().filter_traces(engine_code)
+        assert npu.matmul(a, w).shape == (m, 96)
+        held = tracemalloc.take_snapshot().filter_traces(engine_code).compare_to(before, "filename")
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in held)
+    assert len(w.slices) == 3 and grown < m * k * 4 // 4, f"{grown >> 10} KiB held by the engine"

@@ -93,16 +93,22 @@ def test_prep_bo_keeps_cpu_writes_and_fini_bo_keeps_npu_writes():
     r = RocketIoctls(k, k.open("/dev/accel/accel0"))
     bo = r.create_bo(8192)
     cpu = np.frombuffer(r.mmap(bo.offset, 8192), np.uint8)
-    obj = k.address_space(r.fd).lookup(bo.dma_address)
+    space = k.address_space(r.fd)
+    obj = space.lookup(bo.dma_address)
     assert obj is not None
+
+    def npu_writes(offset: int, n: int, value: int) -> None:     # as the NPU model writes
+        space.device_write_view(bo.dma_address + offset, n)[:] = value
+        space.note_device_write(bo.dma_address + offset, n)
+
     r.prep_bo(bo.handle)                        # CPU owns it; nothing written yet
     cpu[:100] = 7                               # CPU writes, never flushed
-    obj.dram[4096:4200] = 9                     # the NPU writes elsewhere
+    npu_writes(4096, 104, 9)                    # the NPU writes elsewhere
     r.prep_bo(bo.handle)
     assert (cpu[:100] == 7).all()               # the CPU's writes survive PREP_BO ...
     assert (obj.dram[:100] == 7).all()          # ... (dirty lines written back)
     assert (cpu[4096:4200] == 9).all()          # and the CPU now sees the NPU's bytes
-    obj.dram[6000:6100] = 5                     # the NPU writes again, the CPU does not touch it
+    npu_writes(6000, 100, 5)                    # the NPU writes again, the CPU does not touch it
     r.fini_bo(bo.handle)
     assert (obj.dram[6000:6100] == 5).all()     # FINI_BO copies only lines the CPU wrote
 

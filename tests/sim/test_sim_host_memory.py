@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggml_rknpu.engine import open_engine
+from ggml_rknpu.engine import open_engine, open_npu
+from ggml_rknpu.engine.core_files import CoreFilesEngine
 from ggml_rknpu.sim.kernel import SimKernel
 from ggml_rknpu.sim.memory import PAGE, SHARED_VIEW_MIN_BYTES, GemObject
 from ggml_rknpu.sim.npu import SimNpu
@@ -105,3 +106,18 @@ def test_a_weight_read_once_leaves_no_decoded_copy_and_results_keep_their_bits()
         assert first.tobytes() == second.tobytes() == third.tobytes()
         np.testing.assert_allclose(first, a.astype(np.float16).astype(np.float32) @ b.astype(np.float32).T,
                                    rtol=2e-3, atol=2e-3)
+
+
+def test_a_weight_on_sim_rocket_costs_its_size_once_in_every_file():
+    """Rocket's BOs are all CPU-cached and synced by dirty lines: the kernel's record of a
+    weight's synced bytes is DRAM itself until the NPU writes the BO, not a second copy."""
+    b = np.ones((6144, 8192), np.float16)             # 96 MiB, a slice in each of three files
+    with open_npu("sim-rocket", envelope="extended") as npu:
+        assert isinstance(npu, CoreFilesEngine) and npu.cores == 3
+        before = _rss()
+        w = npu.upload_weight(b, "fp16")
+        grown = _rss() - before
+        a = np.ones((2, 8192), np.float32)
+        assert (npu.matmul(a, w) == 8192).all()       # the slices read back as written
+    assert w.packed_bytes >= b.nbytes
+    assert grown < b.nbytes * 5 // 4, f"{grown >> 20} MiB for a {b.nbytes >> 20} MiB weight"   # two copies: 192

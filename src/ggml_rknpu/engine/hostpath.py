@@ -37,7 +37,6 @@ class ActivationPort:
         self._full, self._rest = divmod(shape.K, c2)
         self._c2 = c2
         self._padded = shape.Kp > shape.K
-        self._tmp = np.empty((shape.M, shape.K), np.float32)
         self.scales = np.ones(shape.M, np.float32)
 
     def bind(self, raw: np.ndarray) -> None:
@@ -70,7 +69,9 @@ class ActivationPort:
             return None
         if x.dtype.kind != "f":
             raise TypeError(f"activations must be float (or int8 for an int8 weight), got {x.dtype}")
-        tmp = self._tmp[:rows]
+        # per call, not per port: a cached program keeps its port, and a port's own [M, K]
+        # float32 (8 MiB at M 512, K 4096) would stay with every program of every file
+        tmp = np.empty((rows, s.K), np.float32)
         if self.quantize and x.dtype != np.float32:
             x = x.astype(np.float32)       # quantize_rows_int8 works in float32
         np.abs(x, out=tmp)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,11 +82,20 @@ class _BestFit(RangeAllocator):
         return start
 
 
-def _drm_mm_domain(base: int, end: int) -> IommuDomain:
-    """A rocket file's address space: its drm_mm over the IOMMU aperture (module doc)."""
-    domain = IommuDomain(max(base, PAGE), end)   # (the base is replaced just below)
-    domain.iova = _BestFit(base, end, PAGE)
-    return domain
+class _FileDomain(IommuDomain):
+    """A rocket file's address space: its drm_mm over the IOMMU aperture (module doc);
+    ``before_write`` sees each object the NPU is about to write."""
+
+    def __init__(self, base: int, end: int, before_write: Callable[[GemObject], None]) -> None:
+        super().__init__(max(base, PAGE), end)   # (the base is replaced just below)
+        self.iova = _BestFit(base, end, PAGE)
+        self.before_write = before_write
+
+    def device_write_view(self, iova: int, nbytes: int) -> np.ndarray:
+        obj = self.lookup(iova)
+        if obj is not None:
+            self.before_write(obj)
+        return super().device_write_view(iova, nbytes)
 
 
 class SimRocketKernel(SimKernel):
@@ -104,7 +114,9 @@ class SimRocketKernel(SimKernel):
             raise ValueError(f"rocket_errors must be one of {ROCKET_ERRORS}, not {rocket_errors!r}")
         super().__init__(abi, *args, **options)
         self.rocket_mhz, self.rocket_errors = rocket_mhz, rocket_errors
-        self._cpu_synced: dict[int, np.ndarray] = {}  # CPU bytes as of the last sync, per object
+        # CPU bytes as of each object's last sync: a copy, or (an int) DRAM's bytes at that
+        # generation, copied only before the NPU writes the object (a weight is never copied)
+        self._cpu_synced: dict[int, np.ndarray | int] = {}
         # The modeled timeline (seconds at rocket_mhz): where the CPU is (a PREP_BO waits for the
         # BO's writer), when each core's queued jobs end, when each BO's last writer ends.
         self.modeled_now = 0.0
@@ -131,7 +143,7 @@ class SimRocketKernel(SimKernel):
         return "rocket", "unknown", "rocket DRM"  # [ROCKET rocket_drv.c]
 
     def _new_file(self, path: str) -> DrmFile:
-        f = DrmFile(path, domain=_drm_mm_domain(*self.iova_window))
+        f = DrmFile(path, domain=_FileDomain(*self.iova_window, self._keep_synced_bytes))
         self._entities[id(f)], self._opened = self._opened, self._opened + 1   # (an id is reused once freed)
         return f
 
@@ -159,7 +171,7 @@ class SimRocketKernel(SimKernel):
         self._write_back_dirty_lines(obj)  # dma_sync_sgtable_for_cpu: dirty lines survive,
         obj.sync_for_cpu(0, obj.size)      # then the CPU sees what DRAM holds
         if obj.cached:
-            self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
+            self._cpu_synced[obj.obj_addr] = obj.generation
         if failed and self.rocket_errors == "loud":
             # the failed job's fence as still pending: dma_resv_wait_timeout gives 0, and
             # rocket_ioctl_prep_bo answers EBUSY for a deadline already passed (a zero timeout),
@@ -175,9 +187,28 @@ class SimRocketKernel(SimKernel):
         if synced is None:           # never synced: every line may be dirty
             obj.sync_for_device(0, obj.size)
         else:
-            changed = (obj.cpu != synced).reshape(-1, CACHE_LINE).any(axis=1)
+            changed = (obj.cpu != self._synced_bytes(obj, synced)).reshape(-1, CACHE_LINE).any(axis=1)
             obj.write_back(np.repeat(changed, CACHE_LINE))
-        self._cpu_synced[obj.obj_addr] = obj.cpu.copy()
+        # Every clean line equal to DRAM before (the last sync left DRAM equal to the CPU's
+        # bytes and the NPU wrote nothing since) makes them all equal now: no copy needed.
+        in_step = synced is None or isinstance(synced, int)
+        self._cpu_synced[obj.obj_addr] = obj.generation if in_step else obj.cpu.copy()
+
+    @staticmethod
+    def _synced_bytes(obj: GemObject, synced: np.ndarray | int) -> np.ndarray:
+        """The CPU's bytes as of ``obj``'s last sync (``_cpu_synced``)."""
+        if isinstance(synced, int):
+            if synced != obj.generation:
+                raise AssertionError(f"BO {obj.obj_addr:#x}: DRAM changed after its last sync without an NPU write")
+            return obj.dram
+        return synced
+
+    def _keep_synced_bytes(self, obj: GemObject) -> None:
+        """The NPU is about to write ``obj``: DRAM's bytes stand for its last sync no longer, so
+        they are copied now (once per job output between syncs)."""
+        synced = self._cpu_synced.get(obj.obj_addr)
+        if isinstance(synced, int):
+            self._cpu_synced[obj.obj_addr] = self._synced_bytes(obj, synced).copy()
 
     def modeled_task_seconds(self, regcmd: int, count: int) -> float:
         """Modeled seconds of one task at ``rocket_mhz``, read from its words (0 if they do
