@@ -161,7 +161,7 @@ def gemma3_uncapped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str
         text, proc = completion(gemma, PROMPT, n_predict=N_PREDICT, rpc=server.endpoint, timeout=3000)
         assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{server.log()}"
     used = server.stats()["npu_memory"]["used_bytes"]     # at exit: the retired copies of every weight
-    assert text.strip() and used > 256 << 20
+    assert text.strip() and used > 128 << 20   # ~193 MiB of fp16 copies (measured here)
     return gemma, text, used
 
 
@@ -170,9 +170,9 @@ def gemma3_uncapped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str
 @pytest.mark.parametrize("fraction", (2, 5))
 def test_gemma3_under_a_cap_below_the_model_keeps_the_text(tmp_path: Path, gemma3_uncapped: tuple[Path, str, int],
                                                            fraction: int) -> None:
-    """--npu-memory at 1/2 and 1/5 of what gemma-3-270m stages (~513 MiB fp16, ~320 MiB of it the
-    tied output head): same text as uncapped; NPU memory within the cap throughout; every weight
-    either resident or refused at staging, none demoted by a matmul that found no memory."""
+    """--npu-memory at 1/2 and 1/5 of what gemma-3-270m stages (~193 MiB fp16): same text as
+    uncapped; NPU memory within the cap throughout; every weight either resident or refused at
+    staging, none demoted by a matmul that found no memory."""
     gemma, reference, used = gemma3_uncapped
     cap_mib = used // fraction >> 20
     with rknpu_server(tmp_path, extra=("--npu-memory", str(cap_mib))) as server:
