@@ -26,7 +26,7 @@ from ggml_rknpu.engine.fusion import Fusion, concat_rows
 from ggml_rknpu.engine.memory import NpuMemory
 from ggml_rknpu.engine.npu_weight import FusedWeight, Weight
 from ggml_rknpu.engine.parts import EngineParts
-from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, ProgramCache
+from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, ProgramCache, out_dtype
 from ggml_rknpu.engine.scratch import ScratchPool
 from ggml_rknpu.engine.staging import check_matrix, stage_weight
 from ggml_rknpu.engine.timing import Timing
@@ -104,7 +104,7 @@ class NpuEngine:
         if not weights:
             raise ValueError("a fusion needs at least one weight")
         own = [self._check_weight(w) for w in weights]
-        return Fusion(self.parts, own, m, self._out_dtype(own[0], out))
+        return Fusion(self.parts, own, m, out_dtype(own[0].dtype, out))
 
     def _upload(self, b: np.ndarray, dtype: str, cls: type[W]) -> W:
         self._check_open()
@@ -153,7 +153,7 @@ class NpuEngine:
         if a.shape[1] != K:
             raise ValueError(f"shape mismatch: a is {a.shape[0]}x{a.shape[1]} but the weight "
                              f"is N={N} x K={K}; a must have K={K} columns")
-        out = self._out_dtype(w, out)
+        out = out_dtype(w.dtype, out)
         if a.dtype != np.int8 and a.dtype.kind != "f":
             raise TypeError(f"activations for a{'n' if w.dtype == 'int8' else ''} {w.dtype} weight must be "
                             f"int8 or float, got {a.dtype}")
@@ -179,15 +179,6 @@ class NpuEngine:
         if w.freed:
             raise ValueError(f"{w!r} was freed; upload it again")
         return w
-
-    @staticmethod
-    def _out_dtype(w: Weight, out: str | None) -> str:
-        if out is None:
-            return OUT_FOR_WEIGHT[w.dtype]
-        allowed = ("fp32", "fp16") if w.dtype == "fp16" else ("int32",)
-        if out not in allowed:
-            raise ValueError(f"out={out!r} is not available for a {w.dtype} weight; use one of {allowed}")
-        return out
 
     # -- memory ----------------------------------------------------------------------
     @property

@@ -10,16 +10,16 @@ tiling does. Why, the cost and why the values are impossible: docs/decisions.md
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import ceil_div
 from ggml_rknpu.hw.envelope import decode_task
-from ggml_rknpu.kernel.errors import NpuFault
+from ggml_rknpu.kernel.errors import NpuError, NpuFault
 
 if TYPE_CHECKING:
     from ggml_rknpu.compiler.program import Program
@@ -39,6 +39,19 @@ class StaleOutput(NpuFault):
     def __init__(self, message: str, lost: Sequence[EngineWeight] | None = None) -> None:
         super().__init__(message)
         self.lost = lost
+
+
+def raise_stale(counters: dict[str, int], reset: Callable[[], Sequence[EngineWeight] | None], what: str) -> NoReturn:
+    """A submit left canaries unwritten: count the fault, reset where the driver lets us (rocket
+    resets a core itself after a job timeout) and raise StaleOutput carrying what the reset
+    destroyed, so the caller computes on the host and does not reset a second time."""
+    counters["npu_faults"] += 1
+    try:
+        lost = reset()
+    except NpuError:
+        lost = None
+    raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None
+                                     else "resetting the NPU failed"), lost=lost)
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,19 +15,18 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import numpy as np
 
 from ggml_rknpu.compiler.shape import MatmulShape
 from ggml_rknpu.cost.model import ModeledTime, Workload, rocket_files_time
 from ggml_rknpu.engine.api import NpuEngine, with_device
-from ggml_rknpu.engine.canary import StaleOutput
+from ggml_rknpu.engine.canary import raise_stale
 from ggml_rknpu.engine.contract import EngineWeight
 from ggml_rknpu.engine.envelope_record import recorded_envelope
 from ggml_rknpu.engine.fusion import Fusion, Staged, concat_rows
 from ggml_rknpu.engine.npu_weight import Weight
-from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT
+from ggml_rknpu.engine.programs import OUT_FOR_WEIGHT, out_dtype
 from ggml_rknpu.engine.staging import WEIGHT_DTYPES, check_matrix
 from ggml_rknpu.engine.timing import Timing
 from ggml_rknpu.hw.alignment import ceil_div
@@ -168,9 +167,10 @@ class CoreFilesFusion:
             t2 = time.perf_counter()
             unwritten = sum(s.cells.unwritten() for s in staged)
             if unwritten:
-                self._stale_output(f"{'; '.join(s.label for s in staged)}: {unwritten} output canaries left "
-                                   f"unwritten after {len(launched)} job(s) from {len(staged)} files: a task did not "
-                                   "finish (rocket: job killed at its 500 ms timeout?)")
+                raise_stale(self.owner.counters, self.owner.reset,
+                            f"{'; '.join(s.label for s in staged)}: {unwritten} output canaries left unwritten "
+                            f"after {len(launched)} job(s) from {len(staged)} files: a task did not finish "
+                            "(rocket: job killed at its 500 ms timeout?)")
             for (_, fusion, members), s in zip(self.files, staged):
                 fusion.read(s, [dsts[i][:, n0:n1] for i, n0, n1 in members], m0, n)
             t3 = time.perf_counter()
@@ -238,15 +238,6 @@ class CoreFilesFusion:
         if self._modeled is None or any(x is not y for x, y in zip(self._modeled[0], works)):
             self._modeled = (works, rocket_files_time(works, npu_mhz=mhz))
         return self._modeled[1]
-
-    def _stale_output(self, what: str) -> NoReturn:
-        self.owner.counters["npu_faults"] += 1
-        try:
-            lost: Sequence[EngineWeight] | None = self.owner.reset()
-        except NpuError:
-            lost = None
-        raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None
-                                         else "resetting the NPU failed"), lost=lost)
 
     def _own_results(self, rows: int) -> list[np.ndarray]:
         if not self._results or self._results[0].shape[0] < rows:
@@ -361,7 +352,7 @@ class CoreFilesEngine:
         if not weights:
             raise ValueError("a fusion needs at least one weight")
         own = [self._check_weight(w) for w in weights]
-        return CoreFilesFusion(self, own, m, self._out_dtype(own[0], out))
+        return CoreFilesFusion(self, own, m, out_dtype(own[0].dtype, out))
 
     def matmul(self, a: np.ndarray, w: EngineWeight, *, out: str | None = None) -> np.ndarray:
         """As ``NpuEngine.matmul``: ``a`` [M, K] times the weight -> [M, N]."""
@@ -372,7 +363,7 @@ class CoreFilesEngine:
         if a.shape[1] != K:
             raise ValueError(f"shape mismatch: a is {a.shape[0]}x{a.shape[1]} but the weight is N={N} x K={K}; "
                              f"a must have K={K} columns")
-        kind = self._out_dtype(own, out)
+        kind = out_dtype(own.dtype, out)
         if a.dtype != np.int8 and a.dtype.kind != "f":
             raise TypeError(f"activations for a {own.dtype} weight must be int8 or float, got {a.dtype}")
         if a.dtype == np.int8 and own.dtype == "fp16":
@@ -395,15 +386,6 @@ class CoreFilesEngine:
         c["matmuls"] += len(fusion.weights)
         c["fusion_runs"] += 1
         c["chained_submits"] += len(fusion.weights) > 1
-
-    @staticmethod
-    def _out_dtype(w: SlicedWeight, out: str | None) -> str:
-        if out is None:
-            return OUT_FOR_WEIGHT[w.dtype]
-        allowed = ("fp32", "fp16") if w.dtype == "fp16" else ("int32",)
-        if out not in allowed:
-            raise ValueError(f"out={out!r} is not available for a {w.dtype} weight; use one of {allowed}")
-        return out
 
     # -- memory ----------------------------------------------------------------------
     @property

@@ -15,14 +15,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ggml_rknpu.compiler.chain import chain_image, image_words, member_offsets
 from ggml_rknpu.compiler.layout import a_bytes, c_bytes
 from ggml_rknpu.cost.model import Workload, driver_time, workload_from_program
-from ggml_rknpu.engine.canary import Canaries, CanaryCells, StaleOutput
+from ggml_rknpu.engine.canary import Canaries, CanaryCells, raise_stale
 from ggml_rknpu.engine.hostpath import ActivationPort, ResultPort
 from ggml_rknpu.engine.memory import c_base
 from ggml_rknpu.engine.programs import m_bucket
@@ -30,7 +30,7 @@ from ggml_rknpu.engine.timing import Timing, device_seconds
 from ggml_rknpu.hw import limits
 from ggml_rknpu.hw.alignment import align_up
 from ggml_rknpu.kernel.buffer import Buffer
-from ggml_rknpu.kernel.errors import NpuError, NpuTimeout
+from ggml_rknpu.kernel.errors import NpuTimeout
 from ggml_rknpu.kernel.job import BufferRange, HwTask, Job
 
 if TYPE_CHECKING:
@@ -225,9 +225,10 @@ class Fusion:
             unwritten = cells.unwritten()
             t4 = time.perf_counter()
             if unwritten:
-                self._stale_output(f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left "
-                                   f"unwritten after {len(jobs)} submit(s): a task did not finish (rocket: job "
-                                   "killed at its 500 ms timeout?)")
+                raise_stale(self.parts.counters, self.parts.reset,
+                            f"{what}: {unwritten} output canar{'y' if unwritten == 1 else 'ies'} left unwritten "
+                            f"after {len(jobs)} submit(s): a task did not finish (rocket: job killed at its "
+                            "500 ms timeout?)")
             self.read(staged, dsts, m0, n)
             t5 = time.perf_counter()
             dev, label = device_seconds(modeled, done, hw_ns)
@@ -258,18 +259,6 @@ class Fusion:
         if self._chain:
             c["chained_submits"] += 1
         return results
-
-    def _stale_output(self, what: str) -> NoReturn:
-        """A submit left canaries unwritten: reset where the driver lets us (rocket resets a core
-        itself after a job timeout) and raise StaleOutput carrying what the reset destroyed, so
-        the caller computes on the host and does not reset a second time."""
-        self.parts.counters["npu_faults"] += 1
-        try:
-            lost: Sequence[Weight] | None = self.parts.reset()
-        except NpuError:
-            lost = None
-        raise StaleOutput(f"{what}; " + ("the NPU was reset, compute it on the host" if lost is not None
-                                         else "resetting the NPU failed"), lost=lost)
 
     def _own_results(self, rows: int) -> list[np.ndarray]:
         """The fusion's own result arrays, one per weight, of at least ``rows`` rows."""

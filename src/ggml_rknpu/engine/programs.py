@@ -28,6 +28,17 @@ from ggml_rknpu.kernel.job import Job
 
 BUCKET_POW2_MAX = 256
 OUT_FOR_WEIGHT = {"fp16": "fp32", "int8": "int32"}
+
+
+def out_dtype(weight_dtype: str, out: str | None) -> str:
+    """The result type of a matmul with a ``weight_dtype`` weight: ``out``, checked against what
+    the compiler writes for that weight, or its default."""
+    if out is None:
+        return OUT_FOR_WEIGHT[weight_dtype]
+    allowed = ("fp32", "fp16") if weight_dtype == "fp16" else ("int32",)
+    if out not in allowed:
+        raise ValueError(f"out={out!r} is not available for a {weight_dtype} weight; use one of {allowed}")
+    return out
 # Under ``memory_cap``, resident memory (weights, chained fusions) leaves room for the programs of
 # every resident weight at this many rows: the decode path (server.grouping.GROUP_MAX_ROWS: one
 # token, drafts, a few slots). A larger bucket that finds no memory splits its call along M.
